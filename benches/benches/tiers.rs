@@ -1,0 +1,115 @@
+//! G2 put/get and G3 write/read for 256 KiB, 2 MiB and 16 MiB blocks, each beside memcpy and
+//! raw O_DIRECT on the same sizes in the same run.
+//!
+//! `cargo bench -p kvbench --bench tiers` (set `KVBENCH_DIR` to put the G3 files on a
+//! particular disk; the default is the system temp dir).
+#![allow(clippy::unwrap_used)]
+
+use std::hint::black_box;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use kvbench::raw::RawDirectFile;
+use kvproto::{BlockKey, NamespaceId};
+use kvtiers::{BlockBuf, BlockMeta, BlockRef, CudaRegister, DiskTier, DiskTierConfig, HostTier, HostTierConfig, Tier};
+
+const SIZES: [(usize, &str); 3] = [(256 << 10, "256KiB"), (2 << 20, "2MiB"), (16 << 20, "16MiB")];
+
+static NEXT: AtomicU32 = AtomicU32::new(1);
+
+fn fresh_key() -> BlockKey {
+    let mut k = [0u8; 16];
+    k[..4].copy_from_slice(&NEXT.fetch_add(1, Ordering::Relaxed).to_le_bytes());
+    k[15] = 0x77;
+    BlockKey(k)
+}
+
+fn meta(len: usize) -> BlockMeta {
+    BlockMeta { namespace: NamespaceId([1; 16]), parent: None, len: len as u64 }
+}
+
+fn filled(len: usize) -> BlockBuf {
+    let mut b = BlockBuf::zeroed(len);
+    for (i, x) in b.iter_mut().enumerate() {
+        *x = (i * 31 % 251) as u8;
+    }
+    b
+}
+
+fn bench_dir() -> std::path::PathBuf {
+    std::env::var_os("KVBENCH_DIR").map(Into::into).unwrap_or_else(std::env::temp_dir)
+}
+
+fn g2(c: &mut Criterion) {
+    let shm = tempfile::tempdir().unwrap();
+    let mut cfg = HostTierConfig::with_capacity(1 << 30);
+    cfg.cuda_register = CudaRegister::Off;
+    if !std::path::Path::new("/dev/shm").is_dir() {
+        cfg.shm_dir = shm.path().to_path_buf();
+    }
+    let tier = HostTier::open(&cfg).unwrap();
+    let mut g = c.benchmark_group("g2");
+    for (len, name) in SIZES {
+        g.throughput(Throughput::Bytes(len as u64));
+        let src = filled(len);
+        let mut dst = BlockBuf::zeroed(len);
+        g.bench_function(BenchmarkId::new("memcpy", name), |b| {
+            b.iter(|| {
+                dst.copy_from_slice(black_box(&src));
+                black_box(&dst);
+            })
+        });
+        g.bench_function(BenchmarkId::new("put", name), |b| {
+            b.iter(|| tier.put(BlockRef { key: fresh_key(), meta: meta(len), data: black_box(&src) }).unwrap())
+        });
+        let k = fresh_key();
+        tier.put(BlockRef { key: k, meta: meta(len), data: &src }).unwrap();
+        let mut out = BlockBuf::zeroed(len);
+        g.bench_function(BenchmarkId::new("get", name), |b| {
+            b.iter(|| black_box(tier.get(&k, &mut out).unwrap().unwrap()))
+        });
+    }
+    g.finish();
+}
+
+fn g3(c: &mut Criterion) {
+    let dir = tempfile::tempdir_in(bench_dir()).unwrap();
+    let mut cfg = DiskTierConfig::new(dir.path().join("g3"), 1 << 30);
+    cfg.fsync = false; // the raw baseline does not fsync either
+    let tier = DiskTier::open(&cfg).unwrap();
+    let mut g = c.benchmark_group("g3");
+    g.sample_size(20);
+    for (len, name) in SIZES {
+        g.throughput(Throughput::Bytes(len as u64));
+        let src = filled(len);
+        let mut raw =
+            RawDirectFile::create(&dir.path().join(format!("raw-{name}")), len, ((512 << 20) / len) as u64).unwrap();
+        g.bench_function(BenchmarkId::new("raw_odirect_write", name), |b| b.iter(|| raw.write_next(&src).unwrap()));
+        let mut out = BlockBuf::zeroed(len);
+        g.bench_function(BenchmarkId::new("raw_odirect_read", name), |b| b.iter(|| raw.read_next(&mut out).unwrap()));
+        g.bench_function(BenchmarkId::new("write", name), |b| {
+            b.iter(|| tier.put(BlockRef { key: fresh_key(), meta: meta(len), data: black_box(&src) }).unwrap())
+        });
+        // Read back a rotating set of distinct blocks (like the raw read).
+        let keys: Vec<BlockKey> = (0..((256 << 20) / len).max(4))
+            .map(|_| {
+                let k = fresh_key();
+                tier.put(BlockRef { key: k, meta: meta(len), data: &src }).unwrap();
+                k
+            })
+            .collect();
+        let mut i = 0;
+        g.bench_function(BenchmarkId::new("read", name), |b| {
+            b.iter(|| {
+                i = (i + 1) % keys.len();
+                black_box(tier.get(&keys[i], &mut out).unwrap().unwrap())
+            })
+        });
+        drop(raw);
+        let _ = std::fs::remove_file(dir.path().join(format!("raw-{name}")));
+    }
+    g.finish();
+}
+
+criterion_group!(benches, g2, g3);
+criterion_main!(benches);

@@ -1,0 +1,76 @@
+//! Physical-limit baselines measured beside the tiers: raw O_DIRECT file I/O.
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::Path;
+
+use kvtiers::BlockBuf;
+
+/// A preallocated file opened with O_DIRECT, read and written in `block`-sized slots.
+#[derive(Debug)]
+pub struct RawDirectFile {
+    file: File,
+    slots: u64,
+    block: usize,
+    next: u64,
+}
+
+impl RawDirectFile {
+    /// Creates `path` with `slots` slots of `block` bytes (a multiple of 4096).
+    pub fn create(path: &Path, block: usize, slots: u64) -> io::Result<Self> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(path)?;
+        // SAFETY: plain syscall on an owned fd.
+        let r = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, (block as u64 * slots) as libc::off_t) };
+        if r != 0 {
+            return Err(io::Error::from_raw_os_error(r));
+        }
+        Ok(Self { file, slots, block, next: 0 })
+    }
+
+    fn slot(&mut self) -> u64 {
+        let s = self.next % self.slots;
+        self.next += 1;
+        s * self.block as u64
+    }
+
+    /// Writes `buf` (aligned, `block` bytes) to the next slot.
+    pub fn write_next(&mut self, buf: &BlockBuf) -> io::Result<()> {
+        let off = self.slot();
+        self.io(buf.as_ptr() as *mut u8, off, true)
+    }
+
+    /// Reads the next slot into `buf`.
+    pub fn read_next(&mut self, buf: &mut BlockBuf) -> io::Result<()> {
+        let off = self.slot();
+        self.io(buf.as_mut_ptr(), off, false)
+    }
+
+    fn io(&self, p: *mut u8, off: u64, write: bool) -> io::Result<()> {
+        let mut done = 0usize;
+        while done < self.block {
+            // SAFETY: `p` points to at least `block` bytes owned by the caller's BlockBuf.
+            let r = unsafe {
+                let at = p.add(done).cast();
+                let o = (off + done as u64) as libc::off_t;
+                if write {
+                    libc::pwrite(self.file.as_raw_fd(), at, self.block - done, o)
+                } else {
+                    libc::pread(self.file.as_raw_fd(), at, self.block - done, o)
+                }
+            };
+            if r <= 0 {
+                return Err(io::Error::last_os_error());
+            }
+            done += r as usize;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,367 @@
+//! Regenerates the test vectors in `proto/tests/data/` from the Rust implementation.
+//!
+//! ```text
+//! cargo run -p kvproto --example gen_vectors            # rewrite the JSON files
+//! cargo run -p kvproto --example gen_vectors -- --check # fail if they would change
+//! ```
+//!
+//! The checked-in JSON is the reference: regenerating must not change it unless the
+//! encoding version changes (see `docs/block-keys.md`).
+
+use std::error::Error;
+use std::path::{Path, PathBuf};
+
+use kvproto::dynamo::{DYNAMO_SEED, local_block_hash, sequence_hashes};
+use kvproto::{Dtype, KvLayout, LayoutKind, Namespace, block_keys};
+
+#[path = "../tests/common/schema.rs"]
+mod schema;
+
+use schema::{
+    BlockKeyFile, BlockKeyVector, DynamoFile, DynamoVector, NamespaceSpec, TOKEN_GENERATOR, TokenSegment, expand_tokens,
+};
+
+const LLAMA8B: &str = "meta-llama/Llama-3.1-8B-Instruct@0e9e39f249a16976918f6564b8830bc894c89659";
+const QWEN: &str = "Qwen/Qwen3-0.6B@main";
+const LLAMA70B: &str = "meta-llama/Llama-3.3-70B-Instruct";
+/// Knuth's multiplicative constant: spreads ids over the whole u32 range (half are >= 2^31).
+const GOLDEN: u64 = 2_654_435_761;
+const VOCAB_LLAMA3: u64 = 128_256;
+const U32_MAX: u64 = 0xFFFF_FFFF;
+
+fn full(count: u64, start: u64, mul: u64) -> TokenSegment {
+    TokenSegment::full(count, start, mul)
+}
+
+fn hex_bytes(n: usize, mul: usize, add: usize) -> String {
+    hex::encode((0..n).map(|i| ((i * mul + add) % 256) as u8).collect::<Vec<u8>>())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn ns(
+    model_id: &str,
+    layers_heads_dim: (u32, u32, u32),
+    dtype: &str,
+    tokens_per_block: u32,
+    layout_kind: &str,
+    salt: Option<String>,
+    adapter: Option<&str>,
+    extra: Option<String>,
+) -> NamespaceSpec {
+    NamespaceSpec {
+        model_id: model_id.to_string(),
+        num_layers: layers_heads_dim.0,
+        kv_heads: layers_heads_dim.1,
+        head_dim: layers_heads_dim.2,
+        dtype: dtype.to_string(),
+        tokens_per_block,
+        layout_kind: layout_kind.to_string(),
+        tenant_salt_hex: salt,
+        adapter_id: adapter.map(str::to_string),
+        extra_hex: extra,
+    }
+}
+
+fn to_namespace(spec: &NamespaceSpec) -> Result<Namespace, Box<dyn Error>> {
+    let layout = KvLayout {
+        num_layers: spec.num_layers,
+        kv_heads: spec.kv_heads,
+        head_dim: spec.head_dim,
+        dtype: Dtype::parse(&spec.dtype)?,
+        tokens_per_block: spec.tokens_per_block,
+        kind: LayoutKind::parse(&spec.layout_kind)?,
+    };
+    let ns = Namespace {
+        model_id: spec.model_id.clone(),
+        layout,
+        tenant_salt: spec.tenant_salt_hex.as_deref().map(hex::decode).transpose()?,
+        adapter_id: spec.adapter_id.clone(),
+        extra: spec.extra_hex.as_deref().map(hex::decode).transpose()?,
+    };
+    ns.validate()?;
+    Ok(ns)
+}
+
+fn key_vector(name: &str, spec: NamespaceSpec, tokens: Vec<TokenSegment>) -> Result<BlockKeyVector, Box<dyn Error>> {
+    let ns = to_namespace(&spec)?;
+    let fp = ns.fingerprint();
+    let toks = expand_tokens(&tokens);
+    let keys = block_keys(&fp, spec.tokens_per_block as usize, &toks);
+    Ok(BlockKeyVector {
+        name: name.to_string(),
+        canonical_hex: hex::encode(ns.canonical_bytes()),
+        fingerprint_hex: hex::encode(fp.0),
+        namespace_id_hex: ns.id().to_string(),
+        token_count: toks.len() as u64,
+        keys: keys.iter().map(ToString::to_string).collect(),
+        namespace: spec,
+        tokens,
+    })
+}
+
+#[allow(clippy::vec_init_then_push)] // one `?` per vector reads better than a vec![] of Results
+fn block_key_vectors() -> Result<Vec<BlockKeyVector>, Box<dyn Error>> {
+    let l8 = (32, 8, 128);
+    let q = (28, 8, 128);
+    let l70 = (80, 8, 128);
+    let salt_a = Some("a1b2c3d4e5f60718293a4b5c6d7e8f90".to_string());
+    let salt_b = Some("a1b2c3d4e5f60718293a4b5c6d7e8f91".to_string());
+    let image_hash = Some(hex_bytes(32, 37, 11));
+    let lora = Some("sql-lora@v3");
+    let system_prompt = full(3 * 16, 128_000, 7_919);
+    let mut v = Vec::new();
+
+    // --- 16 tokens per block (vLLM pages) ---
+    v.push(key_vector(
+        "worked_example",
+        ns("Qwen/Qwen3-0.6B", q, "bf16", 16, "layer_separate", Some(hex::encode("salt")), None, None),
+        vec![full(32, 0, 1)],
+    )?);
+    v.push(key_vector(
+        "bs16_one_block_exact",
+        ns(LLAMA8B, l8, "bf16", 16, "layer_separate", None, None, None),
+        vec![full(16, 128_000, 1)],
+    )?);
+    v.push(key_vector(
+        "bs16_partial_only_no_key",
+        ns(LLAMA8B, l8, "bf16", 16, "layer_separate", None, None, None),
+        vec![full(15, 0, 1)],
+    )?);
+    v.push(key_vector(
+        "bs16_empty_prompt_no_key",
+        ns(LLAMA8B, l8, "bf16", 16, "layer_separate", None, None, None),
+        vec![],
+    )?);
+    v.push(key_vector(
+        "bs16_two_blocks_plus_partial",
+        ns(LLAMA8B, l8, "bf16", 16, "layer_separate", None, None, None),
+        vec![full(32, 0, 1), full(9, 32, 1)],
+    )?);
+    v.push(key_vector(
+        "bs16_100_blocks_plus_partial_vocab",
+        ns(LLAMA8B, l8, "bf16", 16, "layer_separate", None, None, None),
+        vec![TokenSegment::new(100 * 16 + 7, 128_000, 7_919, VOCAB_LLAMA3)],
+    )?);
+    v.push(key_vector(
+        "bs16_salted",
+        ns(LLAMA8B, l8, "bf16", 16, "layer_separate", salt_a.clone(), None, None),
+        vec![full(32, 0, 1)],
+    )?);
+    v.push(key_vector(
+        "bs16_other_salt",
+        ns(LLAMA8B, l8, "bf16", 16, "layer_separate", salt_b.clone(), None, None),
+        vec![full(32, 0, 1)],
+    )?);
+    v.push(key_vector(
+        "bs16_empty_salt_is_not_no_salt",
+        ns(LLAMA8B, l8, "bf16", 16, "layer_separate", Some(String::new()), None, None),
+        vec![full(32, 0, 1)],
+    )?);
+    v.push(key_vector(
+        "bs16_salt_adapter_extra",
+        ns(LLAMA8B, l8, "bf16", 16, "layer_separate", salt_a.clone(), lora, image_hash.clone()),
+        vec![full(5 * 16 + 3, 7, GOLDEN)],
+    )?);
+    v.push(key_vector(
+        "bs16_empty_adapter_and_extra",
+        ns(LLAMA8B, l8, "bf16", 16, "layer_separate", None, Some(""), Some(String::new())),
+        vec![full(32, 0, 1)],
+    )?);
+    v.push(key_vector(
+        "bs16_shared_system_prompt_user_a",
+        ns(QWEN, q, "bf16", 16, "contiguous", None, None, None),
+        vec![system_prompt, full(2 * 16 + 5, 1_000, 3)],
+    )?);
+    v.push(key_vector(
+        "bs16_shared_system_prompt_user_b",
+        ns(QWEN, q, "bf16", 16, "contiguous", None, None, None),
+        vec![system_prompt, full(2 * 16, 2_000, 3)],
+    )?);
+    v.push(key_vector(
+        "bs16_sign_bit_tokens",
+        ns(QWEN, q, "f16", 16, "contiguous", None, None, None),
+        vec![full(16, 0x8000_0000, 0), full(16, 0x7FFF_FFFF, 0)],
+    )?);
+
+    // --- 256 tokens per block (LMCache chunks) ---
+    v.push(key_vector(
+        "bs256_one_block",
+        ns(QWEN, q, "bf16", 256, "contiguous", None, None, None),
+        vec![full(256, 0, 1)],
+    )?);
+    v.push(key_vector(
+        "bs256_10_blocks_plus_255",
+        ns(QWEN, q, "bf16", 256, "contiguous", None, None, None),
+        vec![full(10 * 256 + 255, 0xFFFF_FFFF, GOLDEN)],
+    )?);
+    v.push(key_vector(
+        "bs256_max_token_ids_descending",
+        ns(LLAMA8B, l8, "f32", 256, "layer_separate", None, None, None),
+        vec![full(4 * 256, U32_MAX, U32_MAX)],
+    )?);
+    v.push(key_vector(
+        "bs256_all_ffffffff",
+        ns(LLAMA8B, l8, "f32", 256, "layer_separate", None, None, None),
+        vec![full(2 * 256, U32_MAX, 0)],
+    )?);
+    v.push(key_vector(
+        "bs256_adapter",
+        ns(QWEN, q, "bf16", 256, "contiguous", None, lora, None),
+        vec![full(3 * 256, 0, 1)],
+    )?);
+    v.push(key_vector(
+        "bs256_extra_300_bytes",
+        ns(QWEN, q, "bf16", 256, "contiguous", None, None, Some(hex_bytes(300, 13, 5))),
+        vec![full(3 * 256, 0, 1)],
+    )?);
+    v.push(key_vector(
+        "bs256_fp8_e4m3_salted",
+        ns(LLAMA70B, l70, "fp8_e4m3", 256, "contiguous", Some(hex_bytes(64, 29, 3)), None, None),
+        vec![full(7 * 256 + 100, 42, GOLDEN)],
+    )?);
+    v.push(key_vector(
+        "bs256_int8_mqa",
+        ns(LLAMA70B, (80, 1, 256), "int8", 256, "layer_separate", None, None, None),
+        vec![TokenSegment::new(5 * 256, 3, 104_729, VOCAB_LLAMA3)],
+    )?);
+
+    // --- 512 tokens per block (Mooncake) ---
+    v.push(key_vector(
+        "bs512_one_block",
+        ns(LLAMA70B, l70, "bf16", 512, "layer_separate", None, None, None),
+        vec![full(512, 0, 1)],
+    )?);
+    v.push(key_vector(
+        "bs512_partial_only_no_key",
+        ns(LLAMA70B, l70, "bf16", 512, "layer_separate", None, None, None),
+        vec![full(511, 0, 1)],
+    )?);
+    v.push(key_vector(
+        "bs512_100_blocks_full_range",
+        ns(LLAMA70B, l70, "bf16", 512, "layer_separate", None, None, None),
+        vec![full(100 * 512, 1, GOLDEN)],
+    )?);
+    v.push(key_vector(
+        "bs512_fp8_e5m2_all_options",
+        ns(
+            "unicode/modèle-测试@v1",
+            (61, 128, 56),
+            "fp8_e5m2",
+            512,
+            "contiguous",
+            salt_a,
+            Some("lora/δ-adapter"),
+            image_hash,
+        ),
+        vec![full(4 * 512 + 511, 0xFFFF_FF00, 1)],
+    )?);
+    v.push(key_vector(
+        "bs512_large_layout_fields",
+        ns(LLAMA70B, (0xFFFF_FFFF, 3, 0xABCD), "f16", 512, "contiguous", None, None, None),
+        vec![full(2 * 512, 0, 1)],
+    )?);
+
+    // --- other block sizes (the algorithm is size-agnostic) ---
+    v.push(key_vector(
+        "bs1_every_token_a_block",
+        ns(QWEN, q, "bf16", 1, "contiguous", None, None, None),
+        vec![full(5, 0xFFFF_FFFE, 1)],
+    )?);
+    v.push(key_vector(
+        "bs3_odd_block_size",
+        ns(QWEN, q, "bf16", 3, "contiguous", salt_b, None, None),
+        vec![full(10, 9, GOLDEN)],
+    )?);
+    Ok(v)
+}
+
+fn dynamo_vector(name: &str, block_size: u32, seed: u64, tokens: Vec<TokenSegment>) -> DynamoVector {
+    let toks = expand_tokens(&tokens);
+    let seqs = sequence_hashes(&toks, block_size as usize, seed);
+    let locals: Vec<u64> = toks.chunks_exact(block_size as usize).map(|b| local_block_hash(b, seed)).collect();
+    DynamoVector {
+        name: name.to_string(),
+        block_size,
+        seed,
+        token_count: toks.len() as u64,
+        local_hashes_hex: locals.iter().map(|h| format!("{h:016x}")).collect(),
+        sequence_hashes_dec: seqs.iter().map(u64::to_string).collect(),
+        sequence_hashes_hex: seqs.iter().map(|h| format!("{h:016x}")).collect(),
+        tokens,
+    }
+}
+
+fn dynamo_vectors() -> Vec<DynamoVector> {
+    let s = DYNAMO_SEED;
+    vec![
+        dynamo_vector("bs16_two_blocks", 16, s, vec![full(32, 0, 1)]),
+        dynamo_vector("bs16_one_block", 16, s, vec![full(16, 128_000, 1)]),
+        dynamo_vector("bs16_partial_only_no_hash", 16, s, vec![full(15, 0, 1)]),
+        dynamo_vector("bs16_empty", 16, s, vec![]),
+        dynamo_vector(
+            "bs16_100_blocks_plus_partial",
+            16,
+            s,
+            vec![TokenSegment::new(100 * 16 + 7, 128_000, 7_919, VOCAB_LLAMA3)],
+        ),
+        dynamo_vector("bs16_sign_bit_tokens", 16, s, vec![full(16, 0x8000_0000, 0), full(16, 0x7FFF_FFFF, 0)]),
+        dynamo_vector("bs64_10_blocks_large_ids", 64, s, vec![full(10 * 64 + 1, 0xFFFF_FFF0, GOLDEN)]),
+        dynamo_vector("bs64_all_ffffffff", 64, s, vec![full(3 * 64, U32_MAX, 0)]),
+        dynamo_vector("bs256_one_block", 256, s, vec![full(256, 0, 1)]),
+        dynamo_vector("bs256_20_blocks_plus_partial", 256, s, vec![full(20 * 256 + 17, 5, GOLDEN)]),
+        dynamo_vector("bs256_max_descending", 256, s, vec![full(4 * 256, U32_MAX, U32_MAX)]),
+        dynamo_vector("bs512_3_blocks", 512, s, vec![full(3 * 512, 0, 1)]),
+        dynamo_vector(
+            "bs512_50_blocks_vocab",
+            512,
+            s,
+            vec![TokenSegment::new(50 * 512 + 300, 11, 104_729, VOCAB_LLAMA3)],
+        ),
+        dynamo_vector("bs512_partial_only_no_hash", 512, s, vec![full(511, 0, 1)]),
+        dynamo_vector("bs16_seed0_not_dynamo", 16, 0, vec![full(32, 0, 1)]),
+    ]
+}
+
+fn write_or_check(path: &Path, json: &str, check: bool) -> Result<bool, Box<dyn Error>> {
+    if check {
+        let on_disk = std::fs::read_to_string(path)?;
+        let same = on_disk == json;
+        println!("{}: {}", path.display(), if same { "up to date" } else { "WOULD CHANGE" });
+        Ok(same)
+    } else {
+        std::fs::write(path, json)?;
+        println!("wrote {}", path.display());
+        Ok(true)
+    }
+}
+
+fn main() -> Result<(), Box<dyn Error>> {
+    let check = std::env::args().any(|a| a == "--check");
+    let dir: PathBuf = [env!("CARGO_MANIFEST_DIR"), "tests", "data"].iter().collect();
+    std::fs::create_dir_all(&dir)?;
+
+    let keys = BlockKeyFile {
+        description: "kvcached block-key test vectors; the encoding is specified in docs/block-keys.md. \
+                      Regenerate with `cargo run -p kvproto --example gen_vectors`."
+            .to_string(),
+        format_version: 1,
+        token_generator: TOKEN_GENERATOR.to_string(),
+        vectors: block_key_vectors()?,
+    };
+    let dynamo = DynamoFile {
+        description: "Dynamo-compatible XXH3-64 chained block hashes (docs/block-keys.md, \
+                      section \"Dynamo-compatible hash\"). Regenerate with \
+                      `cargo run -p kvproto --example gen_vectors`."
+            .to_string(),
+        format_version: 1,
+        token_generator: TOKEN_GENERATOR.to_string(),
+        vectors: dynamo_vectors(),
+    };
+    let mut ok = true;
+    ok &= write_or_check(&dir.join("block_keys.json"), &(serde_json::to_string_pretty(&keys)? + "\n"), check)?;
+    ok &= write_or_check(&dir.join("dynamo_hashes.json"), &(serde_json::to_string_pretty(&dynamo)? + "\n"), check)?;
+    if !ok {
+        return Err("test vectors are out of date".into());
+    }
+    Ok(())
+}

@@ -1,0 +1,48 @@
+//! The 64-bit chained block hash NVIDIA Dynamo and the Mooncake RFC #1527 events use.
+//!
+//! `local[i] = XXH3-64(tokens of block i as little-endian u32, seed)`;
+//! `seq[0] = local[0]`, `seq[i] = XXH3-64(le_u64(seq[i-1]) || le_u64(local[i]), seed)`.
+//! Dynamo uses seed 1337. These are for interop (events, routers) only: block storage uses the
+//! 128-bit keyed [`crate::BlockKey`].
+
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+/// Dynamo's seed.
+pub const DYNAMO_SEED: u64 = 1337;
+
+/// Hash of one block's tokens alone.
+pub fn local_block_hash(block_tokens: &[u32], seed: u64) -> u64 {
+    let mut bytes = Vec::with_capacity(block_tokens.len() * 4);
+    for t in block_tokens {
+        bytes.extend_from_slice(&t.to_le_bytes());
+    }
+    xxh3_64_with_seed(&bytes, seed)
+}
+
+/// The rolling sequence hash of a block given its parent's sequence hash.
+pub fn chain(parent_seq: Option<u64>, local: u64, seed: u64) -> u64 {
+    match parent_seq {
+        None => local,
+        Some(p) => {
+            let mut b = [0u8; 16];
+            b[..8].copy_from_slice(&p.to_le_bytes());
+            b[8..].copy_from_slice(&local.to_le_bytes());
+            xxh3_64_with_seed(&b, seed)
+        }
+    }
+}
+
+/// Sequence hashes of every full block of `tokens`.
+pub fn sequence_hashes(tokens: &[u32], block_size: usize, seed: u64) -> Vec<u64> {
+    if block_size == 0 {
+        return Vec::new();
+    }
+    let mut out = Vec::with_capacity(tokens.len() / block_size);
+    let mut parent = None;
+    for block in tokens.chunks_exact(block_size) {
+        let s = chain(parent, local_block_hash(block, seed), seed);
+        out.push(s);
+        parent = Some(s);
+    }
+    out
+}

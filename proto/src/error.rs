@@ -1,0 +1,19 @@
+//! The one error enum of `kvproto`.
+
+/// Errors from validating namespaces, layouts and keys.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ProtoError {
+    /// A layout field is out of range (zero, or the block size overflows).
+    #[error("invalid KV layout: {field} {reason}")]
+    InvalidLayout { field: &'static str, reason: String },
+    /// A namespace field is malformed.
+    #[error("invalid namespace: {field} {reason}")]
+    InvalidNamespace { field: &'static str, reason: String },
+    /// A string does not parse as a block key (32 hex digits).
+    #[error("invalid block key {0:?}: expected 32 hex digits")]
+    InvalidKey(String),
+    /// An unknown dtype or layout-kind name or code.
+    #[error("unknown {what} {value:?}")]
+    Unknown { what: &'static str, value: String },
+}

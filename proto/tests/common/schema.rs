@@ -1,0 +1,112 @@
+//! The JSON schema of the test vectors in `proto/tests/data/`, shared by the generator
+//! (`proto/examples/gen_vectors.rs`) and the checker (`proto/tests/vectors.rs`).
+//! The format is described in `docs/block-keys.md`, section "Test vectors".
+
+#![allow(dead_code)]
+
+use serde::{Deserialize, Serialize};
+
+/// One run of generated tokens: `token[i] = (start + i * mul) mod modulus` for `i` in
+/// `0..count`, computed with exact (unbounded) integer arithmetic.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+pub struct TokenSegment {
+    pub count: u64,
+    pub start: u64,
+    pub mul: u64,
+    #[serde(rename = "mod")]
+    pub modulus: u64,
+}
+
+impl TokenSegment {
+    pub fn new(count: u64, start: u64, mul: u64, modulus: u64) -> Self {
+        Self { count, start, mul, modulus }
+    }
+
+    /// `count` tokens from a full-range (mod 2^32) generator.
+    pub fn full(count: u64, start: u64, mul: u64) -> Self {
+        Self::new(count, start, mul, 1 << 32)
+    }
+
+    /// Expands the segment into token ids.
+    pub fn expand(&self) -> Vec<u32> {
+        assert!(self.modulus >= 1 && self.modulus <= 1 << 32, "mod must be in 1..=2^32");
+        (0..self.count)
+            .map(|i| {
+                let v = (u128::from(self.start) + u128::from(i) * u128::from(self.mul)) % u128::from(self.modulus);
+                u32::try_from(v).expect("value < mod <= 2^32")
+            })
+            .collect()
+    }
+}
+
+/// Concatenation of every segment.
+pub fn expand_tokens(segments: &[TokenSegment]) -> Vec<u32> {
+    segments.iter().flat_map(TokenSegment::expand).collect()
+}
+
+/// The namespace fields of a block-key vector.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct NamespaceSpec {
+    pub model_id: String,
+    pub num_layers: u32,
+    pub kv_heads: u32,
+    pub head_dim: u32,
+    pub dtype: String,
+    pub tokens_per_block: u32,
+    pub layout_kind: String,
+    /// `null` = no salt; `""` = a present, empty salt (encoded differently from `null`).
+    pub tenant_salt_hex: Option<String>,
+    pub adapter_id: Option<String>,
+    pub extra_hex: Option<String>,
+}
+
+/// One block-key vector.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct BlockKeyVector {
+    pub name: String,
+    pub namespace: NamespaceSpec,
+    pub canonical_hex: String,
+    pub fingerprint_hex: String,
+    pub namespace_id_hex: String,
+    pub tokens: Vec<TokenSegment>,
+    pub token_count: u64,
+    /// One key per full block, in order; a trailing partial block has none.
+    pub keys: Vec<String>,
+}
+
+/// `proto/tests/data/block_keys.json`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct BlockKeyFile {
+    pub description: String,
+    pub format_version: u32,
+    pub token_generator: String,
+    pub vectors: Vec<BlockKeyVector>,
+}
+
+/// One Dynamo-hash vector. Hashes are u64 written as decimal strings and as 16 lowercase hex
+/// digits of the number (most significant first).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct DynamoVector {
+    pub name: String,
+    pub block_size: u32,
+    pub seed: u64,
+    pub tokens: Vec<TokenSegment>,
+    pub token_count: u64,
+    pub local_hashes_hex: Vec<String>,
+    pub sequence_hashes_dec: Vec<String>,
+    pub sequence_hashes_hex: Vec<String>,
+}
+
+/// `proto/tests/data/dynamo_hashes.json`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct DynamoFile {
+    pub description: String,
+    pub format_version: u32,
+    pub token_generator: String,
+    pub vectors: Vec<DynamoVector>,
+}
+
+/// The `token_generator` text of both files.
+pub const TOKEN_GENERATOR: &str = "tokens = concatenation of the segments in order; segment {count, start, mul, mod} \
+yields token[i] = (start + i * mul) mod mod for i = 0..count-1, computed with exact integer \
+arithmetic (no wrap-around before the final mod); every token is a u32 (mod <= 2^32)";

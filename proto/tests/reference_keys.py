@@ -1,0 +1,234 @@
+#!/usr/bin/env python3
+"""Independent reference implementation of kvcached block keys and the Dynamo hash.
+
+Written from docs/block-keys.md alone (it does not call or read the Rust code). It checks every
+vector of proto/tests/data/block_keys.json and proto/tests/data/dynamo_hashes.json and exits
+non-zero on any mismatch.
+
+    python3 -m venv .venv && .venv/bin/pip install blake3 xxhash
+    .venv/bin/python proto/tests/reference_keys.py [DATA_DIR]
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import sys
+from pathlib import Path
+
+try:
+    import blake3
+    import xxhash
+except ImportError as e:  # pragma: no cover
+    sys.exit(f"missing package ({e}); run: pip install blake3 xxhash")
+
+# --- section 2: namespace encoding -------------------------------------------------------------
+
+ENCODING_VERSION = 0x01
+DTYPE_CODES = {"f16": 0x01, "bf16": 0x02, "f32": 0x03, "fp8_e4m3": 0x04, "fp8_e5m2": 0x05, "int8": 0x06}
+LAYOUT_KIND_CODES = {"layer_separate": 0x01, "contiguous": 0x02}
+U32_MAX = 0xFFFFFFFF
+
+FINGERPRINT_CONTEXT = "kvcached 2026-11-30 namespace fingerprint v1"
+ID_CONTEXT = "kvcached 2026-11-30 namespace id v1"
+
+ROOT_TAG = 0x00
+CHILD_TAG = 0x01
+
+DYNAMO_SEED = 1337
+
+
+def u32le(x: int) -> bytes:
+    if not 0 <= x <= U32_MAX:
+        raise ValueError(f"{x} does not fit in u32")
+    return struct.pack("<I", x)
+
+
+def u64le(x: int) -> bytes:
+    return struct.pack("<Q", x)
+
+
+def enc_bytes(b: bytes) -> bytes:
+    return u32le(len(b)) + b
+
+
+def enc_opt(b: bytes | None) -> bytes:
+    return b"\x00" if b is None else b"\x01" + enc_bytes(b)
+
+
+def canonical_bytes(ns: dict) -> bytes:
+    model = ns["model_id"].encode("utf-8")
+    if not model:
+        raise ValueError("model_id must not be empty")
+    for f in ("num_layers", "kv_heads", "head_dim", "tokens_per_block"):
+        if not 0 < ns[f] <= U32_MAX:
+            raise ValueError(f"{f} out of range")
+    salt = None if ns["tenant_salt_hex"] is None else bytes.fromhex(ns["tenant_salt_hex"])
+    adapter = None if ns["adapter_id"] is None else ns["adapter_id"].encode("utf-8")
+    extra = None if ns["extra_hex"] is None else bytes.fromhex(ns["extra_hex"])
+    return (
+        bytes([ENCODING_VERSION])
+        + enc_bytes(model)
+        + u32le(ns["num_layers"])
+        + u32le(ns["kv_heads"])
+        + u32le(ns["head_dim"])
+        + bytes([DTYPE_CODES[ns["dtype"]]])
+        + u32le(ns["tokens_per_block"])
+        + bytes([LAYOUT_KIND_CODES[ns["layout_kind"]]])
+        + enc_opt(salt)
+        + enc_opt(adapter)
+        + enc_opt(extra)
+    )
+
+
+# --- sections 3 and 4: fingerprint and id ------------------------------------------------------
+
+
+def fingerprint(canonical: bytes) -> bytes:
+    return blake3.blake3(canonical, derive_key_context=FINGERPRINT_CONTEXT).digest()
+
+
+def namespace_id(fp: bytes) -> bytes:
+    return blake3.blake3(fp, derive_key_context=ID_CONTEXT).digest()[:16]
+
+
+# --- section 5: block keys ---------------------------------------------------------------------
+
+
+def tokens_le(tokens: list[int]) -> bytes:
+    return b"".join(u32le(t) for t in tokens)
+
+
+def block_keys(fp: bytes, block_size: int, tokens: list[int]) -> list[bytes]:
+    keys: list[bytes] = []
+    for start in range(0, len(tokens) - block_size + 1, block_size):  # full blocks only
+        block = tokens[start : start + block_size]
+        if keys:
+            msg = bytes([CHILD_TAG]) + keys[-1] + u32le(block_size) + tokens_le(block)
+        else:
+            msg = bytes([ROOT_TAG]) + u32le(block_size) + tokens_le(block)
+        keys.append(blake3.blake3(msg, key=fp).digest()[:16])
+    return keys
+
+
+# --- section 7: Dynamo hash --------------------------------------------------------------------
+
+
+def xxh3(data: bytes, seed: int) -> int:
+    return xxhash.xxh3_64_intdigest(data, seed=seed)
+
+
+def dynamo_hashes(tokens: list[int], block_size: int, seed: int) -> tuple[list[int], list[int]]:
+    local: list[int] = []
+    seq: list[int] = []
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        h = xxh3(tokens_le(tokens[start : start + block_size]), seed)
+        local.append(h)
+        seq.append(h if not seq else xxh3(u64le(seq[-1]) + u64le(h), seed))
+    return local, seq
+
+
+# --- section 9: token generator ----------------------------------------------------------------
+
+
+def expand(segments: list[dict]) -> list[int]:
+    out: list[int] = []
+    for s in segments:
+        m = s["mod"]
+        if not 1 <= m <= 1 << 32:
+            raise ValueError(f"bad mod {m}")
+        out.extend((s["start"] + k * s["mul"]) % m for k in range(s["count"]))
+    return out
+
+
+# --- checks ------------------------------------------------------------------------------------
+
+
+class Checker:
+    def __init__(self) -> None:
+        self.passed = 0
+        self.failed = 0
+
+    def check(self, what: str, got, want) -> None:
+        if got == want:
+            self.passed += 1
+        else:
+            self.failed += 1
+            print(f"FAIL {what}\n  expected {want!r}\n  computed {got!r}")
+
+
+def check_block_keys(c: Checker, path: Path) -> None:
+    doc = json.loads(path.read_text(encoding="utf-8"))
+    for v in doc["vectors"]:
+        name = v["name"]
+        ns = v["namespace"]
+        tokens = expand(v["tokens"])
+        c.check(f"{name}: token_count", len(tokens), v["token_count"])
+        canon = canonical_bytes(ns)
+        c.check(f"{name}: canonical bytes", canon.hex(), v["canonical_hex"])
+        fp = fingerprint(canon)
+        c.check(f"{name}: fingerprint", fp.hex(), v["fingerprint_hex"])
+        c.check(f"{name}: namespace id", namespace_id(fp).hex(), v["namespace_id_hex"])
+        keys = [k.hex() for k in block_keys(fp, ns["tokens_per_block"], tokens)]
+        c.check(f"{name}: number of keys", len(keys), len(tokens) // ns["tokens_per_block"])
+        c.check(f"{name}: number of keys in file", len(v["keys"]), len(keys))
+        for i, (got, want) in enumerate(zip(keys, v["keys"])):
+            c.check(f"{name}: key {i}", got, want)
+    print(f"{path.name}: {len(doc['vectors'])} vectors")
+
+
+def check_dynamo(c: Checker, path: Path) -> None:
+    doc = json.loads(path.read_text(encoding="utf-8"))
+    for v in doc["vectors"]:
+        name = v["name"]
+        tokens = expand(v["tokens"])
+        c.check(f"{name}: token_count", len(tokens), v["token_count"])
+        local, seq = dynamo_hashes(tokens, v["block_size"], v["seed"])
+        c.check(f"{name}: number of hashes", len(seq), len(tokens) // v["block_size"])
+        for field, want in (
+            ("local_hashes_hex", [f"{h:016x}" for h in local]),
+            ("sequence_hashes_hex", [f"{h:016x}" for h in seq]),
+            ("sequence_hashes_dec", [str(h) for h in seq]),
+        ):
+            c.check(f"{name}: number of {field}", len(v[field]), len(want))
+            for i, (got, exp) in enumerate(zip(want, v[field])):
+                c.check(f"{name}: {field}[{i}]", got, exp)
+    print(f"{path.name}: {len(doc['vectors'])} vectors")
+
+
+def self_test(c: Checker) -> None:
+    """Facts from the text of docs/block-keys.md, independent of the JSON files."""
+    c.check("u32le(16)", u32le(16).hex(), "10000000")
+    c.check("opt(None)", enc_opt(None).hex(), "00")
+    c.check("opt(empty)", enc_opt(b"").hex(), "0100000000")
+    ns = {
+        "model_id": "Qwen/Qwen3-0.6B", "num_layers": 28, "kv_heads": 8, "head_dim": 128,
+        "dtype": "bf16", "tokens_per_block": 16, "layout_kind": "layer_separate",
+        "tenant_salt_hex": "73616c74", "adapter_id": None, "extra_hex": None,
+    }
+    canon = canonical_bytes(ns)
+    c.check("worked example: canonical", canon.hex(),
+            "010f0000005177656e2f5177656e332d302e36421c0000000800000080000000021000000001010400000073616c740000")
+    fp = fingerprint(canon)
+    c.check("worked example: fingerprint", fp.hex(),
+            "45f1610e22f7fd4d9ff4022ea0c6bc8718f62e6f228616739eb2e643a32a9e3b")
+    c.check("worked example: id", namespace_id(fp).hex(), "e3c94a0b5c74c74e5f9715844d5814ef")
+    keys = [k.hex() for k in block_keys(fp, 16, list(range(47)))]
+    c.check("worked example: keys (47 tokens -> 2 keys)", keys,
+            ["a35678197c4377eee1ddcbfec6ef1e79", "1d26ce964808e5733bd2dfd76d6e2d52"])
+    _, seq = dynamo_hashes(list(range(32)), 16, DYNAMO_SEED)
+    c.check("worked example: dynamo", seq, [15310707395893867146, 13769157705258532664])
+
+
+def main() -> int:
+    data = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).resolve().parent / "data"
+    c = Checker()
+    self_test(c)
+    check_block_keys(c, data / "block_keys.json")
+    check_dynamo(c, data / "dynamo_hashes.json")
+    print(f"{c.passed} passed, {c.failed} failed")
+    return 1 if c.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+//! G3 I/O: engines that execute batches of aligned reads and writes, run on dedicated named
+//! threads fed by a bounded channel.
+//!
+//! The backend is chosen at run time: io_uring where the kernel allows it, else pread/pwrite
+//! (the choice is logged). Callers block until their batch completes, so buffers they pass
+//! stay valid for the whole operation.
+
+use std::io;
+use std::os::fd::RawFd;
+use std::thread::JoinHandle;
+
+use crossbeam_channel::{Receiver, Sender, bounded};
+
+use super::psync::PsyncEngine;
+use super::uring::UringEngine;
+
+/// Read or write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IoKind {
+    Read,
+    Write,
+}
+
+/// One aligned transfer between memory at `addr` and the file at `offset`.
+#[derive(Debug, Clone, Copy)]
+pub struct IoOp {
+    pub kind: IoKind,
+    pub offset: u64,
+    /// Memory address (a raw pointer as an integer so ops can cross threads).
+    pub addr: usize,
+    pub len: usize,
+}
+
+/// Executes batches of I/O on one file descriptor.
+pub trait IoEngine: Send + std::fmt::Debug {
+    /// Short name for logs and metrics (`io_uring`, `psync`).
+    fn name(&self) -> &'static str;
+    /// Runs every op to completion; the first failure is returned.
+    fn run(&mut self, fd: RawFd, ops: &[IoOp]) -> io::Result<()>;
+}
+
+/// Which engine to use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IoBackend {
+    /// io_uring if it can be set up, else psync.
+    Auto,
+    IoUring,
+    Psync,
+}
+
+/// Builds engines for the I/O threads; a hook so tests can inject faults.
+pub type EngineFactory = std::sync::Arc<dyn Fn() -> io::Result<Box<dyn IoEngine>> + Send + Sync>;
+
+/// The standard factory for `backend` with io_uring queue depth `depth`.
+pub fn engine_factory(backend: IoBackend, depth: u32) -> EngineFactory {
+    std::sync::Arc::new(move || -> io::Result<Box<dyn IoEngine>> {
+        match backend {
+            IoBackend::Psync => Ok(Box::new(PsyncEngine)),
+            IoBackend::IoUring => Ok(Box::new(UringEngine::new(depth)?)),
+            IoBackend::Auto => match UringEngine::new(depth) {
+                Ok(u) => Ok(Box::new(u)),
+                Err(e) => {
+                    tracing::warn!("io_uring unavailable ({e}); G3 uses pread/pwrite");
+                    Ok(Box::new(PsyncEngine))
+                }
+            },
+        }
+    })
+}
+
+struct Batch {
+    fd: RawFd,
+    ops: Vec<IoOp>,
+    reply: Sender<io::Result<()>>,
+}
+
+/// The pool of named I/O threads.
+#[derive(Debug)]
+pub struct IoThreads {
+    tx: Option<Sender<Batch>>,
+    threads: Vec<JoinHandle<()>>,
+    backend: &'static str,
+}
+
+impl IoThreads {
+    /// Starts `n` threads named `kv-g3-io-N`, each with its own engine, fed by a channel of
+    /// `queue` batches.
+    pub fn start(n: usize, queue: usize, factory: &EngineFactory) -> io::Result<Self> {
+        let (tx, rx) = bounded::<Batch>(queue.max(1));
+        let mut threads = Vec::new();
+        let mut backend = "none";
+        for i in 0..n.max(1) {
+            let mut engine = factory()?;
+            backend = engine.name();
+            let rx: Receiver<Batch> = rx.clone();
+            threads.push(std::thread::Builder::new().name(format!("kv-g3-io-{i}")).spawn(move || {
+                for b in rx.iter() {
+                    let r = engine.run(b.fd, &b.ops);
+                    let _ = b.reply.send(r);
+                }
+            })?);
+        }
+        tracing::info!(threads = threads.len(), backend, "G3 I/O threads started");
+        Ok(Self { tx: Some(tx), threads, backend })
+    }
+
+    /// The backend in use.
+    pub fn backend(&self) -> &'static str {
+        self.backend
+    }
+
+    /// Runs `ops` and waits for them. The memory behind each op must stay valid and (for reads)
+    /// unaliased until this returns.
+    pub fn run(&self, fd: RawFd, ops: Vec<IoOp>) -> io::Result<()> {
+        if ops.is_empty() {
+            return Ok(());
+        }
+        let (reply, done) = bounded(1);
+        let tx = self.tx.as_ref().ok_or_else(|| io::Error::other("G3 I/O threads stopped"))?;
+        tx.send(Batch { fd, ops, reply }).map_err(|_| io::Error::other("G3 I/O threads stopped"))?;
+        done.recv().map_err(|_| io::Error::other("G3 I/O thread exited"))?
+    }
+}
+
+impl Drop for IoThreads {
+    fn drop(&mut self) {
+        self.tx = None;
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Finishes a transfer that completed short, with plain pread/pwrite.
+pub(super) fn finish_short(fd: RawFd, op: &IoOp, done: usize) -> io::Result<()> {
+    let rest = IoOp { kind: op.kind, offset: op.offset + done as u64, addr: op.addr + done, len: op.len - done };
+    super::psync::run_one(fd, &rest)
+}

@@ -1,0 +1,517 @@
+//! G3: blocks on local NVMe. One preallocated data file written with O_DIRECT by the I/O
+//! threads ([`io`]), carved into pages ([`crate::pages`]); the durable index in RocksDB
+//! ([`index`]). Every read is verified against the block's checksum.
+//!
+//! Write protocol: reserve pages (invisible) -> write bytes -> fdatasync (when `fsync`) ->
+//! index entry -> visible. Eviction deletes the index entry before the pages can be reused.
+
+pub mod index;
+pub mod io;
+pub mod psync;
+pub mod uring;
+
+use std::fs::{File, OpenOptions};
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Instant;
+
+use kvproto::{BlockKey, TierKind};
+use parking_lot::Mutex;
+
+use self::index::{DiskIndex, IndexEntry};
+use self::io::{EngineFactory, IoBackend, IoKind, IoOp, IoThreads, engine_factory};
+use crate::block::{BlockMeta, LeaseId, checksum};
+use crate::buf::{ALIGN, BlockBuf, align_up};
+use crate::error::{Result, TierError};
+use crate::host::validate_space;
+use crate::lru_policy::LruPolicy;
+use crate::pages::{PagePool, Pages};
+use crate::residency::{Residency, SlotBytes};
+use crate::stats::{TierCounters, TierStats, TierUsage};
+use crate::tier::{BlockRef, Tier};
+
+const TIER: TierKind = TierKind::G3Disk;
+
+/// Configuration of the G3 disk tier.
+#[derive(Debug, Clone)]
+pub struct DiskTierConfig {
+    /// Directory for `blocks.dat` and the `index/` RocksDB.
+    pub dir: PathBuf,
+    /// Bytes of the data file (reserved with fallocate at start).
+    pub capacity_bytes: u64,
+    /// Allocation unit; a multiple of 4096. Fixed for the life of the directory.
+    pub page_size: usize,
+    pub io_threads: usize,
+    /// io_uring entries per thread.
+    pub queue_depth: u32,
+    pub backend: IoBackend,
+    /// Open the data file with O_DIRECT (falls back, logged, where the filesystem refuses).
+    pub direct_io: bool,
+    /// fdatasync each written batch before indexing it (survives power loss, not just crashes).
+    pub fsync: bool,
+    pub high_watermark: f64,
+    pub low_watermark: f64,
+}
+
+impl DiskTierConfig {
+    /// Defaults for a tier of `capacity_bytes` under `dir`.
+    pub fn new(dir: impl Into<PathBuf>, capacity_bytes: u64) -> Self {
+        Self {
+            dir: dir.into(),
+            capacity_bytes,
+            page_size: 64 * 1024,
+            io_threads: 2,
+            queue_depth: 64,
+            backend: IoBackend::Auto,
+            direct_io: true,
+            fsync: true,
+            high_watermark: 0.98,
+            low_watermark: 0.95,
+        }
+    }
+}
+
+#[derive(Debug)]
+struct DiskSlot {
+    pages: Pages,
+    checksum: u64,
+    tick: AtomicU64,
+}
+
+impl SlotBytes for DiskSlot {
+    fn slot_bytes(&self) -> u64 {
+        self.pages.bytes()
+    }
+}
+
+/// The G3 tier.
+#[derive(Debug)]
+pub struct DiskTier {
+    file: File,
+    index: DiskIndex,
+    io: IoThreads,
+    pool: Arc<PagePool>,
+    state: Mutex<Residency<DiskSlot>>,
+    counters: TierCounters,
+    cfg: DiskTierConfig,
+    next_tick: AtomicU64,
+    high_pages: usize,
+    low_pages: usize,
+    logged_corruption: AtomicBool,
+}
+
+fn open_data_file(cfg: &DiskTierConfig, len: u64) -> Result<File> {
+    let path = cfg.dir.join("blocks.dat");
+    let open = |direct: bool| {
+        let mut o = OpenOptions::new();
+        o.read(true).write(true).create(true).truncate(false).mode(0o600);
+        if direct {
+            o.custom_flags(libc::O_DIRECT);
+        }
+        o.open(&path)
+    };
+    let file = match open(cfg.direct_io) {
+        Ok(f) => f,
+        Err(e) if cfg.direct_io && e.raw_os_error() == Some(libc::EINVAL) => {
+            tracing::warn!(path = %path.display(), "filesystem refuses O_DIRECT; G3 uses buffered I/O");
+            open(false).map_err(|e| TierError::io(TIER, "open data file", e))?
+        }
+        Err(e) => return Err(TierError::io(TIER, "open data file", e)),
+    };
+    // SAFETY: plain syscall on an owned fd.
+    let r = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len as libc::off_t) };
+    if r != 0 {
+        return Err(TierError::Config {
+            field: "g3 capacity_bytes",
+            reason: format!(
+                "cannot reserve {len} bytes at {}: {} (lower the capacity or free space)",
+                path.display(),
+                std::io::Error::from_raw_os_error(r)
+            ),
+        });
+    }
+    Ok(file)
+}
+
+impl DiskTier {
+    /// Opens the tier with the standard I/O engine.
+    pub fn open(cfg: &DiskTierConfig) -> Result<Self> {
+        Self::open_with_engine(cfg, engine_factory(cfg.backend, cfg.queue_depth))
+    }
+
+    /// Opens the tier with a custom engine factory (fault injection in tests). Recovers every
+    /// indexed block; drops records that are malformed, out of range or overlapping.
+    pub fn open_with_engine(cfg: &DiskTierConfig, factory: EngineFactory) -> Result<Self> {
+        validate_space(cfg.page_size, cfg.capacity_bytes, cfg.high_watermark, cfg.low_watermark)?;
+        std::fs::create_dir_all(&cfg.dir).map_err(|e| TierError::io(TIER, "create directory", e))?;
+        let total = (cfg.capacity_bytes / cfg.page_size as u64) as u32;
+        let len = total as u64 * cfg.page_size as u64;
+        let file = open_data_file(cfg, len)?;
+        let index = DiskIndex::open(&cfg.dir.join("index"), cfg.page_size)?;
+        let io = IoThreads::start(cfg.io_threads, cfg.io_threads * 4, &factory)
+            .map_err(|e| TierError::io(TIER, "start I/O threads", e))?;
+
+        // Recovery: claim pages of valid entries in recency order.
+        let mut bad_raw = Vec::new();
+        let mut bad_keys = Vec::new();
+        let mut entries = Vec::new();
+        for item in index.scan()? {
+            match item {
+                Ok(e) => entries.push(e),
+                Err(raw) => bad_raw.push(raw),
+            }
+        }
+        entries.sort_by_key(|(_, e)| e.tick);
+        let mut claimed = vec![false; total as usize];
+        let mut good = Vec::new();
+        for (key, e) in entries {
+            let pages: Vec<u32> = e.runs.iter().flat_map(|&(f, n)| f..f.saturating_add(n)).collect();
+            let need = (e.meta.len.div_ceil(cfg.page_size as u64) as usize).max(1);
+            let valid =
+                pages.len() == need && pages.iter().all(|&p| (p as usize) < claimed.len() && !claimed[p as usize]);
+            if !valid {
+                bad_keys.push(key);
+                continue;
+            }
+            for &p in &pages {
+                claimed[p as usize] = true;
+            }
+            good.push((key, e, pages));
+        }
+        if !bad_raw.is_empty() || !bad_keys.is_empty() {
+            tracing::warn!(
+                malformed = bad_raw.len(),
+                invalid = bad_keys.len(),
+                "G3 index held unusable records; dropped them"
+            );
+            index.delete_raw(&bad_raw)?;
+            index.write(&[], &bad_keys, false)?;
+        }
+        let used: Vec<u32> = good.iter().flat_map(|(_, _, p)| p.iter().copied()).collect();
+        let pool = PagePool::with_used(cfg.page_size, total, &used);
+        let mut st = Residency::new(Box::new(LruPolicy::new()));
+        let mut max_tick = 0;
+        let recovered = good.len();
+        for (key, e, pages) in good {
+            max_tick = max_tick.max(e.tick);
+            let slot =
+                Arc::new(DiskSlot { pages: pool.adopt(pages), checksum: e.checksum, tick: AtomicU64::new(e.tick) });
+            st.insert_ready(key, e.meta, slot);
+        }
+        st.recount_children();
+        tracing::info!(blocks = recovered, dir = %cfg.dir.display(), backend = io.backend(), "G3 opened");
+        let counters = TierCounters::new(TIER, len);
+        counters.set_usage(pool.used_pages() as u64 * cfg.page_size as u64, st.len());
+        Ok(Self {
+            file,
+            index,
+            io,
+            high_pages: (total as f64 * cfg.high_watermark) as usize,
+            low_pages: (total as f64 * cfg.low_watermark) as usize,
+            pool,
+            state: Mutex::new(st),
+            counters,
+            cfg: cfg.clone(),
+            next_tick: AtomicU64::new(max_tick + 1),
+            logged_corruption: AtomicBool::new(false),
+        })
+    }
+
+    /// The I/O backend in use (`io_uring` or `psync`).
+    pub fn backend(&self) -> &'static str {
+        self.io.backend()
+    }
+
+    fn fd(&self) -> RawFd {
+        self.file.as_raw_fd()
+    }
+
+    fn tick(&self) -> u64 {
+        self.next_tick.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Evicts (index first, then space) so that `pages` more pages fit.
+    fn make_room(&self, st: &mut Residency<DiskSlot>, pages: usize) -> Result<()> {
+        let used = self.pool.used_pages();
+        if used + pages <= self.high_pages && self.pool.free_pages() >= pages {
+            return Ok(());
+        }
+        let total = self.pool.total_pages() as usize;
+        if pages > total {
+            return Err(TierError::Full {
+                tier: TIER,
+                needed: pages as u64 * self.pool.page_size() as u64,
+                free: self.pool.free_pages() as u64 * self.pool.page_size() as u64,
+            });
+        }
+        // Free enough that, with this block, usage ends at the low watermark.
+        let need = (used + pages).saturating_sub(self.low_pages.min(total)) as u64 * self.pool.page_size() as u64;
+        let (victims, _) = st.evict(need, Instant::now(), true);
+        if !victims.is_empty() {
+            let keys: Vec<BlockKey> = victims.iter().map(|(k, _)| *k).collect();
+            // The deletions must be in the index before the pages can be reused.
+            self.index.write(&[], &keys, false)?;
+            self.counters.evictions.add(victims.len() as u64);
+        }
+        drop(victims);
+        if self.pool.free_pages() >= pages {
+            Ok(())
+        } else {
+            Err(TierError::Full {
+                tier: TIER,
+                needed: pages as u64 * self.pool.page_size() as u64,
+                free: self.pool.free_pages() as u64 * self.pool.page_size() as u64,
+            })
+        }
+    }
+
+    /// Builds the write ops of one block. Full pages are written straight from `data` when it
+    /// is aligned; the rest goes through `bounce`.
+    fn write_ops(&self, data: &[u8], pages: &Pages, bounce: &mut Vec<BlockBuf>, ops: &mut Vec<IoOp>) {
+        let ps = self.pool.page_size();
+        let aligned = (data.as_ptr() as usize).is_multiple_of(ALIGN);
+        let mut off = 0usize;
+        for (first, n) in pages.runs() {
+            let run_bytes = (data.len() - off).min(n as usize * ps);
+            let file_off = first as u64 * ps as u64;
+            let direct = if aligned { run_bytes / ALIGN * ALIGN } else { 0 };
+            if direct > 0 {
+                ops.push(IoOp {
+                    kind: IoKind::Write,
+                    offset: file_off,
+                    addr: data.as_ptr() as usize + off,
+                    len: direct,
+                });
+            }
+            let rest = run_bytes - direct;
+            if rest > 0 || run_bytes == 0 {
+                let b = BlockBuf::from_slice(&data[off + direct..off + run_bytes]);
+                let mut b = b;
+                let padded = align_up(rest.max(1));
+                b.resize(padded);
+                b[rest..].fill(0);
+                ops.push(IoOp {
+                    kind: IoKind::Write,
+                    offset: file_off + direct as u64,
+                    addr: b.as_ptr() as usize,
+                    len: padded,
+                });
+                bounce.push(b);
+            }
+            off += run_bytes;
+        }
+    }
+
+    fn corrupt(&self, key: &BlockKey, slot: &Arc<DiskSlot>, why: &str) {
+        self.counters.checksum_failures.add(1);
+        if !self.logged_corruption.swap(true, Ordering::Relaxed) {
+            tracing::error!(%key, why, "G3 block failed verification; dropped and served as a miss (further failures are only counted in kvcached_tier_checksum_failures_total)");
+        }
+        let mut st = self.state.lock();
+        let same = st.get(key, false).is_some_and(|(s, _)| Arc::ptr_eq(&s, slot));
+        if same {
+            st.remove(key);
+            if let Err(e) = self.index.write(&[], &[*key], false) {
+                tracing::warn!("G3 index delete failed: {e}");
+            }
+        }
+    }
+}
+
+impl Tier for DiskTier {
+    fn kind(&self) -> TierKind {
+        TIER
+    }
+
+    fn put(&self, block: BlockRef<'_>) -> Result<bool> {
+        self.put_batch(&[block]).pop().unwrap_or(Ok(false))
+    }
+
+    fn put_batch(&self, blocks: &[BlockRef<'_>]) -> Vec<Result<bool>> {
+        let t0 = Instant::now();
+        let mut results: Vec<Option<Result<bool>>> = Vec::with_capacity(blocks.len());
+        let mut reserved: Vec<(usize, Arc<DiskSlot>)> = Vec::new();
+        {
+            let mut st = self.state.lock();
+            for (i, b) in blocks.iter().enumerate() {
+                if b.meta.len != b.data.len() as u64 {
+                    results.push(Some(Err(TierError::LengthMismatch {
+                        expected: b.meta.len,
+                        actual: b.data.len() as u64,
+                    })));
+                    continue;
+                }
+                if st.has_entry(&b.key) {
+                    results.push(Some(Ok(false)));
+                    continue;
+                }
+                let n = self.pool.pages_for(b.meta.len);
+                let pages = match self.make_room(&mut st, n).map(|_| self.pool.alloc(n)) {
+                    Ok(Some(p)) => p,
+                    Ok(None) => {
+                        results.push(Some(Err(TierError::Full { tier: TIER, needed: b.meta.len, free: 0 })));
+                        continue;
+                    }
+                    Err(e) => {
+                        results.push(Some(Err(e)));
+                        continue;
+                    }
+                };
+                let slot = Arc::new(DiskSlot { pages, checksum: checksum(b.data), tick: AtomicU64::new(self.tick()) });
+                st.reserve(b.key, b.meta, Arc::clone(&slot), false);
+                reserved.push((i, slot));
+                results.push(None);
+            }
+        }
+        // Bytes out with no lock held.
+        let mut ops = Vec::new();
+        let mut bounce = Vec::new();
+        for (i, slot) in &reserved {
+            self.write_ops(blocks[*i].data, &slot.pages, &mut bounce, &mut ops);
+        }
+        let mut written = self.io.run(self.fd(), ops).map_err(|e| TierError::io(TIER, "write", e));
+        if written.is_ok() && self.cfg.fsync && !reserved.is_empty() {
+            // SAFETY: plain syscall on our fd.
+            if unsafe { libc::fdatasync(self.fd()) } != 0 {
+                written = Err(TierError::io(TIER, "fdatasync", std::io::Error::last_os_error()));
+            }
+        }
+        drop(bounce);
+        let indexed = written.and_then(|_| {
+            let puts: Vec<(BlockKey, IndexEntry)> = reserved
+                .iter()
+                .map(|(i, s)| {
+                    let b = &blocks[*i];
+                    (
+                        b.key,
+                        IndexEntry {
+                            meta: b.meta,
+                            checksum: s.checksum,
+                            tick: s.tick.load(Ordering::Relaxed),
+                            runs: s.pages.runs(),
+                        },
+                    )
+                })
+                .collect();
+            self.index.write(&puts, &[], false)
+        });
+        let mut st = self.state.lock();
+        match indexed {
+            Ok(()) => {
+                for (i, slot) in &reserved {
+                    let ok = st.commit(&blocks[*i].key, slot);
+                    self.counters.bytes_written.add(blocks[*i].meta.len);
+                    results[*i] = Some(Ok(ok));
+                }
+            }
+            Err(e) => {
+                let msg = e.to_string();
+                tracing::warn!("G3 write failed for {} blocks: {msg}", reserved.len());
+                for (i, slot) in &reserved {
+                    st.abort(&blocks[*i].key, slot);
+                    results[*i] = Some(Err(TierError::io(TIER, "write batch", std::io::Error::other(msg.clone()))));
+                }
+            }
+        }
+        self.counters.set_usage(self.pool.used_pages() as u64 * self.pool.page_size() as u64, st.len());
+        drop(st);
+        let out: Vec<Result<bool>> = results.into_iter().map(|r| r.unwrap_or(Ok(false))).collect();
+        self.counters.put_errors.add(out.iter().filter(|r| r.is_err()).count() as u64);
+        self.counters.put_took(t0.elapsed());
+        out
+    }
+
+    fn get(&self, key: &BlockKey, out: &mut BlockBuf) -> Result<Option<BlockMeta>> {
+        let t0 = Instant::now();
+        let Some((slot, meta)) = self.state.lock().get(key, true) else {
+            self.counters.misses.add(1);
+            return Ok(None);
+        };
+        let len = meta.len as usize;
+        out.resize(len);
+        let ps = self.pool.page_size();
+        let base = out.full_mut().as_mut_ptr() as usize;
+        let mut ops = Vec::new();
+        let mut off = 0usize;
+        for (first, n) in slot.pages.runs() {
+            let run_bytes = (len - off).min(n as usize * ps);
+            // The buffer's capacity is aligned, so reading the padded tail stays inside it.
+            ops.push(IoOp {
+                kind: IoKind::Read,
+                offset: first as u64 * ps as u64,
+                addr: base + off,
+                len: align_up(run_bytes.max(1)),
+            });
+            off += run_bytes;
+        }
+        if let Err(e) = self.io.run(self.fd(), ops) {
+            self.corrupt(key, &slot, &format!("read failed: {e}"));
+            self.counters.misses.add(1);
+            return Ok(None);
+        }
+        if checksum(&out[..]) != slot.checksum {
+            self.corrupt(key, &slot, "checksum mismatch");
+            self.counters.misses.add(1);
+            return Ok(None);
+        }
+        let tick = self.tick();
+        slot.tick.store(tick, Ordering::Relaxed);
+        let entry = IndexEntry { meta, checksum: slot.checksum, tick, runs: slot.pages.runs() };
+        if let Err(e) = self.index.touch(key, &entry) {
+            tracing::debug!("G3 recency update failed: {e}");
+        }
+        self.counters.hits.add(1);
+        self.counters.bytes_read.add(meta.len);
+        self.counters.get_took(t0.elapsed());
+        Ok(Some(meta))
+    }
+
+    fn contains(&self, key: &BlockKey) -> bool {
+        self.state.lock().contains(key)
+    }
+
+    fn remove(&self, key: &BlockKey) -> Result<bool> {
+        let mut st = self.state.lock();
+        let Some(e) = st.remove(key) else { return Ok(false) };
+        self.index.write(&[], &[*key], false)?;
+        drop(e);
+        self.counters.set_usage(self.pool.used_pages() as u64 * self.pool.page_size() as u64, st.len());
+        Ok(true)
+    }
+
+    fn pin(&self, lease: LeaseId, keys: &[BlockKey], deadline: Instant) -> usize {
+        self.state.lock().pin(lease, keys, deadline)
+    }
+
+    fn release(&self, lease: LeaseId) {
+        self.state.lock().release(lease);
+    }
+
+    fn usage(&self) -> TierUsage {
+        let st = self.state.lock();
+        TierUsage {
+            used_bytes: self.pool.used_pages() as u64 * self.pool.page_size() as u64,
+            capacity_bytes: self.pool.total_pages() as u64 * self.pool.page_size() as u64,
+            blocks: st.len(),
+        }
+    }
+
+    fn stats(&self) -> TierStats {
+        self.counters.snapshot(self.usage())
+    }
+
+    fn keys(&self) -> Vec<(BlockKey, BlockMeta)> {
+        self.state.lock().ready_keys()
+    }
+
+    fn flush(&self) -> Result<()> {
+        // SAFETY: plain syscall on our fd.
+        if unsafe { libc::fdatasync(self.fd()) } != 0 {
+            return Err(TierError::io(TIER, "fdatasync", std::io::Error::last_os_error()));
+        }
+        self.index.flush()
+    }
+}

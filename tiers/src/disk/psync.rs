@@ -1,0 +1,49 @@
+//! The pread/pwrite engine: used where io_uring is unavailable.
+
+use std::io;
+use std::os::fd::RawFd;
+
+use super::io::{IoEngine, IoKind, IoOp};
+
+/// Synchronous positional I/O, one op at a time.
+#[derive(Debug, Default)]
+pub struct PsyncEngine;
+
+/// Runs one op to completion (handles EINTR and short transfers).
+pub(super) fn run_one(fd: RawFd, op: &IoOp) -> io::Result<()> {
+    let mut done = 0usize;
+    while done < op.len {
+        let p = (op.addr + done) as *mut libc::c_void;
+        let off = (op.offset + done as u64) as libc::off_t;
+        let n = op.len - done;
+        // SAFETY: the caller guarantees [addr, addr+len) is valid (and writable for reads) until
+        // the batch completes.
+        let r = unsafe {
+            match op.kind {
+                IoKind::Read => libc::pread(fd, p, n, off),
+                IoKind::Write => libc::pwrite(fd, p, n, off),
+            }
+        };
+        if r < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        if r == 0 {
+            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "G3 file ended before the block"));
+        }
+        done += r as usize;
+    }
+    Ok(())
+}
+
+impl IoEngine for PsyncEngine {
+    fn name(&self) -> &'static str {
+        "psync"
+    }
+    fn run(&mut self, fd: RawFd, ops: &[IoOp]) -> io::Result<()> {
+        ops.iter().try_for_each(|op| run_one(fd, op))
+    }
+}

@@ -1,0 +1,450 @@
+//! G2: the host pool. A fixed-capacity shared-memory file, mapped once at start, carved into
+//! pages; blocks are page lists (see [`crate::pages`]).
+//!
+//! The file lives in `/dev/shm` by default so that engines on the node can later map the same
+//! memory. Its space is reserved with `posix_fallocate` at start, so a pool larger than the
+//! shared-memory filesystem fails at start with a clear error instead of a SIGBUS later.
+
+use std::fs::{File, OpenOptions};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvproto::{BlockKey, TierKind};
+use memmap2::{MmapOptions, MmapRaw};
+use parking_lot::{Condvar, Mutex, MutexGuard};
+
+use crate::block::{BlockMeta, LeaseId};
+use crate::buf::BlockBuf;
+use crate::cuda::HostRegistration;
+use crate::error::{Result, TierError};
+use crate::eviction::EvictionPolicy;
+use crate::lru_policy::LruPolicy;
+use crate::pages::{PagePool, Pages};
+use crate::residency::{Residency, SlotBytes};
+use crate::stats::{Count, TierCounters, TierStats, TierUsage};
+use crate::tier::{BlockRef, Tier};
+
+const TIER: TierKind = TierKind::G2Host;
+
+/// Whether to page-lock the pool for CUDA.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CudaRegister {
+    /// Register when a CUDA device is present; otherwise log and continue.
+    Auto,
+    /// Never.
+    Off,
+    /// Fail at start if registration is impossible.
+    Required,
+}
+
+/// Configuration of the G2 host pool.
+#[derive(Debug, Clone)]
+pub struct HostTierConfig {
+    /// Capacity in bytes (rounded down to whole pages).
+    pub capacity_bytes: u64,
+    /// Allocation unit; a multiple of 4096.
+    pub page_size: usize,
+    /// Directory of the shared-memory file (`/dev/shm` where it exists).
+    pub shm_dir: PathBuf,
+    /// `mlock` the pool so the kernel never swaps it.
+    pub mlock: bool,
+    /// Fault every page in at start (no page faults on the put path).
+    pub populate: bool,
+    pub cuda_register: CudaRegister,
+    /// Eviction starts when used space would pass this fraction of capacity...
+    pub high_watermark: f64,
+    /// ...and frees down to this fraction.
+    pub low_watermark: f64,
+    /// How long a put may wait for write-through to free space before it drops the
+    /// write-through of the coldest waiting block instead (the bound on a save's stall).
+    pub dirty_wait: Duration,
+}
+
+impl HostTierConfig {
+    /// Defaults for a pool of `capacity_bytes`.
+    pub fn with_capacity(capacity_bytes: u64) -> Self {
+        let shm = Path::new("/dev/shm");
+        Self {
+            capacity_bytes,
+            page_size: 64 * 1024,
+            shm_dir: if shm.is_dir() { shm.to_path_buf() } else { std::env::temp_dir() },
+            mlock: false,
+            populate: true,
+            cuda_register: CudaRegister::Auto,
+            high_watermark: 0.98,
+            low_watermark: 0.95,
+            dirty_wait: Duration::from_millis(100),
+        }
+    }
+
+    pub(crate) fn validate(&self) -> Result<()> {
+        validate_space(self.page_size, self.capacity_bytes, self.high_watermark, self.low_watermark)
+    }
+}
+
+/// Checks page size, capacity and watermarks shared by G2 and G3.
+pub(crate) fn validate_space(page_size: usize, capacity: u64, high: f64, low: f64) -> Result<()> {
+    if page_size == 0 || !page_size.is_multiple_of(4096) {
+        return Err(TierError::Config {
+            field: "page_size",
+            reason: format!("{page_size} is not a positive multiple of 4096"),
+        });
+    }
+    if capacity < page_size as u64 {
+        return Err(TierError::Config {
+            field: "capacity_bytes",
+            reason: format!("{capacity} is smaller than one page ({page_size})"),
+        });
+    }
+    if capacity / page_size as u64 > u64::from(u32::MAX) {
+        return Err(TierError::Config {
+            field: "page_size",
+            reason: "more than 2^32 pages: raise the page size".into(),
+        });
+    }
+    if !(0.0 < low && low <= high && high <= 1.0) {
+        return Err(TierError::Config {
+            field: "watermarks",
+            reason: format!("need 0 < low ({low}) <= high ({high}) <= 1"),
+        });
+    }
+    Ok(())
+}
+
+/// The mapped shared-memory file.
+#[derive(Debug)]
+struct SharedRegion {
+    // Field order matters: unregister from CUDA before unmapping.
+    _cuda: Option<HostRegistration>,
+    map: MmapRaw,
+    path: PathBuf,
+    _file: File,
+}
+
+impl Drop for SharedRegion {
+    fn drop(&mut self) {
+        // Unlink; processes that still map it keep their mapping.
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+#[derive(Debug)]
+struct HostSlot {
+    pages: Pages,
+}
+
+impl SlotBytes for HostSlot {
+    fn slot_bytes(&self) -> u64 {
+        self.pages.bytes()
+    }
+}
+
+/// The G2 tier.
+#[derive(Debug)]
+pub struct HostTier {
+    region: SharedRegion,
+    pool: Arc<PagePool>,
+    state: Mutex<Residency<HostSlot>>,
+    counters: TierCounters,
+    /// Blocks evicted before the write-through reached them.
+    evicted_dirty: Count,
+    /// Signalled when write-through cleans a block (a put may be waiting for space).
+    cleaned: Condvar,
+    dirty_wait: Duration,
+    high_pages: usize,
+    low_pages: usize,
+}
+
+impl HostTier {
+    /// Creates and maps the pool file.
+    pub fn open(cfg: &HostTierConfig) -> Result<Self> {
+        cfg.validate()?;
+        let pages = (cfg.capacity_bytes / cfg.page_size as u64) as u32;
+        let len = pages as usize * cfg.page_size;
+        let nanos =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
+        let path = cfg.shm_dir.join(format!("kvcached-g2-{}-{nanos:09}", std::process::id()));
+        let io = |op, e| TierError::io(TIER, op, e);
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&path)
+            .map_err(|e| io("create pool file", e))?;
+        // SAFETY: plain syscall on an owned fd.
+        let r = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len as libc::off_t) };
+        if r != 0 {
+            let _ = std::fs::remove_file(&path);
+            return Err(TierError::Config {
+                field: "g2 capacity_bytes",
+                reason: format!(
+                    "cannot reserve {len} bytes in {}: {} (lower the capacity or enlarge the filesystem)",
+                    cfg.shm_dir.display(),
+                    std::io::Error::from_raw_os_error(r)
+                ),
+            });
+        }
+        let mut opts = MmapOptions::new();
+        opts.len(len);
+        if cfg.populate {
+            opts.populate();
+        }
+        let map = opts.map_raw(&file).map_err(|e| {
+            let _ = std::fs::remove_file(&path);
+            io("mmap pool file", e)
+        })?;
+        if cfg.mlock {
+            // SAFETY: the range is our live mapping.
+            if unsafe { libc::mlock(map.as_ptr().cast(), len) } != 0 {
+                let e = std::io::Error::last_os_error();
+                let _ = std::fs::remove_file(&path);
+                return Err(TierError::Config {
+                    field: "g2 mlock",
+                    reason: format!("mlock of {len} bytes failed: {e} (raise RLIMIT_MEMLOCK or disable mlock)"),
+                });
+            }
+        }
+        let cuda = match cfg.cuda_register {
+            CudaRegister::Off => None,
+            // SAFETY: the mapping outlives the registration (field order in SharedRegion).
+            mode => match unsafe { HostRegistration::register(map.as_mut_ptr(), len) } {
+                Ok(r) => {
+                    tracing::info!(bytes = len, "G2 pool page-locked for CUDA");
+                    Some(r)
+                }
+                Err(e) if mode == CudaRegister::Auto => {
+                    tracing::info!("G2 pool not registered with CUDA: {e}");
+                    None
+                }
+                Err(e) => {
+                    let _ = std::fs::remove_file(&path);
+                    return Err(e);
+                }
+            },
+        };
+        let total = pages as usize;
+        Ok(Self {
+            region: SharedRegion { _cuda: cuda, map, path, _file: file },
+            pool: PagePool::new(cfg.page_size, pages),
+            state: Mutex::new(Residency::new(Box::new(LruPolicy::new()) as Box<dyn EvictionPolicy>)),
+            counters: TierCounters::new(TIER, len as u64),
+            cleaned: Condvar::new(),
+            dirty_wait: cfg.dirty_wait,
+            evicted_dirty: Count::labelled(
+                "kvcached_writethrough_dropped_total",
+                &[("reason", "evicted_before_write")],
+            ),
+            high_pages: ((total as f64) * cfg.high_watermark) as usize,
+            low_pages: ((total as f64) * cfg.low_watermark) as usize,
+        })
+    }
+
+    /// Path of the shared-memory file (engines map it by this path).
+    pub fn shm_path(&self) -> &Path {
+        &self.region.path
+    }
+
+    /// Base address and length of the mapping.
+    pub fn region(&self) -> (*const u8, usize) {
+        (self.region.map.as_ptr(), self.region.map.len())
+    }
+
+    fn page_ptr(&self, page: u32) -> *mut u8 {
+        // Page ids are < total pages, so the offset is inside the mapping.
+        self.region.map.as_mut_ptr().wrapping_add(page as usize * self.pool.page_size())
+    }
+
+    /// Calls `f` with each contiguous piece of a block's bytes, in order, without copying.
+    /// Returns `None` on a miss. The block cannot be reused while `f` runs.
+    pub fn with_block<R>(&self, key: &BlockKey, f: impl FnOnce(&BlockMeta, &[&[u8]]) -> R) -> Option<R> {
+        let (slot, meta) = self.state.lock().get(key, true)?;
+        let ps = self.pool.page_size();
+        let mut left = meta.len as usize;
+        let mut pieces = Vec::new();
+        for (first, n) in slot.pages.runs() {
+            let take = left.min(n as usize * ps);
+            // SAFETY: the run lies inside the mapping and is not written while `slot` is held
+            // (a committed block is immutable; its pages are freed only when the Arc drops).
+            pieces.push(unsafe { std::slice::from_raw_parts(self.page_ptr(first), take) });
+            left -= take;
+        }
+        self.counters.hits.add(1);
+        self.counters.bytes_read.add(meta.len);
+        Some(f(&meta, &pieces))
+    }
+
+    /// Makes room for `pages` more pages, evicting down to the low watermark when needed.
+    /// Clean blocks go first; if only blocks still waiting for write-through could go, waits
+    /// up to `dirty_wait` for the writer to clean some before dropping their write-through.
+    fn make_room(&self, st: &mut MutexGuard<'_, Residency<HostSlot>>, pages: usize) -> Result<()> {
+        let total = self.pool.total_pages() as usize;
+        let full = |free: usize| TierError::Full {
+            tier: TIER,
+            needed: pages as u64 * self.pool.page_size() as u64,
+            free: free as u64 * self.pool.page_size() as u64,
+        };
+        if pages > total {
+            return Err(full(self.pool.free_pages()));
+        }
+        let deadline = Instant::now() + self.dirty_wait;
+        loop {
+            let used = self.pool.used_pages();
+            if used + pages <= self.high_pages && self.pool.free_pages() >= pages {
+                return Ok(());
+            }
+            let now = Instant::now();
+            let allow_dirty = now >= deadline || st.dirty() == 0;
+            // Free enough that, with this block, usage ends at the low watermark.
+            let need = (used + pages).saturating_sub(self.low_pages.min(total)) as u64 * self.pool.page_size() as u64;
+            let (victims, _) = st.evict(need, now, allow_dirty);
+            let dropped = victims.iter().filter(|(_, e)| e.dirty).count() as u64;
+            if dropped > 0 {
+                self.evicted_dirty.add(dropped);
+            }
+            self.counters.evictions.add(victims.len() as u64);
+            drop(victims); // frees the pages (no reader holds them: evict skips blocks in use)
+            if self.pool.free_pages() >= pages {
+                return Ok(());
+            }
+            if allow_dirty {
+                return Err(full(self.pool.free_pages()));
+            }
+            self.cleaned.wait_until(st, deadline);
+        }
+    }
+
+    /// Puts a block, marking it dirty (to be written to the tiers below) when `dirty`.
+    pub(crate) fn put_marked(&self, block: BlockRef<'_>, dirty: bool) -> Result<bool> {
+        let t0 = Instant::now();
+        if block.meta.len != block.data.len() as u64 {
+            return Err(TierError::LengthMismatch { expected: block.meta.len, actual: block.data.len() as u64 });
+        }
+        let n = self.pool.pages_for(block.meta.len);
+        let slot = {
+            let mut st = self.state.lock();
+            if st.has_entry(&block.key) {
+                return Ok(false);
+            }
+            if let Err(e) = self.make_room(&mut st, n) {
+                self.counters.put_errors.add(1);
+                return Err(e);
+            }
+            let Some(pages) = self.pool.alloc(n) else {
+                self.counters.put_errors.add(1);
+                return Err(TierError::Full { tier: TIER, needed: block.meta.len, free: 0 });
+            };
+            let slot = Arc::new(HostSlot { pages });
+            if !st.reserve(block.key, block.meta, Arc::clone(&slot), dirty) {
+                // Another writer reserved the key while this one waited for space.
+                return Ok(false);
+            }
+            slot
+        };
+        // Copy with no lock held: the pages are exclusively this reservation's.
+        let ps = self.pool.page_size();
+        let mut off = 0usize;
+        for (first, count) in slot.pages.runs() {
+            let take = (block.data.len() - off).min(count as usize * ps);
+            // SAFETY: destination run is inside the mapping and owned by `slot`; source is a
+            // distinct buffer of at least off+take bytes.
+            unsafe { std::ptr::copy_nonoverlapping(block.data.as_ptr().add(off), self.page_ptr(first), take) };
+            off += take;
+        }
+        let committed = {
+            let mut st = self.state.lock();
+            let ok = st.commit(&block.key, &slot);
+            self.counters.set_usage(self.pool.used_pages() as u64 * ps as u64, st.len());
+            ok
+        };
+        self.counters.bytes_written.add(block.meta.len);
+        self.counters.put_took(t0.elapsed());
+        Ok(committed)
+    }
+
+    /// Blocks evicted from G2 before write-through reached them (their lower copy was lost).
+    pub fn evicted_before_write(&self) -> u64 {
+        self.evicted_dirty.get()
+    }
+
+    pub(crate) fn mark_clean(&self, key: &BlockKey) {
+        self.state.lock().mark_clean(key);
+        self.cleaned.notify_all();
+    }
+
+    /// Touches the keys in reverse order so that ancestors end up more recent than their
+    /// descendants (a chain is then evicted from its tail).
+    pub fn touch_chain(&self, keys: &[BlockKey]) {
+        let mut st = self.state.lock();
+        for k in keys.iter().rev() {
+            let _ = st.get(k, true);
+        }
+    }
+}
+
+impl Tier for HostTier {
+    fn kind(&self) -> TierKind {
+        TIER
+    }
+
+    fn put(&self, block: BlockRef<'_>) -> Result<bool> {
+        self.put_marked(block, false)
+    }
+
+    fn get(&self, key: &BlockKey, out: &mut BlockBuf) -> Result<Option<BlockMeta>> {
+        let t0 = Instant::now();
+        let hit = self.with_block(key, |meta, pieces| {
+            out.resize(meta.len as usize);
+            let mut off = 0;
+            for p in pieces {
+                out[off..off + p.len()].copy_from_slice(p);
+                off += p.len();
+            }
+            *meta
+        });
+        if hit.is_none() {
+            self.counters.misses.add(1);
+        }
+        self.counters.get_took(t0.elapsed());
+        Ok(hit)
+    }
+
+    fn contains(&self, key: &BlockKey) -> bool {
+        self.state.lock().contains(key)
+    }
+
+    fn remove(&self, key: &BlockKey) -> Result<bool> {
+        let mut st = self.state.lock();
+        let removed = st.remove(key).is_some();
+        self.counters.set_usage(self.pool.used_pages() as u64 * self.pool.page_size() as u64, st.len());
+        Ok(removed)
+    }
+
+    fn pin(&self, lease: LeaseId, keys: &[BlockKey], deadline: Instant) -> usize {
+        self.state.lock().pin(lease, keys, deadline)
+    }
+
+    fn release(&self, lease: LeaseId) {
+        self.state.lock().release(lease);
+    }
+
+    fn usage(&self) -> TierUsage {
+        let st = self.state.lock();
+        TierUsage {
+            used_bytes: self.pool.used_pages() as u64 * self.pool.page_size() as u64,
+            capacity_bytes: self.pool.total_pages() as u64 * self.pool.page_size() as u64,
+            blocks: st.len(),
+        }
+    }
+
+    fn stats(&self) -> TierStats {
+        self.counters.snapshot(self.usage())
+    }
+
+    fn keys(&self) -> Vec<(BlockKey, BlockMeta)> {
+        self.state.lock().ready_keys()
+    }
+}

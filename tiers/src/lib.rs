@@ -1,0 +1,45 @@
+//! `kvtiers`: the kvcached block store as a library, with no networking.
+//!
+//! # Layout
+//! - [`tier`]: the [`Tier`] trait every tier implements (G1-G4).
+//! - [`host`]: G2, the shared-memory host pool ([`HostTier`]).
+//! - [`disk`]: G3, blocks on NVMe via O_DIRECT (io_uring or pread/pwrite on named I/O
+//!   threads) with a durable RocksDB index ([`DiskTier`]).
+//! - [`store`]: [`BlockStore`], G2 over the lower tiers: write-through, promotion, prefix
+//!   lookup, leases.
+//! - [`writethrough`]: the background writer that copies G2 blocks down in batches.
+//! - [`residency`]: reserve -> write -> commit states, child counts, leases and eviction
+//!   choice, shared by every tier.
+//! - [`eviction`] / [`lru_policy`]: recency order behind a small trait, LRU via the `lru`
+//!   crate.
+//! - [`pages`]: page-granular space allocation shared by G2 and G3.
+//! - [`buf`]: [`BlockBuf`], the 4 KiB-aligned buffer blocks are read into.
+//! - [`block`]: block metadata, checksums, lease ids.
+//! - [`stats`]: counters exported as `kvcached_*` metrics.
+//! - [`cuda`]: page-locking host memory for CUDA, loaded at run time.
+//! - [`error`]: [`TierError`], the crate's one error enum.
+
+pub mod block;
+pub mod buf;
+pub mod cuda;
+pub mod disk;
+pub mod error;
+pub mod eviction;
+pub mod host;
+pub mod lru_policy;
+pub mod pages;
+pub(crate) mod residency;
+pub mod stats;
+pub mod store;
+pub mod tier;
+pub mod writethrough;
+
+pub use block::{BlockMeta, LeaseId, checksum};
+pub use buf::BlockBuf;
+pub use disk::{DiskTier, DiskTierConfig};
+pub use error::{Result, TierError};
+pub use host::{CudaRegister, HostTier, HostTierConfig};
+pub use stats::{TierStats, TierUsage};
+pub use store::{BlockStore, BlockStoreConfig, Hit, PrefixMatch, StoreStats};
+pub use tier::{BlockRef, Tier};
+pub use writethrough::WriteThroughConfig;

@@ -1,0 +1,270 @@
+//! Which blocks a tier holds, in which state, and which of them may be evicted.
+//!
+//! Shared by every tier implementation: a block is first *reserved* (invisible), its bytes are
+//! written with no lock held, then it is *committed* and becomes visible. Eviction walks the
+//! [`EvictionPolicy`] from coldest and skips a block that is pinned by an unexpired lease, has
+//! a cached child in this tier (a child without its parent is useless, so descendants go
+//! first), is being read, or (in the first pass) has not yet been written to the tiers below.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use kvproto::{BlockKey, key::BlockKeyBuildHasher};
+
+use crate::block::{BlockMeta, LeaseId};
+use crate::eviction::EvictionPolicy;
+
+/// Size of a slot, in the tier's allocation unit (bytes of pages held).
+pub(crate) trait SlotBytes {
+    fn slot_bytes(&self) -> u64;
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    Writing,
+    Ready,
+}
+
+#[derive(Debug)]
+pub(crate) struct Resident<S> {
+    pub slot: Arc<S>,
+    pub meta: BlockMeta,
+    state: State,
+    children: u32,
+    leases: Vec<(LeaseId, Instant)>,
+    /// Not yet written to the tiers below (G2 only).
+    pub dirty: bool,
+}
+
+impl<S> Resident<S> {
+    fn pinned(&self, now: Instant) -> bool {
+        self.leases.iter().any(|&(_, deadline)| deadline > now)
+    }
+}
+
+/// The residency map of one tier.
+#[derive(Debug)]
+pub(crate) struct Residency<S> {
+    entries: HashMap<BlockKey, Resident<S>, BlockKeyBuildHasher>,
+    policy: Box<dyn EvictionPolicy>,
+    leases: HashMap<LeaseId, Vec<BlockKey>>,
+    ready: usize,
+    dirty: usize,
+}
+
+impl<S: SlotBytes> Residency<S> {
+    pub fn new(policy: Box<dyn EvictionPolicy>) -> Self {
+        Self { entries: HashMap::default(), policy, leases: HashMap::new(), ready: 0, dirty: 0 }
+    }
+
+    /// Visible blocks.
+    pub fn len(&self) -> usize {
+        self.ready
+    }
+
+    /// Whether `key` has an entry in any state (visible or being written).
+    pub fn has_entry(&self, key: &BlockKey) -> bool {
+        self.entries.contains_key(key)
+    }
+
+    /// Whether `key` is visible.
+    pub fn contains(&self, key: &BlockKey) -> bool {
+        self.entries.get(key).is_some_and(|e| e.state == State::Ready)
+    }
+
+    /// Reserves `key` for writing. False if the key already has an entry (first writer wins).
+    pub fn reserve(&mut self, key: BlockKey, meta: BlockMeta, slot: Arc<S>, dirty: bool) -> bool {
+        if self.entries.contains_key(&key) {
+            return false;
+        }
+        self.dirty += usize::from(dirty);
+        self.entries
+            .insert(key, Resident { slot, meta, state: State::Writing, children: 0, leases: Vec::new(), dirty });
+        true
+    }
+
+    /// Makes a reserved block visible. False if the reservation is gone (removed meanwhile).
+    pub fn commit(&mut self, key: &BlockKey, slot: &Arc<S>) -> bool {
+        let parent = match self.entries.get_mut(key) {
+            Some(e) if e.state == State::Writing && Arc::ptr_eq(&e.slot, slot) => {
+                e.state = State::Ready;
+                e.meta.parent
+            }
+            _ => return false,
+        };
+        self.ready += 1;
+        if let Some(p) = parent.and_then(|p| self.entries.get_mut(&p)) {
+            p.children += 1;
+        }
+        self.policy.insert(*key);
+        true
+    }
+
+    /// Inserts a block that is already complete (recovery at start).
+    pub fn insert_ready(&mut self, key: BlockKey, meta: BlockMeta, slot: Arc<S>) {
+        if self.reserve(key, meta, Arc::clone(&slot), false) {
+            self.commit(&key, &slot);
+        }
+    }
+
+    /// Recomputes child counts after a bulk [`Residency::insert_ready`] in arbitrary order.
+    pub fn recount_children(&mut self) {
+        let parents: Vec<BlockKey> = self.entries.values().filter_map(|e| e.meta.parent).collect();
+        for e in self.entries.values_mut() {
+            e.children = 0;
+        }
+        for p in parents {
+            if let Some(e) = self.entries.get_mut(&p) {
+                e.children += 1;
+            }
+        }
+    }
+
+    /// A visible block's slot and metadata; `touch` marks it used.
+    pub fn get(&mut self, key: &BlockKey, touch: bool) -> Option<(Arc<S>, BlockMeta)> {
+        let e = self.entries.get(key)?;
+        if e.state != State::Ready {
+            return None;
+        }
+        let out = (Arc::clone(&e.slot), e.meta);
+        if touch {
+            self.policy.touch(key);
+        }
+        Some(out)
+    }
+
+    /// Marks a block as written to the tiers below.
+    pub fn mark_clean(&mut self, key: &BlockKey) {
+        if let Some(e) = self.entries.get_mut(key)
+            && e.dirty
+        {
+            e.dirty = false;
+            self.dirty -= 1;
+        }
+    }
+
+    /// Removes a block in any state; returns it so the caller can release its space.
+    pub fn remove(&mut self, key: &BlockKey) -> Option<Resident<S>> {
+        let e = self.entries.remove(key)?;
+        self.dirty -= usize::from(e.dirty);
+        if e.state == State::Ready {
+            self.ready -= 1;
+            self.policy.remove(key);
+            if let Some(p) = e.meta.parent.and_then(|p| self.entries.get_mut(&p)) {
+                p.children = p.children.saturating_sub(1);
+            }
+        }
+        Some(e)
+    }
+
+    /// Removes a reservation only if it is still `slot`'s.
+    pub fn abort(&mut self, key: &BlockKey, slot: &Arc<S>) {
+        if self.entries.get(key).is_some_and(|e| e.state == State::Writing && Arc::ptr_eq(&e.slot, slot)) {
+            self.remove(key);
+        }
+    }
+
+    /// Blocks still waiting for write-through.
+    pub fn dirty(&self) -> usize {
+        self.dirty
+    }
+
+    /// Chooses and removes victims until at least `need_bytes` of slots are freed, or nothing
+    /// more may go. Blocks waiting for write-through go only when `allow_dirty`, after every
+    /// clean candidate. Returns the removed blocks and whether they freed enough.
+    pub fn evict(&mut self, need_bytes: u64, now: Instant, allow_dirty: bool) -> (Vec<(BlockKey, Resident<S>)>, bool) {
+        self.reap_expired(now);
+        let mut freed = 0u64;
+        let mut out = Vec::new();
+        // Pass 0 keeps dirty blocks; pass 1 (if allowed) accepts them (counted by the caller
+        // as dropped write-through). Each pass repeats while it makes progress: removing a
+        // leaf can turn its parent into a leaf.
+        let passes: &[bool] = if allow_dirty { &[false, true] } else { &[false] };
+        for &allow_dirty in passes {
+            loop {
+                let mut picked = Vec::new();
+                let mut picked_bytes = 0u64;
+                for key in self.policy.coldest_first() {
+                    if freed + picked_bytes >= need_bytes {
+                        break;
+                    }
+                    let Some(e) = self.entries.get(&key) else { continue };
+                    let evictable = e.state == State::Ready
+                        && e.children == 0
+                        && !e.pinned(now)
+                        && (allow_dirty || !e.dirty)
+                        && Arc::strong_count(&e.slot) == 1;
+                    if evictable {
+                        picked_bytes += e.slot.slot_bytes();
+                        picked.push(key);
+                    }
+                }
+                if picked.is_empty() {
+                    break;
+                }
+                for key in picked {
+                    if let Some(e) = self.remove(&key) {
+                        freed += e.slot.slot_bytes();
+                        out.push((key, e));
+                    }
+                }
+                if freed >= need_bytes {
+                    return (out, true);
+                }
+            }
+        }
+        let enough = freed >= need_bytes;
+        (out, enough)
+    }
+
+    /// Pins the visible blocks among `keys` until `deadline` under `lease`; returns how many.
+    pub fn pin(&mut self, lease: LeaseId, keys: &[BlockKey], deadline: Instant) -> usize {
+        let mut pinned = Vec::new();
+        for k in keys {
+            if let Some(e) = self.entries.get_mut(k)
+                && e.state == State::Ready
+            {
+                e.leases.push((lease, deadline));
+                pinned.push(*k);
+            }
+        }
+        let n = pinned.len();
+        if n > 0 {
+            self.leases.entry(lease).or_default().extend(pinned);
+        }
+        n
+    }
+
+    /// Drops every pin of `lease`.
+    pub fn release(&mut self, lease: LeaseId) {
+        if let Some(keys) = self.leases.remove(&lease) {
+            for k in keys {
+                if let Some(e) = self.entries.get_mut(&k) {
+                    e.leases.retain(|&(l, _)| l != lease);
+                }
+            }
+        }
+    }
+
+    /// Forgets expired leases (a crashed reader cannot hold a block forever).
+    pub fn reap_expired(&mut self, now: Instant) {
+        let expired: Vec<LeaseId> = self
+            .leases
+            .iter()
+            .filter(|(l, keys)| {
+                keys.iter()
+                    .all(|k| self.entries.get(k).is_none_or(|e| e.leases.iter().all(|&(id, d)| id != **l || d <= now)))
+            })
+            .map(|(l, _)| *l)
+            .collect();
+        for l in expired {
+            self.release(l);
+        }
+    }
+
+    /// All visible keys with their metadata.
+    pub fn ready_keys(&self) -> Vec<(BlockKey, BlockMeta)> {
+        self.entries.iter().filter(|(_, e)| e.state == State::Ready).map(|(k, e)| (*k, e.meta)).collect()
+    }
+}

@@ -1,0 +1,239 @@
+//! `BlockStore`: G2 on top, lower tiers (G3, later G4) below, write-through down and
+//! promotion up.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use kvproto::{BlockKey, TierKind};
+
+use crate::block::{BlockMeta, LeaseId};
+use crate::buf::BlockBuf;
+use crate::disk::{DiskTier, DiskTierConfig};
+use crate::error::{Result, TierError};
+use crate::host::{HostTier, HostTierConfig};
+use crate::stats::{Count, TierStats};
+use crate::tier::{BlockRef, Tier};
+use crate::writethrough::{WriteThrough, WriteThroughConfig};
+
+/// Configuration of a whole store.
+#[derive(Debug, Clone)]
+pub struct BlockStoreConfig {
+    pub g2: HostTierConfig,
+    /// None: no disk tier.
+    pub g3: Option<DiskTierConfig>,
+    pub write_through: WriteThroughConfig,
+}
+
+/// Where a `get` found its block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Hit {
+    pub meta: BlockMeta,
+    pub tier: TierKind,
+}
+
+/// How much of a chain of keys is cached. Touches no block data.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PrefixMatch {
+    /// Length of the longest prefix of the chain present in some tier.
+    pub blocks: usize,
+    /// Per tier (indexed by `TierKind::index`), blocks of that prefix whose fastest copy is
+    /// there: sums to `blocks`.
+    pub fastest: [usize; 4],
+    /// Per tier, blocks of that prefix present there (a block can be in several tiers).
+    pub resident: [usize; 4],
+}
+
+/// A snapshot of the store's counters.
+#[derive(Debug, Clone, Default)]
+pub struct StoreStats {
+    pub tiers: Vec<(TierKind, TierStats)>,
+    pub writethrough_written: u64,
+    /// Write-throughs dropped because the queue was full.
+    pub writethrough_dropped: u64,
+    /// Blocks evicted from G2 before their write-through ran (after waiting `dirty_wait`).
+    pub writethrough_evicted_before_write: u64,
+    pub writethrough_errors: u64,
+    pub writethrough_queued: u64,
+    pub promotions: u64,
+}
+
+/// The tiered block store.
+#[derive(Debug)]
+pub struct BlockStore {
+    // Field order: the writer drains before the tiers drop.
+    wt: Option<WriteThrough>,
+    g2: Arc<HostTier>,
+    lower: Arc<Vec<Arc<dyn Tier>>>,
+    next_lease: AtomicU64,
+    promotions: Count,
+}
+
+impl BlockStore {
+    /// Opens G2 and, if configured, G3 (recovering what it holds).
+    pub fn open(cfg: &BlockStoreConfig) -> Result<Self> {
+        let g2 = Arc::new(HostTier::open(&cfg.g2)?);
+        let mut lower: Vec<Arc<dyn Tier>> = Vec::new();
+        if let Some(g3) = &cfg.g3 {
+            lower.push(Arc::new(DiskTier::open(g3)?));
+        }
+        Self::with_tiers(g2, lower, cfg.write_through)
+    }
+
+    /// A store over given tiers (lower ones fastest first).
+    pub fn with_tiers(g2: Arc<HostTier>, lower: Vec<Arc<dyn Tier>>, wt: WriteThroughConfig) -> Result<Self> {
+        let lower = Arc::new(lower);
+        let wt = if lower.is_empty() {
+            None
+        } else {
+            Some(
+                WriteThrough::start(wt, Arc::clone(&g2), Arc::clone(&lower))
+                    .map_err(|e| TierError::io(TierKind::G2Host, "start write-through thread", e))?,
+            )
+        };
+        Ok(Self {
+            wt,
+            g2,
+            lower,
+            next_lease: AtomicU64::new(1),
+            promotions: Count::labelled("kvcached_promotions_total", &[]),
+        })
+    }
+
+    /// The G2 tier (for zero-copy access by the daemon).
+    pub fn g2(&self) -> &Arc<HostTier> {
+        &self.g2
+    }
+
+    /// The tiers below G2.
+    pub fn lower(&self) -> &[Arc<dyn Tier>] {
+        &self.lower
+    }
+
+    /// Puts a block in G2 (visible on return) and queues it for the tiers below. Returns
+    /// `false` if the key was already present.
+    pub fn put(&self, key: BlockKey, meta: BlockMeta, data: &[u8]) -> Result<bool> {
+        let dirty = self.wt.is_some();
+        let stored = self.g2.put_marked(BlockRef { key, meta, data }, dirty)?;
+        if stored
+            && let Some(wt) = &self.wt
+            && !wt.enqueue(key)
+        {
+            self.g2.mark_clean(&key);
+        }
+        Ok(stored)
+    }
+
+    /// Reads a block into `out` from the fastest tier holding it; a block found below G2 is
+    /// promoted into G2.
+    pub fn get(&self, key: &BlockKey, out: &mut BlockBuf) -> Result<Option<Hit>> {
+        if let Some(meta) = self.g2.get(key, out)? {
+            return Ok(Some(Hit { meta, tier: TierKind::G2Host }));
+        }
+        for tier in self.lower.iter() {
+            if let Some(meta) = tier.get(key, out)? {
+                match self.g2.put_marked(BlockRef { key: *key, meta, data: out }, false) {
+                    Ok(_) => {
+                        self.promotions.add(1);
+                    }
+                    Err(e) => tracing::debug!(%key, "promotion into G2 skipped: {e}"),
+                }
+                return Ok(Some(Hit { meta, tier: tier.kind() }));
+            }
+        }
+        Ok(None)
+    }
+
+    /// Longest cached prefix of `keys` and where its blocks are. Marks the matched G2 blocks
+    /// used, ancestors last so that they outlive their descendants.
+    pub fn lookup(&self, keys: &[BlockKey]) -> PrefixMatch {
+        let mut m = PrefixMatch::default();
+        for k in keys {
+            let mut fastest = None;
+            if self.g2.contains(k) {
+                m.resident[TierKind::G2Host.index()] += 1;
+                fastest = Some(TierKind::G2Host);
+            }
+            for t in self.lower.iter() {
+                if t.contains(k) {
+                    m.resident[t.kind().index()] += 1;
+                    fastest = fastest.or(Some(t.kind()));
+                }
+            }
+            let Some(f) = fastest else { break };
+            m.fastest[f.index()] += 1;
+            m.blocks += 1;
+        }
+        self.g2.touch_chain(&keys[..m.blocks]);
+        m
+    }
+
+    /// Pins the present blocks among `keys` in every tier for `ttl`.
+    pub fn pin(&self, keys: &[BlockKey], ttl: Duration) -> LeaseId {
+        let lease = LeaseId(self.next_lease.fetch_add(1, Ordering::Relaxed));
+        let deadline = Instant::now() + ttl;
+        self.g2.pin(lease, keys, deadline);
+        for t in self.lower.iter() {
+            t.pin(lease, keys, deadline);
+        }
+        lease
+    }
+
+    /// Releases a lease early.
+    pub fn release(&self, lease: LeaseId) {
+        self.g2.release(lease);
+        for t in self.lower.iter() {
+            t.release(lease);
+        }
+    }
+
+    /// Removes a block from every tier.
+    pub fn remove(&self, key: &BlockKey) -> Result<bool> {
+        let mut any = self.g2.remove(key)?;
+        for t in self.lower.iter() {
+            any |= t.remove(key)?;
+        }
+        Ok(any)
+    }
+
+    /// Waits for queued write-through and makes the lower tiers durable.
+    pub fn flush(&self) -> Result<()> {
+        if let Some(wt) = &self.wt {
+            wt.wait_idle();
+        }
+        for t in self.lower.iter() {
+            t.flush()?;
+        }
+        Ok(())
+    }
+
+    pub fn stats(&self) -> StoreStats {
+        let mut tiers = vec![(TierKind::G2Host, self.g2.stats())];
+        tiers.extend(self.lower.iter().map(|t| (t.kind(), t.stats())));
+        let (mut written, mut dropped, mut errors, mut queued) = (0, 0, 0, 0);
+        if let Some(wt) = &self.wt {
+            written = wt.counters.written.get();
+            dropped = wt.counters.dropped.get();
+            errors = wt.counters.errors.get();
+            queued = wt.queued();
+        }
+        StoreStats {
+            tiers,
+            writethrough_written: written,
+            writethrough_dropped: dropped,
+            writethrough_evicted_before_write: self.g2.evicted_before_write(),
+            writethrough_errors: errors,
+            writethrough_queued: queued,
+            promotions: self.promotions.get(),
+        }
+    }
+}
+
+impl Drop for BlockStore {
+    fn drop(&mut self) {
+        // Drain the write-through queue so a clean shutdown loses nothing.
+        if let Err(e) = self.flush() {
+            tracing::warn!("flush at shutdown failed: {e}");
+        }
+    }
+}

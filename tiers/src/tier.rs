@@ -1,0 +1,68 @@
+//! The one abstraction every tier implements.
+
+use std::time::Instant;
+
+use kvproto::{BlockKey, TierKind};
+
+use crate::block::{BlockMeta, LeaseId};
+use crate::buf::BlockBuf;
+use crate::error::Result;
+use crate::stats::{TierStats, TierUsage};
+
+/// One block to put.
+#[derive(Debug, Clone, Copy)]
+pub struct BlockRef<'a> {
+    pub key: BlockKey,
+    pub meta: BlockMeta,
+    pub data: &'a [u8],
+}
+
+/// A storage tier: G1 engine GPU memory, G2 host pool, G3 disk, G4 object storage.
+///
+/// Contract (checked by the conformance suite in `tiers/tests/conformance.rs`):
+/// - A block is visible to `get`/`contains` only once all of its bytes are in the tier.
+/// - `put` of a key that is already present (or being written) is a no-op success: keys name
+///   their content, so the first writer wins.
+/// - `get` returns exactly the bytes that were put, or `Ok(None)`. A block whose bytes fail
+///   verification is removed, counted, and reported as a miss: never returned.
+/// - Space is reclaimed by eviction (prefix-aware LRU, never a pinned block); `put` fails with
+///   `TierError::Full` only when nothing can be evicted.
+pub trait Tier: Send + Sync + std::fmt::Debug {
+    fn kind(&self) -> TierKind;
+
+    /// Stores one block. Returns `true` if it was stored now, `false` if it was already there.
+    fn put(&self, block: BlockRef<'_>) -> Result<bool>;
+
+    /// Stores several blocks; tiers that can amortise (one fsync, one index batch) override
+    /// this. Returns, per block, what `put` would have.
+    fn put_batch(&self, blocks: &[BlockRef<'_>]) -> Vec<Result<bool>> {
+        blocks.iter().map(|b| self.put(*b)).collect()
+    }
+
+    /// Reads a block into `out` (resized to the block's length).
+    fn get(&self, key: &BlockKey, out: &mut BlockBuf) -> Result<Option<BlockMeta>>;
+
+    /// Whether the block is visible. Touches no block data.
+    fn contains(&self, key: &BlockKey) -> bool;
+
+    /// Removes a block; `true` if it was there.
+    fn remove(&self, key: &BlockKey) -> Result<bool>;
+
+    /// Pins the present blocks among `keys` until `deadline`; returns how many were pinned.
+    fn pin(&self, lease: LeaseId, keys: &[BlockKey], deadline: Instant) -> usize;
+
+    /// Drops the pins of `lease`.
+    fn release(&self, lease: LeaseId);
+
+    fn usage(&self) -> TierUsage;
+
+    fn stats(&self) -> TierStats;
+
+    /// Every visible block (for snapshots and tests).
+    fn keys(&self) -> Vec<(BlockKey, BlockMeta)>;
+
+    /// Makes every completed put durable (no-op for volatile tiers).
+    fn flush(&self) -> Result<()> {
+        Ok(())
+    }
+}

@@ -1,0 +1,261 @@
+//! The conformance suite every `Tier` implementation runs.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::*;
+use kvtiers::disk::io::IoBackend;
+use kvtiers::{BlockBuf, BlockRef, LeaseId, Tier, TierError};
+
+/// Builds a fresh tier of `capacity` bytes in a temp dir (kept alive by the returned guard).
+type Factory = fn(u64) -> (Arc<dyn Tier>, tempfile::TempDir);
+
+fn g2(capacity: u64) -> (Arc<dyn Tier>, tempfile::TempDir) {
+    let d = tempfile::tempdir().unwrap();
+    (as_tier(host(d.path(), capacity)), d)
+}
+fn g3_uring(capacity: u64) -> (Arc<dyn Tier>, tempfile::TempDir) {
+    let d = tempfile::tempdir().unwrap();
+    (as_tier(disk(d.path(), capacity, IoBackend::Auto)), d)
+}
+fn g3_psync(capacity: u64) -> (Arc<dyn Tier>, tempfile::TempDir) {
+    let d = tempfile::tempdir().unwrap();
+    (as_tier(disk(d.path(), capacity, IoBackend::Psync)), d)
+}
+
+fn put(t: &dyn Tier, chain: u32, i: u32, len: usize) -> Result<bool, TierError> {
+    let k = key(chain, i);
+    let data = content(&k, len);
+    t.put(BlockRef { key: k, meta: meta(chain, i, len), data: &data })
+}
+
+fn get_bytes(t: &dyn Tier, chain: u32, i: u32) -> Option<Vec<u8>> {
+    let mut buf = BlockBuf::new();
+    t.get(&key(chain, i), &mut buf).unwrap().map(|m| {
+        assert_eq!(m.len as usize, buf.len());
+        buf.to_vec()
+    })
+}
+
+fn roundtrip_sizes(f: Factory) {
+    let (t, _d) = f(64 << 20);
+    let sizes = [0usize, 1, 4095, 4096, 4097, PAGE - 1, PAGE, PAGE + 1, 3 * PAGE + 17, 1 << 20, (2 << 20) + 5];
+    for (i, &len) in sizes.iter().enumerate() {
+        assert!(put(&*t, 1, i as u32, len).unwrap(), "size {len}");
+    }
+    for (i, &len) in sizes.iter().enumerate() {
+        let got = get_bytes(&*t, 1, i as u32).unwrap_or_else(|| panic!("size {len} missing"));
+        assert_eq!(got, content(&key(1, i as u32), len), "size {len} differs");
+    }
+    assert_eq!(t.usage().blocks, sizes.len());
+    assert_eq!(t.keys().len(), sizes.len());
+    assert_eq!(t.stats().hits, sizes.len() as u64);
+}
+
+fn miss_and_visibility(f: Factory) {
+    let (t, _d) = f(4 << 20);
+    assert!(!t.contains(&key(9, 0)));
+    assert!(get_bytes(&*t, 9, 0).is_none());
+    assert_eq!(t.stats().misses, 1);
+    put(&*t, 9, 0, 1000).unwrap();
+    assert!(t.contains(&key(9, 0)));
+}
+
+fn put_is_idempotent(f: Factory) {
+    let (t, _d) = f(4 << 20);
+    assert!(put(&*t, 2, 0, 5000).unwrap());
+    assert!(!put(&*t, 2, 0, 5000).unwrap());
+    assert_eq!(t.usage().blocks, 1);
+}
+
+fn length_mismatch_is_rejected(f: Factory) {
+    let (t, _d) = f(4 << 20);
+    let k = key(3, 0);
+    let r = t.put(BlockRef { key: k, meta: meta(3, 0, 10), data: &[1, 2, 3] });
+    assert!(matches!(r, Err(TierError::LengthMismatch { .. })), "{r:?}");
+    assert!(!t.contains(&k));
+}
+
+fn remove_frees_space(f: Factory) {
+    let (t, _d) = f(4 << 20);
+    put(&*t, 4, 0, 3 * PAGE).unwrap();
+    let used = t.usage().used_bytes;
+    assert!(used >= 3 * PAGE as u64);
+    assert!(t.remove(&key(4, 0)).unwrap());
+    assert!(!t.remove(&key(4, 0)).unwrap());
+    assert_eq!(t.usage().used_bytes, 0);
+    assert!(get_bytes(&*t, 4, 0).is_none());
+}
+
+fn evicts_lru_when_full(f: Factory) {
+    // 8 pages; each block takes 2 pages; independent chains (no parents).
+    let (t, _d) = f(8 * PAGE as u64);
+    for c in 0..4 {
+        put(&*t, 100 + c, 0, 2 * PAGE).unwrap();
+    }
+    // Touch chain 100 so chain 101 is the coldest.
+    assert!(get_bytes(&*t, 100, 0).is_some());
+    put(&*t, 200, 0, 2 * PAGE).unwrap();
+    assert!(t.contains(&key(100, 0)));
+    assert!(!t.contains(&key(101, 0)), "the least recently used block goes first");
+    assert!(t.contains(&key(200, 0)));
+    assert!(t.stats().evictions >= 1);
+    assert!(t.usage().used_bytes <= t.usage().capacity_bytes);
+}
+
+fn evicts_descendants_before_ancestors(f: Factory) {
+    let (t, _d) = f(8 * PAGE as u64);
+    // One chain of 4 blocks, put root first (root is the coldest by recency).
+    for i in 0..4 {
+        put(&*t, 7, i, 2 * PAGE).unwrap();
+    }
+    put(&*t, 8, 0, 2 * PAGE).unwrap();
+    // The tail of the chain went, not its root.
+    assert!(t.contains(&key(7, 0)) && t.contains(&key(7, 1)) && t.contains(&key(7, 2)));
+    assert!(!t.contains(&key(7, 3)));
+}
+
+fn pinned_blocks_stay_and_leases_expire(f: Factory) {
+    let (t, _d) = f(4 * PAGE as u64);
+    put(&*t, 10, 0, 2 * PAGE).unwrap();
+    put(&*t, 11, 0, 2 * PAGE).unwrap();
+    let lease = LeaseId(1);
+    assert_eq!(t.pin(lease, &[key(10, 0), key(11, 0), key(99, 0)], Instant::now() + Duration::from_secs(60)), 2);
+    let r = put(&*t, 12, 0, 2 * PAGE);
+    assert!(matches!(r, Err(TierError::Full { .. })), "all pinned: {r:?}");
+    assert!(t.stats().put_errors >= 1);
+    t.release(lease);
+    put(&*t, 12, 0, 2 * PAGE).unwrap();
+    // A lease that expires frees its blocks without a release.
+    let l2 = LeaseId(2);
+    let pinned = [key(12, 0)];
+    t.pin(l2, &pinned, Instant::now() + Duration::from_millis(50));
+    let other = if t.contains(&key(10, 0)) { key(10, 0) } else { key(11, 0) };
+    t.pin(LeaseId(3), &[other], Instant::now() + Duration::from_secs(60));
+    assert!(put(&*t, 13, 0, 2 * PAGE).is_err());
+    std::thread::sleep(Duration::from_millis(80));
+    put(&*t, 13, 0, 2 * PAGE).unwrap();
+    assert!(!t.contains(&key(12, 0)), "expired lease no longer protects");
+}
+
+fn too_large_block_is_full_error(f: Factory) {
+    let (t, _d) = f(4 * PAGE as u64);
+    let r = put(&*t, 20, 0, 5 * PAGE);
+    assert!(matches!(r, Err(TierError::Full { .. })), "{r:?}");
+}
+
+fn concurrent_same_keys(f: Factory) {
+    let (t, _d) = f(32 << 20);
+    let threads: Vec<_> = (0..8)
+        .map(|th| {
+            let t = Arc::clone(&t);
+            std::thread::spawn(move || {
+                let mut buf = BlockBuf::new();
+                for round in 0..40u32 {
+                    let i = (round * 7 + th) % 16;
+                    let k = key(30, i);
+                    let len = 40_000 + i as usize * 1000;
+                    let data = content(&k, len);
+                    let _ = t.put(BlockRef { key: k, meta: meta(30, i, len), data: &data }).unwrap();
+                    if let Some(m) = t.get(&k, &mut buf).unwrap() {
+                        assert_eq!(m.len as usize, len);
+                        assert_eq!(&buf[..], &data[..], "wrong bytes for block {i}");
+                    }
+                }
+            })
+        })
+        .collect();
+    for th in threads {
+        th.join().unwrap();
+    }
+    for i in 0..16 {
+        let got = get_bytes(&*t, 30, i).expect("every block present");
+        assert_eq!(got, content(&key(30, i), 40_000 + i as usize * 1000));
+    }
+}
+
+fn concurrent_with_eviction(f: Factory) {
+    // Small tier: puts evict while others read; a read returns the exact bytes or a miss.
+    let (t, _d) = f(16 * PAGE as u64);
+    let threads: Vec<_> = (0..6)
+        .map(|th| {
+            let t = Arc::clone(&t);
+            std::thread::spawn(move || {
+                let mut buf = BlockBuf::new();
+                for round in 0..60u32 {
+                    let c = 40 + (round + th) % 24;
+                    let k = key(c, 0);
+                    let len = PAGE + 123;
+                    let data = content(&k, len);
+                    let _ = t.put(BlockRef { key: k, meta: meta(c, 0, len), data: &data });
+                    if let Some(_m) = t.get(&k, &mut buf).unwrap() {
+                        assert_eq!(&buf[..], &data[..]);
+                    }
+                }
+            })
+        })
+        .collect();
+    for th in threads {
+        th.join().unwrap();
+    }
+    assert!(t.usage().used_bytes <= t.usage().capacity_bytes);
+}
+
+macro_rules! suite {
+    ($modname:ident, $factory:expr) => {
+        mod $modname {
+            use super::*;
+            #[test]
+            fn roundtrip_sizes() {
+                super::roundtrip_sizes($factory)
+            }
+            #[test]
+            fn miss_and_visibility() {
+                super::miss_and_visibility($factory)
+            }
+            #[test]
+            fn put_is_idempotent() {
+                super::put_is_idempotent($factory)
+            }
+            #[test]
+            fn length_mismatch_is_rejected() {
+                super::length_mismatch_is_rejected($factory)
+            }
+            #[test]
+            fn remove_frees_space() {
+                super::remove_frees_space($factory)
+            }
+            #[test]
+            fn evicts_lru_when_full() {
+                super::evicts_lru_when_full($factory)
+            }
+            #[test]
+            fn evicts_descendants_before_ancestors() {
+                super::evicts_descendants_before_ancestors($factory)
+            }
+            #[test]
+            fn pinned_blocks_stay_and_leases_expire() {
+                super::pinned_blocks_stay_and_leases_expire($factory)
+            }
+            #[test]
+            fn too_large_block_is_full_error() {
+                super::too_large_block_is_full_error($factory)
+            }
+            #[test]
+            fn concurrent_same_keys() {
+                super::concurrent_same_keys($factory)
+            }
+            #[test]
+            fn concurrent_with_eviction() {
+                super::concurrent_with_eviction($factory)
+            }
+        }
+    };
+}
+
+suite!(g2_host, g2);
+suite!(g3_disk_uring, g3_uring);
+suite!(g3_disk_psync, g3_psync);

@@ -1,0 +1,218 @@
+//! G3-specific behaviour: restart recovery (clean and after `kill -9`), corruption, a full
+//! disk, and layout changes.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::os::unix::fs::FileExt;
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::*;
+use kvtiers::disk::io::{EngineFactory, IoBackend, IoEngine, IoKind, IoOp};
+use kvtiers::disk::psync::PsyncEngine;
+use kvtiers::{BlockBuf, BlockRef, BlockStore, DiskTier, Tier, TierError, WriteThroughConfig};
+
+fn put(t: &dyn Tier, chain: u32, i: u32, len: usize) {
+    let k = key(chain, i);
+    let data = content(&k, len);
+    t.put(BlockRef { key: k, meta: meta(chain, i, len), data: &data }).unwrap();
+}
+
+#[test]
+fn clean_restart_serves_every_block() {
+    let d = tempfile::tempdir().unwrap();
+    let lens = [1usize, 5000, PAGE, 3 * PAGE + 9, 1 << 20];
+    {
+        let t = disk(d.path(), 16 << 20, IoBackend::Auto);
+        for (i, &len) in lens.iter().enumerate() {
+            put(&*t, 1, i as u32, len);
+        }
+        t.flush().unwrap();
+    }
+    let t = disk(d.path(), 16 << 20, IoBackend::Auto);
+    assert_eq!(t.usage().blocks, lens.len());
+    // New blocks must not land on recovered pages.
+    for i in 0..20 {
+        put(&*t, 2, i, PAGE + 1);
+    }
+    let mut buf = BlockBuf::new();
+    for (i, &len) in lens.iter().enumerate() {
+        let m = t.get(&key(1, i as u32), &mut buf).unwrap().expect("recovered");
+        assert_eq!(m, meta(1, i as u32, len));
+        assert_eq!(&buf[..], &content(&key(1, i as u32), len)[..]);
+    }
+    for i in 0..20 {
+        assert!(t.get(&key(2, i), &mut buf).unwrap().is_some());
+        assert_eq!(&buf[..], &content(&key(2, i), PAGE + 1)[..]);
+    }
+    assert_eq!(t.stats().checksum_failures, 0);
+}
+
+#[test]
+fn restart_with_smaller_capacity_drops_out_of_range_blocks() {
+    let d = tempfile::tempdir().unwrap();
+    {
+        let t = disk(d.path(), 8 * PAGE as u64, IoBackend::Psync);
+        for i in 0..4 {
+            put(&*t, 3, i, 2 * PAGE);
+        }
+    }
+    let t = disk(d.path(), 4 * PAGE as u64, IoBackend::Psync);
+    assert_eq!(t.usage().blocks, 2, "blocks beyond the new capacity are dropped");
+    let mut buf = BlockBuf::new();
+    assert!(t.get(&key(3, 0), &mut buf).unwrap().is_some());
+    assert_eq!(&buf[..], &content(&key(3, 0), 2 * PAGE)[..]);
+}
+
+#[test]
+fn page_size_change_is_a_clear_error() {
+    let d = tempfile::tempdir().unwrap();
+    drop(disk(d.path(), 4 << 20, IoBackend::Psync));
+    let mut cfg = disk_cfg(d.path(), 4 << 20);
+    cfg.page_size = 2 * PAGE;
+    let err = DiskTier::open(&cfg).unwrap_err();
+    assert!(matches!(err, TierError::Config { field: "g3 page_size", .. }), "{err}");
+}
+
+#[test]
+fn flipped_bytes_are_a_counted_miss_never_data() {
+    let d = tempfile::tempdir().unwrap();
+    let t = disk(d.path(), 8 << 20, IoBackend::Auto);
+    put(&*t, 4, 0, 100_000);
+    put(&*t, 5, 0, 100_000);
+    t.flush().unwrap();
+    // Block (4,0) sits on the first pages: flip a byte in the middle of it.
+    let f = std::fs::OpenOptions::new().read(true).write(true).open(d.path().join("blocks.dat")).unwrap();
+    let mut b = [0u8; 1];
+    f.read_exact_at(&mut b, 5000).unwrap();
+    b[0] ^= 0x40;
+    f.write_all_at(&b, 5000).unwrap();
+    f.sync_all().unwrap();
+
+    let mut buf = BlockBuf::new();
+    assert!(t.get(&key(4, 0), &mut buf).unwrap().is_none(), "corrupt block must be a miss");
+    assert_eq!(t.stats().checksum_failures, 1);
+    assert!(!t.contains(&key(4, 0)), "corrupt block is dropped");
+    assert!(t.get(&key(4, 0), &mut buf).unwrap().is_none());
+    assert_eq!(t.stats().checksum_failures, 1, "counted once");
+    // The neighbour is intact.
+    assert!(t.get(&key(5, 0), &mut buf).unwrap().is_some());
+    assert_eq!(&buf[..], &content(&key(5, 0), 100_000)[..]);
+    // And the drop is durable: after a restart the block stays gone.
+    drop(t);
+    let t = disk(d.path(), 8 << 20, IoBackend::Auto);
+    assert!(!t.contains(&key(4, 0)));
+    assert!(t.contains(&key(5, 0)));
+}
+
+/// Fault injection: every write fails with ENOSPC, as on a full filesystem.
+#[derive(Debug)]
+struct NoSpace(PsyncEngine);
+
+impl IoEngine for NoSpace {
+    fn name(&self) -> &'static str {
+        "nospace"
+    }
+    fn run(&mut self, fd: i32, ops: &[IoOp]) -> std::io::Result<()> {
+        if ops.iter().any(|o| o.kind == IoKind::Write) {
+            return Err(std::io::Error::from_raw_os_error(libc::ENOSPC));
+        }
+        self.0.run(fd, ops)
+    }
+}
+
+#[test]
+fn full_disk_keeps_g2_serving_and_is_counted() {
+    let d = tempfile::tempdir().unwrap();
+    let factory: EngineFactory = Arc::new(|| Ok(Box::new(NoSpace(PsyncEngine)) as Box<dyn IoEngine>));
+    let g3 = Arc::new(DiskTier::open_with_engine(&disk_cfg(&d.path().join("g3"), 8 << 20), factory).unwrap());
+    let g2 = host(d.path(), 8 << 20);
+    let store = BlockStore::with_tiers(g2, vec![as_tier(Arc::clone(&g3))], WriteThroughConfig::default()).unwrap();
+    for i in 0..10 {
+        let k = key(6, i);
+        store.put(k, meta(6, i, 70_000), &content(&k, 70_000)).unwrap();
+    }
+    store.flush().unwrap();
+    let s = store.stats();
+    assert_eq!(s.writethrough_errors, 10);
+    assert_eq!(g3.stats().put_errors, 10);
+    assert_eq!(g3.usage().blocks, 0);
+    assert_eq!(g3.usage().used_bytes, 0, "failed writes release their space");
+    let mut buf = BlockBuf::new();
+    for i in 0..10 {
+        let hit = store.get(&key(6, i), &mut buf).unwrap().expect("G2 still serves");
+        assert_eq!(hit.tier, kvproto::TierKind::G2Host);
+        assert_eq!(&buf[..], &content(&key(6, i), 70_000)[..]);
+    }
+}
+
+#[test]
+fn capacity_beyond_free_space_fails_at_open() {
+    let d = tempfile::tempdir().unwrap();
+    let cfg = disk_cfg(d.path(), 1 << 60);
+    let err = DiskTier::open(&cfg).unwrap_err();
+    assert!(matches!(err, TierError::Config { .. }), "{err}");
+}
+
+const CHILD_ENV: &str = "KVTIERS_CHILD_DIR";
+
+/// Not a test by itself: the child process of `kill_9_mid_write_through_loses_no_integrity`.
+#[test]
+#[ignore = "run as a child process by kill_9_mid_write_through_loses_no_integrity"]
+fn child_writer() {
+    let Ok(dir) = std::env::var(CHILD_ENV) else { return };
+    let dir = std::path::PathBuf::from(dir);
+    let g2 = host(&dir, 64 << 20);
+    let g3 = disk(&dir.join("g3"), 256 << 20, IoBackend::Auto);
+    let store = BlockStore::with_tiers(g2, vec![as_tier(g3)], WriteThroughConfig { queue: 64, batch: 8 }).unwrap();
+    for i in 0..20_000u32 {
+        let k = key(1000 + i, 0);
+        let len = 50_000 + (i as usize % 7) * 30_000;
+        store.put(k, meta(1000 + i, 0, len), &content(&k, len)).unwrap();
+        println!("put {i}");
+        if i % 50 == 0 {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+}
+
+#[test]
+fn kill_9_mid_write_through_loses_no_integrity() {
+    let d = tempfile::tempdir().unwrap();
+    let exe = std::env::current_exe().unwrap();
+    let mut child = Command::new(exe)
+        .args(["--ignored", "--exact", "child_writer", "--nocapture", "--test-threads=1"])
+        .env(CHILD_ENV, d.path())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let mut puts = 0;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    for line in BufReader::new(stdout).lines() {
+        if line.unwrap().starts_with("put ") {
+            puts += 1;
+        }
+        if puts >= 600 || Instant::now() > deadline {
+            break;
+        }
+    }
+    child.kill().unwrap(); // SIGKILL
+    child.wait().unwrap();
+    assert!(puts >= 600, "child made only {puts} puts");
+
+    let g3 = disk(&d.path().join("g3"), 256 << 20, IoBackend::Auto);
+    let keys = g3.keys();
+    assert!(!keys.is_empty(), "some write-through completed before the kill");
+    let mut buf = BlockBuf::new();
+    for (k, m) in &keys {
+        let got = g3.get(k, &mut buf).unwrap().expect("an indexed block is complete");
+        assert_eq!(got, *m);
+        assert_eq!(&buf[..], &content(k, m.len as usize)[..], "block {k} has wrong bytes");
+    }
+    assert_eq!(g3.stats().checksum_failures, 0);
+}

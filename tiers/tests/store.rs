@@ -1,0 +1,224 @@
+//! The composed store: write-through, promotion, prefix lookup, restart, drops, metrics.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::*;
+use kvproto::{BlockKey, TierKind};
+use kvtiers::disk::io::IoBackend;
+use kvtiers::{
+    BlockBuf, BlockMeta, BlockRef, BlockStore, BlockStoreConfig, LeaseId, Tier, TierStats, TierUsage,
+    WriteThroughConfig,
+};
+
+fn store_in(dir: &std::path::Path, g2_bytes: u64, g3_bytes: u64) -> BlockStore {
+    let cfg = BlockStoreConfig {
+        g2: host_cfg(dir, g2_bytes),
+        g3: Some(disk_cfg(&dir.join("g3"), g3_bytes)),
+        write_through: WriteThroughConfig::default(),
+    };
+    BlockStore::open(&cfg).unwrap()
+}
+
+fn put_chain(s: &BlockStore, chain: u32, n: u32, len: usize) -> Vec<BlockKey> {
+    (0..n)
+        .map(|i| {
+            let k = key(chain, i);
+            s.put(k, meta(chain, i, len), &content(&k, len)).unwrap();
+            k
+        })
+        .collect()
+}
+
+#[test]
+fn write_through_then_promotion_on_use() {
+    let d = tempfile::tempdir().unwrap();
+    let s = store_in(d.path(), 8 * PAGE as u64, 64 << 20);
+    let chain = put_chain(&s, 1, 4, 2 * PAGE);
+    s.flush().unwrap();
+    let g3 = &s.lower()[0];
+    assert!(chain.iter().all(|k| g3.contains(k)), "written through");
+    assert_eq!(s.stats().writethrough_written, 4);
+    // Fill G2 with other blocks: the chain leaves G2 (it is clean, so nothing is lost).
+    put_chain(&s, 2, 4, 2 * PAGE);
+    s.flush().unwrap();
+    assert!(!s.g2().contains(&chain[3]));
+    let mut buf = BlockBuf::new();
+    let hit = s.get(&chain[3], &mut buf).unwrap().expect("found in G3");
+    assert_eq!(hit.tier, TierKind::G3Disk);
+    assert_eq!(&buf[..], &content(&chain[3], 2 * PAGE)[..]);
+    assert_eq!(s.stats().promotions, 1);
+    assert!(s.g2().contains(&chain[3]), "promoted into G2");
+    let hit = s.get(&chain[3], &mut buf).unwrap().unwrap();
+    assert_eq!(hit.tier, TierKind::G2Host);
+}
+
+#[test]
+fn lookup_reports_longest_prefix_per_tier() {
+    let d = tempfile::tempdir().unwrap();
+    let s = store_in(d.path(), 32 << 20, 64 << 20);
+    let mut chain = put_chain(&s, 3, 6, 10_000);
+    s.flush().unwrap();
+    s.g2().remove(&chain[4]).unwrap();
+    s.g2().remove(&chain[5]).unwrap();
+    chain.push(key(3, 6)); // not stored
+    chain.push(key(3, 7));
+    let m = s.lookup(&chain);
+    assert_eq!(m.blocks, 6);
+    assert_eq!(m.fastest[TierKind::G2Host.index()], 4);
+    assert_eq!(m.fastest[TierKind::G3Disk.index()], 2);
+    assert_eq!(m.resident[TierKind::G2Host.index()], 4);
+    assert_eq!(m.resident[TierKind::G3Disk.index()], 6);
+    // A gap ends the prefix even if later blocks exist.
+    s.remove(&chain[1]).unwrap();
+    assert_eq!(s.lookup(&chain).blocks, 1);
+    assert_eq!(s.lookup(&[]).blocks, 0);
+}
+
+#[test]
+fn restart_brings_blocks_back_from_g3() {
+    let d = tempfile::tempdir().unwrap();
+    let chain = {
+        let s = store_in(d.path(), 16 << 20, 64 << 20);
+        put_chain(&s, 4, 8, 300_000)
+        // Dropping the store drains the write-through queue.
+    };
+    let s = store_in(d.path(), 16 << 20, 64 << 20);
+    let m = s.lookup(&chain);
+    assert_eq!(m.blocks, 8);
+    assert_eq!(m.fastest[TierKind::G3Disk.index()], 8);
+    let mut buf = BlockBuf::new();
+    for k in &chain {
+        assert_eq!(s.get(k, &mut buf).unwrap().unwrap().tier, TierKind::G3Disk);
+        assert_eq!(&buf[..], &content(k, 300_000)[..]);
+    }
+}
+
+/// A lower tier that is slow: the write-through queue backs up.
+#[derive(Debug)]
+struct Slow(Arc<dyn Tier>);
+
+impl Tier for Slow {
+    fn kind(&self) -> TierKind {
+        self.0.kind()
+    }
+    fn put(&self, b: BlockRef<'_>) -> kvtiers::Result<bool> {
+        std::thread::sleep(Duration::from_millis(20));
+        self.0.put(b)
+    }
+    fn get(&self, k: &BlockKey, out: &mut BlockBuf) -> kvtiers::Result<Option<BlockMeta>> {
+        self.0.get(k, out)
+    }
+    fn contains(&self, k: &BlockKey) -> bool {
+        self.0.contains(k)
+    }
+    fn remove(&self, k: &BlockKey) -> kvtiers::Result<bool> {
+        self.0.remove(k)
+    }
+    fn pin(&self, l: LeaseId, k: &[BlockKey], d: Instant) -> usize {
+        self.0.pin(l, k, d)
+    }
+    fn release(&self, l: LeaseId) {
+        self.0.release(l)
+    }
+    fn usage(&self) -> TierUsage {
+        self.0.usage()
+    }
+    fn stats(&self) -> TierStats {
+        self.0.stats()
+    }
+    fn keys(&self) -> Vec<(BlockKey, BlockMeta)> {
+        self.0.keys()
+    }
+}
+
+#[test]
+fn full_write_through_queue_drops_are_counted_and_puts_still_succeed() {
+    let d = tempfile::tempdir().unwrap();
+    let g3 = disk(&d.path().join("g3"), 64 << 20, IoBackend::Psync);
+    let slow: Arc<dyn Tier> = Arc::new(Slow(as_tier(g3)));
+    let s = BlockStore::with_tiers(host(d.path(), 32 << 20), vec![slow], WriteThroughConfig { queue: 2, batch: 1 })
+        .unwrap();
+    let keys = put_chain(&s, 5, 40, 20_000);
+    s.flush().unwrap();
+    let st = s.stats();
+    assert!(st.writethrough_dropped > 0, "{st:?}");
+    assert_eq!(st.writethrough_dropped + st.writethrough_written, 40);
+    assert!(keys.iter().all(|k| s.g2().contains(k)), "every put is served from G2");
+}
+
+#[test]
+fn full_g2_waits_for_write_through_instead_of_dropping() {
+    let d = tempfile::tempdir().unwrap();
+    let g3 = disk(&d.path().join("g3"), 64 << 20, IoBackend::Psync);
+    let slow: Arc<dyn Tier> = Arc::new(Slow(as_tier(g3)));
+    // G2 holds two blocks; every block is still waiting for the slow G3 when the next arrives.
+    let s =
+        BlockStore::with_tiers(host(d.path(), 4 * PAGE as u64), vec![slow], WriteThroughConfig { queue: 64, batch: 1 })
+            .unwrap();
+    let keys = put_chain(&s, 11, 6, 2 * PAGE);
+    s.flush().unwrap();
+    let st = s.stats();
+    assert_eq!(st.writethrough_evicted_before_write, 0, "{st:?}");
+    assert_eq!(st.writethrough_written, 6);
+    assert!(keys.iter().all(|k| s.lower()[0].contains(k)));
+}
+
+#[test]
+fn pins_cover_every_tier() {
+    let d = tempfile::tempdir().unwrap();
+    let s = store_in(d.path(), 4 * PAGE as u64, 4 * PAGE as u64);
+    let a = put_chain(&s, 6, 1, 2 * PAGE);
+    s.flush().unwrap();
+    let lease = s.pin(&a, Duration::from_secs(30));
+    put_chain(&s, 7, 1, 2 * PAGE);
+    s.flush().unwrap();
+    // Both tiers are now full; a third block cannot evict the pinned one anywhere.
+    assert!(s.put(key(8, 0), meta(8, 0, 2 * PAGE), &content(&key(8, 0), 2 * PAGE)).is_ok());
+    s.flush().unwrap();
+    assert!(s.g2().contains(&a[0]));
+    assert!(s.lower()[0].contains(&a[0]));
+    s.release(lease);
+}
+
+#[test]
+fn metrics_are_exported_under_kvcached_names() {
+    let recorder = metrics_util::debugging::DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let d = tempfile::tempdir().unwrap();
+    metrics::with_local_recorder(&recorder, || {
+        let s = store_in(d.path(), 8 << 20, 8 << 20);
+        let k = put_chain(&s, 9, 3, 10_000);
+        s.flush().unwrap();
+        let mut buf = BlockBuf::new();
+        s.get(&k[0], &mut buf).unwrap();
+        s.get(&key(9, 99), &mut buf).unwrap();
+    });
+    let names: Vec<(String, Vec<String>)> = snapshotter
+        .snapshot()
+        .into_vec()
+        .into_iter()
+        .map(|(ck, _, _, _)| {
+            let k = ck.key();
+            (k.name().to_string(), k.labels().map(|l| format!("{}={}", l.key(), l.value())).collect())
+        })
+        .collect();
+    for want in [
+        "kvcached_tier_hits_total",
+        "kvcached_tier_misses_total",
+        "kvcached_tier_bytes_written_total",
+        "kvcached_tier_used_bytes",
+        "kvcached_tier_capacity_bytes",
+        "kvcached_tier_evictions_total",
+        "kvcached_tier_checksum_failures_total",
+        "kvcached_tier_op_duration_seconds",
+        "kvcached_writethrough_queue_depth",
+        "kvcached_writethrough_blocks_total",
+    ] {
+        assert!(names.iter().any(|(n, _)| n == want), "missing {want}: {names:?}");
+    }
+    assert!(names.iter().any(|(n, l)| n == "kvcached_tier_hits_total" && l.contains(&"tier=g3".to_string())));
+}
