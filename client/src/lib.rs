@@ -1,8 +1,49 @@
 //! `kvclient`: the crate engines link to use kvcached.
 //!
+//! An engine registers its KV memory once (a shared-memory file on CPU machines) with its
+//! namespace and layout, then asks the daemon to save blocks, look up how much of a prompt is
+//! cached, and load blocks into given slots. The daemon does every copy; the engine only names
+//! block slots and tokens. The client reconnects with backoff and re-registers after a daemon
+//! restart, and sends heartbeats so the daemon can drop it if it dies.
+//!
+//! ```no_run
+//! use kvclient::{Client, KvMemory};
+//! use kvproto::{Dtype, KvLayout, LayoutKind, Namespace};
+//!
+//! # async fn engine() -> Result<(), kvclient::ClientError> {
+//! let layout = KvLayout { num_layers: 28, kv_heads: 8, head_dim: 128, dtype: Dtype::Bf16,
+//!                         tokens_per_block: 16, kind: LayoutKind::LayerSeparate };
+//! let ns = Namespace::new("Qwen/Qwen3-0.6B", layout);
+//! // vLLM-style KV: one tensor per layer and K/V, 1024 block slots each.
+//! let kv = KvMemory::create_layer_separate("/dev/shm/my-engine-kv", &layout, 1024)?;
+//! let client = Client::connect("/run/user/1000/kvcached/kvcached.sock").await?;
+//! client.register("engine-0", &ns, &kv).await?;
+//! let tokens: Vec<u32> = (0..4096).collect();
+//! let slots: Vec<u32> = (0..256).collect();
+//! client.save(&tokens, 0, &slots).await?;             // after prefill
+//! let hit = client.lookup(&tokens).await?;             // on a new request
+//! let op = client.load(&tokens, 0, &slots[..hit.matched_blocks as usize]).await?;
+//! // ... overlap with other work ...
+//! let done = client.wait(op, std::time::Duration::from_secs(1)).await?;
+//! assert_eq!(done.loaded_blocks, hit.matched_blocks);
+//! # Ok(()) }
+//! ```
+//!
 //! # Layout
-//! Nothing yet: attach, KV-memory registration, save / lookup / load over the daemon's Unix
-//! socket arrive with the daemon (see `docs/architecture.md`, "Status"). Until then an engine
-//! can derive the keys the daemon will use with [`kvproto`].
+//! - [`client`]: the async [`Client`] (connect, register, save, lookup, load, wait,
+//!   reconnect, heartbeats).
+//! - [`blocking`]: [`BlockingClient`], the same API for engines without an async runtime.
+//! - [`memory`]: [`KvMemory`], a shared-memory KV region and its segment layout.
+//! - [`error`]: the [`ClientError`] enum.
 
+pub mod blocking;
+pub mod client;
+pub mod error;
+pub mod memory;
+
+pub use blocking::BlockingClient;
+pub use client::{Client, LoadOp};
+pub use error::ClientError;
 pub use kvproto;
+pub use kvproto::pb::{LoadStatus, LookupResponse, SaveResponse};
+pub use memory::{KvMemory, synthetic_block};

@@ -1,8 +1,46 @@
-//! `kvrouter`: the cluster router.
+//! `kvrouter`: the cluster router. Consumes hit reports (per-tier block events and load) from
+//! kvcached daemons and vLLM engines, indexes them, and places each request on the worker with
+//! the lowest cost: prefill left after crediting cached blocks tier by tier, plus load.
 //!
 //! # Layout
-//! Nothing yet: the event index, tier-weighted placement and prefill/decode splitting arrive
-//! in a later change (see `docs/architecture.md`, "Status"). It will consume the block keys
-//! and the Dynamo-compatible hashes of [`kvproto`].
+//! - [`config`]: configuration (TOML), cost weights, health thresholds, namespace specs, vLLM sources.
+//! - [`index`]: the block index (key -> holders per tier), holder interning.
+//! - [`cost`]: the cost model: per-tier prefix matching, cost terms, choice (ties, temperature).
+//! - [`approx`]: approximate mode (remembers its own decisions for a TTL).
+//! - [`state`]: the locked state: workers, publishers, event-id tracking and gaps, loads,
+//!   predictions, housekeeping.
+//! - [`router`]: [`Router`]: route, ingest, recovery, health, metrics.
+//! - [`recovery`]: the publisher-side recovery API (replay / snapshot), its HTTP client, and
+//!   [`recovery::MemoryPublisher`], an in-process publisher.
+//! - [`publish`]: [`publish::HttpPublisher`], the shipping side a daemon embeds (bounded,
+//!   never blocks; routers replay what it could not send).
+//! - [`health`]: degrading conditions, log-once transitions, Prometheus text.
+//! - [`http`]: the HTTP API and [`serve`].
+//! - [`vllm`]: vLLM's KV-event wire format (msgpack, tuple and map encodings), both directions.
+//! - [`zmq`]: ZMQ SUB ingest of vLLM engines, ZMQ PUB export of our events.
+//! - [`sim`]: the simulation harness (LRU workers publishing real events to a real router).
+//! - [`error`]: the crate's error enum.
+//!
+//! The protocol, every weight and every health signal are documented in `docs/router.md`.
 
+pub mod approx;
+pub mod config;
+pub mod cost;
+pub mod error;
+pub mod health;
+pub mod http;
+pub mod index;
+pub mod publish;
+pub mod recovery;
+pub mod router;
+pub mod sim;
+pub mod state;
+pub mod vllm;
+pub mod zmq;
+
+pub use config::{CostWeights, HealthConfig, NamespaceSpec, RouterConfig, RoutingMode};
+pub use error::RouterError;
+pub use http::{app, serve, serve_router};
 pub use kvproto;
+pub use kvproto::events::{Replay, Snapshot};
+pub use router::{HealthReport, RouteRequest, RouteResponse, Router};

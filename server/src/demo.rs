@@ -1,92 +1,89 @@
-//! A walk through the block store with embedded defaults: no GPU, no config file.
+//! `kvcached demo`: two engines on one running daemon hand a prompt's KV over through G2 (the
+//! single-node prefill -> decode path), byte-exact, with hit counts printed.
 
 use std::path::Path;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use kvproto::{Dtype, KvLayout, LayoutKind, Namespace, TierKind};
-use kvtiers::{BlockBuf, BlockMeta, BlockStore, BlockStoreConfig, DiskTierConfig, HostTierConfig, TierError};
+use kvclient::{Client, ClientError, KvMemory, synthetic_block};
+use kvproto::{Dtype, KvLayout, LayoutKind, Namespace};
 
-/// Deterministic synthetic KV for a block, so every byte can be verified after a load.
-fn synthetic_kv(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed | 1;
-    let mut out = Vec::with_capacity(len + 8);
-    while out.len() < len {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        out.extend_from_slice(&x.to_le_bytes());
-    }
-    out.truncate(len);
-    out
+fn shm_path(name: &str) -> std::path::PathBuf {
+    let dir = if Path::new("/dev/shm").is_dir() { "/dev/shm".into() } else { std::env::temp_dir() };
+    dir.join(format!("kvcached-demo-{name}-{}", std::process::id()))
 }
 
-fn config(dir: &Path) -> BlockStoreConfig {
-    let mut g2 = HostTierConfig::with_capacity(512 << 20);
-    g2.populate = false;
-    BlockStoreConfig { g2, g3: Some(DiskTierConfig::new(dir.join("g3"), 1 << 30)), write_through: Default::default() }
-}
+/// Runs the demo against the daemon at `socket`.
+pub async fn run(socket: &Path) -> Result<(), ClientError> {
+    let layout = KvLayout {
+        num_layers: 28,
+        kv_heads: 8,
+        head_dim: 128,
+        dtype: Dtype::Bf16,
+        tokens_per_block: 16,
+        kind: LayoutKind::LayerSeparate,
+    };
+    let ns = Namespace::new("Qwen/Qwen3-0.6B", layout);
+    let blocks = 64u32; // a 1024-token prompt
+    let tokens: Vec<u32> = (0..blocks * 16).map(|i| i.wrapping_mul(2_654_435_761) % 151_936).collect();
+    let len = layout.block_bytes() as usize;
 
-/// Saves a 4096-token prompt (Qwen3-0.6B-shaped KV, 16 tokens per block) into G2 with
-/// write-through to G3, looks it up, loads it back byte-exact, restarts the store and loads it
-/// from G3. Prints what happened at each step.
-pub fn run(dir: &Path) -> Result<(), TierError> {
-    let ns = Namespace::new(
-        "Qwen/Qwen3-0.6B",
-        KvLayout {
-            num_layers: 28,
-            kv_heads: 8,
-            head_dim: 128,
-            dtype: Dtype::Bf16,
-            tokens_per_block: 16,
-            kind: LayoutKind::LayerSeparate,
-        },
-    );
-    let block_bytes = ns.layout.block_bytes() as usize;
-    let tokens: Vec<u32> = (0..4096u32).map(|i| i.wrapping_mul(2_654_435_761) % 151_936).collect();
-    let keys = ns.block_keys(&tokens);
-    println!("namespace {} | {} blocks of {} KiB", ns.id(), keys.len(), block_bytes / 1024);
-
-    let store = BlockStore::open(&config(dir))?;
-    let t0 = Instant::now();
-    for (i, k) in keys.iter().enumerate() {
-        let meta = BlockMeta { namespace: ns.id(), parent: i.checked_sub(1).map(|p| keys[p]), len: block_bytes as u64 };
-        store.put(*k, meta, &synthetic_kv(k.low64(), block_bytes))?;
+    // Prefill engine: computes KV into slots 0..64, saves it.
+    let mut prefill_kv = KvMemory::create_layer_separate(shm_path("prefill"), &layout, 128)?;
+    for b in 0..blocks {
+        prefill_kv.write_block(b, &synthetic_block(7, b, len));
     }
-    println!("saved  {} blocks in {:.1} ms", keys.len(), t0.elapsed().as_secs_f64() * 1e3);
-    let m = store.lookup(&keys);
-    println!("lookup {} of {} blocks cached (G2 {})", m.blocks, keys.len(), m.fastest[TierKind::G2Host.index()]);
-    store.flush()?;
-    drop(store);
-
-    let store = BlockStore::open(&config(dir))?;
-    let m = store.lookup(&keys);
-    println!("after restart: {} blocks cached (G3 {})", m.blocks, m.fastest[TierKind::G3Disk.index()]);
-    let mut buf = BlockBuf::new();
-    let (mut ok, mut from_g3) = (0, 0);
+    let prefill = Client::connect(socket).await?;
+    prefill.register("demo-prefill", &ns, &prefill_kv).await?;
+    let slots: Vec<u32> = (0..blocks).collect();
     let t0 = Instant::now();
-    for k in &keys {
-        if let Some(hit) = store.get(k, &mut buf)? {
-            from_g3 += usize::from(hit.tier == TierKind::G3Disk);
-            ok += usize::from(buf[..] == synthetic_kv(k.low64(), block_bytes)[..]);
-        }
-    }
+    let saved = prefill.save(&tokens, 0, &slots).await?;
     println!(
-        "loaded {ok} blocks byte-exact ({from_g3} from G3, promoted to G2) in {:.1} ms",
+        "prefill engine saved {} blocks ({} already cached) of {} KiB in {:.1} ms",
+        saved.stored,
+        saved.already_present,
+        len / 1024,
         t0.elapsed().as_secs_f64() * 1e3
     );
-    for (tier, s) in store.stats().tiers {
+
+    // Decode engine: a different process would do the same; it has its own KV memory and
+    // loads into different slots (64..128).
+    let decode_kv = KvMemory::create_layer_separate(shm_path("decode"), &layout, 128)?;
+    let decode = Client::connect(socket).await?;
+    decode.register("demo-decode", &ns, &decode_kv).await?;
+    let hit = decode.lookup(&tokens).await?;
+    println!(
+        "decode engine lookup: {} of {blocks} blocks cached ({} tokens; G2 {}, G3 {})",
+        hit.matched_blocks, hit.matched_tokens, hit.g2_blocks, hit.g3_blocks
+    );
+    let dst: Vec<u32> = (64..64 + hit.matched_blocks).collect();
+    let t0 = Instant::now();
+    let op = decode.load(&tokens, 0, &dst).await?;
+    let done = decode.wait(op, Duration::from_secs(10)).await?;
+    let ms = t0.elapsed().as_secs_f64() * 1e3;
+    let exact = (0..done.loaded_blocks).filter(|&i| decode_kv.read_block(64 + i) == synthetic_block(7, i, len)).count();
+    println!(
+        "decode engine loaded {} blocks (G2 {}, G3 {}) in {ms:.1} ms; {exact} byte-exact",
+        done.loaded_blocks, done.from_g2, done.from_g3
+    );
+    let stats = decode.stats().await?;
+    for t in &stats.tiers {
         println!(
-            "  {tier}: hits {} misses {} blocks {} used {} MiB / {} MiB, checksum failures {}",
-            s.hits,
-            s.misses,
-            s.usage.blocks,
-            s.usage.used_bytes >> 20,
-            s.usage.capacity_bytes >> 20,
-            s.checksum_failures
+            "  {}: hits {} misses {} blocks {} used {} MiB of {} MiB",
+            t.tier,
+            t.hits,
+            t.misses,
+            t.blocks,
+            t.used_bytes >> 20,
+            t.capacity_bytes >> 20
         );
     }
-    if ok != keys.len() {
-        return Err(TierError::Index(format!("only {ok} of {} blocks came back intact", keys.len())));
+    prefill.unregister().await?;
+    decode.unregister().await?;
+    if exact as u32 != blocks {
+        return Err(ClientError::LoadFailed {
+            op: op.0,
+            error: format!("only {exact} of {blocks} blocks came back intact"),
+        });
     }
     Ok(())
 }

@@ -1,8 +1,185 @@
 //! `kvcached`: the per-node daemon.
 //!
 //! # Layout
-//! - [`demo`]: a self-contained walk through the block store (save a prompt's blocks, look
-//!   them up per tier, load and verify them, restart and find them in G3). The gRPC daemon,
-//!   engine attach and `/metrics` build on the same `kvtiers::BlockStore`.
+//! - [`config`]: defaults, TOML file, `KVCACHED_*` environment and flags; validation.
+//! - [`serve`] (this file): binds nothing itself; serves gRPC on the given listeners, HTTP on
+//!   the metrics listener, runs housekeeping, and drains on shutdown.
+//! - [`service`]: the gRPC edge (tonic), errors mapped to `Status` here only.
+//! - [`daemon`]: request logic: save (gather into G2), lookup, load (scatter from G2/G3).
+//! - [`engine`]: attached engines, their memory mappings and heartbeat leases.
+//! - [`http`]: `/metrics` and `/healthz`.
+//! - [`error`]: the [`ServerError`] enum.
+//! - [`demo`]: two engines handing blocks over through a running daemon.
 
+pub mod config;
+pub mod daemon;
 pub mod demo;
+pub mod engine;
+pub mod error;
+pub mod http;
+pub mod service;
+
+use std::future::Future;
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvproto::pb::kvcached_server::KvcachedServer;
+use tokio::net::{TcpListener, UnixListener};
+use tokio_stream::wrappers::{TcpListenerStream, UnixListenerStream};
+
+pub use config::Config;
+pub use error::ServerError;
+
+/// Listeners the daemon serves on (bound by the caller, so tests can use temp sockets and
+/// port 0).
+#[derive(Debug)]
+pub struct Listeners {
+    pub unix: UnixListener,
+    pub tcp: Option<TcpListener>,
+    pub http: Option<TcpListener>,
+}
+
+impl Listeners {
+    /// Binds what `config` names: the Unix socket (replacing a stale one, mode applied), the
+    /// TCP listener if set, and the metrics address.
+    pub async fn bind(config: &Config) -> Result<Self, ServerError> {
+        let unix = bind_unix(&config.socket, config.socket_mode_bits()?)?;
+        let tcp = match config.tcp {
+            Some(a) => Some(TcpListener::bind(a).await?),
+            None => None,
+        };
+        let http = Some(TcpListener::bind(config.metrics_addr).await.map_err(|e| ServerError::Config {
+            field: "metrics_addr".into(),
+            reason: format!("cannot listen on {}: {e}", config.metrics_addr),
+        })?);
+        Ok(Self { unix, tcp, http })
+    }
+}
+
+/// Binds a Unix socket at `path` with permissions `mode`, removing a stale socket file.
+pub fn bind_unix(path: &Path, mode: u32) -> Result<UnixListener, ServerError> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    if path.exists() {
+        if std::os::unix::net::UnixStream::connect(path).is_ok() {
+            return Err(ServerError::Config {
+                field: "socket".into(),
+                reason: format!("{} is in use by a running daemon", path.display()),
+            });
+        }
+        std::fs::remove_file(path)?;
+    }
+    let l = UnixListener::bind(path)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))?;
+    Ok(l)
+}
+
+/// Runs the daemon until `shutdown` resolves, then stops accepting, drains in-flight requests
+/// and loads, flushes the write-through queue, detaches engines and removes the socket.
+pub async fn serve(
+    config: Config,
+    listeners: Listeners,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), ServerError> {
+    http::prometheus();
+    let store_cfg = config.store_config();
+    let store = tokio::task::spawn_blocking(move || kvtiers::BlockStore::open(&store_cfg))
+        .await
+        .map_err(|e| ServerError::Io(std::io::Error::other(e)))??;
+    let engines = engine::Registry::new(config.engines.max_engines, Duration::from_millis(config.engines.lease_ms));
+    let daemon = Arc::new(daemon::Daemon::new(
+        Arc::new(store),
+        engines,
+        config.engines.max_pending_loads,
+        Duration::from_millis(config.engines.op_retention_ms),
+    ));
+    let queue = if config.g3.enabled { config.g3.writethrough_queue } else { 0 };
+    let svc = service::KvcachedService { daemon: Arc::clone(&daemon), queue_capacity: queue };
+    let socket_path = listeners.unix.local_addr().ok().and_then(|a| a.as_pathname().map(Path::to_path_buf));
+
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|s| *s).await;
+    };
+    let mut tasks = tokio::task::JoinSet::new();
+    tasks.spawn({
+        let svc = svc.clone();
+        let rx = stop_rx.clone();
+        let incoming = UnixListenerStream::new(listeners.unix);
+        async move {
+            tonic::transport::Server::builder()
+                .add_service(KvcachedServer::new(svc).max_decoding_message_size(64 << 20))
+                .serve_with_incoming_shutdown(incoming, stopped(rx))
+                .await
+                .map_err(|e| ServerError::Io(std::io::Error::other(e)))
+        }
+    });
+    if let Some(tcp) = listeners.tcp {
+        let svc = svc.clone();
+        let rx = stop_rx.clone();
+        tasks.spawn(async move {
+            tonic::transport::Server::builder()
+                .add_service(KvcachedServer::new(svc).max_decoding_message_size(64 << 20))
+                .serve_with_incoming_shutdown(TcpListenerStream::new(tcp), stopped(rx))
+                .await
+                .map_err(|e| ServerError::Io(std::io::Error::other(e)))
+        });
+    }
+    if let Some(http) = listeners.http {
+        let app = http::router(Arc::clone(&daemon), queue);
+        let rx = stop_rx.clone();
+        tasks.spawn(async move {
+            axum::serve(http, app).with_graceful_shutdown(stopped(rx)).await.map_err(ServerError::Io)
+        });
+    }
+    {
+        let d = Arc::clone(&daemon);
+        let mut rx = stop_rx.clone();
+        let period = Duration::from_millis((config.engines.lease_ms / 3).max(100));
+        tasks.spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = tokio::time::sleep(period) => d.housekeeping(),
+                    _ = rx.wait_for(|s| *s) => return Ok(()),
+                }
+            }
+        });
+    }
+    tracing::info!(socket = ?socket_path, "kvcached serving");
+
+    let mut first_error = None;
+    tokio::select! {
+        _ = shutdown => {}
+        Some(r) = tasks.join_next() => {
+            if let Ok(Err(e)) = r { first_error = Some(e); }
+        }
+    }
+    tracing::info!("kvcached shutting down: draining requests");
+    let _ = stop_tx.send(true);
+    while let Some(r) = tasks.join_next().await {
+        if let Ok(Err(e)) = r {
+            first_error.get_or_insert(e);
+        }
+    }
+    // Loads already handed to blocking threads finish before the store closes.
+    while daemon.pending_loads() > 0 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let d = Arc::clone(&daemon);
+    tokio::task::spawn_blocking(move || {
+        d.engines.clear();
+        if let Err(e) = d.store.flush() {
+            tracing::warn!("flush at shutdown failed: {e}");
+        }
+    })
+    .await
+    .map_err(|e| ServerError::Io(std::io::Error::other(e)))?;
+    if let Some(p) = socket_path {
+        let _ = std::fs::remove_file(p);
+    }
+    tracing::info!("kvcached stopped");
+    first_error.map_or(Ok(()), Err)
+}

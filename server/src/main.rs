@@ -1,18 +1,167 @@
-//! `kvcached` binary: parses arguments and hands over to the library.
+//! `kvcached`: parses configuration and hands over to the library's `serve`.
 
+use std::path::PathBuf;
 use std::process::ExitCode;
 
+use clap::{Parser, Subcommand};
+use kvcached::{Config, Listeners, ServerError};
+
+/// kvcached: the per-node KV-cache block daemon (G2 host memory, G3 disk) for LLM engines.
+///
+/// Configuration comes from embedded defaults, then --config FILE (TOML), then KVCACHED_*
+/// environment variables, then these flags. `kvcached config` prints the result.
+#[derive(Debug, Parser)]
+#[command(version, about, long_about = None)]
+struct Cli {
+    /// TOML configuration file (see docs/configuration.md).
+    #[arg(long, env = "KVCACHED_CONFIG", global = true)]
+    config: Option<PathBuf>,
+    /// Unix socket engines connect to.
+    #[arg(long, env = "KVCACHED_SOCKET", global = true)]
+    socket: Option<PathBuf>,
+    /// Permission bits of the socket, octal (e.g. 0660).
+    #[arg(long, env = "KVCACHED_SOCKET_MODE", global = true)]
+    socket_mode: Option<String>,
+    /// TCP address for peers and routers (off unless set).
+    #[arg(long, env = "KVCACHED_TCP", global = true)]
+    tcp: Option<std::net::SocketAddr>,
+    /// HTTP address of /metrics and /healthz.
+    #[arg(long, env = "KVCACHED_METRICS_ADDR", global = true)]
+    metrics_addr: Option<std::net::SocketAddr>,
+    /// G2 host pool size in bytes (0: a quarter of memory, at most 64 GiB).
+    #[arg(long, env = "KVCACHED_G2_CAPACITY_BYTES", global = true)]
+    g2_capacity_bytes: Option<u64>,
+    /// Directory of the G2 shared-memory file.
+    #[arg(long, env = "KVCACHED_G2_SHM_DIR", global = true)]
+    g2_shm_dir: Option<PathBuf>,
+    /// Lock the G2 pool in memory (needs RLIMIT_MEMLOCK).
+    #[arg(long, env = "KVCACHED_G2_MLOCK", global = true)]
+    g2_mlock: Option<bool>,
+    /// Enable the G3 disk tier.
+    #[arg(long, env = "KVCACHED_G3_ENABLED", global = true)]
+    g3_enabled: Option<bool>,
+    /// G3 data directory.
+    #[arg(long, env = "KVCACHED_G3_DIR", global = true)]
+    g3_dir: Option<PathBuf>,
+    /// G3 size in bytes (0: a quarter of the free space, at most 256 GiB).
+    #[arg(long, env = "KVCACHED_G3_CAPACITY_BYTES", global = true)]
+    g3_capacity_bytes: Option<u64>,
+    /// G3 I/O backend: auto, io_uring or psync.
+    #[arg(long, env = "KVCACHED_G3_IO_BACKEND", global = true)]
+    g3_io_backend: Option<String>,
+    /// fdatasync each G3 write batch.
+    #[arg(long, env = "KVCACHED_G3_FSYNC", global = true)]
+    g3_fsync: Option<bool>,
+    /// Most engines attached at once.
+    #[arg(long, env = "KVCACHED_MAX_ENGINES", global = true)]
+    max_engines: Option<usize>,
+    /// Drop an engine silent for this many milliseconds.
+    #[arg(long, env = "KVCACHED_ENGINE_LEASE_MS", global = true)]
+    engine_lease_ms: Option<u64>,
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run the daemon (the default).
+    Run,
+    /// Print the effective configuration as TOML and exit.
+    Config,
+    /// Play two engines against a running daemon: save a prompt, load it elsewhere, verify.
+    Demo,
+}
+
+impl Cli {
+    fn config(&self) -> Result<Config, ServerError> {
+        let mut c = match &self.config {
+            Some(p) => Config::from_file(p)?,
+            None => Config::default(),
+        };
+        macro_rules! set {
+            ($flag:expr => $($field:tt)+) => {
+                if let Some(v) = $flag.clone() {
+                    c.$($field)+ = v;
+                }
+            };
+        }
+        set!(self.socket => socket);
+        set!(self.socket_mode => socket_mode);
+        if self.tcp.is_some() {
+            c.tcp = self.tcp;
+        }
+        set!(self.metrics_addr => metrics_addr);
+        set!(self.g2_capacity_bytes => g2.capacity_bytes);
+        set!(self.g2_shm_dir => g2.shm_dir);
+        set!(self.g2_mlock => g2.mlock);
+        set!(self.g3_enabled => g3.enabled);
+        set!(self.g3_dir => g3.dir);
+        set!(self.g3_capacity_bytes => g3.capacity_bytes);
+        set!(self.g3_io_backend => g3.io_backend);
+        set!(self.g3_fsync => g3.fsync);
+        set!(self.max_engines => engines.max_engines);
+        set!(self.engine_lease_ms => engines.lease_ms);
+        c.resolve()
+    }
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+        tracing::warn!("cannot install signal handlers; stop with SIGKILL");
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = term.recv() => tracing::info!("SIGTERM"),
+        _ = int.recv() => tracing::info!("SIGINT"),
+    }
+}
+
 fn main() -> ExitCode {
-    tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).init();
-    let dir = std::env::args()
-        .nth(1)
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| std::env::temp_dir().join("kvcached-demo"));
-    println!("kvcached store walk-through in {}", dir.display());
-    match kvcached::demo::run(&dir) {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let config = match cli.config() {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("kvcached: invalid configuration: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let rt = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("kvcached: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = match cli.command.unwrap_or(Command::Run) {
+        Command::Config => {
+            print!("{}", config.to_toml());
+            Ok(())
+        }
+        Command::Demo => rt.block_on(kvcached::demo::run(&config.socket)).map_err(|e| e.to_string()),
+        Command::Run => rt
+            .block_on(async {
+                let listeners = Listeners::bind(&config).await?;
+                eprintln!(
+                    "kvcached listening on {} (metrics http://{}/metrics); try `kvcached demo` in another shell",
+                    config.socket.display(),
+                    config.metrics_addr
+                );
+                kvcached::serve(config, listeners, shutdown_signal()).await
+            })
+            .map_err(|e| e.to_string()),
+    };
+    match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e}");
+            eprintln!("kvcached: {e}");
             ExitCode::FAILURE
         }
     }

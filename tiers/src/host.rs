@@ -319,14 +319,24 @@ impl HostTier {
 
     /// Puts a block, marking it dirty (to be written to the tiers below) when `dirty`.
     pub(crate) fn put_marked(&self, block: BlockRef<'_>, dirty: bool) -> Result<bool> {
-        let t0 = Instant::now();
         if block.meta.len != block.data.len() as u64 {
             return Err(TierError::LengthMismatch { expected: block.meta.len, actual: block.data.len() as u64 });
         }
-        let n = self.pool.pages_for(block.meta.len);
+        self.put_parts(block.key, block.meta, &[block.data], dirty)
+    }
+
+    /// Puts a block given as pieces that are concatenated in order (the daemon gathers an
+    /// engine's per-layer segments straight into the pool with this: one copy).
+    pub fn put_parts(&self, key: BlockKey, meta: BlockMeta, parts: &[&[u8]], dirty: bool) -> Result<bool> {
+        let t0 = Instant::now();
+        let total: u64 = parts.iter().map(|p| p.len() as u64).sum();
+        if meta.len != total {
+            return Err(TierError::LengthMismatch { expected: meta.len, actual: total });
+        }
+        let n = self.pool.pages_for(meta.len);
         let slot = {
             let mut st = self.state.lock();
-            if st.has_entry(&block.key) {
+            if st.has_entry(&key) {
                 return Ok(false);
             }
             if let Err(e) = self.make_room(&mut st, n) {
@@ -335,10 +345,10 @@ impl HostTier {
             }
             let Some(pages) = self.pool.alloc(n) else {
                 self.counters.put_errors.add(1);
-                return Err(TierError::Full { tier: TIER, needed: block.meta.len, free: 0 });
+                return Err(TierError::Full { tier: TIER, needed: meta.len, free: 0 });
             };
             let slot = Arc::new(HostSlot { pages });
-            if !st.reserve(block.key, block.meta, Arc::clone(&slot), dirty) {
+            if !st.reserve(key, meta, Arc::clone(&slot), dirty) {
                 // Another writer reserved the key while this one waited for space.
                 return Ok(false);
             }
@@ -346,21 +356,23 @@ impl HostTier {
         };
         // Copy with no lock held: the pages are exclusively this reservation's.
         let ps = self.pool.page_size();
-        let mut off = 0usize;
+        let mut dst: Vec<(*mut u8, usize)> = Vec::new();
+        let mut left = meta.len as usize;
         for (first, count) in slot.pages.runs() {
-            let take = (block.data.len() - off).min(count as usize * ps);
-            // SAFETY: destination run is inside the mapping and owned by `slot`; source is a
-            // distinct buffer of at least off+take bytes.
-            unsafe { std::ptr::copy_nonoverlapping(block.data.as_ptr().add(off), self.page_ptr(first), take) };
-            off += take;
+            let take = left.min(count as usize * ps);
+            dst.push((self.page_ptr(first), take));
+            left -= take;
         }
+        // SAFETY: destinations are runs inside the mapping owned by `slot`; sources are the
+        // caller's slices; the total lengths are equal.
+        unsafe { copy_pieces(parts.iter().map(|p| (p.as_ptr(), p.len())), dst.into_iter()) };
         let committed = {
             let mut st = self.state.lock();
-            let ok = st.commit(&block.key, &slot);
+            let ok = st.commit(&key, &slot);
             self.counters.set_usage(self.pool.used_pages() as u64 * ps as u64, st.len());
             ok
         };
-        self.counters.bytes_written.add(block.meta.len);
+        self.counters.bytes_written.add(meta.len);
         self.counters.put_took(t0.elapsed());
         Ok(committed)
     }
@@ -446,5 +458,37 @@ impl Tier for HostTier {
 
     fn keys(&self) -> Vec<(BlockKey, BlockMeta)> {
         self.state.lock().ready_keys()
+    }
+}
+
+/// Copies a sequence of source pieces into a sequence of destination pieces of the same total
+/// length (gather/scatter in one pass).
+///
+/// # Safety
+/// Every source piece must be readable and every destination piece writable for its length,
+/// and no destination may overlap a source.
+pub unsafe fn copy_pieces(
+    src: impl Iterator<Item = (*const u8, usize)>,
+    mut dst: impl Iterator<Item = (*mut u8, usize)>,
+) {
+    let mut cur: Option<(*mut u8, usize)> = None;
+    for (mut s, mut slen) in src {
+        while slen > 0 {
+            let (d, dlen) = match cur.take() {
+                Some(c) if c.1 > 0 => c,
+                _ => match dst.next() {
+                    Some(c) => c,
+                    None => return,
+                },
+            };
+            let n = slen.min(dlen);
+            // SAFETY: guaranteed by the caller; n is within both pieces.
+            unsafe {
+                std::ptr::copy_nonoverlapping(s, d, n);
+                s = s.add(n);
+                cur = Some((d.add(n), dlen - n));
+            }
+            slen -= n;
+        }
     }
 }

@@ -113,8 +113,14 @@ impl BlockStore {
     /// Puts a block in G2 (visible on return) and queues it for the tiers below. Returns
     /// `false` if the key was already present.
     pub fn put(&self, key: BlockKey, meta: BlockMeta, data: &[u8]) -> Result<bool> {
+        self.put_parts(key, meta, &[data])
+    }
+
+    /// Puts a block given as pieces concatenated in order (gathered from engine memory in one
+    /// copy). Same semantics as [`BlockStore::put`].
+    pub fn put_parts(&self, key: BlockKey, meta: BlockMeta, parts: &[&[u8]]) -> Result<bool> {
         let dirty = self.wt.is_some();
-        let stored = self.g2.put_marked(BlockRef { key, meta, data }, dirty)?;
+        let stored = self.g2.put_parts(key, meta, parts, dirty)?;
         if stored
             && let Some(wt) = &self.wt
             && !wt.enqueue(key)
@@ -122,6 +128,28 @@ impl BlockStore {
             self.g2.mark_clean(&key);
         }
         Ok(stored)
+    }
+
+    /// Hands the block's bytes to `f` as pieces in order: straight from G2 without a copy when
+    /// it is there, else read into `buf` from the tier below (and promoted into G2).
+    pub fn read_with<R>(
+        &self,
+        key: &BlockKey,
+        buf: &mut BlockBuf,
+        f: impl FnOnce(&BlockMeta, &[&[u8]]) -> R,
+    ) -> Result<Option<(TierKind, R)>> {
+        let mut f = Some(f);
+        let from_g2 = self.g2.with_block(key, |meta, pieces| f.take().map(|f| f(meta, pieces)));
+        if let Some(Some(r)) = from_g2 {
+            return Ok(Some((TierKind::G2Host, r)));
+        }
+        match self.get(key, buf)? {
+            Some(hit) => match f.take() {
+                Some(f) => Ok(Some((hit.tier, f(&hit.meta, &[&buf[..]])))),
+                None => Ok(None),
+            },
+            None => Ok(None),
+        }
     }
 
     /// Reads a block into `out` from the fastest tier holding it; a block found below G2 is

@@ -1,0 +1,68 @@
+//! [`BlockingClient`]: the async client behind a private runtime, for engines that are not
+//! async.
+
+use std::path::Path;
+use std::time::Duration;
+
+use kvproto::{Namespace, pb};
+
+use crate::client::{Client, LoadOp};
+use crate::error::ClientError;
+use crate::memory::KvMemory;
+
+/// A blocking client. Do not call it from inside an async runtime.
+#[derive(Debug)]
+pub struct BlockingClient {
+    rt: tokio::runtime::Runtime,
+    client: Client,
+}
+
+impl BlockingClient {
+    pub fn connect(socket: impl AsRef<Path>) -> Result<Self, ClientError> {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?;
+        let client = rt.block_on(Client::connect(socket))?;
+        Ok(Self { rt, client })
+    }
+
+    pub fn register(
+        &self,
+        engine_name: &str,
+        ns: &Namespace,
+        memory: &KvMemory,
+    ) -> Result<pb::RegisterResponse, ClientError> {
+        self.rt.block_on(self.client.register(engine_name, ns, memory))
+    }
+
+    pub fn save(&self, tokens: &[u32], first_block: u32, slots: &[u32]) -> Result<pb::SaveResponse, ClientError> {
+        self.rt.block_on(self.client.save(tokens, first_block, slots))
+    }
+
+    pub fn lookup(&self, tokens: &[u32]) -> Result<pb::LookupResponse, ClientError> {
+        self.rt.block_on(self.client.lookup(tokens))
+    }
+
+    pub fn load(&self, tokens: &[u32], first_block: u32, slots: &[u32]) -> Result<LoadOp, ClientError> {
+        self.rt.block_on(self.client.load(tokens, first_block, slots))
+    }
+
+    pub fn load_now(&self, tokens: &[u32], first_block: u32, slots: &[u32]) -> Result<pb::LoadStatus, ClientError> {
+        self.rt.block_on(self.client.load_now(tokens, first_block, slots))
+    }
+
+    pub fn wait(&self, op: LoadOp, timeout: Duration) -> Result<pb::LoadStatus, ClientError> {
+        self.rt.block_on(self.client.wait(op, timeout))
+    }
+
+    pub fn stats(&self) -> Result<pb::StatsResponse, ClientError> {
+        self.rt.block_on(self.client.stats())
+    }
+
+    pub fn unregister(&self) -> Result<(), ClientError> {
+        self.rt.block_on(self.client.unregister())
+    }
+
+    /// The async client underneath.
+    pub fn inner(&self) -> &Client {
+        &self.client
+    }
+}

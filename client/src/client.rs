@@ -1,0 +1,282 @@
+//! The async client.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use hyper_util::rt::TokioIo;
+use kvproto::Namespace;
+use kvproto::pb::{self, kvcached_client::KvcachedClient};
+use parking_lot::Mutex;
+use tonic::transport::{Channel, Endpoint};
+
+use crate::error::ClientError;
+use crate::memory::KvMemory;
+
+/// A load started with [`Client::load`]; wait for it with [`Client::wait`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LoadOp(pub u64);
+
+#[derive(Debug)]
+struct Registration {
+    request: pb::RegisterRequest,
+    engine_id: u64,
+}
+
+#[derive(Debug)]
+struct Inner {
+    socket: PathBuf,
+    rpc: Mutex<KvcachedClient<Channel>>,
+    reg: Mutex<Option<Registration>>,
+    /// How long a call keeps retrying while the daemon is away (restart).
+    reconnect_for: Duration,
+}
+
+/// A connection to the node's kvcached. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct Client {
+    inner: Arc<Inner>,
+    heartbeat: Arc<Mutex<Option<tokio::task::JoinHandle<()>>>>,
+}
+
+async fn channel(socket: &Path) -> Result<KvcachedClient<Channel>, ClientError> {
+    let path = socket.to_path_buf();
+    let unreachable = |reason: String| ClientError::Unreachable { socket: socket.display().to_string(), reason };
+    // The URI is required by the API but unused: the connector dials the socket.
+    let ch = Endpoint::try_from("http://kvcached.local")
+        .map_err(|e| unreachable(e.to_string()))?
+        .connect_timeout(Duration::from_secs(2))
+        .connect_with_connector(tower::service_fn(move |_| {
+            let path = path.clone();
+            async move { tokio::net::UnixStream::connect(path).await.map(TokioIo::new) }
+        }))
+        .await
+        .map_err(|e| {
+            unreachable(format!("{e}: {}", std::error::Error::source(&e).map(|s| s.to_string()).unwrap_or_default()))
+        })?;
+    Ok(KvcachedClient::new(ch).max_decoding_message_size(64 << 20).max_encoding_message_size(64 << 20))
+}
+
+/// Whether a call failed because the daemon went away or forgot us (restart).
+fn needs_reconnect(s: &tonic::Status) -> bool {
+    matches!(s.code(), tonic::Code::Unavailable | tonic::Code::Unknown)
+        || (s.code() == tonic::Code::NotFound && s.message().contains("not registered"))
+}
+
+impl Client {
+    /// Connects to the daemon's Unix socket.
+    pub async fn connect(socket: impl AsRef<Path>) -> Result<Self, ClientError> {
+        let socket = socket.as_ref().to_path_buf();
+        let rpc = channel(&socket).await?;
+        Ok(Self {
+            inner: Arc::new(Inner {
+                socket,
+                rpc: Mutex::new(rpc),
+                reg: Mutex::new(None),
+                reconnect_for: Duration::from_secs(30),
+            }),
+            heartbeat: Arc::new(Mutex::new(None)),
+        })
+    }
+
+    /// How long calls keep retrying (with backoff) while the daemon is unreachable.
+    pub fn set_reconnect_for(&mut self, d: Duration) {
+        if let Some(inner) = Arc::get_mut(&mut self.inner) {
+            inner.reconnect_for = d;
+        }
+    }
+
+    fn rpc(&self) -> KvcachedClient<Channel> {
+        self.inner.rpc.lock().clone()
+    }
+
+    fn engine_id(&self) -> Result<u64, ClientError> {
+        self.inner.reg.lock().as_ref().map(|r| r.engine_id).ok_or(ClientError::NotRegistered)
+    }
+
+    /// Reconnects with exponential backoff and re-registers the engine.
+    async fn recover(&self) -> Result<(), ClientError> {
+        let deadline = tokio::time::Instant::now() + self.inner.reconnect_for;
+        let mut backoff = Duration::from_millis(50);
+        loop {
+            let attempt = async {
+                let mut rpc = channel(&self.inner.socket).await?;
+                let req = self.inner.reg.lock().as_ref().map(|r| r.request.clone());
+                if let Some(req) = req {
+                    let resp = rpc.register(req).await?.into_inner();
+                    if let Some(r) = self.inner.reg.lock().as_mut() {
+                        r.engine_id = resp.engine_id;
+                    }
+                    tracing::info!(engine = resp.engine_id, "re-registered with kvcached");
+                }
+                *self.inner.rpc.lock() = rpc;
+                Ok::<(), ClientError>(())
+            };
+            match attempt.await {
+                Ok(()) => return Ok(()),
+                Err(e) if tokio::time::Instant::now() + backoff > deadline => return Err(e),
+                Err(e) => {
+                    tracing::debug!("kvcached not reachable yet ({e}); retrying in {backoff:?}");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(1));
+                }
+            }
+        }
+    }
+
+    /// Runs `call`, recovering once from a daemon restart.
+    async fn with_retry<T, F, Fut>(&self, call: F) -> Result<T, ClientError>
+    where
+        F: Fn(KvcachedClient<Channel>, u64) -> Fut,
+        Fut: std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+    {
+        let id = self.engine_id()?;
+        match call(self.rpc(), id).await {
+            Ok(r) => Ok(r.into_inner()),
+            Err(s) if needs_reconnect(&s) => {
+                self.recover().await?;
+                Ok(call(self.rpc(), self.engine_id()?).await?.into_inner())
+            }
+            Err(s) => Err(s.into()),
+        }
+    }
+
+    /// Registers the engine's KV memory, namespace and layout; starts heartbeats.
+    pub async fn register(
+        &self,
+        engine_name: &str,
+        ns: &Namespace,
+        memory: &KvMemory,
+    ) -> Result<pb::RegisterResponse, ClientError> {
+        let request = memory.to_request(engine_name, ns);
+        let resp = self.rpc().register(request.clone()).await?.into_inner();
+        let heartbeat = Duration::from_millis(u64::from(resp.heartbeat_ms.max(100)));
+        *self.inner.reg.lock() = Some(Registration { request, engine_id: resp.engine_id });
+        self.start_heartbeat(heartbeat);
+        Ok(resp)
+    }
+
+    fn start_heartbeat(&self, every: Duration) {
+        let me = self.clone();
+        let task = tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(every).await;
+                let Ok(id) = me.engine_id() else { return };
+                if let Err(s) = me.rpc().heartbeat(pb::EngineRef { engine_id: id }).await
+                    && needs_reconnect(&s)
+                    && let Err(e) = me.recover().await
+                {
+                    tracing::warn!("kvcached heartbeat failed: {e}");
+                }
+            }
+        });
+        if let Some(old) = self.heartbeat.lock().replace(task) {
+            old.abort();
+        }
+    }
+
+    /// The engine id the daemon gave this client (changes after a daemon restart).
+    pub fn engine_id_now(&self) -> Option<u64> {
+        self.engine_id().ok()
+    }
+
+    /// Saves blocks `[first_block, first_block + slots.len())` of `tokens` from engine slots.
+    pub async fn save(&self, tokens: &[u32], first_block: u32, slots: &[u32]) -> Result<pb::SaveResponse, ClientError> {
+        self.with_retry(|mut rpc, engine_id| {
+            let req = pb::SaveRequest { engine_id, tokens: tokens.to_vec(), first_block, block_ids: slots.to_vec() };
+            async move { rpc.save(req).await }
+        })
+        .await
+    }
+
+    /// How many leading blocks of `tokens` are cached, and in which tier.
+    pub async fn lookup(&self, tokens: &[u32]) -> Result<pb::LookupResponse, ClientError> {
+        self.with_retry(|mut rpc, engine_id| {
+            let req = pb::LookupRequest { engine_id, tokens: tokens.to_vec() };
+            async move { rpc.lookup(req).await }
+        })
+        .await
+    }
+
+    /// Starts loading blocks `[first_block, first_block + slots.len())` of `tokens` into engine
+    /// slots; returns at once. The load stops at the first block that is not cached.
+    pub async fn load(&self, tokens: &[u32], first_block: u32, slots: &[u32]) -> Result<LoadOp, ClientError> {
+        let s = self
+            .with_retry(|mut rpc, engine_id| {
+                let req = pb::LoadRequest {
+                    engine_id,
+                    tokens: tokens.to_vec(),
+                    first_block,
+                    block_ids: slots.to_vec(),
+                    wait: false,
+                };
+                async move { rpc.load(req).await }
+            })
+            .await?;
+        Ok(LoadOp(s.op_id))
+    }
+
+    /// Loads and waits for completion in one call.
+    pub async fn load_now(
+        &self,
+        tokens: &[u32],
+        first_block: u32,
+        slots: &[u32],
+    ) -> Result<pb::LoadStatus, ClientError> {
+        let s = self
+            .with_retry(|mut rpc, engine_id| {
+                let req = pb::LoadRequest {
+                    engine_id,
+                    tokens: tokens.to_vec(),
+                    first_block,
+                    block_ids: slots.to_vec(),
+                    wait: true,
+                };
+                async move { rpc.load(req).await }
+            })
+            .await?;
+        finished(s)
+    }
+
+    /// Waits up to `timeout` for a load; returns its status (state PENDING if still running).
+    pub async fn wait(&self, op: LoadOp, timeout: Duration) -> Result<pb::LoadStatus, ClientError> {
+        let engine_id = self.engine_id()?;
+        let req = pb::WaitRequest {
+            engine_id,
+            op_id: op.0,
+            timeout_ms: timeout.as_millis().min(u128::from(u32::MAX)) as u32,
+        };
+        finished(self.rpc().wait(req).await?.into_inner())
+    }
+
+    /// Polls a load without waiting.
+    pub async fn poll(&self, op: LoadOp) -> Result<pb::LoadStatus, ClientError> {
+        self.wait(op, Duration::ZERO).await
+    }
+
+    pub async fn stats(&self) -> Result<pb::StatsResponse, ClientError> {
+        Ok(self.rpc().stats(pb::Empty {}).await?.into_inner())
+    }
+
+    pub async fn health(&self) -> Result<pb::HealthResponse, ClientError> {
+        Ok(self.rpc().health(pb::Empty {}).await?.into_inner())
+    }
+
+    /// Detaches the engine (the daemon unmaps its memory).
+    pub async fn unregister(&self) -> Result<(), ClientError> {
+        if let Some(t) = self.heartbeat.lock().take() {
+            t.abort();
+        }
+        let id = self.engine_id()?;
+        self.rpc().unregister(pb::EngineRef { engine_id: id }).await?;
+        *self.inner.reg.lock() = None;
+        Ok(())
+    }
+}
+
+fn finished(s: pb::LoadStatus) -> Result<pb::LoadStatus, ClientError> {
+    if s.state == pb::load_status::State::Failed as i32 {
+        return Err(ClientError::LoadFailed { op: s.op_id, error: s.error });
+    }
+    Ok(s)
+}

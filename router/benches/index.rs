@@ -1,0 +1,255 @@
+//! The router index against NVIDIA Dynamo's (`dynamo-kv-router` 1.6.1 `RadixTree`, its default
+//! KV indexer core) on the same event stream and the same queries, in one run: store rate
+//! (blocks/s), lookup p50/p99 (per-worker overlap of a 64-block prompt over 256 workers) and heap
+//! bytes per indexed block (a counting allocator around the system one).
+//!
+//! ```text
+//! cd router/bench-dynamo && cargo run --release -- --bench   # both, 1M blocks (own workspace)
+//! cargo bench -p kvrouter --bench index                      # ours only
+//! ```
+//! Without `--bench` (as `cargo test --all-targets` runs it) it does a small smoke run.
+#![allow(clippy::unwrap_used)]
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicIsize, Ordering};
+use std::time::Instant;
+
+use kvproto::events::key_from_u64;
+use kvproto::{BlockKey, NamespaceId, TierKind};
+use kvrouter::cost::{self, CandidateIn};
+use kvrouter::index::{BlockIndex, Slot};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+struct Counting;
+static LIVE: AtomicIsize = AtomicIsize::new(0);
+
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
+        LIVE.fetch_add(l.size() as isize, Ordering::Relaxed);
+        // SAFETY: forwarded with the caller's layout.
+        unsafe { System.alloc(l) }
+    }
+    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
+        LIVE.fetch_sub(l.size() as isize, Ordering::Relaxed);
+        // SAFETY: forwarded with the caller's pointer and layout.
+        unsafe { System.dealloc(p, l) }
+    }
+    unsafe fn realloc(&self, p: *mut u8, l: Layout, new: usize) -> *mut u8 {
+        LIVE.fetch_add(new as isize - l.size() as isize, Ordering::Relaxed);
+        // SAFETY: forwarded with the caller's pointer and layout.
+        unsafe { System.realloc(p, l, new) }
+    }
+}
+
+#[global_allocator]
+static ALLOC: Counting = Counting;
+
+fn live() -> isize {
+    LIVE.load(Ordering::Relaxed)
+}
+
+const WORKERS: u64 = 256;
+const SEQ_BLOCKS: usize = 64;
+const SHARED_BLOCKS: usize = 16;
+const GROUPS: u64 = 64;
+
+/// One stored sequence: a worker, local hashes and chained sequence hashes.
+struct Seq {
+    worker: u64,
+    #[cfg_attr(not(feature = "bench-dynamo"), allow(dead_code))]
+    local: Vec<u64>,
+    seq: Vec<u64>,
+}
+
+/// `n` sequences of 64 blocks: the first 16 shared within one of 64 groups (system prompts),
+/// the other 48 unique; sequence `s` stored by worker `s % 256`.
+fn stream(n: usize, seed: u64) -> Vec<Seq> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let shared: Vec<Vec<u64>> = (0..GROUPS).map(|_| (0..SHARED_BLOCKS).map(|_| rng.random()).collect()).collect();
+    (0..n)
+        .map(|s| {
+            let mut local = shared[s % GROUPS as usize].clone();
+            local.extend((SHARED_BLOCKS..SEQ_BLOCKS).map(|_| rng.random::<u64>()));
+            let seed = kvproto::dynamo::DYNAMO_SEED;
+            let mut parent = None;
+            let seq = local
+                .iter()
+                .map(|l| {
+                    let h = kvproto::dynamo::chain(parent, *l, seed);
+                    parent = Some(h);
+                    h
+                })
+                .collect();
+            Seq { worker: s as u64 % WORKERS, local, seq }
+        })
+        .collect()
+}
+
+fn pct(v: &mut [f64], p: f64) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[((v.len() - 1) as f64 * p).round() as usize]
+}
+
+struct Figures {
+    store_blocks_per_s: f64,
+    lookup_p50_us: f64,
+    lookup_p99_us: f64,
+    bytes_per_block: f64,
+}
+
+fn ours(seqs: &[Seq], queries: &[usize], distinct: usize) -> (Figures, Vec<u32>) {
+    let ns = NamespaceId([9; 16]);
+    let keys: Vec<Vec<BlockKey>> = seqs.iter().map(|s| s.seq.iter().map(|h| key_from_u64(*h)).collect()).collect();
+    let before = live();
+    let mut ix = BlockIndex::new();
+    let t0 = Instant::now();
+    for (s, k) in seqs.iter().zip(&keys) {
+        ix.store(ns, k, Slot::new(s.worker as u32 + 1, TierKind::G1Gpu));
+    }
+    let store = t0.elapsed().as_secs_f64();
+    let bytes = (live() - before) as f64;
+    assert_eq!(ix.blocks(), distinct);
+    println!(
+        "kvrouter_index_bytes estimate {:.1} bytes/block vs {:.1} counted by the allocator",
+        ix.approx_bytes() as f64 / distinct as f64,
+        bytes / distinct as f64
+    );
+    // Each worker on its own node (holder 1000 + w), as the router builds candidates.
+    let cands: Vec<CandidateIn> = (0..WORKERS as u32)
+        .map(|w| CandidateIn {
+            worker_holder: w + 1,
+            node_holder: 1000 + w,
+            kv_utilisation: 0.0,
+            active: 0.0,
+            fill: 0.0,
+        })
+        .collect();
+    let mut scratch = vec![];
+    let mut lat = vec![];
+    let mut sums = vec![];
+    for q in queries {
+        let t = Instant::now();
+        let m = cost::match_candidates(&cands, &mut scratch, |visit| {
+            ix.walk(ns, &keys[*q], |_, slots| visit(&mut slots.iter()));
+        });
+        lat.push(t.elapsed().as_secs_f64() * 1e6);
+        sums.push(m.iter().map(|m| m.prefix()).sum());
+    }
+    let n_blocks = (seqs.len() * SEQ_BLOCKS) as f64;
+    (
+        Figures {
+            store_blocks_per_s: n_blocks / store,
+            lookup_p50_us: pct(&mut lat.clone(), 0.5),
+            lookup_p99_us: pct(&mut lat, 0.99),
+            bytes_per_block: bytes / distinct as f64,
+        },
+        sums,
+    )
+}
+
+#[cfg(feature = "bench-dynamo")]
+fn dynamo(seqs: &[Seq], queries: &[usize], distinct: usize) -> (Figures, Vec<u32>) {
+    use dynamo_kv_router::protocols::{
+        ExternalSequenceBlockHash, KvCacheEvent, KvCacheEventData, KvCacheStoreData, KvCacheStoredBlockData,
+        LocalBlockHash, RouterEvent,
+    };
+    use dynamo_kv_router::radix_tree::RadixTree;
+    let events: Vec<RouterEvent> = seqs
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            let blocks = s
+                .local
+                .iter()
+                .zip(&s.seq)
+                .map(|(l, h)| KvCacheStoredBlockData {
+                    block_hash: ExternalSequenceBlockHash(*h),
+                    tokens_hash: LocalBlockHash(*l),
+                    mm_extra_info: None,
+                })
+                .collect();
+            let data = KvCacheStoreData { parent_hash: None, start_position: None, blocks };
+            RouterEvent::new(
+                s.worker,
+                KvCacheEvent { event_id: i as u64, data: KvCacheEventData::Stored(data), dp_rank: 0 },
+            )
+        })
+        .collect();
+    let queries_local: Vec<Vec<LocalBlockHash>> =
+        queries.iter().map(|q| seqs[*q].local.iter().map(|l| LocalBlockHash(*l)).collect()).collect();
+    let before = live();
+    let mut tree = RadixTree::new();
+    let t0 = Instant::now();
+    for e in events {
+        tree.apply_event(e).unwrap();
+    }
+    let store = t0.elapsed().as_secs_f64();
+    let bytes = (live() - before) as f64;
+    let mut lat = vec![];
+    let mut sums = vec![];
+    for q in queries_local {
+        let t = Instant::now();
+        let m = tree.find_matches(q, false);
+        lat.push(t.elapsed().as_secs_f64() * 1e6);
+        sums.push(m.scores.values().sum());
+    }
+    let n_blocks = (seqs.len() * SEQ_BLOCKS) as f64;
+    (
+        Figures {
+            store_blocks_per_s: n_blocks / store,
+            lookup_p50_us: pct(&mut lat.clone(), 0.5),
+            lookup_p99_us: pct(&mut lat, 0.99),
+            bytes_per_block: bytes / distinct as f64,
+        },
+        sums,
+    )
+}
+
+fn print(name: &str, f: &Figures) {
+    println!(
+        "{name:<28} {:>14.0} {:>12.2} {:>12.2} {:>14.1}",
+        f.store_blocks_per_s, f.lookup_p50_us, f.lookup_p99_us, f.bytes_per_block
+    );
+}
+
+fn main() {
+    let full = std::env::args().any(|a| a == "--bench");
+    // 1M distinct blocks: 64 groups x 16 shared + n x 48 unique.
+    let n = if full { (1_000_000 - (GROUPS as usize * SHARED_BLOCKS)) / (SEQ_BLOCKS - SHARED_BLOCKS) } else { 500 };
+    let seqs = stream(n, 42);
+    let distinct = (GROUPS as usize).min(n) * SHARED_BLOCKS + n * (SEQ_BLOCKS - SHARED_BLOCKS);
+    let mut rng = StdRng::seed_from_u64(7);
+    let queries: Vec<usize> = (0..if full { 20_000 } else { 200 }).map(|_| rng.random_range(0..n)).collect();
+    println!(
+        "index bench: {} events, {} stored blocks, {distinct} distinct blocks, {WORKERS} workers, {} queries of {SEQ_BLOCKS} blocks",
+        n,
+        n * SEQ_BLOCKS,
+        queries.len()
+    );
+    println!(
+        "{:<28} {:>14} {:>12} {:>12} {:>14}",
+        "index", "store blk/s", "lookup p50us", "lookup p99us", "bytes/block"
+    );
+    let (a, sums_a) = ours(&seqs, &queries, distinct);
+    print("kvrouter BlockIndex", &a);
+    #[cfg(feature = "bench-dynamo")]
+    {
+        let (b, sums_b) = dynamo(&seqs, &queries, distinct);
+        print("dynamo-kv-router RadixTree", &b);
+        // Both answer the same question: total matched blocks over all workers per query.
+        assert_eq!(sums_a, sums_b, "the two indexes disagree on overlaps");
+        println!(
+            "ratios (ours / dynamo): store {:.2}x, p50 {:.2}, p99 {:.2}, bytes/block {:.2}",
+            a.store_blocks_per_s / b.store_blocks_per_s,
+            a.lookup_p50_us / b.lookup_p50_us,
+            a.lookup_p99_us / b.lookup_p99_us,
+            a.bytes_per_block / b.bytes_per_block
+        );
+    }
+    #[cfg(not(feature = "bench-dynamo"))]
+    {
+        let _ = sums_a;
+        println!("(router/bench-dynamo runs this side by side with dynamo-kv-router 1.6.1)");
+    }
+}

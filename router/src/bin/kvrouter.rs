@@ -1,0 +1,56 @@
+//! `kvrouter`: parses the command line and configuration, then runs [`kvrouter::serve`].
+
+use std::path::PathBuf;
+
+use clap::Parser;
+use kvrouter::{RouterConfig, RoutingMode};
+
+/// The kvcached cluster router.
+#[derive(Debug, Parser)]
+#[command(version, about)]
+struct Args {
+    /// Address of the HTTP API.
+    #[arg(long, env = "KVROUTER_LISTEN", default_value = "127.0.0.1:8090")]
+    listen: String,
+    /// TOML configuration file (every field optional; see docs/router.md).
+    #[arg(long, env = "KVROUTER_CONFIG")]
+    config: Option<PathBuf>,
+    /// Route on the router's own decisions (no events).
+    #[arg(long)]
+    approximate: bool,
+}
+
+fn main() -> std::process::ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .init();
+    let args = Args::parse();
+    match run(args) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!("kvrouter: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(args: Args) -> Result<(), kvrouter::RouterError> {
+    let mut config = match &args.config {
+        Some(p) => RouterConfig::from_toml(&std::fs::read_to_string(p)?)?,
+        None => RouterConfig::default(),
+    };
+    if args.approximate {
+        config.mode = RoutingMode::Approximate;
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    rt.block_on(async move {
+        let listener = tokio::net::TcpListener::bind(&args.listen).await?;
+        kvrouter::serve(listener, config, async {
+            let _ = tokio::signal::ctrl_c().await;
+        })
+        .await
+    })
+}

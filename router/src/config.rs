@@ -1,0 +1,365 @@
+//! Router configuration (a TOML file; every field has a default) and namespace specs.
+//!
+//! Every weight of the cost model and every health threshold is here; `docs/router.md` explains
+//! each one.
+
+use kvproto::events::{KEY_SCHEME_DYNAMO_XXH3_1337, KEY_SCHEME_KVCACHED_V1, key_from_u64};
+use kvproto::{BlockKey, Dtype, KvLayout, LayoutKind, Namespace, NamespaceId, TierKind};
+use serde::{Deserialize, Serialize};
+
+use crate::RouterError;
+
+/// How the router learns what is cached.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum RoutingMode {
+    /// From publishers' events (`POST /events`, vLLM ZMQ sources).
+    #[default]
+    Events,
+    /// From its own decisions, remembered for `approx_ttl_s` (for clusters that emit no events).
+    Approximate,
+}
+
+/// The weights of the cost model (docs/router.md, "Cost model").
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CostWeights {
+    /// Credit of a prompt block found in the worker's own GPU memory.
+    pub g1: f64,
+    /// Credit of a block found in the worker's node's host memory.
+    pub g2: f64,
+    /// Credit of a block found on the worker's node's disk.
+    pub g3: f64,
+    /// Credit of a block found in the cluster's object store.
+    pub g4: f64,
+    /// Multiplies the blocks still to prefill.
+    pub prefill: f64,
+    /// Multiplies the worker's KV utilisation (0..1, its decode load): a full engine costs this
+    /// many blocks of prefill.
+    pub decode: f64,
+    /// Multiplies the worker's active requests (running + waiting as last reported, plus requests
+    /// routed to it since that report).
+    pub active: f64,
+    /// Multiplies the fraction of the worker's GPU KV capacity (`kv_total_blocks` of its load
+    /// report) that its indexed G1 blocks fill: new prompts go where they evict the least.
+    pub fill: f64,
+    /// 0: lowest cost wins (ties at random). > 0: sample a worker with probability
+    /// proportional to `exp(-(cost - min_cost) / (temperature * blocks))`.
+    pub temperature: f64,
+}
+
+impl Default for CostWeights {
+    fn default() -> Self {
+        Self {
+            g1: 1.0,
+            g2: 0.75,
+            g3: 0.25,
+            g4: 0.1,
+            prefill: 1.0,
+            decode: 8.0,
+            active: 2.0,
+            fill: 1.0,
+            temperature: 0.0,
+        }
+    }
+}
+
+impl CostWeights {
+    /// Credit weight of `tier`.
+    pub fn tier(&self, tier: TierKind) -> f64 {
+        match tier {
+            TierKind::G1Gpu => self.g1,
+            TierKind::G2Host => self.g2,
+            TierKind::G3Disk => self.g3,
+            TierKind::G4Object => self.g4,
+        }
+    }
+
+    fn validate(&self) -> Result<(), RouterError> {
+        let all =
+            [self.g1, self.g2, self.g3, self.g4, self.prefill, self.decode, self.active, self.fill, self.temperature];
+        if all.iter().any(|w| !w.is_finite() || *w < 0.0) {
+            return Err(RouterError::Config("every weight must be finite and >= 0".into()));
+        }
+        Ok(())
+    }
+}
+
+/// Thresholds of the health signals (docs/router.md, "Never fail silently").
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct HealthConfig {
+    /// A worker is stale when its publisher has been silent this many report intervals.
+    pub stale_after_reports: f64,
+    /// Report interval assumed for publishers that do not state one (ms).
+    pub default_report_interval_ms: u64,
+    /// A holder silent this long is dropped from the index (s).
+    pub drop_after_s: f64,
+    /// A namespace / block size / key-scheme mismatch stays reported this long after the last
+    /// request or event that showed it (s).
+    pub mismatch_hold_s: f64,
+    /// An unrecovered gap of a source that cannot replay (vLLM ZMQ) is reported this long (s).
+    pub gap_hold_s: f64,
+    /// Prediction error: samples needed before a worker can be flagged.
+    pub prediction_min_samples: u64,
+    /// Prediction error: flag a worker whose mean |predicted - actual| / predicted-blocks exceeds this.
+    pub prediction_max_error: f64,
+    /// Weight of a new sample in the exponential moving average of the prediction error.
+    pub prediction_ewma_alpha: f64,
+}
+
+impl Default for HealthConfig {
+    fn default() -> Self {
+        Self {
+            stale_after_reports: 3.0,
+            default_report_interval_ms: 1000,
+            drop_after_s: 60.0,
+            mismatch_hold_s: 60.0,
+            gap_hold_s: 300.0,
+            prediction_min_samples: 20,
+            prediction_max_error: 0.25,
+            prediction_ewma_alpha: 0.1,
+        }
+    }
+}
+
+/// A namespace by value: the fields of [`kvproto::Namespace`] plus the key scheme. Used in the
+/// config (`[[namespaces]]`, with a `name`) and inline in `POST /route`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NamespaceSpec {
+    #[serde(default)]
+    pub name: Option<String>,
+    pub model_id: String,
+    pub num_layers: u32,
+    pub kv_heads: u32,
+    pub head_dim: u32,
+    pub dtype: String,
+    pub tokens_per_block: u32,
+    #[serde(default = "default_layout_kind")]
+    pub layout_kind: String,
+    #[serde(default)]
+    pub tenant_salt_hex: Option<String>,
+    #[serde(default)]
+    pub adapter_id: Option<String>,
+    #[serde(default)]
+    pub extra_hex: Option<String>,
+    /// `kvcached-blake3-v1` (default) or `dynamo-xxh3-1337` (vLLM engines ingested over ZMQ).
+    #[serde(default = "default_scheme")]
+    pub key_scheme: String,
+}
+
+fn default_layout_kind() -> String {
+    "layer_separate".into()
+}
+fn default_scheme() -> String {
+    KEY_SCHEME_KVCACHED_V1.into()
+}
+
+/// How keys of a namespace are computed from tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeyScheme {
+    /// kvcached's 128-bit keyed BLAKE3 chain.
+    Kvcached,
+    /// Dynamo's XXH3-64 chain, seed 1337.
+    DynamoXxh3,
+}
+
+impl KeyScheme {
+    /// Parses a scheme name.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            KEY_SCHEME_KVCACHED_V1 => Some(Self::Kvcached),
+            KEY_SCHEME_DYNAMO_XXH3_1337 => Some(Self::DynamoXxh3),
+            _ => None,
+        }
+    }
+    /// The scheme's name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Kvcached => KEY_SCHEME_KVCACHED_V1,
+            Self::DynamoXxh3 => KEY_SCHEME_DYNAMO_XXH3_1337,
+        }
+    }
+}
+
+/// A validated namespace ready to compute keys.
+#[derive(Debug, Clone)]
+pub struct ResolvedNamespace {
+    pub id: NamespaceId,
+    pub namespace: Namespace,
+    pub scheme: KeyScheme,
+}
+
+const DYNAMO_SPACE_CONTEXT: &str = "kvrouter 2026-11-30 dynamo key space v1";
+
+impl ResolvedNamespace {
+    /// The keys of every full block of `tokens`.
+    pub fn keys(&self, tokens: &[u32]) -> Vec<BlockKey> {
+        let bs = self.namespace.layout.tokens_per_block as usize;
+        match self.scheme {
+            KeyScheme::Kvcached => self.namespace.block_keys(tokens),
+            KeyScheme::DynamoXxh3 => kvproto::dynamo::sequence_hashes(tokens, bs, kvproto::dynamo::DYNAMO_SEED)
+                .into_iter()
+                .map(key_from_u64)
+                .collect(),
+        }
+    }
+
+    /// Block size in tokens.
+    pub fn tokens_per_block(&self) -> u32 {
+        self.namespace.layout.tokens_per_block
+    }
+}
+
+impl NamespaceSpec {
+    /// Validates and computes the namespace id (for the Dynamo scheme, an id derived from the
+    /// namespace fingerprint with a different context, so the two key spaces never mix).
+    pub fn resolve(&self) -> Result<ResolvedNamespace, RouterError> {
+        let hex_opt = |s: &Option<String>, what: &str| -> Result<Option<Vec<u8>>, RouterError> {
+            s.as_ref().map(|h| hex::decode(h).map_err(|_| RouterError::Invalid(format!("{what}: not hex")))).transpose()
+        };
+        let layout = KvLayout {
+            num_layers: self.num_layers,
+            kv_heads: self.kv_heads,
+            head_dim: self.head_dim,
+            dtype: Dtype::parse(&self.dtype)?,
+            tokens_per_block: self.tokens_per_block,
+            kind: LayoutKind::parse(&self.layout_kind)?,
+        };
+        let namespace = Namespace {
+            model_id: self.model_id.clone(),
+            layout,
+            tenant_salt: hex_opt(&self.tenant_salt_hex, "tenant_salt_hex")?,
+            adapter_id: self.adapter_id.clone(),
+            extra: hex_opt(&self.extra_hex, "extra_hex")?,
+        };
+        namespace.validate()?;
+        let scheme = KeyScheme::parse(&self.key_scheme)
+            .ok_or_else(|| RouterError::Invalid(format!("unknown key scheme {:?}", self.key_scheme)))?;
+        let id = match scheme {
+            KeyScheme::Kvcached => namespace.id(),
+            KeyScheme::DynamoXxh3 => {
+                let full = blake3::derive_key(DYNAMO_SPACE_CONTEXT, &namespace.fingerprint().0);
+                let mut id = [0u8; 16];
+                id.copy_from_slice(&full[..16]);
+                NamespaceId(id)
+            }
+        };
+        Ok(ResolvedNamespace { id, namespace, scheme })
+    }
+}
+
+/// A vLLM engine whose KV events the router subscribes to (ZMQ SUB).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VllmSource {
+    /// The engine's ZMQ PUB endpoint, e.g. `tcp://10.0.0.5:5557`.
+    pub endpoint: String,
+    /// Topic prefix to subscribe to (vLLM's default topic is empty).
+    #[serde(default)]
+    pub topic: String,
+    /// The worker the engine is (its G1 blocks' holder).
+    pub worker: String,
+    /// The node it runs on (holder of blocks it reports with a CPU / disk medium).
+    pub node: String,
+    /// Name of a `[[namespaces]]` entry with `key_scheme = "dynamo-xxh3-1337"` and the engine's
+    /// block size.
+    pub namespace: String,
+    /// Where requests for this worker go.
+    #[serde(default)]
+    pub address: String,
+    #[serde(default)]
+    pub role: Option<String>,
+}
+
+/// Everything the router is configured with.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RouterConfig {
+    pub mode: RoutingMode,
+    pub weights: CostWeights,
+    pub health: HealthConfig,
+    /// Approximate mode: how long a routing decision is remembered (s).
+    pub approx_ttl_s: f64,
+    /// Approximate mode: most (block, worker) decisions remembered; the oldest go first.
+    pub approx_max_blocks: usize,
+    /// Predictions awaiting an outcome report; the oldest are forgotten beyond this.
+    pub max_pending_predictions: usize,
+    /// Events asked for per replay call.
+    pub replay_batch: usize,
+    /// Bound on one replay or snapshot call to a publisher (ms).
+    pub recovery_timeout_ms: u64,
+    /// Largest accepted `POST /events` or `POST /route` body (bytes).
+    pub max_body_bytes: usize,
+    /// Seed of the tie-breaking RNG (none: from the OS).
+    pub seed: Option<u64>,
+    pub namespaces: Vec<NamespaceSpec>,
+    pub vllm_sources: Vec<VllmSource>,
+}
+
+impl Default for RouterConfig {
+    fn default() -> Self {
+        Self {
+            mode: RoutingMode::Events,
+            weights: CostWeights::default(),
+            health: HealthConfig::default(),
+            approx_ttl_s: 120.0,
+            approx_max_blocks: 1 << 20,
+            max_pending_predictions: 100_000,
+            replay_batch: 10_000,
+            recovery_timeout_ms: 2_000,
+            max_body_bytes: 64 << 20,
+            seed: None,
+            namespaces: Vec::new(),
+            vllm_sources: Vec::new(),
+        }
+    }
+}
+
+impl RouterConfig {
+    /// Parses a TOML configuration.
+    pub fn from_toml(text: &str) -> Result<Self, RouterError> {
+        let c: Self = toml::from_str(text).map_err(|e| RouterError::Config(e.to_string()))?;
+        c.validate()?;
+        Ok(c)
+    }
+
+    /// Checks weights, thresholds and namespaces.
+    pub fn validate(&self) -> Result<(), RouterError> {
+        self.weights.validate()?;
+        if !(self.approx_ttl_s.is_finite() && self.approx_ttl_s > 0.0) {
+            return Err(RouterError::Config("approx_ttl_s must be > 0".into()));
+        }
+        for ns in &self.namespaces {
+            if ns.name.is_none() {
+                return Err(RouterError::Config(format!("namespace for model {:?} has no name", ns.model_id)));
+            }
+            ns.resolve().map_err(|e| RouterError::Config(e.to_string()))?;
+        }
+        for s in &self.vllm_sources {
+            let ns = self.namespaces.iter().find(|n| n.name.as_deref() == Some(&s.namespace));
+            match ns {
+                Some(n) if n.key_scheme == KEY_SCHEME_DYNAMO_XXH3_1337 => {}
+                Some(_) => {
+                    return Err(RouterError::Config(format!(
+                        "vllm source {}: namespace {} must use key_scheme = \"{KEY_SCHEME_DYNAMO_XXH3_1337}\"",
+                        s.endpoint, s.namespace
+                    )));
+                }
+                None => {
+                    return Err(RouterError::Config(format!(
+                        "vllm source {}: unknown namespace {}",
+                        s.endpoint, s.namespace
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The configured namespace called `name`.
+    pub fn namespace(&self, name: &str) -> Option<&NamespaceSpec> {
+        self.namespaces.iter().find(|n| n.name.as_deref() == Some(name))
+    }
+}

@@ -1,0 +1,258 @@
+//! The cost model: how much of a prompt each candidate worker would still have to prefill, and
+//! which worker wins.
+//!
+//! For worker `w` on node `n`, walk the prompt's blocks in order. At each position the block is
+//! credited at the best tier `w` can use: its own G1 (weight `g1`), else `n`'s G2 (`g2`), else
+//! `n`'s G3 (`g3`), else the cluster's G4 (`g4`). The walk for `w` stops at the first block `w`
+//! cannot get from any tier (a later block is useless without it). Then
+//!
+//! ```text
+//! cost(w) = prefill * (blocks - credit(w)) + decode * kv_utilisation(w) + active * active_requests(w)
+//!         + fill * g1_fill(w)
+//! ```
+//!
+//! `g1_fill` is the fraction of the worker's KV capacity its indexed G1 blocks occupy: between
+//! otherwise equal workers, a new prompt goes where it evicts the least.
+//!
+//! Lowest cost wins, ties broken at random; with `temperature > 0` the winner is sampled with
+//! probability proportional to `exp(-(cost - min) / (temperature * blocks))`.
+
+use kvproto::TierKind;
+use rand::Rng;
+use serde::{Deserialize, Serialize};
+
+use crate::config::CostWeights;
+use crate::index::Slot;
+
+/// One candidate's holders and load, as the cost model needs them.
+#[derive(Debug, Clone, Copy)]
+pub struct CandidateIn {
+    /// The worker's G1 holder index.
+    pub worker_holder: u32,
+    /// Its node's holder index (G2/G3).
+    pub node_holder: u32,
+    /// KV utilisation 0..1.
+    pub kv_utilisation: f64,
+    /// Running + waiting as last reported, plus routed since.
+    pub active: f64,
+    /// Fraction (0..1) of the worker's GPU KV capacity its indexed G1 blocks fill.
+    pub fill: f64,
+}
+
+/// Blocks of the prompt a worker can get, by the tier it gets each from.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct TierMatch {
+    /// Blocks per tier, index = [`TierKind::index`].
+    pub blocks: [u32; 4],
+}
+
+impl TierMatch {
+    /// Length of the usable prefix in blocks.
+    pub fn prefix(&self) -> u32 {
+        self.blocks.iter().sum()
+    }
+    /// Weighted credit.
+    pub fn credit(&self, w: &CostWeights) -> f64 {
+        TierKind::ALL.iter().map(|t| w.tier(*t) * f64::from(self.blocks[t.index()])).sum()
+    }
+}
+
+/// The cost of one candidate, term by term.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct CostBreakdown {
+    pub total: f64,
+    /// Blocks of the prompt still to prefill after crediting cached ones (weighted).
+    pub prefill_blocks: f64,
+    pub prefill_term: f64,
+    pub decode_term: f64,
+    pub active_term: f64,
+    pub fill_term: f64,
+}
+
+/// Computes, for each candidate, the blocks it can get per tier. `positions` is called with a
+/// callback `visit(slots) -> bool`; it must call it once per prompt block in order with that
+/// block's holders, and stop when it returns false (nothing more can match) or at the first
+/// block nobody holds.
+///
+/// `scratch` is a per-holder-index mark buffer (cleared on return).
+pub fn match_candidates(
+    cands: &[CandidateIn],
+    scratch: &mut Vec<u8>,
+    positions: impl FnOnce(&mut dyn FnMut(&mut dyn Iterator<Item = Slot>) -> bool),
+) -> Vec<TierMatch> {
+    let mut out = vec![TierMatch::default(); cands.len()];
+    let mut alive: Vec<usize> = (0..cands.len()).collect();
+    let mut touched: Vec<u32> = Vec::with_capacity(16);
+    let mut visit = |slots: &mut dyn Iterator<Item = Slot>| -> bool {
+        let mut g4 = false;
+        for s in slots {
+            let h = s.holder() as usize;
+            if s.tier() == TierKind::G4Object {
+                g4 = true;
+                continue;
+            }
+            if scratch.len() <= h {
+                scratch.resize(h + 1, 0);
+            }
+            if scratch[h] == 0 {
+                touched.push(h as u32);
+            }
+            scratch[h] |= 1 << s.tier().index();
+        }
+        alive.retain(|&c| {
+            let cand = &cands[c];
+            let own = scratch.get(cand.worker_holder as usize).copied().unwrap_or(0);
+            let node = scratch.get(cand.node_holder as usize).copied().unwrap_or(0);
+            let tier = if own & 1 != 0 {
+                TierKind::G1Gpu
+            } else if node & 2 != 0 {
+                TierKind::G2Host
+            } else if node & 4 != 0 {
+                TierKind::G3Disk
+            } else if g4 {
+                TierKind::G4Object
+            } else {
+                return false;
+            };
+            out[c].blocks[tier.index()] += 1;
+            true
+        });
+        for h in touched.drain(..) {
+            scratch[h as usize] = 0;
+        }
+        !alive.is_empty()
+    };
+    positions(&mut visit);
+    out
+}
+
+/// The cost of each candidate for a prompt of `blocks` blocks.
+pub fn costs(w: &CostWeights, blocks: usize, cands: &[CandidateIn], matches: &[TierMatch]) -> Vec<CostBreakdown> {
+    cands
+        .iter()
+        .zip(matches)
+        .map(|(c, m)| {
+            let prefill_blocks = (blocks as f64 - m.credit(w)).max(0.0);
+            let prefill_term = w.prefill * prefill_blocks;
+            let decode_term = w.decode * c.kv_utilisation.clamp(0.0, 1.0);
+            let active_term = w.active * c.active.max(0.0);
+            let fill_term = w.fill * c.fill.clamp(0.0, 1.0);
+            CostBreakdown {
+                total: prefill_term + decode_term + active_term + fill_term,
+                prefill_blocks,
+                prefill_term,
+                decode_term,
+                active_term,
+                fill_term,
+            }
+        })
+        .collect()
+}
+
+/// Picks the winner: lowest cost with ties at random, or a softmax sample when
+/// `temperature > 0`. `None` only for an empty slice.
+pub fn choose(costs: &[CostBreakdown], temperature: f64, blocks: usize, rng: &mut impl Rng) -> Option<usize> {
+    let min = costs.iter().map(|c| c.total).fold(f64::INFINITY, f64::min);
+    if !min.is_finite() {
+        return None;
+    }
+    if temperature > 0.0 {
+        let scale = temperature * (blocks.max(1) as f64);
+        let weights: Vec<f64> = costs.iter().map(|c| (-(c.total - min) / scale).exp()).collect();
+        let sum: f64 = weights.iter().sum();
+        let mut x = rng.random::<f64>() * sum;
+        for (i, wt) in weights.iter().enumerate() {
+            if x < *wt {
+                return Some(i);
+            }
+            x -= wt;
+        }
+        return weights.iter().rposition(|w| *w > 0.0);
+    }
+    let eps = 1e-9 * (1.0 + min.abs());
+    let ties: Vec<usize> = costs.iter().enumerate().filter(|(_, c)| c.total <= min + eps).map(|(i, _)| i).collect();
+    Some(ties[rng.random_range(0..ties.len())])
+}
+
+#[cfg(test)]
+mod tests {
+    use rand::SeedableRng;
+
+    use super::*;
+
+    fn cand(w: u32, n: u32) -> CandidateIn {
+        CandidateIn { worker_holder: w, node_holder: n, kv_utilisation: 0.0, active: 0.0, fill: 0.0 }
+    }
+
+    /// Runs the matcher over positions given as lists of slots.
+    fn run(cands: &[CandidateIn], positions: &[Vec<Slot>]) -> Vec<TierMatch> {
+        let mut scratch = vec![];
+        let m = match_candidates(cands, &mut scratch, |visit| {
+            for p in positions {
+                if p.is_empty() || !visit(&mut p.iter().copied()) {
+                    break;
+                }
+            }
+        });
+        assert!(scratch.iter().all(|x| *x == 0));
+        m
+    }
+
+    #[test]
+    fn each_block_is_credited_at_the_best_tier_the_worker_can_use() {
+        // Workers 1, 2 on node 10; worker 3 on node 11.
+        let cands = [cand(1, 10), cand(2, 10), cand(3, 11)];
+        let g1 = |h| Slot::new(h, TierKind::G1Gpu);
+        let g2 = |h| Slot::new(h, TierKind::G2Host);
+        let g3 = |h| Slot::new(h, TierKind::G3Disk);
+        let g4 = Slot::new(0, TierKind::G4Object);
+        let positions =
+            vec![vec![g1(1), g2(10), g4], vec![g1(1), g3(10), g4], vec![g3(10)], vec![g1(1), g1(3)], vec![g1(1)]];
+        let m = run(&cands, &positions);
+        assert_eq!(m[0].blocks, [4, 0, 1, 0]); // its own GPU, the node's disk at position 2
+        assert_eq!(m[1].blocks, [0, 1, 2, 0]); // G2, G3, G3, then nothing at position 3
+        assert_eq!(m[2].blocks, [0, 0, 0, 2]); // G4, G4, then stops
+        let w = CostWeights::default();
+        assert!((m[1].credit(&w) - (0.75 + 0.5)).abs() < 1e-12);
+    }
+
+    #[test]
+    fn lowest_cost_wins_and_load_terms_count() {
+        let w = CostWeights { decode: 4.0, active: 1.0, ..CostWeights::default() };
+        let mut cands = [cand(1, 10), cand(2, 10)];
+        let m = [TierMatch { blocks: [3, 0, 0, 0] }, TierMatch::default()];
+        let mut rng = rand::rngs::StdRng::seed_from_u64(1);
+        let c = costs(&w, 4, &cands, &m);
+        assert_eq!(c[0].prefill_blocks, 1.0);
+        assert_eq!(choose(&c, 0.0, 4, &mut rng), Some(0));
+        // Worker 1 busy: 1 + 4 * 0.5 + 1 * 2 = 5 > 4.
+        cands[0].kv_utilisation = 0.5;
+        cands[0].active = 2.0;
+        let c = costs(&w, 4, &cands, &m);
+        assert_eq!(c[0].total, 5.0);
+        assert_eq!(choose(&c, 0.0, 4, &mut rng), Some(1));
+    }
+
+    #[test]
+    fn ties_are_broken_at_random_and_temperature_samples_softly() {
+        let w = CostWeights::default();
+        let cands = [cand(1, 10), cand(2, 10), cand(3, 10)];
+        let m = [TierMatch::default(); 3];
+        let c = costs(&w, 4, &cands, &m);
+        let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+        let mut seen = [0u32; 3];
+        for _ in 0..300 {
+            seen[choose(&c, 0.0, 4, &mut rng).unwrap_or(9)] += 1;
+        }
+        assert!(seen.iter().all(|n| *n > 60), "{seen:?}");
+        // With a temperature, a slightly worse worker is sometimes chosen, a far worse one rarely.
+        let m = [TierMatch { blocks: [4, 0, 0, 0] }, TierMatch { blocks: [3, 0, 0, 0] }, TierMatch::default()];
+        let c = costs(&w, 4, &cands, &m);
+        let mut seen = [0u32; 3];
+        for _ in 0..2000 {
+            seen[choose(&c, 0.25, 4, &mut rng).unwrap_or(9)] += 1;
+        }
+        assert!(seen[0] > seen[1] && seen[1] > seen[2] && seen[1] > 50, "{seen:?}");
+        assert_eq!(choose(&[], 0.0, 4, &mut rng), None);
+    }
+}

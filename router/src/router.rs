@@ -1,0 +1,707 @@
+//! [`Router`]: the public face of the state: route a request, ingest a publisher's message, run
+//! gap recovery, housekeeping, health and metrics.
+
+use std::collections::HashMap;
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use kvproto::events::{PublisherMessage, RouteOutcome};
+use kvproto::{BlockKey, NamespaceId, TierKind};
+use parking_lot::Mutex;
+use rand::SeedableRng;
+use rand::rngs::StdRng;
+use serde::{Deserialize, Serialize};
+
+use crate::config::{NamespaceSpec, ResolvedNamespace, RouterConfig, RoutingMode};
+use crate::cost::{self, CandidateIn, CostBreakdown, TierMatch};
+use crate::health::{ConditionKind, PromText, bump};
+use crate::recovery::{HttpRecovery, RecoverySource};
+use crate::state::{GapState, Prediction, PublisherKind, RecoveryTask, State};
+use crate::{Replay, RouterError};
+
+/// The instant approximate-mode timestamps count from.
+pub fn process_start() -> Instant {
+    static START: OnceLock<Instant> = OnceLock::new();
+    *START.get_or_init(Instant::now)
+}
+
+/// A namespace named in the config, or given inline.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum NamespaceRef {
+    Name(String),
+    Spec(Box<NamespaceSpec>),
+}
+
+/// Body of `POST /route`. Give `namespace` + `tokens` (the router computes the keys), or
+/// `namespace_id` + `keys` (a gateway that computes keys itself, e.g. to keep a tenant salt).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RouteRequest {
+    #[serde(default)]
+    pub namespace: Option<NamespaceRef>,
+    #[serde(default)]
+    pub tokens: Option<Vec<u32>>,
+    #[serde(default)]
+    pub namespace_id: Option<String>,
+    #[serde(default)]
+    pub keys: Option<Vec<String>>,
+    /// Only these workers may be chosen.
+    #[serde(default)]
+    pub candidates: Option<Vec<String>>,
+    /// Only workers with this role may be chosen (e.g. `decode`).
+    #[serde(default)]
+    pub role: Option<String>,
+    /// Include every candidate's breakdown in the answer.
+    #[serde(default)]
+    pub explain: bool,
+}
+
+/// One candidate's evaluation.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct CandidateReport {
+    pub worker: String,
+    pub cached_blocks: [u32; 4],
+    pub cost: CostBreakdown,
+}
+
+/// Answer of `POST /route`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RouteResponse {
+    /// Quote it in the outcome report (`RouteOutcome::route_id`).
+    pub route_id: u64,
+    pub worker: String,
+    pub address: String,
+    pub node: String,
+    /// Full blocks of the prompt.
+    pub blocks: usize,
+    pub tokens_per_block: Option<u32>,
+    /// Expected cached prefix blocks per tier `[g1, g2, g3, g4]` on the chosen worker.
+    pub cached_blocks: [u32; 4],
+    /// Expected cached prefix in tokens (when the block size is known).
+    pub cached_tokens: Option<u64>,
+    pub cost: CostBreakdown,
+    pub mode: RoutingMode,
+    /// Every candidate, when `explain` was set.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub candidates: Vec<CandidateReport>,
+}
+
+/// `GET /healthz` body.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct HealthReport {
+    /// `ok` or `degraded`.
+    pub status: String,
+    pub conditions: Vec<HealthCondition>,
+    pub workers: usize,
+    pub publishers: usize,
+    pub indexed_blocks: usize,
+}
+
+/// One reason the router is degraded.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct HealthCondition {
+    pub kind: String,
+    pub subject: String,
+    pub reason: String,
+    pub since_s: f64,
+}
+
+/// Size of the index.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+pub struct IndexStats {
+    pub blocks: usize,
+    pub facts: u64,
+    pub approx_bytes: usize,
+    pub holders: usize,
+}
+
+/// The router.
+#[derive(Debug)]
+pub struct Router {
+    config: RouterConfig,
+    named: HashMap<String, ResolvedNamespace>,
+    state: Mutex<State>,
+    sources: Mutex<HashMap<String, Arc<dyn RecoverySource>>>,
+    http: reqwest::Client,
+}
+
+struct Resolved {
+    id: NamespaceId,
+    keys: Vec<BlockKey>,
+    model: Option<String>,
+    tokens_per_block: Option<u32>,
+    scheme: Option<&'static str>,
+}
+
+impl Router {
+    /// A router with `config` (validated).
+    pub fn new(config: RouterConfig) -> Result<Arc<Self>, RouterError> {
+        config.validate()?;
+        let mut named = HashMap::new();
+        for n in &config.namespaces {
+            if let Some(name) = &n.name {
+                named.insert(name.clone(), n.resolve()?);
+            }
+        }
+        let rng = match config.seed {
+            Some(s) => StdRng::seed_from_u64(s),
+            None => StdRng::from_os_rng(),
+        };
+        let http = reqwest::Client::builder()
+            .timeout(Duration::from_millis(config.recovery_timeout_ms.max(1)))
+            .build()
+            .map_err(|e| RouterError::Http(e.to_string()))?;
+        let state = Mutex::new(State::new(&config, rng));
+        process_start();
+        Ok(Arc::new(Self { config, named, state, sources: Mutex::new(HashMap::new()), http }))
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &RouterConfig {
+        &self.config
+    }
+
+    /// A configured namespace by name.
+    pub fn namespace(&self, name: &str) -> Option<&ResolvedNamespace> {
+        self.named.get(name)
+    }
+
+    fn resolve(&self, req: &RouteRequest) -> Result<Resolved, RouterError> {
+        if let Some(keys) = &req.keys {
+            let id =
+                req.namespace_id.as_ref().ok_or_else(|| RouterError::Invalid("`keys` needs `namespace_id`".into()))?;
+            let mut b = [0u8; 16];
+            hex::decode_to_slice(id, &mut b).map_err(|_| RouterError::Invalid("namespace_id: 32 hex digits".into()))?;
+            let keys = keys.iter().map(|k| k.parse::<BlockKey>()).collect::<Result<Vec<_>, _>>()?;
+            let named = self.named.values().find(|n| n.id.0 == b);
+            return Ok(Resolved {
+                id: NamespaceId(b),
+                keys,
+                model: named.map(|n| n.namespace.model_id.clone()),
+                tokens_per_block: named.map(|n| n.tokens_per_block()),
+                scheme: named.map(|n| n.scheme.name()),
+            });
+        }
+        let ns = match &req.namespace {
+            Some(NamespaceRef::Name(n)) => {
+                self.named.get(n).cloned().ok_or_else(|| RouterError::Invalid(format!("unknown namespace {n:?}")))?
+            }
+            Some(NamespaceRef::Spec(s)) => s.resolve()?,
+            None => return Err(RouterError::Invalid("give `namespace` + `tokens` or `namespace_id` + `keys`".into())),
+        };
+        let tokens = req.tokens.as_deref().ok_or_else(|| RouterError::Invalid("`namespace` needs `tokens`".into()))?;
+        Ok(Resolved {
+            id: ns.id,
+            keys: ns.keys(tokens),
+            model: Some(ns.namespace.model_id.clone()),
+            tokens_per_block: Some(ns.tokens_per_block()),
+            scheme: Some(ns.scheme.name()),
+        })
+    }
+
+    /// Places one request.
+    pub fn route(&self, req: &RouteRequest) -> Result<RouteResponse, RouterError> {
+        let t0 = Instant::now();
+        let r = self.resolve(req);
+        let mut st = self.state.lock();
+        let out = r.and_then(|r| self.route_locked(&mut st, req, r, t0));
+        match &out {
+            Ok(_) => st.counters.routes += 1,
+            Err(_) => st.counters.route_errors += 1,
+        }
+        st.counters.route_seconds_sum += t0.elapsed().as_secs_f64();
+        out
+    }
+
+    fn check_mismatch(&self, st: &mut State, r: &Resolved, now: Instant) {
+        let Some(model) = &r.model else { return };
+        let declared = st.declared_for_model(model);
+        if declared.iter().any(|(_, n)| n.id == r.id) {
+            return;
+        }
+        let bs = r.tokens_per_block.unwrap_or(0);
+        let scheme = r.scheme.unwrap_or("");
+        let (kind, reason) = if let Some((p, n)) = declared.iter().find(|(_, n)| n.tokens_per_block != bs) {
+            (
+                ConditionKind::BlockSizeMismatch,
+                format!(
+                    "requests for {model} use {bs}-token blocks, publisher {p} stores {}-token blocks",
+                    n.tokens_per_block
+                ),
+            )
+        } else if let Some((p, n)) = declared.iter().find(|(_, n)| n.key_scheme != scheme) {
+            (
+                ConditionKind::KeySchemeMismatch,
+                format!("requests for {model} use key scheme {scheme}, publisher {p} uses {}", n.key_scheme),
+            )
+        } else if let Some((p, n)) = declared.first() {
+            (
+                ConditionKind::NamespaceMismatch,
+                format!(
+                    "requests for {model} are in namespace {}, publisher {p} stores {model} in namespace {} \
+                     (layout, dtype, salt or adapter differ)",
+                    r.id, n.id
+                ),
+            )
+        } else if st.publishers.values().any(|p| !p.namespaces().is_empty()) {
+            (ConditionKind::NamespaceMismatch, format!("no publisher stores model {model} (namespace {})", r.id))
+        } else {
+            return;
+        };
+        bump(&mut st.counters.mismatches, kind.label());
+        st.health.set(kind, model, reason, now);
+    }
+
+    fn route_locked(
+        &self,
+        st: &mut State,
+        req: &RouteRequest,
+        r: Resolved,
+        t0: Instant,
+    ) -> Result<RouteResponse, RouterError> {
+        self.check_mismatch(st, &r, t0);
+        let mode = self.config.mode;
+        let now_ms = t0.saturating_duration_since(process_start()).as_millis() as u64;
+        if mode == RoutingMode::Approximate {
+            st.approx.expire(now_ms);
+        }
+        let mut workers = Vec::new();
+        let mut cands = Vec::new();
+        for w in st.workers.values() {
+            if req.candidates.as_ref().is_some_and(|c| !c.contains(&w.id.0)) {
+                continue;
+            }
+            if req.role.as_ref().is_some_and(|role| w.role.as_ref() != Some(role)) {
+                continue;
+            }
+            let same_model = r.model.as_ref().is_some_and(|m| {
+                st.publishers.get(&w.publisher).is_some_and(|p| p.namespaces().iter().any(|n| &n.model_id == m))
+            });
+            if !st.serves(w, r.id) && !same_model {
+                continue;
+            }
+            let (util, reported) =
+                w.load.as_ref().map_or((0.0, 0.0), |l| (l.kv_utilisation(), f64::from(l.running + l.waiting)));
+            let fill = match w.load.as_ref().map(|l| l.kv_total_blocks) {
+                Some(total) if total > 0 => st.index.holder_facts(w.holder) as f64 / total as f64,
+                _ => 0.0,
+            };
+            cands.push(CandidateIn {
+                worker_holder: w.holder,
+                node_holder: w.node_holder,
+                kv_utilisation: util,
+                active: reported + f64::from(w.routed_since_report),
+                fill,
+            });
+            workers.push(w.id.clone());
+        }
+        if cands.is_empty() {
+            return Err(RouterError::NoWorker(format!("no live worker serves namespace {}", r.id)));
+        }
+        let mut scratch = std::mem::take(&mut st.scratch);
+        let matches: Vec<TierMatch> = match mode {
+            RoutingMode::Events => {
+                let index = &st.index;
+                cost::match_candidates(&cands, &mut scratch, |visit| {
+                    index.walk(r.id, &r.keys, |_, slots| visit(&mut slots.iter()));
+                })
+            }
+            RoutingMode::Approximate => {
+                let approx = &st.approx;
+                cost::match_candidates(&cands, &mut scratch, |visit| {
+                    approx.walk(r.id, &r.keys, |_, v| {
+                        visit(&mut v.iter().map(|(h, _)| crate::index::Slot::new(*h, TierKind::G1Gpu)))
+                    });
+                })
+            }
+        };
+        st.scratch = scratch;
+        let costs = cost::costs(&self.config.weights, r.keys.len(), &cands, &matches);
+        let pick = cost::choose(&costs, self.config.weights.temperature, r.keys.len(), &mut st.rng)
+            .ok_or_else(|| RouterError::NoWorker("no finite cost".into()))?;
+        let route_id = st.next_route_id;
+        st.next_route_id += 1;
+        let chosen = workers[pick].clone();
+        let m = matches[pick];
+        if mode == RoutingMode::Approximate {
+            st.approx.record(r.id, &r.keys, cands[pick].worker_holder, now_ms);
+        }
+        st.remember_prediction(
+            route_id,
+            Prediction { worker: chosen.clone(), blocks: m.blocks },
+            self.config.max_pending_predictions,
+        );
+        let Some(w) = st.workers.get_mut(&chosen) else {
+            return Err(RouterError::NoWorker("chosen worker vanished".into()));
+        };
+        w.routed_since_report += 1;
+        let candidates = if req.explain {
+            workers
+                .iter()
+                .zip(matches.iter().zip(&costs))
+                .map(|(w, (m, c))| CandidateReport { worker: w.0.clone(), cached_blocks: m.blocks, cost: *c })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        Ok(RouteResponse {
+            route_id,
+            worker: chosen.0.clone(),
+            address: w.address.clone(),
+            node: w.node.0.clone(),
+            blocks: r.keys.len(),
+            tokens_per_block: r.tokens_per_block,
+            cached_blocks: m.blocks,
+            cached_tokens: r.tokens_per_block.map(|b| u64::from(m.prefix()) * u64::from(b)),
+            cost: costs[pick],
+            mode,
+            candidates,
+        })
+    }
+
+    /// Attaches an in-process recovery source for `publisher` (tests, embedded publishers). It
+    /// takes precedence over the publisher's `recovery_url`.
+    pub fn attach_recovery(&self, publisher: &str, src: Arc<dyn RecoverySource>) {
+        self.sources.lock().insert(publisher.to_string(), src);
+        self.state.lock().has_attached_source.insert(publisher.to_string());
+    }
+
+    fn source(&self, publisher: &str, st: &State) -> Option<Arc<dyn RecoverySource>> {
+        if let Some(s) = self.sources.lock().get(publisher) {
+            return Some(s.clone());
+        }
+        let url = st.publishers.get(publisher)?.recovery_url()?.to_string();
+        Some(Arc::new(HttpRecovery::new(url, self.http.clone())))
+    }
+
+    /// Applies one publisher message. Returns the recovery to run if a gap was found (see
+    /// [`Router::ingest_and_recover`], which runs it).
+    pub fn ingest(&self, msg: &PublisherMessage) -> Option<RecoveryTask> {
+        let now = Instant::now();
+        let mut st = self.state.lock();
+        let interval = msg
+            .info
+            .as_ref()
+            .map(|i| i.report_interval_ms)
+            .or_else(|| st.publishers.get(&msg.publisher).and_then(|p| p.report_interval.map(|d| d.as_millis() as u64)))
+            .unwrap_or(self.config.health.default_report_interval_ms);
+        st.touch_publisher(
+            &msg.publisher,
+            PublisherKind::Http,
+            msg.epoch,
+            msg.info.as_ref().map(|i| &i.node),
+            Some(Duration::from_millis(interval.max(1))),
+            now,
+        );
+        if let Some(info) = &msg.info {
+            st.apply_info(&msg.publisher, info);
+        }
+        let can_recover = self.sources.lock().contains_key(&msg.publisher)
+            || st.publishers.get(&msg.publisher).is_some_and(|p| p.recovery_url().is_some());
+        let task = st.apply_events(&msg.publisher, &msg.events, msg.last_event_id, can_recover);
+        if let Some(load) = &msg.load {
+            st.apply_load(&msg.publisher, load);
+        }
+        for o in &msg.outcomes {
+            st.apply_outcome(o, &self.config.health);
+        }
+        task
+    }
+
+    /// Applies a message and, if it revealed a gap, recovers before returning.
+    pub async fn ingest_and_recover(self: &Arc<Self>, msg: &PublisherMessage) {
+        if let Some(task) = self.ingest(msg) {
+            self.recover(task).await;
+        }
+    }
+
+    /// Reports outcomes (what routed requests actually found).
+    pub fn report_outcomes(&self, outcomes: &[RouteOutcome]) {
+        let mut st = self.state.lock();
+        for o in outcomes {
+            st.apply_outcome(o, &self.config.health);
+        }
+    }
+
+    /// Runs one recovery: replay from the publisher's log, or a snapshot (then a replay) when
+    /// the log no longer reaches back. Never holds the lock across an await.
+    pub async fn recover(self: &Arc<Self>, task: RecoveryTask) {
+        let src = {
+            let st = self.state.lock();
+            self.source(&task.publisher, &st)
+        };
+        let result = match src {
+            Some(src) => self.recover_from(&task, src.as_ref()).await,
+            None => {
+                Err(RouterError::Recovery { publisher: task.publisher.clone(), reason: "no recovery source".into() })
+            }
+        };
+        let mut st = self.state.lock();
+        let now = Instant::now();
+        let Some(p) = st.publishers.get_mut(&task.publisher) else { return };
+        if p.epoch != task.epoch {
+            return;
+        }
+        match result {
+            Ok(kind) => {
+                p.gap = GapState::None;
+                p.gap_since = None;
+                bump(&mut st.counters.recoveries, (task.publisher.clone(), kind));
+                st.health.clear(ConditionKind::UnrecoveredGap, &task.publisher);
+            }
+            Err(e) => {
+                p.gap = GapState::Unrecovered { retry_at: Some(now + Duration::from_secs(1)) };
+                bump(&mut st.counters.recovery_failures, task.publisher.clone());
+                st.health.set(ConditionKind::UnrecoveredGap, &task.publisher, format!("missed events: {e}"), now);
+            }
+        }
+    }
+
+    async fn recover_from(&self, task: &RecoveryTask, src: &dyn RecoverySource) -> Result<&'static str, RouterError> {
+        let timeout = Duration::from_millis(self.config.recovery_timeout_ms.max(1));
+        let fail = |reason: String| RouterError::Recovery { publisher: task.publisher.clone(), reason };
+        let mut kind = "replay";
+        // Each round makes progress (events applied, or a snapshot); the bound stops a publisher
+        // that produces events faster than they can be replayed from monopolising a task.
+        for _ in 0..64 {
+            let after = {
+                let st = self.state.lock();
+                match st.publishers.get(&task.publisher) {
+                    Some(p) if p.epoch == task.epoch => p.last_id,
+                    _ => return Ok(kind),
+                }
+            };
+            let limit = self.config.replay_batch.max(1);
+            let replay = tokio::time::timeout(timeout, src.replay(after, limit))
+                .await
+                .map_err(|_| fail("replay timed out".into()))??;
+            match replay {
+                Replay::Events { epoch, events } => {
+                    if epoch != task.epoch {
+                        return Err(fail(format!("publisher is in epoch {epoch}, expected {}", task.epoch)));
+                    }
+                    let mut st = self.state.lock();
+                    if let Some(p) = st.publishers.get_mut(&task.publisher) {
+                        p.gap = GapState::None; // let apply_events run
+                    }
+                    let again = st.apply_events(&task.publisher, &events, None, false);
+                    debug_assert!(again.is_none());
+                    if let Some(p) = st.publishers.get_mut(&task.publisher) {
+                        p.gap = GapState::Recovering;
+                    }
+                    if events.len() < limit {
+                        return Ok(kind);
+                    }
+                }
+                Replay::TooOld { epoch, .. } => {
+                    if epoch != task.epoch {
+                        return Err(fail(format!("publisher is in epoch {epoch}, expected {}", task.epoch)));
+                    }
+                    let snap = tokio::time::timeout(timeout, src.snapshot())
+                        .await
+                        .map_err(|_| fail("snapshot timed out".into()))??;
+                    if snap.epoch != task.epoch {
+                        return Err(fail(format!("snapshot of epoch {}, expected {}", snap.epoch, task.epoch)));
+                    }
+                    self.state.lock().apply_snapshot(&task.publisher, &snap);
+                    kind = "snapshot";
+                }
+            }
+        }
+        Err(fail("publisher outpaces replay".into()))
+    }
+
+    /// Periodic work (stale / dead holders, expiring conditions, recovery retries). Spawns the
+    /// retries on the current tokio runtime.
+    pub fn housekeeping(self: &Arc<Self>) {
+        let tasks = self.state.lock().housekeeping(&self.config, Instant::now());
+        for t in tasks {
+            let me = self.clone();
+            tokio::spawn(async move { me.recover(t).await });
+        }
+    }
+
+    /// Runs `f` on the state (vLLM ingest and tests).
+    pub(crate) fn with_state<T>(&self, f: impl FnOnce(&mut State) -> T) -> T {
+        f(&mut self.state.lock())
+    }
+
+    /// Health report.
+    pub fn health(&self) -> HealthReport {
+        let st = self.state.lock();
+        let conditions: Vec<HealthCondition> = st
+            .health
+            .conditions()
+            .into_iter()
+            .map(|c| HealthCondition {
+                kind: c.kind.label().to_string(),
+                subject: c.subject,
+                reason: c.reason,
+                since_s: c.since.elapsed().as_secs_f64(),
+            })
+            .collect();
+        HealthReport {
+            status: if conditions.is_empty() { "ok" } else { "degraded" }.to_string(),
+            conditions,
+            workers: st.workers.len(),
+            publishers: st.publishers.len(),
+            indexed_blocks: st.index.blocks(),
+        }
+    }
+
+    /// Index size.
+    pub fn index_stats(&self) -> IndexStats {
+        let st = self.state.lock();
+        IndexStats {
+            blocks: st.index.blocks(),
+            facts: st.index.facts(),
+            approx_bytes: st.index.approx_bytes(),
+            holders: st.holders.len(),
+        }
+    }
+
+    /// Prometheus text of every `kvrouter_*` metric.
+    pub fn metrics_text(&self) -> String {
+        let st = self.state.lock();
+        let c = &st.counters;
+        let mut p = PromText::default();
+        p.single("kvrouter_routes_total", "counter", "Requests placed.", c.routes as f64);
+        p.single("kvrouter_route_errors_total", "counter", "Requests that could not be placed.", c.route_errors as f64);
+        p.single("kvrouter_route_seconds_sum", "counter", "Time spent placing requests.", c.route_seconds_sum);
+        let lab = |m: &std::collections::BTreeMap<String, u64>| {
+            m.iter().map(|(k, v)| (k.clone(), *v as f64)).collect::<Vec<_>>()
+        };
+        for (name, help, m) in [
+            ("kvrouter_events_total", "Events applied, per publisher.", &c.events),
+            ("kvrouter_duplicate_events_total", "Events skipped as already applied.", &c.duplicate_events),
+            ("kvrouter_invalid_events_total", "Events rejected (holder does not fit the tier).", &c.invalid_events),
+            ("kvrouter_event_gaps_total", "Gaps in event ids, per publisher.", &c.gaps),
+            ("kvrouter_recovery_failures_total", "Failed replay / snapshot recoveries.", &c.recovery_failures),
+            ("kvrouter_vllm_batches_total", "vLLM ZMQ event batches received, per source.", &c.vllm_batches),
+            ("kvrouter_vllm_orphan_blocks_total", "vLLM blocks whose parent was unknown.", &c.vllm_orphan_blocks),
+        ] {
+            let v = lab(m);
+            p.labelled(name, "counter", help, "publisher", v.iter().map(|(k, v)| (k.as_str(), *v)));
+        }
+        p.family("kvrouter_gap_recoveries_total", "counter", "Gaps recovered, by method (replay or snapshot).");
+        for ((pubr, kind), v) in &c.recoveries {
+            p.sample("kvrouter_gap_recoveries_total", &[("publisher", pubr), ("method", kind)], *v as f64);
+        }
+        p.family("kvrouter_mismatch_total", "counter", "Requests or publishers showing a mismatch, by kind.");
+        for k in [ConditionKind::NamespaceMismatch, ConditionKind::BlockSizeMismatch, ConditionKind::KeySchemeMismatch]
+        {
+            p.sample(
+                "kvrouter_mismatch_total",
+                &[("kind", k.label())],
+                c.mismatches.get(k.label()).copied().unwrap_or(0) as f64,
+            );
+        }
+        p.family("kvrouter_condition_active", "gauge", "Active degrading conditions, by kind.");
+        for k in ConditionKind::ALL {
+            p.sample("kvrouter_condition_active", &[("kind", k.label())], st.health.count(k) as f64);
+        }
+        p.single(
+            "kvrouter_healthy",
+            "gauge",
+            "1 when no condition is active.",
+            if st.health.healthy() { 1.0 } else { 0.0 },
+        );
+        p.single(
+            "kvrouter_health_transitions_total",
+            "counter",
+            "Conditions started or ended.",
+            st.health.transitions() as f64,
+        );
+        let stale: Vec<(String, f64)> = st
+            .workers
+            .keys()
+            .map(|w| (w.0.clone(), if st.health.is_set(ConditionKind::StaleWorker, &w.0) { 1.0 } else { 0.0 }))
+            .collect();
+        p.labelled(
+            "kvrouter_worker_stale",
+            "gauge",
+            "1 when the worker's publisher is overdue.",
+            "worker",
+            stale.iter().map(|(k, v)| (k.as_str(), *v)),
+        );
+        p.labelled(
+            "kvrouter_publisher_unrecovered_gap",
+            "gauge",
+            "1 while a publisher has missed events that were not recovered.",
+            "publisher",
+            st.publishers
+                .keys()
+                .map(|k| (k.as_str(), if st.health.is_set(ConditionKind::UnrecoveredGap, k) { 1.0 } else { 0.0 })),
+        );
+        let pred = |f: &dyn Fn(&crate::state::PredictionStats) -> f64| -> Vec<(String, f64)> {
+            st.workers.values().map(|w| (w.id.0.clone(), f(&w.prediction))).collect()
+        };
+        for (name, kind, help, v) in [
+            (
+                "kvrouter_predicted_blocks_total",
+                "counter",
+                "Cached prefix blocks predicted for routed requests with an outcome.",
+                pred(&|s| s.predicted_blocks as f64),
+            ),
+            (
+                "kvrouter_actual_blocks_total",
+                "counter",
+                "Cached prefix blocks the worker reported finding.",
+                pred(&|s| s.actual_blocks as f64),
+            ),
+            (
+                "kvrouter_prediction_abs_error_blocks_total",
+                "counter",
+                "Sum of |predicted - actual| blocks.",
+                pred(&|s| s.abs_error_blocks as f64),
+            ),
+            (
+                "kvrouter_prediction_error_ratio",
+                "gauge",
+                "Moving average of |predicted - actual| / max(predicted, actual).",
+                pred(&|s| s.ewma_error),
+            ),
+            (
+                "kvrouter_prediction_samples_total",
+                "counter",
+                "Outcomes compared with a prediction.",
+                pred(&|s| s.samples as f64),
+            ),
+        ] {
+            p.labelled(name, kind, help, "worker", v.iter().map(|(k, v)| (k.as_str(), *v)));
+        }
+        p.single("kvrouter_outcomes_total", "counter", "Outcome reports received.", c.outcomes as f64);
+        p.single(
+            "kvrouter_outcomes_unknown_total",
+            "counter",
+            "Outcome reports with no pending prediction.",
+            c.outcomes_unknown as f64,
+        );
+        p.single("kvrouter_index_blocks", "gauge", "Distinct blocks in the index.", st.index.blocks() as f64);
+        p.single("kvrouter_index_facts", "gauge", "(block, holder, tier) facts in the index.", st.index.facts() as f64);
+        p.single("kvrouter_index_bytes", "gauge", "Estimated heap bytes of the index.", st.index.approx_bytes() as f64);
+        p.single(
+            "kvrouter_approx_facts",
+            "gauge",
+            "Approximate-mode (block, worker) decisions remembered.",
+            st.approx.len() as f64,
+        );
+        p.single("kvrouter_holders", "gauge", "Live holders (workers, nodes, cluster).", st.holders.len() as f64);
+        p.single("kvrouter_workers", "gauge", "Known workers.", st.workers.len() as f64);
+        p.single("kvrouter_publishers", "gauge", "Known publishers.", st.publishers.len() as f64);
+        p.single(
+            "kvrouter_dropped_holders_total",
+            "counter",
+            "Workers dropped (silent, unlisted).",
+            c.dropped_holders as f64,
+        );
+        p.single(
+            "kvrouter_dropped_facts_total",
+            "counter",
+            "Index facts dropped with dead holders or restarts.",
+            c.dropped_facts as f64,
+        );
+        p.finish()
+    }
+}

@@ -1,0 +1,348 @@
+//! ZMQ transport for vLLM-format KV events (pure Rust `zeromq`, no system libzmq).
+//!
+//! - [`run_source`]: SUB to one vLLM engine, decode, recompute Dynamo hashes from `token_ids`,
+//!   and apply as G1 (or, by `medium`, G2-G4) events of the configured worker / node.
+//! - [`VllmExporter`]: PUB our events in the same wire format (`medium` = tier).
+//!
+//! A vLLM engine sends no heartbeat, so its worker is never marked stale for silence; sequence
+//! gaps cannot be replayed and are reported as unrecovered for `gap_hold_s`.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use kvproto::TierKind;
+use kvproto::events::{
+    EVENTS_VERSION, EventBody, Holder, KEY_SCHEME_DYNAMO_XXH3_1337, NamespaceInfo, NodeId, PublisherInfo, WorkerId,
+    WorkerInfo, key_from_u64,
+};
+use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
+
+use crate::RouterError;
+use crate::config::{ResolvedNamespace, VllmSource};
+use crate::health::{ConditionKind, bump};
+use crate::router::Router;
+use crate::state::{GapState, PublisherKind};
+use crate::vllm::{self, Encoding, VllmBatch, VllmEvent};
+
+/// Most vLLM-hash -> Dynamo-hash mappings kept per source (they are removed with their blocks;
+/// beyond this the map is reset and counted).
+pub const MAX_HASH_MAP: usize = 8 << 20;
+
+/// Translates one engine's vLLM events into our events.
+#[derive(Debug)]
+pub struct VllmIngest {
+    ns: ResolvedNamespace,
+    worker: WorkerId,
+    node: NodeId,
+    /// vLLM block hash digest -> Dynamo sequence hash.
+    map: HashMap<u64, u64>,
+    pub orphans: u64,
+    pub invalid: u64,
+    /// Last block size seen that differs from the namespace's.
+    pub block_size_mismatch: Option<u32>,
+}
+
+impl VllmIngest {
+    pub fn new(ns: ResolvedNamespace, worker: WorkerId, node: NodeId) -> Self {
+        Self { ns, worker, node, map: HashMap::new(), orphans: 0, invalid: 0, block_size_mismatch: None }
+    }
+
+    fn holder(&self, tier: TierKind) -> Holder {
+        match tier {
+            TierKind::G1Gpu => Holder::Worker(self.worker.clone()),
+            TierKind::G2Host | TierKind::G3Disk => Holder::Node(self.node.clone()),
+            TierKind::G4Object => Holder::Cluster,
+        }
+    }
+
+    /// Our events for one batch.
+    pub fn translate(&mut self, batch: &VllmBatch) -> Vec<EventBody> {
+        let seed = kvproto::dynamo::DYNAMO_SEED;
+        let mut out = vec![];
+        for e in &batch.events {
+            match e {
+                VllmEvent::BlockStored { block_hashes, parent_block_hash, token_ids, block_size, medium, .. } => {
+                    let Some(tier) = vllm::tier_of(medium.as_deref()) else {
+                        self.invalid += 1;
+                        continue;
+                    };
+                    if *block_size != self.ns.tokens_per_block() {
+                        self.block_size_mismatch = Some(*block_size);
+                        continue;
+                    }
+                    let bs = *block_size as usize;
+                    if bs == 0 || token_ids.len() != block_hashes.len() * bs {
+                        self.invalid += 1;
+                        continue;
+                    }
+                    let mut parent = match parent_block_hash {
+                        None => None,
+                        Some(p) => match self.map.get(&p.digest()) {
+                            Some(s) => Some(*s),
+                            None => {
+                                self.orphans += block_hashes.len() as u64;
+                                continue;
+                            }
+                        },
+                    };
+                    if self.map.len() + block_hashes.len() > MAX_HASH_MAP {
+                        self.map.clear();
+                        self.invalid += 1;
+                    }
+                    let mut keys = Vec::with_capacity(block_hashes.len());
+                    for (h, block) in block_hashes.iter().zip(token_ids.chunks_exact(bs)) {
+                        let s = kvproto::dynamo::chain(parent, kvproto::dynamo::local_block_hash(block, seed), seed);
+                        self.map.insert(h.digest(), s);
+                        keys.push(key_from_u64(s));
+                        parent = Some(s);
+                    }
+                    out.push(EventBody::Stored {
+                        namespace: self.ns.id,
+                        parent: None,
+                        keys,
+                        tier,
+                        holder: self.holder(tier),
+                    });
+                }
+                VllmEvent::BlockRemoved { block_hashes, medium } => {
+                    let Some(tier) = vllm::tier_of(medium.as_deref()) else {
+                        self.invalid += 1;
+                        continue;
+                    };
+                    // A block may be held in several media: keep the mapping unless it left the GPU
+                    // (vLLM's primary copy); a stale mapping only costs memory until cleared.
+                    let keys: Vec<_> = block_hashes
+                        .iter()
+                        .filter_map(|h| {
+                            if tier == TierKind::G1Gpu {
+                                self.map.remove(&h.digest())
+                            } else {
+                                self.map.get(&h.digest()).copied()
+                            }
+                        })
+                        .map(key_from_u64)
+                        .collect();
+                    if !keys.is_empty() {
+                        out.push(EventBody::Removed { keys, tier, holder: self.holder(tier) });
+                    }
+                }
+                VllmEvent::AllBlocksCleared => {
+                    self.map.clear();
+                    out.push(EventBody::Cleared { tier: TierKind::G1Gpu, holder: self.holder(TierKind::G1Gpu) });
+                }
+            }
+        }
+        out
+    }
+}
+
+/// The publisher name of a vLLM source.
+pub fn source_name(src: &VllmSource) -> String {
+    format!("vllm:{}", src.endpoint)
+}
+
+/// Applies one decoded batch with sequence number `seq` from `src`.
+pub fn apply_batch(
+    router: &Router,
+    src: &VllmSource,
+    ingest: &mut VllmIngest,
+    seq: u64,
+    batch: &VllmBatch,
+    last_seq: &mut Option<u64>,
+) {
+    let name = source_name(src);
+    let bodies = ingest.translate(batch);
+    let node = NodeId(src.node.clone());
+    let ns = ingest.ns.clone();
+    router.with_state(|st| {
+        let now = Instant::now();
+        st.touch_publisher(&name, PublisherKind::Vllm, 0, Some(&node), None, now);
+        if st.publishers.get(&name).is_some_and(|p| p.info.is_none()) {
+            let info = PublisherInfo {
+                node: node.clone(),
+                workers: vec![WorkerInfo {
+                    id: WorkerId(src.worker.clone()),
+                    address: src.address.clone(),
+                    role: src.role.clone(),
+                }],
+                namespaces: vec![NamespaceInfo {
+                    id: ns.id,
+                    model_id: ns.namespace.model_id.clone(),
+                    tokens_per_block: ns.tokens_per_block(),
+                    key_scheme: KEY_SCHEME_DYNAMO_XXH3_1337.into(),
+                }],
+                events_version: EVENTS_VERSION,
+                report_interval_ms: 0,
+                recovery_url: None,
+            };
+            st.apply_info(&name, &info);
+            if let Some(p) = st.publishers.get_mut(&name) {
+                p.report_interval = None; // no heartbeat
+            }
+        }
+        bump(&mut st.counters.vllm_batches, name.clone());
+        match *last_seq {
+            Some(last) if seq < last || seq == 0 && last > 0 => {
+                // The engine restarted: what it said before is gone.
+                if let Some(w) = st.workers.get(&WorkerId(src.worker.clone())).map(|w| w.holder) {
+                    st.index.remove_where(|s| s.holder() == w);
+                }
+            }
+            Some(last) if seq > last + 1 => {
+                bump(&mut st.counters.gaps, name.clone());
+                st.health.set(
+                    ConditionKind::UnrecoveredGap,
+                    &name,
+                    format!("missed vLLM batches {}..{} (vLLM events cannot be replayed here)", last + 1, seq - 1),
+                    now,
+                );
+                if let Some(p) = st.publishers.get_mut(&name) {
+                    p.gap = GapState::Unrecovered { retry_at: None };
+                    p.gap_since = Some(now);
+                }
+            }
+            _ => {}
+        }
+        *last_seq = Some(seq);
+        if let Some(bs) = ingest.block_size_mismatch.take() {
+            bump(&mut st.counters.mismatches, ConditionKind::BlockSizeMismatch.label());
+            st.health.set(
+                ConditionKind::BlockSizeMismatch,
+                &src.worker,
+                format!(
+                    "vLLM engine sends {bs}-token blocks, namespace {} expects {}",
+                    src.namespace,
+                    ns.tokens_per_block()
+                ),
+                now,
+            );
+        }
+        for b in &bodies {
+            st.apply_body(&name, b);
+            bump(&mut st.counters.events, name.clone());
+        }
+        let orphans = std::mem::take(&mut ingest.orphans);
+        if orphans > 0 {
+            *st.counters.vllm_orphan_blocks.entry(name.clone()).or_default() += orphans;
+        }
+        let invalid = std::mem::take(&mut ingest.invalid);
+        if invalid > 0 {
+            *st.counters.invalid_events.entry(name.clone()).or_default() += invalid;
+        }
+    });
+}
+
+/// Splits a vLLM multipart message into (topic, seq, payload).
+pub fn split_message(m: &ZmqMessage) -> Result<(Bytes, u64, Bytes), RouterError> {
+    let (Some(topic), Some(seq), Some(payload)) = (m.get(0), m.get(1), m.get(2)) else {
+        return Err(RouterError::Decode(format!("expected 3 frames, got {}", m.len())));
+    };
+    let seq: [u8; 8] =
+        seq.as_ref().try_into().map_err(|_| RouterError::Decode("sequence frame must be 8 bytes".into()))?;
+    Ok((topic.clone(), u64::from_be_bytes(seq), payload.clone()))
+}
+
+/// Subscribes to one vLLM engine until `stop` flips; reconnects after errors.
+pub async fn run_source(
+    router: Arc<Router>,
+    _index: usize,
+    src: VllmSource,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
+    let Some(ns) = router.namespace(&src.namespace).cloned() else {
+        tracing::error!(endpoint = %src.endpoint, "vLLM source names an unknown namespace");
+        return;
+    };
+    let mut ingest = VllmIngest::new(ns, WorkerId(src.worker.clone()), NodeId(src.node.clone()));
+    let mut last_seq = None;
+    loop {
+        let mut sock = zeromq::SubSocket::new();
+        let connect = async {
+            sock.connect(&src.endpoint).await?;
+            sock.subscribe(&src.topic).await
+        };
+        let connected = tokio::select! {
+            r = connect => r,
+            _ = stop.changed() => return,
+        };
+        if let Err(e) = connected {
+            tracing::warn!(endpoint = %src.endpoint, "vLLM source connect failed: {e}");
+            tokio::select! {
+                _ = tokio::time::sleep(Duration::from_millis(500)) => continue,
+                _ = stop.changed() => return,
+            }
+        }
+        tracing::info!(endpoint = %src.endpoint, worker = %src.worker, "subscribed to vLLM KV events");
+        loop {
+            let msg = tokio::select! {
+                m = sock.recv() => m,
+                _ = stop.changed() => return,
+            };
+            let msg = match msg {
+                Ok(m) => m,
+                Err(e) => {
+                    tracing::warn!(endpoint = %src.endpoint, "vLLM source receive failed, reconnecting: {e}");
+                    break;
+                }
+            };
+            let decoded = split_message(&msg).and_then(|(_, seq, payload)| Ok((seq, vllm::decode_batch(&payload)?)));
+            match decoded {
+                Ok((seq, batch)) => apply_batch(&router, &src, &mut ingest, seq, &batch, &mut last_seq),
+                Err(e) => {
+                    router.with_state(|st| bump(&mut st.counters.invalid_events, source_name(&src)));
+                    tracing::debug!(endpoint = %src.endpoint, "undecodable vLLM batch: {e}");
+                }
+            }
+        }
+    }
+}
+
+/// Publishes events in vLLM's wire format on a ZMQ PUB socket (for routers that consume vLLM
+/// events, e.g. Dynamo or llm-d, to see our G2-G4 tiers).
+pub struct VllmExporter {
+    sock: zeromq::PubSocket,
+    topic: Bytes,
+    seq: u64,
+    encoding: Encoding,
+    endpoint: String,
+}
+
+impl std::fmt::Debug for VllmExporter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VllmExporter").field("endpoint", &self.endpoint).field("seq", &self.seq).finish()
+    }
+}
+
+impl VllmExporter {
+    /// Binds a PUB socket (e.g. `tcp://127.0.0.1:0`; the bound endpoint is [`Self::endpoint`]).
+    pub async fn bind(endpoint: &str, topic: &str, encoding: Encoding) -> Result<Self, RouterError> {
+        let mut sock = zeromq::PubSocket::new();
+        let ep = sock.bind(endpoint).await.map_err(|e| RouterError::Zmq(e.to_string()))?;
+        Ok(Self { sock, topic: Bytes::from(topic.as_bytes().to_vec()), seq: 0, encoding, endpoint: ep.to_string() })
+    }
+
+    /// The bound endpoint.
+    pub fn endpoint(&self) -> &str {
+        &self.endpoint
+    }
+
+    /// Sets the encoding of later batches.
+    pub fn set_encoding(&mut self, e: Encoding) {
+        self.encoding = e;
+    }
+
+    /// Sends one batch (sequence numbers 0, 1, 2, ...).
+    pub async fn publish(&mut self, events: Vec<VllmEvent>, dp_rank: Option<i64>) -> Result<u64, RouterError> {
+        let ts = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
+        let payload = vllm::encode_batch(&VllmBatch { ts, events, dp_rank }, self.encoding);
+        let seq = self.seq;
+        let mut m = ZmqMessage::from(self.topic.clone());
+        m.push_back(Bytes::copy_from_slice(&seq.to_be_bytes()));
+        m.push_back(Bytes::from(payload));
+        self.sock.send(m).await.map_err(|e| RouterError::Zmq(e.to_string()))?;
+        self.seq += 1;
+        Ok(seq)
+    }
+}

@@ -1,0 +1,177 @@
+"""An independent vLLM KV-event publisher / subscriber for kvrouter's interop tests.
+
+The structs below are written from vLLM's published event schema
+(vllm/distributed/kv_events.py: EventBatch, BlockStored, BlockRemoved, AllBlocksCleared), once
+with msgspec's array_like tuple encoding (what vLLM sends) and once as tagged maps. Hashes are
+recomputed here with the `xxhash` package (Dynamo: XXH3-64, seed 1337, chained), not with any
+kvcached code.
+
+  publish   binds a PUB socket, prints its port, sends heartbeats until told on stdin to send the
+            scenario's batches ("stored", "removed", "cleared"), exits on "quit".
+  subscribe ENDPOINT  connects a SUB socket, decodes batches until it has verified one in each
+            encoding, prints one JSON line per verified batch, then "DONE".
+"""
+import json
+import select
+import struct
+import sys
+import time
+from typing import Any, Optional, Union
+
+import msgspec
+import xxhash
+import zmq
+
+ExternalBlockHash = Union[bytes, int]
+
+
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: Optional[int] = None
+
+
+class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: list[ExternalBlockHash]
+    parent_block_hash: Optional[ExternalBlockHash]
+    token_ids: list[int]
+    block_size: int
+    lora_id: Optional[int]
+    medium: Optional[str]
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[ExternalBlockHash]
+    medium: Optional[str]
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+class KVEventBatch(EventBatch):
+    events: list[Union[BlockStored, BlockRemoved, AllBlocksCleared]]
+
+
+# The same schema as tagged maps (msgspec's default for tagged structs).
+class MapStored(msgspec.Struct, tag="BlockStored", tag_field="type"):
+    block_hashes: list[ExternalBlockHash]
+    parent_block_hash: Optional[ExternalBlockHash]
+    token_ids: list[int]
+    block_size: int
+    lora_id: Optional[int] = None
+    medium: Optional[str] = None
+
+
+class MapRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type"):
+    block_hashes: list[ExternalBlockHash]
+    medium: Optional[str] = None
+
+
+class MapCleared(msgspec.Struct, tag="AllBlocksCleared", tag_field="type"):
+    pass
+
+
+class MapBatch(msgspec.Struct, array_like=True, omit_defaults=True):
+    ts: float
+    events: list[Union[MapStored, MapRemoved, MapCleared]]
+    data_parallel_rank: Optional[int] = None
+
+
+def dynamo_hashes(tokens, block_size, parent=None):
+    out = []
+    for i in range(0, len(tokens) - len(tokens) % block_size, block_size):
+        local = xxhash.xxh3_64_intdigest(struct.pack("<%dI" % block_size, *tokens[i:i + block_size]), seed=1337)
+        seq = local if parent is None else xxhash.xxh3_64_intdigest(struct.pack("<QQ", parent, local), seed=1337)
+        out.append(seq)
+        parent = seq
+    return out
+
+
+BLOCK = 4
+TOKENS = list(range(1000, 1012))  # 3 blocks of 4
+
+
+def publish():
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUB)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    print(port, flush=True)
+    seq = 0
+    tuple_enc = msgspec.msgpack.Encoder()
+
+    def send(batch):
+        nonlocal seq
+        sock.send_multipart([b"", struct.pack(">Q", seq), tuple_enc.encode(batch)])
+        seq += 1
+
+    while True:
+        ready, _, _ = select.select([sys.stdin], [], [], 0.05)
+        if not ready:
+            send(KVEventBatch(ts=time.time(), events=[]))
+            continue
+        cmd = sys.stdin.readline().strip()
+        if cmd in ("", "quit"):
+            return
+        if cmd == "stored":
+            # vLLM's own hashes (opaque ints / bytes): the router must recompute from tokens.
+            send(KVEventBatch(ts=time.time(), events=[BlockStored(
+                block_hashes=[111, 222], parent_block_hash=None, token_ids=TOKENS[:8],
+                block_size=BLOCK, lora_id=None, medium="GPU")]))
+            send(MapBatch(ts=time.time(), events=[MapStored(
+                block_hashes=[b"\x03" * 32], parent_block_hash=222, token_ids=TOKENS[8:12],
+                block_size=BLOCK, medium="CPU")]))
+        elif cmd == "removed":
+            send(MapBatch(ts=time.time(), events=[MapRemoved(block_hashes=[111], medium="GPU")]))
+        elif cmd == "cleared":
+            send(KVEventBatch(ts=time.time(), events=[AllBlocksCleared()]))
+        elif cmd == "badsize":
+            send(KVEventBatch(ts=time.time(), events=[BlockStored(
+                block_hashes=[999], parent_block_hash=None, token_ids=list(range(16)),
+                block_size=16, lora_id=None, medium="GPU")]))
+        print("sent " + cmd, flush=True)
+
+
+def subscribe(endpoint):
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.SUB)
+    sock.setsockopt(zmq.SUBSCRIBE, b"")
+    sock.setsockopt(zmq.RCVTIMEO, 20000)
+    sock.connect(endpoint)
+    print("READY", flush=True)
+    tuple_dec = msgspec.msgpack.Decoder(KVEventBatch)
+    map_dec = msgspec.msgpack.Decoder(MapBatch)
+    seen = set()
+    last_seq = None
+    while len(seen) < 2:
+        topic, seq_b, payload = sock.recv_multipart()
+        assert len(seq_b) == 8, seq_b
+        seq = struct.unpack(">Q", seq_b)[0]
+        assert last_seq is None or seq > last_seq, (last_seq, seq)
+        last_seq = seq
+        try:
+            batch, enc = tuple_dec.decode(payload), "tuple"
+        except msgspec.ValidationError:
+            batch, enc = map_dec.decode(payload), "map"
+        stored = [e for e in batch.events if type(e).__name__ in ("BlockStored", "MapStored")]
+        report = {"encoding": enc, "seq": seq, "topic": topic.decode(), "events": []}
+        for e in stored:
+            want = dynamo_hashes(e.token_ids, e.block_size, e.parent_block_hash)
+            assert list(e.block_hashes) == want, (e.block_hashes, want)
+            report["events"].append({"medium": e.medium, "blocks": len(e.block_hashes),
+                                     "parent": e.parent_block_hash, "hashes": want})
+        if enc not in seen and stored:
+            seen.add(enc)
+            print(json.dumps(report), flush=True)
+    print("DONE", flush=True)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "publish":
+        publish()
+    else:
+        subscribe(sys.argv[2])

@@ -1,0 +1,164 @@
+//! vLLM KV-event interop over real ZMQ sockets, against an independent Python encoder/decoder
+//! (`tests/py/vllm_events.py`: msgspec structs written from vLLM's event schema, pyzmq, and the
+//! `xxhash` package for Dynamo hashes). Needs `.venv` at the workspace root with `pyzmq msgspec
+//! xxhash` (scripts/test installs them).
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use common::*;
+use kvproto::TierKind;
+use kvproto::events::KEY_SCHEME_DYNAMO_XXH3_1337;
+use kvrouter::config::VllmSource;
+use kvrouter::vllm::{Encoding, stored_for_export};
+use kvrouter::zmq::VllmExporter;
+
+fn python() -> String {
+    let p = concat!(env!("CARGO_MANIFEST_DIR"), "/../.venv/bin/python");
+    assert!(
+        std::path::Path::new(p).exists(),
+        "{p} missing: create it with `python3 -m venv .venv && .venv/bin/pip install pyzmq msgspec xxhash`"
+    );
+    p.to_string()
+}
+
+struct Py {
+    child: Child,
+    stdin: ChildStdin,
+    lines: mpsc::Receiver<String>,
+}
+
+impl Py {
+    fn spawn(args: &[&str]) -> Self {
+        let mut child = Command::new(python())
+            .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/py/vllm_events.py"))
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stdin = child.stdin.take().unwrap();
+        let out = child.stdout.take().unwrap();
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for l in BufReader::new(out).lines() {
+                if tx.send(l.unwrap_or_default()).is_err() {
+                    return;
+                }
+            }
+        });
+        Self { child, stdin, lines }
+    }
+
+    async fn line(&self, secs: u64) -> String {
+        let t0 = Instant::now();
+        loop {
+            if let Ok(l) = self.lines.try_recv() {
+                return l;
+            }
+            assert!(t0.elapsed() < Duration::from_secs(secs), "python said nothing");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    async fn cmd(&mut self, c: &str) {
+        writeln!(self.stdin, "{c}").unwrap();
+        self.stdin.flush().unwrap();
+        assert_eq!(self.line(10).await, format!("sent {c}"));
+    }
+}
+
+impl Drop for Py {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ingests_vllm_events_in_both_encodings_and_recomputes_hashes() {
+    let mut py = Py::spawn(&["publish"]);
+    let port: u16 = py.line(20).await.trim().parse().unwrap();
+    let endpoint = format!("tcp://127.0.0.1:{port}");
+    let mut cfg = config();
+    let mut ns = spec("vllm", "test/vllm", 4);
+    ns.key_scheme = KEY_SCHEME_DYNAMO_XXH3_1337.into();
+    cfg.namespaces.push(ns);
+    cfg.vllm_sources.push(VllmSource {
+        endpoint: endpoint.clone(),
+        topic: String::new(),
+        worker: "v1".into(),
+        node: "N1".into(),
+        namespace: "vllm".into(),
+        address: "http://v1.invalid".into(),
+        role: None,
+    });
+    let srv = Server::start(cfg).await;
+    let batches = format!("kvrouter_vllm_batches_total{{publisher=\"vllm:{endpoint}\"}}");
+    srv.wait_for(20, "subscription", || async { srv.metric(&batches).await.unwrap_or(0.0) >= 1.0 }).await;
+    let tokens: Vec<u32> = (1000..1012).collect();
+    let body = serde_json::json!({"namespace": "vllm", "tokens": tokens, "explain": true});
+
+    // Tuple-encoded GPU blocks 0-1 (vLLM's opaque hashes 111, 222) and a map-encoded CPU block 2
+    // whose parent is 222: the router rebuilds the Dynamo chain across both.
+    py.cmd("stored").await;
+    srv.wait_for(10, "stored", || async { srv.router.index_stats().facts == 3 }).await;
+    let r = srv.route(body.clone()).await;
+    assert_eq!((r.worker.as_str(), r.address.as_str(), r.node.as_str()), ("v1", "http://v1.invalid", "N1"));
+    assert_eq!(r.cached_blocks, [2, 1, 0, 0]);
+
+    py.cmd("removed").await;
+    srv.wait_for(10, "removed", || async { srv.router.index_stats().facts == 2 }).await;
+    assert_eq!(srv.route(body.clone()).await.cached_blocks, [0; 4]);
+
+    py.cmd("badsize").await;
+    srv.wait_for(10, "mismatch", || async { srv.healthz().await["status"] == "degraded" }).await;
+    let h = srv.healthz().await;
+    assert_eq!(h["conditions"][0]["kind"], "block_size_mismatch", "{h}");
+    assert!(h["conditions"][0]["reason"].as_str().unwrap().contains("16-token"), "{h}");
+
+    py.cmd("cleared").await;
+    srv.wait_for(10, "cleared", || async { srv.router.index_stats().facts == 1 }).await;
+    assert_eq!(srv.metric(&format!("kvrouter_event_gaps_total{{publisher=\"vllm:{endpoint}\"}}")).await, None);
+    writeln!(py.stdin, "quit").unwrap();
+    srv.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exports_our_tiers_in_vllm_wire_format_that_python_decodes() {
+    let mut exp = VllmExporter::bind("tcp://127.0.0.1:0", "kvcached", Encoding::Tuple).await.unwrap();
+    let endpoint = exp.endpoint().to_string();
+    let py = Py::spawn(&["subscribe", &endpoint]);
+    assert_eq!(py.line(20).await, "READY");
+    let tokens: Vec<u32> = (0..12).collect();
+    let hashes = kvproto::dynamo::sequence_hashes(&tokens, 4, 1337);
+    let mut reports = vec![];
+    let t0 = Instant::now();
+    while reports.len() < 2 {
+        assert!(t0.elapsed() < Duration::from_secs(20), "python decoded nothing: {reports:?}");
+        exp.set_encoding(Encoding::Tuple);
+        exp.publish(vec![stored_for_export(None, &tokens[..8], 4, TierKind::G2Host)], Some(0)).await.unwrap();
+        exp.set_encoding(Encoding::Map);
+        exp.publish(vec![stored_for_export(Some(hashes[1]), &tokens[8..], 4, TierKind::G3Disk)], None).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        while let Ok(l) = py.lines.try_recv() {
+            if l != "DONE" {
+                reports.push(serde_json::from_str::<serde_json::Value>(&l).unwrap());
+            }
+        }
+    }
+    let by = |enc: &str| reports.iter().find(|r| r["encoding"] == enc).unwrap().clone();
+    let t = by("tuple");
+    assert_eq!(t["topic"], "kvcached");
+    assert_eq!(t["events"][0]["medium"], "CPU_PINNED");
+    assert_eq!(t["events"][0]["hashes"], serde_json::json!(&hashes[..2]));
+    let m = by("map");
+    assert_eq!(m["events"][0]["medium"], "DISK");
+    assert_eq!(m["events"][0]["parent"], serde_json::json!(hashes[1]));
+    assert_eq!(m["events"][0]["hashes"], serde_json::json!(&hashes[2..]));
+}

@@ -1,0 +1,293 @@
+//! Configuration: embedded defaults, then a TOML file, then `KVCACHED_*` environment
+//! variables, then command-line flags (later wins). `kvcached config` prints the result.
+//! Every field is documented in `docs/configuration.md`.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::ServerError;
+
+/// The daemon's effective configuration.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    /// Unix socket engines connect to.
+    pub socket: PathBuf,
+    /// Permission bits of the socket (octal in TOML as a string, e.g. "0660").
+    pub socket_mode: String,
+    /// TCP address for peers and routers; empty: no TCP listener.
+    pub tcp: Option<SocketAddr>,
+    /// HTTP address of /metrics and /healthz (loopback by default).
+    pub metrics_addr: SocketAddr,
+    pub g2: G2Config,
+    pub g3: G3Config,
+    pub engines: EngineConfig,
+}
+
+/// G2, the host pool.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct G2Config {
+    /// Bytes; 0 = a quarter of the machine's memory, at most 64 GiB.
+    pub capacity_bytes: u64,
+    pub page_size: usize,
+    pub shm_dir: PathBuf,
+    pub mlock: bool,
+    /// "auto", "off" or "required".
+    pub cuda_register: String,
+    /// How long a save may wait for write-through to free G2 space (ms).
+    pub dirty_wait_ms: u64,
+}
+
+/// G3, the disk tier.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct G3Config {
+    pub enabled: bool,
+    pub dir: PathBuf,
+    /// Bytes; 0 = a quarter of the free space of `dir`'s filesystem, at most 256 GiB.
+    pub capacity_bytes: u64,
+    pub page_size: usize,
+    /// "auto", "io_uring" or "psync".
+    pub io_backend: String,
+    pub io_threads: usize,
+    pub fsync: bool,
+    pub writethrough_queue: usize,
+    pub writethrough_batch: usize,
+}
+
+/// Attached engines.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct EngineConfig {
+    pub max_engines: usize,
+    /// An engine that sends no heartbeat for this long is dropped and its memory unmapped.
+    pub lease_ms: u64,
+    /// Pending load operations per engine.
+    pub max_pending_loads: usize,
+    /// How long a finished load's status stays available to `Wait` (ms).
+    pub op_retention_ms: u64,
+}
+
+fn runtime_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("XDG_RUNTIME_DIR") {
+        return PathBuf::from(d).join("kvcached");
+    }
+    // SAFETY: getuid never fails.
+    let uid = unsafe { libc::getuid() };
+    std::env::temp_dir().join(format!("kvcached-{uid}"))
+}
+
+fn data_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("XDG_DATA_HOME") {
+        return PathBuf::from(d).join("kvcached");
+    }
+    match std::env::var_os("HOME") {
+        Some(h) => PathBuf::from(h).join(".local/share/kvcached"),
+        None => std::env::temp_dir().join("kvcached-data"),
+    }
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            socket: runtime_dir().join("kvcached.sock"),
+            socket_mode: "0660".into(),
+            tcp: None,
+            metrics_addr: SocketAddr::from(([127, 0, 0, 1], 9464)),
+            g2: G2Config::default(),
+            g3: G3Config::default(),
+            engines: EngineConfig::default(),
+        }
+    }
+}
+
+impl Default for G2Config {
+    fn default() -> Self {
+        let shm = Path::new("/dev/shm");
+        Self {
+            capacity_bytes: 0,
+            page_size: 64 * 1024,
+            shm_dir: if shm.is_dir() { shm.to_path_buf() } else { std::env::temp_dir() },
+            mlock: false,
+            cuda_register: "auto".into(),
+            dirty_wait_ms: 100,
+        }
+    }
+}
+
+impl Default for G3Config {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            dir: data_dir().join("g3"),
+            capacity_bytes: 0,
+            page_size: 64 * 1024,
+            io_backend: "auto".into(),
+            io_threads: 2,
+            fsync: true,
+            writethrough_queue: 4096,
+            writethrough_batch: 32,
+        }
+    }
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self { max_engines: 64, lease_ms: 15_000, max_pending_loads: 1024, op_retention_ms: 60_000 }
+    }
+}
+
+fn bad(field: &str, reason: impl Into<String>) -> ServerError {
+    ServerError::Config { field: field.to_string(), reason: reason.into() }
+}
+
+/// Physical memory of the machine.
+fn machine_memory() -> u64 {
+    // SAFETY: sysconf has no preconditions.
+    let (pages, size) = unsafe { (libc::sysconf(libc::_SC_PHYS_PAGES), libc::sysconf(libc::_SC_PAGESIZE)) };
+    (pages.max(0) as u64).saturating_mul(size.max(0) as u64)
+}
+
+/// Free bytes of the filesystem holding `dir` (or its nearest existing ancestor).
+fn free_space(dir: &Path) -> u64 {
+    let mut p = dir.to_path_buf();
+    while !p.exists() {
+        if !p.pop() {
+            return 0;
+        }
+    }
+    let Ok(c) = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()) else { return 0 };
+    // SAFETY: statvfs writes into the zeroed struct we pass.
+    unsafe {
+        let mut s: libc::statvfs = std::mem::zeroed();
+        if libc::statvfs(c.as_ptr(), &mut s) != 0 {
+            return 0;
+        }
+        (s.f_bavail as u64).saturating_mul(s.f_frsize as u64)
+    }
+}
+
+impl Config {
+    /// Reads a TOML file; unknown fields and bad values name the field.
+    pub fn from_file(path: &Path) -> Result<Self, ServerError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| bad("--config", format!("cannot read {}: {e}", path.display())))?;
+        toml::from_str(&text).map_err(|e| bad("--config", format!("{}: {e}", path.display())))
+    }
+
+    /// Fills automatic sizes (0) and checks every field.
+    pub fn resolve(mut self) -> Result<Self, ServerError> {
+        if self.g2.capacity_bytes == 0 {
+            self.g2.capacity_bytes = (machine_memory() / 4).clamp(64 << 20, 64 << 30);
+        }
+        if self.g3.enabled && self.g3.capacity_bytes == 0 {
+            self.g3.capacity_bytes = (free_space(&self.g3.dir) / 4).min(256 << 30);
+            if self.g3.capacity_bytes < self.g3.page_size as u64 {
+                return Err(bad(
+                    "g3.capacity_bytes",
+                    format!("no free space under {}: set g3.dir or disable g3", self.g3.dir.display()),
+                ));
+            }
+        }
+        self.socket_mode_bits()?;
+        for (f, v) in [("g2.page_size", self.g2.page_size), ("g3.page_size", self.g3.page_size)] {
+            if v == 0 || !v.is_multiple_of(4096) {
+                return Err(bad(f, format!("{v} is not a positive multiple of 4096")));
+            }
+        }
+        if !matches!(self.g2.cuda_register.as_str(), "auto" | "off" | "required") {
+            return Err(bad("g2.cuda_register", format!("{:?}: use auto, off or required", self.g2.cuda_register)));
+        }
+        if !matches!(self.g3.io_backend.as_str(), "auto" | "io_uring" | "psync") {
+            return Err(bad("g3.io_backend", format!("{:?}: use auto, io_uring or psync", self.g3.io_backend)));
+        }
+        if self.engines.max_engines == 0 {
+            return Err(bad("engines.max_engines", "must be at least 1"));
+        }
+        if self.engines.lease_ms < 1000 {
+            return Err(bad("engines.lease_ms", "must be at least 1000 (heartbeats are sent every third of it)"));
+        }
+        if self.g3.writethrough_queue == 0 || self.g3.writethrough_batch == 0 {
+            return Err(bad("g3.writethrough_queue", "queue and batch must be at least 1"));
+        }
+        Ok(self)
+    }
+
+    /// The socket permission bits.
+    pub fn socket_mode_bits(&self) -> Result<u32, ServerError> {
+        u32::from_str_radix(self.socket_mode.trim_start_matches("0o"), 8)
+            .ok()
+            .filter(|m| *m <= 0o777)
+            .ok_or_else(|| bad("socket_mode", format!("{:?} is not an octal mode like \"0660\"", self.socket_mode)))
+    }
+
+    /// The block store configuration these settings describe.
+    pub fn store_config(&self) -> kvtiers::BlockStoreConfig {
+        let mut g2 = kvtiers::HostTierConfig::with_capacity(self.g2.capacity_bytes);
+        g2.page_size = self.g2.page_size;
+        g2.shm_dir = self.g2.shm_dir.clone();
+        g2.mlock = self.g2.mlock;
+        g2.populate = false;
+        g2.dirty_wait = std::time::Duration::from_millis(self.g2.dirty_wait_ms);
+        g2.cuda_register = match self.g2.cuda_register.as_str() {
+            "off" => kvtiers::CudaRegister::Off,
+            "required" => kvtiers::CudaRegister::Required,
+            _ => kvtiers::CudaRegister::Auto,
+        };
+        let g3 = self.g3.enabled.then(|| {
+            let mut c = kvtiers::DiskTierConfig::new(&self.g3.dir, self.g3.capacity_bytes);
+            c.page_size = self.g3.page_size;
+            c.io_threads = self.g3.io_threads.max(1);
+            c.fsync = self.g3.fsync;
+            c.backend = match self.g3.io_backend.as_str() {
+                "io_uring" => kvtiers::disk::io::IoBackend::IoUring,
+                "psync" => kvtiers::disk::io::IoBackend::Psync,
+                _ => kvtiers::disk::io::IoBackend::Auto,
+            };
+            c
+        });
+        kvtiers::BlockStoreConfig {
+            g2,
+            g3,
+            write_through: kvtiers::WriteThroughConfig {
+                queue: self.g3.writethrough_queue,
+                batch: self.g3.writethrough_batch,
+            },
+        }
+    }
+
+    /// The configuration as TOML.
+    pub fn to_toml(&self) -> String {
+        toml::to_string_pretty(self).unwrap_or_else(|e| format!("# cannot render configuration: {e}\n"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn defaults_resolve_and_roundtrip() {
+        let c = Config::default().resolve().unwrap();
+        assert!(c.g2.capacity_bytes >= 64 << 20);
+        let back: Config = toml::from_str(&c.to_toml()).unwrap();
+        assert_eq!(back, c);
+    }
+
+    #[test]
+    fn bad_values_name_the_field() {
+        let mut c = Config::default();
+        c.g2.page_size = 1000;
+        assert!(c.resolve().unwrap_err().to_string().contains("g2.page_size"));
+        let e = toml::from_str::<Config>("[g3]\nio_backend = 3\n").unwrap_err().to_string();
+        assert!(e.contains("io_backend"), "{e}");
+        let e = toml::from_str::<Config>("sockett = \"x\"\n").unwrap_err().to_string();
+        assert!(e.contains("sockett"), "{e}");
+        let c = Config { socket_mode: "rw".into(), ..Default::default() };
+        assert!(c.resolve().unwrap_err().to_string().contains("socket_mode"));
+    }
+}

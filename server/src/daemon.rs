@@ -1,0 +1,265 @@
+//! The daemon's request logic, independent of the transport: save, lookup, load and their
+//! bookkeeping. Copies run on blocking threads; the gRPC layer (`service.rs`) only translates.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use kvproto::{TierKind, pb};
+use kvtiers::{BlockBuf, BlockMeta, BlockStore};
+use parking_lot::Mutex;
+use tokio::sync::watch;
+
+use crate::engine::{Engine, Registry};
+use crate::error::ServerError;
+
+/// How long blocks being loaded stay pinned at most (a crashed load releases them after this).
+const LOAD_LEASE: Duration = Duration::from_secs(30);
+
+/// A load in progress or finished.
+#[derive(Debug)]
+struct Op {
+    engine: u64,
+    status: watch::Receiver<pb::LoadStatus>,
+    finished_at: Option<Instant>,
+}
+
+/// Shared state of one daemon.
+#[derive(Debug)]
+pub struct Daemon {
+    pub store: Arc<BlockStore>,
+    pub engines: Registry,
+    ops: Mutex<HashMap<u64, Op>>,
+    next_op: AtomicU64,
+    max_pending: usize,
+    retention: Duration,
+    pub saves: AtomicU64,
+    pub loads: AtomicU64,
+    namespace_mismatch: metrics::Counter,
+}
+
+fn to_u32(n: usize) -> u32 {
+    u32::try_from(n).unwrap_or(u32::MAX)
+}
+
+impl Daemon {
+    pub fn new(store: Arc<BlockStore>, engines: Registry, max_pending: usize, retention: Duration) -> Self {
+        Self {
+            store,
+            engines,
+            ops: Mutex::new(HashMap::new()),
+            next_op: AtomicU64::new(1),
+            max_pending,
+            retention,
+            saves: AtomicU64::new(0),
+            loads: AtomicU64::new(0),
+            namespace_mismatch: metrics::counter!("kvcached_load_mismatch_total"),
+        }
+    }
+
+    /// Checks that `first + ids.len()` blocks are covered by the full blocks of `tokens`.
+    fn span(engine: &Engine, keys: usize, first: u32, ids: &[u32]) -> Result<(), ServerError> {
+        engine.check_slots(ids)?;
+        let end = first as usize + ids.len();
+        if end > keys {
+            return Err(ServerError::Invalid(format!(
+                "blocks {first}..{end} named, but the tokens hold only {keys} full blocks of {} tokens",
+                engine.namespace.layout.tokens_per_block
+            )));
+        }
+        Ok(())
+    }
+
+    /// Saves engine blocks into the store (gathering each block's segments in one copy).
+    pub fn save(&self, req: &pb::SaveRequest) -> Result<pb::SaveResponse, ServerError> {
+        let engine = self.engines.get(req.engine_id)?;
+        let keys = engine.keys(&req.tokens);
+        Self::span(&engine, keys.len(), req.first_block, &req.block_ids)?;
+        let mut resp = pb::SaveResponse::default();
+        let len = engine.block_bytes();
+        for (i, &slot) in req.block_ids.iter().enumerate() {
+            let idx = req.first_block as usize + i;
+            let meta = BlockMeta { namespace: engine.namespace_id, parent: idx.checked_sub(1).map(|p| keys[p]), len };
+            let segs = engine.segments_of(slot);
+            // SAFETY: segments were range-checked at attach; the engine does not write a slot
+            // it asked to save until the call returns.
+            let parts: Vec<&[u8]> = segs.iter().map(|&(p, l)| unsafe { std::slice::from_raw_parts(p, l) }).collect();
+            match self.store.put_parts(keys[idx], meta, &parts) {
+                Ok(true) => resp.stored += 1,
+                Ok(false) => resp.already_present += 1,
+                Err(e) => {
+                    resp.failed += 1;
+                    if resp.error.is_empty() {
+                        resp.error = e.to_string();
+                    }
+                }
+            }
+        }
+        self.saves.fetch_add(1, Ordering::Relaxed);
+        Ok(resp)
+    }
+
+    pub fn lookup(&self, req: &pb::LookupRequest) -> Result<pb::LookupResponse, ServerError> {
+        let engine = self.engines.get(req.engine_id)?;
+        let keys = engine.keys(&req.tokens);
+        let m = self.store.lookup(&keys);
+        Ok(pb::LookupResponse {
+            matched_blocks: to_u32(m.blocks),
+            matched_tokens: to_u32(m.blocks * engine.namespace.layout.tokens_per_block as usize),
+            g2_blocks: to_u32(m.fastest[TierKind::G2Host.index()]),
+            g3_blocks: to_u32(m.fastest[TierKind::G3Disk.index()]),
+            g4_blocks: to_u32(m.fastest[TierKind::G4Object.index()]),
+        })
+    }
+
+    /// Registers a load and returns its id and the receiver of its status.
+    pub fn start_load(
+        &self,
+        req: &pb::LoadRequest,
+    ) -> Result<(u64, Arc<Engine>, watch::Sender<pb::LoadStatus>), ServerError> {
+        let engine = self.engines.get(req.engine_id)?;
+        let mut ops = self.ops.lock();
+        let pending = ops.values().filter(|o| o.engine == engine.id && o.finished_at.is_none()).count();
+        if pending >= self.max_pending {
+            return Err(ServerError::Exhausted(format!(
+                "{pending} loads pending for engine {} (engines.max_pending_loads)",
+                engine.id
+            )));
+        }
+        let id = self.next_op.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = watch::channel(pb::LoadStatus { op_id: id, ..Default::default() });
+        ops.insert(id, Op { engine: engine.id, status: rx, finished_at: None });
+        Ok((id, engine, tx))
+    }
+
+    /// Runs a load to completion (on a blocking thread) and publishes its status.
+    pub fn run_load(&self, op: u64, engine: &Engine, req: &pb::LoadRequest, tx: &watch::Sender<pb::LoadStatus>) {
+        let status = match self.load_blocks(op, engine, req) {
+            Ok(s) => s,
+            Err(e) => pb::LoadStatus {
+                op_id: op,
+                state: pb::load_status::State::Failed as i32,
+                error: e.to_string(),
+                ..Default::default()
+            },
+        };
+        if let Some(o) = self.ops.lock().get_mut(&op) {
+            o.finished_at = Some(Instant::now());
+        }
+        self.loads.fetch_add(1, Ordering::Relaxed);
+        let _ = tx.send(status);
+    }
+
+    fn load_blocks(&self, op: u64, engine: &Engine, req: &pb::LoadRequest) -> Result<pb::LoadStatus, ServerError> {
+        let keys = engine.keys(&req.tokens);
+        Self::span(engine, keys.len(), req.first_block, &req.block_ids)?;
+        let first = req.first_block as usize;
+        let wanted = &keys[first..first + req.block_ids.len()];
+        let lease = self.store.pin(wanted, LOAD_LEASE);
+        let mut st = pb::LoadStatus { op_id: op, state: pb::load_status::State::Done as i32, ..Default::default() };
+        let mut buf = BlockBuf::new();
+        let want_len = engine.block_bytes();
+        for (key, &slot) in wanted.iter().zip(&req.block_ids) {
+            let dst = engine.segments_of(slot);
+            let got = self.store.read_with(key, &mut buf, |meta, pieces| {
+                // Defence in depth: keys already bind the namespace, but a block of another
+                // namespace or size is never copied into an engine.
+                if meta.namespace != engine.namespace_id || meta.len != want_len {
+                    return false;
+                }
+                // SAFETY: destinations are this engine's slot segments (range-checked at attach)
+                // and the sources are store memory; lengths add up to the block's bytes.
+                unsafe {
+                    kvtiers::host::copy_pieces(pieces.iter().map(|p| (p.as_ptr(), p.len())), dst.iter().copied());
+                }
+                true
+            });
+            match got {
+                Ok(Some((tier, true))) => {
+                    st.loaded_blocks += 1;
+                    match tier {
+                        TierKind::G2Host => st.from_g2 += 1,
+                        _ => st.from_g3 += 1,
+                    }
+                }
+                Ok(Some((_, false))) => {
+                    self.namespace_mismatch.increment(1);
+                    tracing::warn!(%key, engine = engine.id, "block namespace or size differs from the engine's; served as a miss");
+                    break;
+                }
+                Ok(None) => break,
+                Err(e) => {
+                    self.store.release(lease);
+                    return Err(e.into());
+                }
+            }
+        }
+        self.store.release(lease);
+        Ok(st)
+    }
+
+    /// The status of a load, waiting up to `timeout` for it to finish.
+    pub async fn wait(&self, engine: u64, op: u64, timeout: Duration) -> Result<pb::LoadStatus, ServerError> {
+        self.engines.get(engine)?;
+        let mut rx = match self.ops.lock().get(&op) {
+            Some(o) if o.engine == engine => o.status.clone(),
+            _ => return Err(ServerError::UnknownOp(op)),
+        };
+        let pending = pb::load_status::State::Pending as i32;
+        if !timeout.is_zero() {
+            let _ = tokio::time::timeout(timeout, rx.wait_for(|s| s.state != pending)).await;
+        }
+        let s = rx.borrow().clone();
+        Ok(s)
+    }
+
+    /// Forgets finished loads past their retention and drops engines past their lease.
+    pub fn housekeeping(&self) {
+        let now = Instant::now();
+        self.ops.lock().retain(|_, o| o.finished_at.is_none_or(|t| now.duration_since(t) < self.retention));
+        self.engines.reap();
+    }
+
+    /// Loads not yet finished.
+    pub fn pending_loads(&self) -> usize {
+        self.ops.lock().values().filter(|o| o.finished_at.is_none()).count()
+    }
+
+    pub fn stats(&self) -> pb::StatsResponse {
+        let s = self.store.stats();
+        pb::StatsResponse {
+            tiers: s
+                .tiers
+                .iter()
+                .map(|(k, t)| pb::TierStats {
+                    tier: k.label().to_string(),
+                    hits: t.hits,
+                    misses: t.misses,
+                    used_bytes: t.usage.used_bytes,
+                    capacity_bytes: t.usage.capacity_bytes,
+                    blocks: t.usage.blocks as u64,
+                    evictions: t.evictions,
+                    checksum_failures: t.checksum_failures,
+                })
+                .collect(),
+            engines: to_u32(self.engines.len()),
+            saves: self.saves.load(Ordering::Relaxed),
+            loads: self.loads.load(Ordering::Relaxed),
+            writethrough_dropped: s.writethrough_dropped + s.writethrough_evicted_before_write,
+        }
+    }
+
+    /// Why the daemon is degraded, if it is.
+    pub fn health(&self, queue_capacity: usize) -> pb::HealthResponse {
+        let s = self.store.stats();
+        let mut reasons = Vec::new();
+        if queue_capacity > 0 && s.writethrough_queued as usize * 10 >= queue_capacity * 9 {
+            reasons.push(format!(
+                "write-through backlog: {} of {queue_capacity} queued (G3 is slower than saves)",
+                s.writethrough_queued
+            ));
+        }
+        pb::HealthResponse { ok: reasons.is_empty(), reasons }
+    }
+}

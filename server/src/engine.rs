@@ -1,0 +1,254 @@
+//! Attached engines: their namespace, layout and KV memory, and the leases that drop an engine
+//! that stopped sending heartbeats.
+//!
+//! On a CPU-only node an engine's KV memory is a shared-memory file the daemon maps; a GPU
+//! engine passes a CUDA IPC handle, which needs a CUDA driver on the node (a clear error
+//! otherwise).
+
+use std::collections::HashMap;
+use std::fs::OpenOptions;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use kvproto::{BlockKey, KvLayout, LayoutKind, Namespace, NamespaceFingerprint, NamespaceId, pb};
+use memmap2::{MmapOptions, MmapRaw};
+use parking_lot::{Mutex, RwLock};
+
+use crate::error::ServerError;
+
+/// The KV memory of one engine, mapped into the daemon.
+#[derive(Debug)]
+enum EngineMemory {
+    Shm(MmapRaw),
+}
+
+/// One attached engine.
+#[derive(Debug)]
+pub struct Engine {
+    pub id: u64,
+    pub name: String,
+    pub namespace: Namespace,
+    pub namespace_id: NamespaceId,
+    fingerprint: NamespaceFingerprint,
+    memory: EngineMemory,
+    /// (offset of block 0, stride between blocks) per segment, in block byte order.
+    segments: Vec<(u64, u64)>,
+    segment_bytes: u64,
+    pub num_blocks: u32,
+    last_seen: Mutex<Instant>,
+}
+
+fn invalid(msg: impl Into<String>) -> ServerError {
+    ServerError::Invalid(msg.into())
+}
+
+impl Engine {
+    /// Validates a registration and maps the engine's memory.
+    fn attach(id: u64, req: &pb::RegisterRequest) -> Result<Self, ServerError> {
+        let spec = req.namespace.as_ref().ok_or_else(|| invalid("namespace is missing"))?;
+        let namespace = Namespace::try_from(spec)?;
+        let layout: KvLayout = namespace.layout;
+        let want_segments = match layout.kind {
+            LayoutKind::LayerSeparate => layout.num_layers as usize * 2,
+            LayoutKind::Contiguous => 1,
+        };
+        if req.segments.len() != want_segments {
+            return Err(invalid(format!(
+                "layout {} with {} layers needs {want_segments} segments, got {}",
+                layout.kind.name(),
+                layout.num_layers,
+                req.segments.len()
+            )));
+        }
+        let block_bytes = layout.block_bytes();
+        if req.segment_bytes.checked_mul(want_segments as u64) != Some(block_bytes) {
+            return Err(invalid(format!(
+                "segment_bytes {} x {want_segments} segments != {block_bytes} bytes per block for this layout \
+                 ({} layers, {} KV heads, head dim {}, {}, {} tokens per block)",
+                req.segment_bytes,
+                layout.num_layers,
+                layout.kv_heads,
+                layout.head_dim,
+                layout.dtype.name(),
+                layout.tokens_per_block
+            )));
+        }
+        if req.num_blocks == 0 {
+            return Err(invalid("num_blocks must be at least 1"));
+        }
+        let region = req.region.as_ref().ok_or_else(|| invalid("region is missing"))?;
+        let size = region.size_bytes;
+        let last = u64::from(req.num_blocks - 1);
+        for (i, s) in req.segments.iter().enumerate() {
+            let end = last
+                .checked_mul(s.block_stride)
+                .and_then(|x| x.checked_add(s.offset))
+                .and_then(|x| x.checked_add(req.segment_bytes));
+            if end.is_none_or(|e| e > size) {
+                return Err(invalid(format!(
+                    "segment {i} (offset {}, stride {}) of block {last} ends past the region's {size} bytes",
+                    s.offset, s.block_stride
+                )));
+            }
+        }
+        let memory = match &region.kind {
+            Some(pb::memory_region::Kind::ShmPath(path)) => {
+                let file = OpenOptions::new()
+                    .read(true)
+                    .write(true)
+                    .open(path)
+                    .map_err(|e| ServerError::Attach(format!("cannot open {path}: {e}")))?;
+                let len = file.metadata().map_err(|e| ServerError::Attach(format!("{path}: {e}")))?.len();
+                if len < size {
+                    return Err(ServerError::Attach(format!("{path} has {len} bytes, the registration says {size}")));
+                }
+                let map = MmapOptions::new()
+                    .len(size as usize)
+                    .map_raw(&file)
+                    .map_err(|e| ServerError::Attach(format!("cannot map {path}: {e}")))?;
+                EngineMemory::Shm(map)
+            }
+            Some(pb::memory_region::Kind::CudaIpcHandle(_)) => {
+                return Err(ServerError::Attach(if kvtiers::cuda::cuda_available() {
+                    "CUDA IPC engine memory is not supported by this build yet: register a shared-memory region".into()
+                } else {
+                    "no CUDA device on this node: a CUDA IPC handle cannot be opened; register a shared-memory region"
+                        .into()
+                }));
+            }
+            None => return Err(invalid("region has neither shm_path nor cuda_ipc_handle")),
+        };
+        Ok(Self {
+            id,
+            name: req.engine_name.clone(),
+            namespace_id: namespace.id(),
+            fingerprint: namespace.fingerprint(),
+            namespace,
+            memory,
+            segments: req.segments.iter().map(|s| (s.offset, s.block_stride)).collect(),
+            segment_bytes: req.segment_bytes,
+            num_blocks: req.num_blocks,
+            last_seen: Mutex::new(Instant::now()),
+        })
+    }
+
+    /// Bytes of one block.
+    pub fn block_bytes(&self) -> u64 {
+        self.namespace.layout.block_bytes()
+    }
+
+    /// Keys of every full block of `tokens` in this engine's namespace.
+    pub fn keys(&self, tokens: &[u32]) -> Vec<BlockKey> {
+        kvproto::block_keys(&self.fingerprint, self.namespace.layout.tokens_per_block as usize, tokens)
+    }
+
+    /// Checks engine block slots.
+    pub fn check_slots(&self, ids: &[u32]) -> Result<(), ServerError> {
+        match ids.iter().find(|&&b| b >= self.num_blocks) {
+            Some(b) => Err(invalid(format!("block id {b} is out of range (engine has {} blocks)", self.num_blocks))),
+            None => Ok(()),
+        }
+    }
+
+    /// The segments of engine block `block` as (address, length), in block byte order.
+    /// `block` must have passed [`Engine::check_slots`].
+    pub fn segments_of(&self, block: u32) -> Vec<(*mut u8, usize)> {
+        let EngineMemory::Shm(map) = &self.memory;
+        let base = map.as_mut_ptr();
+        self.segments
+            .iter()
+            .map(|&(off, stride)| {
+                // In range: checked against the region size at attach.
+                (base.wrapping_add((off + u64::from(block) * stride) as usize), self.segment_bytes as usize)
+            })
+            .collect()
+    }
+
+    pub fn touch(&self) {
+        *self.last_seen.lock() = Instant::now();
+    }
+
+    fn expired(&self, lease: Duration, now: Instant) -> bool {
+        now.duration_since(*self.last_seen.lock()) > lease
+    }
+}
+
+// SAFETY: the mapping is shared memory accessed through raw pointers only; the engine protocol
+// gives the daemon exclusive use of the block slots named in a request while it runs.
+unsafe impl Send for Engine {}
+// SAFETY: as above.
+unsafe impl Sync for Engine {}
+
+/// Every attached engine.
+#[derive(Debug)]
+pub struct Registry {
+    engines: RwLock<HashMap<u64, Arc<Engine>>>,
+    next_id: AtomicU64,
+    max: usize,
+    pub lease: Duration,
+}
+
+impl Registry {
+    pub fn new(max: usize, lease: Duration) -> Self {
+        // Ids start from a time-derived value so a restarted daemon does not reuse the ids of
+        // its previous life (a stale client then gets "not registered", not another engine).
+        let seed = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_micros() as u64)
+            .unwrap_or(1);
+        Self { engines: RwLock::new(HashMap::new()), next_id: AtomicU64::new(seed << 8), max, lease }
+    }
+
+    pub fn register(&self, req: &pb::RegisterRequest) -> Result<Arc<Engine>, ServerError> {
+        if self.engines.read().len() >= self.max {
+            return Err(ServerError::Exhausted(format!("{} engines attached (engines.max_engines)", self.max)));
+        }
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let e = Arc::new(Engine::attach(id, req)?);
+        self.engines.write().insert(id, Arc::clone(&e));
+        tracing::info!(engine = id, name = %e.name, namespace = %e.namespace_id, "engine attached");
+        Ok(e)
+    }
+
+    pub fn get(&self, id: u64) -> Result<Arc<Engine>, ServerError> {
+        let e = self.engines.read().get(&id).cloned().ok_or(ServerError::UnknownEngine(id))?;
+        e.touch();
+        Ok(e)
+    }
+
+    pub fn unregister(&self, id: u64) -> Result<(), ServerError> {
+        match self.engines.write().remove(&id) {
+            Some(e) => {
+                tracing::info!(engine = id, name = %e.name, "engine detached");
+                Ok(())
+            }
+            None => Err(ServerError::UnknownEngine(id)),
+        }
+    }
+
+    /// Drops engines whose lease ran out; returns how many.
+    pub fn reap(&self) -> usize {
+        let now = Instant::now();
+        let mut map = self.engines.write();
+        let dead: Vec<u64> = map.iter().filter(|(_, e)| e.expired(self.lease, now)).map(|(id, _)| *id).collect();
+        for id in &dead {
+            if let Some(e) = map.remove(id) {
+                tracing::warn!(engine = id, name = %e.name, "engine missed its heartbeats; detached");
+            }
+        }
+        dead.len()
+    }
+
+    pub fn len(&self) -> usize {
+        self.engines.read().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn clear(&self) {
+        self.engines.write().clear();
+    }
+}

@@ -1,0 +1,93 @@
+//! The gRPC edge: translates `kvcached.v1.Kvcached` calls to [`Daemon`] and errors to
+//! `tonic::Status`. Copies run on blocking threads so the runtime never stalls on memcpy.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvproto::pb;
+use tonic::{Request, Response, Status};
+
+use crate::daemon::Daemon;
+use crate::error::ServerError;
+
+/// The service object handed to tonic.
+#[derive(Debug, Clone)]
+pub struct KvcachedService {
+    pub daemon: Arc<Daemon>,
+    pub queue_capacity: usize,
+}
+
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T, ServerError> + Send + 'static) -> Result<T, Status> {
+    match tokio::task::spawn_blocking(f).await {
+        Ok(r) => r.map_err(Status::from),
+        Err(e) => Err(Status::internal(format!("worker failed: {e}"))),
+    }
+}
+
+#[tonic::async_trait]
+impl pb::kvcached_server::Kvcached for KvcachedService {
+    async fn register(&self, req: Request<pb::RegisterRequest>) -> Result<Response<pb::RegisterResponse>, Status> {
+        let d = Arc::clone(&self.daemon);
+        let req = req.into_inner();
+        let e = blocking(move || d.engines.register(&req)).await?;
+        let lease = self.daemon.engines.lease.as_millis() as u32;
+        Ok(Response::new(pb::RegisterResponse {
+            engine_id: e.id,
+            namespace_id: e.namespace_id.0.to_vec(),
+            block_bytes: e.block_bytes(),
+            heartbeat_ms: lease / 3,
+            lease_ms: lease,
+        }))
+    }
+
+    async fn unregister(&self, req: Request<pb::EngineRef>) -> Result<Response<pb::Empty>, Status> {
+        self.daemon.engines.unregister(req.into_inner().engine_id)?;
+        Ok(Response::new(pb::Empty {}))
+    }
+
+    async fn heartbeat(&self, req: Request<pb::EngineRef>) -> Result<Response<pb::Empty>, Status> {
+        self.daemon.engines.get(req.into_inner().engine_id)?;
+        Ok(Response::new(pb::Empty {}))
+    }
+
+    async fn save(&self, req: Request<pb::SaveRequest>) -> Result<Response<pb::SaveResponse>, Status> {
+        let d = Arc::clone(&self.daemon);
+        let req = req.into_inner();
+        Ok(Response::new(blocking(move || d.save(&req)).await?))
+    }
+
+    async fn lookup(&self, req: Request<pb::LookupRequest>) -> Result<Response<pb::LookupResponse>, Status> {
+        let d = Arc::clone(&self.daemon);
+        let req = req.into_inner();
+        Ok(Response::new(blocking(move || d.lookup(&req)).await?))
+    }
+
+    async fn load(&self, req: Request<pb::LoadRequest>) -> Result<Response<pb::LoadStatus>, Status> {
+        let req = req.into_inner();
+        let (op, engine, tx) = self.daemon.start_load(&req)?;
+        let d = Arc::clone(&self.daemon);
+        let wait = req.wait;
+        let mut rx = tx.subscribe();
+        let task = tokio::task::spawn_blocking(move || d.run_load(op, &engine, &req, &tx));
+        if !wait {
+            return Ok(Response::new(pb::LoadStatus { op_id: op, ..Default::default() }));
+        }
+        task.await.map_err(|e| Status::internal(format!("load failed: {e}")))?;
+        let s = rx.borrow_and_update().clone();
+        Ok(Response::new(s))
+    }
+
+    async fn wait(&self, req: Request<pb::WaitRequest>) -> Result<Response<pb::LoadStatus>, Status> {
+        let r = req.into_inner();
+        let s = self.daemon.wait(r.engine_id, r.op_id, Duration::from_millis(u64::from(r.timeout_ms))).await?;
+        Ok(Response::new(s))
+    }
+
+    async fn stats(&self, _: Request<pb::Empty>) -> Result<Response<pb::StatsResponse>, Status> {
+        Ok(Response::new(self.daemon.stats()))
+    }
+
+    async fn health(&self, _: Request<pb::Empty>) -> Result<Response<pb::HealthResponse>, Status> {
+        Ok(Response::new(self.daemon.health(self.queue_capacity)))
+    }
+}

@@ -1,0 +1,351 @@
+//! kvcached across the real socket: in-process `serve()` on temp sockets and the real binary in
+//! separate processes, driven by the real client.
+#![allow(clippy::unwrap_used)]
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kvcached::{Config, Listeners};
+use kvclient::{Client, ClientError, KvMemory, synthetic_block};
+use kvproto::{Dtype, KvLayout, LayoutKind, Namespace};
+
+fn layout(kind: LayoutKind) -> KvLayout {
+    KvLayout { num_layers: 2, kv_heads: 2, head_dim: 64, dtype: Dtype::Bf16, tokens_per_block: 16, kind }
+}
+
+fn ns(model: &str) -> Namespace {
+    Namespace::new(model, layout(LayoutKind::LayerSeparate))
+}
+
+fn prompt(seed: u32, blocks: u32) -> Vec<u32> {
+    (0..blocks * 16).map(|i| (i.wrapping_mul(2_654_435_761) ^ seed) % 150_000).collect()
+}
+
+fn config(dir: &Path) -> Config {
+    let mut c = Config {
+        socket: dir.join("kvcached.sock"),
+        metrics_addr: "127.0.0.1:0".parse().unwrap(),
+        ..Default::default()
+    };
+    c.g2.capacity_bytes = 64 << 20;
+    c.g2.shm_dir = dir.to_path_buf();
+    c.g3.dir = dir.join("g3");
+    c.g3.capacity_bytes = 128 << 20;
+    c.g3.fsync = false;
+    c.engines.lease_ms = 2000;
+    c.resolve().unwrap()
+}
+
+struct InProcess {
+    socket: PathBuf,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<Result<(), kvcached::ServerError>>,
+}
+
+async fn start(dir: &Path) -> InProcess {
+    let c = config(dir);
+    let socket = c.socket.clone();
+    let l = Listeners::bind(&c).await.unwrap();
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(kvcached::serve(c, l, async move {
+        let _ = rx.await;
+    }));
+    InProcess { socket, stop: Some(tx), task }
+}
+
+impl InProcess {
+    async fn stop(mut self) {
+        let _ = self.stop.take().unwrap().send(());
+        self.task.await.unwrap().unwrap();
+    }
+}
+
+fn kv(dir: &Path, name: &str, slots: u32) -> KvMemory {
+    KvMemory::create_layer_separate(dir.join(name), &layout(LayoutKind::LayerSeparate), slots).unwrap()
+}
+
+fn fill(mem: &mut KvMemory, seed: u64, blocks: u32, first_slot: u32) {
+    let len = layout(LayoutKind::LayerSeparate).block_bytes() as usize;
+    for b in 0..blocks {
+        mem.write_block(first_slot + b, &synthetic_block(seed, b, len));
+    }
+}
+
+fn check(mem: &KvMemory, seed: u64, blocks: u32, first_slot: u32) {
+    let len = layout(LayoutKind::LayerSeparate).block_bytes() as usize;
+    for b in 0..blocks {
+        assert_eq!(mem.read_block(first_slot + b), synthetic_block(seed, b, len), "block {b} differs");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_engines_hand_over_through_g2_byte_exact() {
+    let d = tempfile::tempdir().unwrap();
+    let daemon = start(d.path()).await;
+    let tokens = prompt(1, 40);
+    let mut a_kv = kv(d.path(), "a", 64);
+    fill(&mut a_kv, 11, 40, 0);
+    let a = Client::connect(&daemon.socket).await.unwrap();
+    a.register("prefill", &ns("m"), &a_kv).await.unwrap();
+    let slots: Vec<u32> = (0..40).collect();
+    let s = a.save(&tokens, 0, &slots).await.unwrap();
+    assert_eq!((s.stored, s.already_present, s.failed), (40, 0, 0));
+    assert_eq!(a.save(&tokens, 0, &slots).await.unwrap().already_present, 40);
+
+    let b_kv = kv(d.path(), "b", 64);
+    let b = Client::connect(&daemon.socket).await.unwrap();
+    b.register("decode", &ns("m"), &b_kv).await.unwrap();
+    // A longer prompt with the same prefix: 40 of its 45 blocks are cached.
+    let mut longer = tokens.clone();
+    longer.extend(prompt(2, 5));
+    let hit = b.lookup(&longer).await.unwrap();
+    assert_eq!((hit.matched_blocks, hit.matched_tokens, hit.g2_blocks), (40, 640, 40));
+    let dst: Vec<u32> = (20..64).collect();
+    let op = b.load(&longer, 0, &dst).await.unwrap();
+    let done = b.wait(op, Duration::from_secs(10)).await.unwrap();
+    assert_eq!((done.loaded_blocks, done.from_g2), (40, 40));
+    check(&b_kv, 11, 40, 20);
+    let stats = b.stats().await.unwrap();
+    assert_eq!(stats.engines, 2);
+    daemon.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wrong_layout_namespace_and_requests_get_clear_errors() {
+    let d = tempfile::tempdir().unwrap();
+    let daemon = start(d.path()).await;
+    let mem = kv(d.path(), "a", 8);
+    let c = Client::connect(&daemon.socket).await.unwrap();
+    // The memory was laid out for 2 layers; claim 4.
+    let mut wrong = ns("m");
+    wrong.layout.num_layers = 4;
+    let e = c.register("bad", &wrong, &mem).await.unwrap_err();
+    let ClientError::Rpc(s) = e else { panic!("{e}") };
+    assert_eq!(s.code(), tonic::Code::InvalidArgument);
+    assert!(s.message().contains("segments"), "{}", s.message());
+    let mut zero = ns("m");
+    zero.layout.head_dim = 0;
+    let ClientError::Rpc(s) = c.register("bad", &zero, &mem).await.unwrap_err() else { panic!() };
+    assert!(s.message().contains("head_dim"), "{}", s.message());
+
+    c.register("ok", &ns("m"), &mem).await.unwrap();
+    // Slots out of range, and blocks beyond the tokens' full blocks.
+    let ClientError::Rpc(s) = c.save(&prompt(1, 2), 0, &[0, 99]).await.unwrap_err() else { panic!() };
+    assert!(s.message().contains("out of range"), "{}", s.message());
+    let ClientError::Rpc(s) = c.save(&prompt(1, 2), 0, &[0, 1, 2]).await.unwrap_err() else { panic!() };
+    assert!(s.message().contains("full blocks"), "{}", s.message());
+
+    // Isolation: another model or tenant never sees these blocks.
+    let mut a_kv = kv(d.path(), "iso", 8);
+    fill(&mut a_kv, 3, 4, 0);
+    let a = Client::connect(&daemon.socket).await.unwrap();
+    a.register("a", &ns("m"), &a_kv).await.unwrap();
+    a.save(&prompt(5, 4), 0, &[0, 1, 2, 3]).await.unwrap();
+    for other in [ns("other-model"), Namespace { tenant_salt: Some(b"tenant-b".to_vec()), ..ns("m") }] {
+        let o_kv = kv(d.path(), "o", 8);
+        let o = Client::connect(&daemon.socket).await.unwrap();
+        o.register("o", &other, &o_kv).await.unwrap();
+        assert_eq!(o.lookup(&prompt(5, 4)).await.unwrap().matched_blocks, 0);
+        assert_eq!(o.load_now(&prompt(5, 4), 0, &[0, 1, 2, 3]).await.unwrap().loaded_blocks, 0);
+        o.unregister().await.unwrap();
+    }
+    daemon.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn eight_engines_share_overlapping_prefixes_and_see_only_correct_bytes() {
+    let d = tempfile::tempdir().unwrap();
+    let daemon = start(d.path()).await;
+    let shared = prompt(77, 8);
+    let mut tasks = Vec::new();
+    for e in 0..8u32 {
+        let socket = daemon.socket.clone();
+        let dir = d.path().to_path_buf();
+        let shared = shared.clone();
+        tasks.push(tokio::spawn(async move {
+            // Each engine's prompt: the shared 8-block prefix + its own 4 blocks. KV content
+            // depends only on (prompt, block), so overlapping saves agree.
+            let mut tokens = shared.clone();
+            tokens.extend(prompt(1000 + e, 4));
+            let len = layout(LayoutKind::LayerSeparate).block_bytes() as usize;
+            let expect =
+                |b: u32| if b < 8 { synthetic_block(77, b, len) } else { synthetic_block(1000 + u64::from(e), b, len) };
+            let mut mem = kv(&dir, &format!("e{e}"), 32);
+            for b in 0..12 {
+                mem.write_block(b, &expect(b));
+            }
+            let c = Client::connect(&socket).await.unwrap();
+            c.register(&format!("engine-{e}"), &ns("m"), &mem).await.unwrap();
+            for round in 0..5 {
+                c.save(&tokens, 0, &(0..12).collect::<Vec<_>>()).await.unwrap();
+                let got = c.load_now(&tokens, 0, &(16..28).collect::<Vec<_>>()).await.unwrap();
+                assert_eq!(got.loaded_blocks, 12, "engine {e} round {round}");
+                for b in 0..12 {
+                    assert_eq!(mem.read_block(16 + b), expect(b), "engine {e} block {b}");
+                }
+            }
+            c.unregister().await.unwrap();
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    daemon.stop().await;
+}
+
+fn spawn_daemon(dir: &Path) -> Child {
+    let child = Command::new(env!("CARGO_BIN_EXE_kvcached"))
+        .args(["--socket", dir.join("kvcached.sock").to_str().unwrap()])
+        .args(["--metrics-addr", "127.0.0.1:0", "--g2-capacity-bytes", "67108864"])
+        .args(["--g2-shm-dir", dir.to_str().unwrap(), "--g3-dir", dir.join("g3").to_str().unwrap()])
+        .args(["--g3-capacity-bytes", "134217728", "--g3-fsync", "false", "--engine-lease-ms", "2000"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !dir.join("kvcached.sock").exists() {
+        assert!(Instant::now() < deadline, "daemon did not start");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child
+}
+
+fn sigterm_and_wait(mut child: Child) {
+    // SAFETY: plain kill(2) on our child's pid.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let status = child.wait().unwrap();
+    let mut err = String::new();
+    if let Some(e) = child.stderr.take() {
+        for l in BufReader::new(e).lines() {
+            err.push_str(&l.unwrap());
+            err.push('\n');
+        }
+    }
+    assert!(status.success(), "daemon exited with {status}: {err}");
+    assert!(err.contains("kvcached stopped"), "no graceful shutdown in log:\n{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn daemon_restart_brings_blocks_back_from_g3_and_clients_reconnect() {
+    let d = tempfile::tempdir().unwrap();
+    let daemon = spawn_daemon(d.path());
+    let tokens = prompt(9, 24);
+    let mut mem = kv(d.path(), "engine", 64);
+    fill(&mut mem, 9, 24, 0);
+    let c = Client::connect(d.path().join("kvcached.sock")).await.unwrap();
+    c.register("engine", &ns("m"), &mem).await.unwrap();
+    assert_eq!(c.save(&tokens, 0, &(0..24).collect::<Vec<_>>()).await.unwrap().stored, 24);
+    let first_id = c.engine_id_now();
+    sigterm_and_wait(daemon); // drains write-through to G3
+
+    let daemon = spawn_daemon(d.path());
+    // The same client object: it reconnects and re-registers by itself.
+    let hit = c.lookup(&tokens).await.unwrap();
+    assert_eq!((hit.matched_blocks, hit.g3_blocks), (24, 24));
+    assert_ne!(c.engine_id_now(), first_id, "re-registered under a new id");
+    let got = c.load_now(&tokens, 0, &(32..56).collect::<Vec<_>>()).await.unwrap();
+    assert_eq!((got.loaded_blocks, got.from_g3), (24, 24));
+    check(&mem, 9, 24, 32);
+    sigterm_and_wait(daemon);
+}
+
+const CHILD_SOCKET: &str = "KVCACHED_TEST_CHILD_SOCKET";
+
+/// The engine process of `kill_9_of_a_client_mid_save_leaves_no_partial_block`.
+#[test]
+#[ignore = "run as a child process"]
+fn child_engine_saving_forever() {
+    let Ok(socket) = std::env::var(CHILD_SOCKET) else { return };
+    let dir = PathBuf::from(std::env::var("KVCACHED_TEST_CHILD_DIR").unwrap());
+    let mut mem = kv(&dir, "child", 256);
+    let c = kvclient::BlockingClient::connect(&socket).unwrap();
+    c.register("child", &ns("m"), &mem).unwrap();
+    for round in 0..2000u32 {
+        let tokens = prompt(round, 8);
+        for b in 0..8 {
+            let len = layout(LayoutKind::LayerSeparate).block_bytes() as usize;
+            mem.write_block(b, &synthetic_block(u64::from(round), b, len));
+        }
+        c.save(&tokens, 0, &(0..8).collect::<Vec<_>>()).unwrap();
+        println!("saved {round}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_of_a_client_mid_save_leaves_no_partial_block() {
+    let d = tempfile::tempdir().unwrap();
+    let daemon = start(d.path()).await;
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args(["--ignored", "--exact", "child_engine_saving_forever", "--nocapture", "--test-threads=1"])
+        .env(CHILD_SOCKET, &daemon.socket)
+        .env("KVCACHED_TEST_CHILD_DIR", d.path())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let out = child.stdout.take().unwrap();
+    let rounds = tokio::task::spawn_blocking(move || {
+        let mut n = 0u32;
+        for l in BufReader::new(out).lines() {
+            if l.unwrap().starts_with("saved ") {
+                n += 1;
+                if n == 30 {
+                    break;
+                }
+            }
+        }
+        n
+    })
+    .await
+    .unwrap();
+    assert_eq!(rounds, 30);
+    child.kill().unwrap(); // SIGKILL, most likely mid-save
+    child.wait().unwrap();
+
+    // Every visible block of every round is complete and exact.
+    let mut mem = kv(d.path(), "checker", 16);
+    let c = Client::connect(&daemon.socket).await.unwrap();
+    c.register("checker", &ns("m"), &mem).await.unwrap();
+    for round in 0..40u32 {
+        let tokens = prompt(round, 8);
+        let got = c.load_now(&tokens, 0, &(0..8).collect::<Vec<_>>()).await.unwrap();
+        if round < 30 {
+            assert_eq!(got.loaded_blocks, 8, "round {round} was acknowledged");
+        }
+        let len = layout(LayoutKind::LayerSeparate).block_bytes() as usize;
+        for b in 0..got.loaded_blocks {
+            assert_eq!(mem.read_block(b), synthetic_block(u64::from(round), b, len), "round {round} block {b}");
+        }
+        mem.write_block(0, &vec![0; len]);
+    }
+    // The dead engine is detached once its lease runs out.
+    tokio::time::sleep(Duration::from_millis(3000)).await;
+    assert_eq!(c.stats().await.unwrap().engines, 1);
+    daemon.stop().await;
+}
+
+#[test]
+fn cli_help_config_and_invalid_configuration() {
+    let bin = env!("CARGO_BIN_EXE_kvcached");
+    let help = Command::new(bin).arg("--help").output().unwrap();
+    let text = String::from_utf8_lossy(&help.stdout);
+    for flag in ["--socket", "--g2-capacity-bytes", "--g3-dir", "--metrics-addr", "config", "demo"] {
+        assert!(text.contains(flag), "--help lacks {flag}:\n{text}");
+    }
+    let out = Command::new(bin).args(["--g3-capacity-bytes", "12345", "config"]).output().unwrap();
+    assert!(out.status.success());
+    let toml = String::from_utf8_lossy(&out.stdout);
+    assert!(toml.contains("capacity_bytes = 12345"), "{toml}");
+    let d = tempfile::tempdir().unwrap();
+    let f = d.path().join("bad.toml");
+    std::fs::write(&f, "[g2]\npage_size = 1000\n").unwrap();
+    let out = Command::new(bin).args(["--config", f.to_str().unwrap(), "config"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("g2.page_size"), "{err}");
+    let out = Command::new(bin).env("KVCACHED_G3_IO_BACKEND", "spdk").arg("config").output().unwrap();
+    assert!(String::from_utf8_lossy(&out.stderr).contains("g3.io_backend"));
+}
