@@ -261,6 +261,19 @@ impl HostTier {
     /// Calls `f` with each contiguous piece of a block's bytes, in order, without copying.
     /// Returns `None` on a miss. The block cannot be reused while `f` runs.
     pub fn with_block<R>(&self, key: &BlockKey, f: impl FnOnce(&BlockMeta, &[&[u8]]) -> R) -> Option<R> {
+        let r = self.with_block_uncounted(key, f);
+        if r.is_some() {
+            self.counters.hits.add(1);
+        }
+        r
+    }
+
+    /// [`HostTier::with_block`] without counting a hit (the write-through's own reads).
+    pub(crate) fn with_block_uncounted<R>(
+        &self,
+        key: &BlockKey,
+        f: impl FnOnce(&BlockMeta, &[&[u8]]) -> R,
+    ) -> Option<R> {
         let (slot, meta) = self.state.lock().get(key, true)?;
         let ps = self.pool.page_size();
         let mut left = meta.len as usize;
@@ -272,7 +285,6 @@ impl HostTier {
             pieces.push(unsafe { std::slice::from_raw_parts(self.page_ptr(first), take) });
             left -= take;
         }
-        self.counters.hits.add(1);
         self.counters.bytes_read.add(meta.len);
         Some(f(&meta, &pieces))
     }

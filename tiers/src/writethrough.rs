@@ -145,7 +145,7 @@ fn writer_loop(
         let mut found: Vec<(BlockKey, BlockMeta, usize)> = Vec::new();
         for (i, k) in keys.iter().enumerate() {
             let buf = &mut bufs[i];
-            let got = g2.with_block(k, |meta, pieces| {
+            let got = g2.with_block_uncounted(k, |meta, pieces| {
                 buf.resize(meta.len as usize);
                 let mut off = 0;
                 for p in pieces {
