@@ -201,18 +201,7 @@ impl Client {
     /// Starts loading blocks `[first_block, first_block + slots.len())` of `tokens` into engine
     /// slots; returns at once. The load stops at the first block that is not cached.
     pub async fn load(&self, tokens: &[u32], first_block: u32, slots: &[u32]) -> Result<LoadOp, ClientError> {
-        let s = self
-            .with_retry(|mut rpc, engine_id| {
-                let req = pb::LoadRequest {
-                    engine_id,
-                    tokens: tokens.to_vec(),
-                    first_block,
-                    block_ids: slots.to_vec(),
-                    wait: false,
-                };
-                async move { rpc.load(req).await }
-            })
-            .await?;
+        let s = self.load_rpc(tokens, first_block, slots, false).await?;
         Ok(LoadOp(s.op_id))
     }
 
@@ -223,19 +212,22 @@ impl Client {
         first_block: u32,
         slots: &[u32],
     ) -> Result<pb::LoadStatus, ClientError> {
-        let s = self
-            .with_retry(|mut rpc, engine_id| {
-                let req = pb::LoadRequest {
-                    engine_id,
-                    tokens: tokens.to_vec(),
-                    first_block,
-                    block_ids: slots.to_vec(),
-                    wait: true,
-                };
-                async move { rpc.load(req).await }
-            })
-            .await?;
-        finished(s)
+        finished(self.load_rpc(tokens, first_block, slots, true).await?)
+    }
+
+    async fn load_rpc(
+        &self,
+        tokens: &[u32],
+        first_block: u32,
+        slots: &[u32],
+        wait: bool,
+    ) -> Result<pb::LoadStatus, ClientError> {
+        self.with_retry(|mut rpc, engine_id| {
+            let req =
+                pb::LoadRequest { engine_id, tokens: tokens.to_vec(), first_block, block_ids: slots.to_vec(), wait };
+            async move { rpc.load(req).await }
+        })
+        .await
     }
 
     /// Waits up to `timeout` for a load; returns its status (state PENDING if still running).
