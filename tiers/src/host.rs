@@ -153,6 +153,8 @@ pub struct HostTier {
     evicted_dirty: Count,
     /// Signalled when write-through cleans a block (a put may be waiting for space).
     cleaned: Condvar,
+    /// Signalled when a put commits (a put of the same key may be waiting for it).
+    committed: Condvar,
     dirty_wait: Duration,
     high_pages: usize,
     low_pages: usize,
@@ -233,6 +235,7 @@ impl HostTier {
             state: Mutex::new(Residency::new(Box::new(LruPolicy::new()) as Box<dyn EvictionPolicy>)),
             counters: TierCounters::new(TIER, len as u64),
             cleaned: Condvar::new(),
+            committed: Condvar::new(),
             dirty_wait: cfg.dirty_wait,
             evicted_dirty: Count::labelled(
                 "kvcached_writethrough_dropped_total",
@@ -348,6 +351,12 @@ impl HostTier {
         let n = self.pool.pages_for(meta.len);
         let slot = {
             let mut st = self.state.lock();
+            // A key being written by another put: wait until it is visible, so that a caller
+            // told "already present" can load it right away.
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while st.has_entry(&key) && !st.contains(&key) && Instant::now() < deadline {
+                self.committed.wait_until(&mut st, deadline);
+            }
             if st.has_entry(&key) {
                 return Ok(false);
             }
@@ -384,6 +393,7 @@ impl HostTier {
             self.counters.set_usage(self.pool.used_pages() as u64 * ps as u64, st.len());
             ok
         };
+        self.committed.notify_all();
         self.counters.bytes_written.add(meta.len);
         self.counters.put_took(t0.elapsed());
         Ok(committed)
