@@ -2,7 +2,14 @@
 //! raw O_DIRECT on the same sizes in the same run.
 //!
 //! `cargo bench -p kvbench --bench tiers` (set `KVBENCH_DIR` to put the G3 files on a
-//! particular disk; the default is the system temp dir).
+//! particular disk, the default being the system temp dir; `KVBENCH_G3_BACKEND=psync` or
+//! `io_uring` to force a G3 I/O backend, `KVBENCH_G3_IO_THREADS=0` to run G3 I/O on the
+//! calling thread).
+//!
+//! Two memcpy baselines for G2: `memcpy` copies into one destination that stays in cache (the
+//! limit for a get of a hot block into a reused buffer), `memcpy_pool` copies into a rotating
+//! destination across a shared-memory region as large as the pool (the limit for a put, whose
+//! destination is a free page that has usually left the cache).
 #![allow(clippy::unwrap_used)]
 
 use std::hint::black_box;
@@ -11,6 +18,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use kvbench::raw::RawDirectFile;
 use kvproto::{BlockKey, NamespaceId};
+use kvtiers::disk::io::IoBackend;
 use kvtiers::{BlockBuf, BlockMeta, BlockRef, CudaRegister, DiskTier, DiskTierConfig, HostTier, HostTierConfig, Tier};
 
 const SIZES: [(usize, &str); 3] = [(256 << 10, "256KiB"), (2 << 20, "2MiB"), (16 << 20, "16MiB")];
@@ -59,6 +67,9 @@ fn g2(c: &mut Criterion) {
                 black_box(&dst);
             })
         });
+        let mut pool_base = PoolBaseline::new(&cfg.shm_dir, 1 << 30, len);
+        g.bench_function(BenchmarkId::new("memcpy_pool", name), |b| b.iter(|| pool_base.copy_next(black_box(&src))));
+        drop(pool_base);
         g.bench_function(BenchmarkId::new("put", name), |b| {
             b.iter(|| tier.put(BlockRef { key: fresh_key(), meta: meta(len), data: black_box(&src) }).unwrap())
         });
@@ -72,9 +83,43 @@ fn g2(c: &mut Criterion) {
     g.finish();
 }
 
+/// A populated shared-memory mapping the size of the G2 pool, written slot after slot.
+struct PoolBaseline {
+    map: memmap2::MmapMut,
+    slot: usize,
+    next: usize,
+    _file: tempfile::NamedTempFile,
+}
+
+impl PoolBaseline {
+    fn new(dir: &std::path::Path, len: usize, slot: usize) -> Self {
+        let file = tempfile::NamedTempFile::new_in(dir).unwrap();
+        file.as_file().set_len(len as u64).unwrap();
+        // SAFETY: the file is private to this bench and outlives the mapping.
+        let map = unsafe { memmap2::MmapOptions::new().len(len).populate().map_mut(file.as_file()).unwrap() };
+        Self { map, slot, next: 0, _file: file }
+    }
+
+    fn copy_next(&mut self, src: &[u8]) {
+        let slots = self.map.len() / self.slot;
+        let at = (self.next % slots) * self.slot;
+        self.next += 1;
+        self.map[at..at + self.slot].copy_from_slice(src);
+        black_box(&self.map[at]);
+    }
+}
+
 fn g3(c: &mut Criterion) {
     let dir = tempfile::tempdir_in(bench_dir()).unwrap();
     let mut cfg = DiskTierConfig::new(dir.path().join("g3"), 1 << 30);
+    cfg.backend = match std::env::var("KVBENCH_G3_BACKEND").as_deref() {
+        Ok("psync") => IoBackend::Psync,
+        Ok("io_uring") => IoBackend::IoUring,
+        _ => IoBackend::Auto,
+    };
+    if let Some(n) = std::env::var("KVBENCH_G3_IO_THREADS").ok().and_then(|v| v.parse().ok()) {
+        cfg.io_threads = n;
+    }
     cfg.fsync = false; // the raw baseline does not fsync either
     let tier = DiskTier::open(&cfg).unwrap();
     let mut g = c.benchmark_group("g3");

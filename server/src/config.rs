@@ -240,7 +240,7 @@ impl Config {
         let g3 = self.g3.enabled.then(|| {
             let mut c = kvtiers::DiskTierConfig::new(&self.g3.dir, self.g3.capacity_bytes);
             c.page_size = self.g3.page_size;
-            c.io_threads = self.g3.io_threads.max(1);
+            c.io_threads = self.g3.io_threads;
             c.fsync = self.g3.fsync;
             c.backend = match self.g3.io_backend.as_str() {
                 "io_uring" => kvtiers::disk::io::IoBackend::IoUring,

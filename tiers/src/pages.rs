@@ -2,20 +2,65 @@
 //!
 //! A tier's space is `total` pages of `page_size` bytes. A block takes `ceil(len / page_size)`
 //! pages, not necessarily contiguous, so blocks of different sizes never fail for
-//! fragmentation. Allocating and freeing a page is O(1) (a free stack). Pages are handed out in
-//! ascending order and returned in the same order, so blocks of one size keep reusing the same
-//! contiguous runs and G3 I/O stays sequential.
+//! fragmentation. Free pages are a bitmap scanned *next-fit* from a cursor that moves forward
+//! and wraps: consecutive puts get ascending page numbers, so G3 writes of a chain land
+//! sequentially on disk and reading the chain back is sequential too (a free stack handed
+//! pages back in eviction order, which made both reverse-sequential). Allocation touches one
+//! bit per page taken plus the words skipped on the way.
 
 use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-/// The free list of one tier's pages.
+#[derive(Debug)]
+struct FreeMap {
+    /// Bit set = page free. Bits past `total` are never set.
+    words: Vec<u64>,
+    free: usize,
+    /// Where the next scan starts.
+    cursor: usize,
+}
+
+impl FreeMap {
+    fn take(&mut self, n: usize, total: usize) -> Vec<u32> {
+        let mut ids = Vec::with_capacity(n);
+        let nwords = self.words.len();
+        let start = self.cursor.min(total.saturating_sub(1));
+        let (w0, b0) = (start / 64, start % 64);
+        // Words from the cursor to the end, then from the start back to the cursor's word
+        // (its low bits, skipped the first time, come last).
+        for step in 0..=nwords {
+            if ids.len() == n {
+                break;
+            }
+            let w = (w0 + step) % nwords;
+            let mask = match step {
+                0 => !0u64 << b0,
+                s if s == nwords => (1u64 << b0).wrapping_sub(1),
+                _ => !0u64,
+            };
+            let mut bits = self.words[w] & mask;
+            while bits != 0 && ids.len() < n {
+                let b = bits.trailing_zeros() as usize;
+                bits &= bits - 1;
+                self.words[w] &= !(1u64 << b);
+                ids.push((w * 64 + b) as u32);
+            }
+        }
+        self.free -= ids.len();
+        if let Some(&last) = ids.last() {
+            self.cursor = (last as usize + 1) % total.max(1);
+        }
+        ids
+    }
+}
+
+/// The free pages of one tier.
 #[derive(Debug)]
 pub struct PagePool {
     page_size: usize,
     total: u32,
-    free: Mutex<Vec<u32>>,
+    free: Mutex<FreeMap>,
 }
 
 impl PagePool {
@@ -26,15 +71,24 @@ impl PagePool {
 
     /// A pool where the pages in `used` are already taken (recovery).
     pub fn with_used(page_size: usize, total: u32, used: &[u32]) -> Arc<Self> {
-        let mut taken = vec![false; total as usize];
+        let n = total as usize;
+        let mut words = vec![!0u64; n.div_ceil(64)];
+        if !n.is_multiple_of(64)
+            && let Some(last) = words.last_mut()
+        {
+            *last = (1u64 << (n % 64)) - 1;
+        }
+        let mut free = n;
         for &p in used {
-            if let Some(t) = taken.get_mut(p as usize) {
-                *t = true;
+            if let Some(w) = words.get_mut(p as usize / 64) {
+                let bit = 1u64 << (p % 64);
+                if *w & bit != 0 {
+                    *w &= !bit;
+                    free -= 1;
+                }
             }
         }
-        // Reverse order: pop() yields ascending page numbers.
-        let free = (0..total).rev().filter(|&p| !taken[p as usize]).collect();
-        Arc::new(Self { page_size, total, free: Mutex::new(free) })
+        Arc::new(Self { page_size, total, free: Mutex::new(FreeMap { words, free, cursor: 0 }) })
     }
 
     pub fn page_size(&self) -> usize {
@@ -46,7 +100,7 @@ impl PagePool {
     }
 
     pub fn free_pages(&self) -> usize {
-        self.free.lock().len()
+        self.free.lock().free
     }
 
     pub fn used_pages(&self) -> usize {
@@ -61,12 +115,11 @@ impl PagePool {
     /// Takes `n` pages, or none if fewer than `n` are free.
     pub fn alloc(self: &Arc<Self>, n: usize) -> Option<Pages> {
         let mut free = self.free.lock();
-        if free.len() < n {
+        if free.free < n {
             return None;
         }
-        let at = free.len() - n;
-        let mut ids: Vec<u32> = free.split_off(at);
-        ids.reverse();
+        let ids = free.take(n, self.total as usize);
+        debug_assert_eq!(ids.len(), n, "free count and bitmap disagree");
         Some(Pages { pool: Arc::clone(self), ids })
     }
 
@@ -77,7 +130,15 @@ impl PagePool {
 
     fn give_back(&self, ids: &[u32]) {
         let mut free = self.free.lock();
-        free.extend(ids.iter().rev());
+        for &p in ids {
+            if let Some(w) = free.words.get_mut(p as usize / 64) {
+                let bit = 1u64 << (p % 64);
+                if *w & bit == 0 {
+                    *w |= bit;
+                    free.free += 1;
+                }
+            }
+        }
     }
 }
 
@@ -134,10 +195,35 @@ mod tests {
         let b = pool.alloc(2).expect("2 free");
         assert_eq!(b.ids(), &[3, 4]);
         drop(a);
+        // Next-fit: the cursor moves on past the freed pages, then wraps to them.
         let c = pool.alloc(3).expect("3 free again");
-        assert_eq!(c.runs(), vec![(0, 3)]);
+        assert_eq!(c.runs(), vec![(5, 3)]);
         assert!(pool.alloc(4).is_none());
         assert_eq!(pool.free_pages(), 3);
+        let d = pool.alloc(3).expect("wraps to the freed run");
+        assert_eq!(d.runs(), vec![(0, 3)]);
+        assert_eq!(pool.free_pages(), 0);
+        drop((b, c, d));
+        assert_eq!(pool.free_pages(), 8);
+    }
+
+    #[test]
+    fn scan_wraps_within_the_cursor_word_and_across_many_words() {
+        let pool = PagePool::new(4096, 200);
+        let all = pool.alloc(200).expect("all free");
+        assert_eq!(all.runs(), vec![(0, 200)]);
+        assert!(pool.alloc(1).is_none());
+        drop(all);
+        // Cursor is 0 again after a full wrap; free a few scattered pages around it.
+        let a = pool.alloc(70).expect("70");
+        let b = pool.alloc(100).expect("100");
+        assert_eq!(b.runs(), vec![(70, 100)]);
+        drop(a);
+        let c = pool.alloc(40).expect("30 at the tail then 10 from the start");
+        assert_eq!(c.runs(), vec![(170, 30), (0, 10)]);
+        let d = pool.alloc(60).expect("the rest");
+        assert_eq!(d.runs(), vec![(10, 60)]);
+        assert!(pool.alloc(1).is_none());
     }
 
     #[test]

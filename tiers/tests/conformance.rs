@@ -25,6 +25,13 @@ fn g3_psync(capacity: u64) -> (Arc<dyn Tier>, tempfile::TempDir) {
     let d = tempfile::tempdir().unwrap();
     (as_tier(disk(d.path(), capacity, IoBackend::Psync)), d)
 }
+fn g3_inline(capacity: u64) -> (Arc<dyn Tier>, tempfile::TempDir) {
+    let d = tempfile::tempdir().unwrap();
+    let mut cfg = disk_cfg(d.path(), capacity);
+    cfg.io_threads = 0; // I/O on the calling thread
+    let t = kvtiers::DiskTier::open_with_engine(&cfg, kvtiers::disk::io::engine_factory(IoBackend::Auto, 32)).unwrap();
+    (as_tier(Arc::new(t)), d)
+}
 
 fn put(t: &dyn Tier, chain: u32, i: u32, len: usize) -> Result<bool, TierError> {
     let k = key(chain, i);
@@ -259,3 +266,4 @@ macro_rules! suite {
 suite!(g2_host, g2);
 suite!(g3_disk_uring, g3_uring);
 suite!(g3_disk_psync, g3_psync);
+suite!(g3_disk_inline, g3_inline);

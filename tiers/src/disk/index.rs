@@ -185,10 +185,17 @@ impl DiskIndex {
 
     /// Records a new recency tick without the write-ahead log: losing it costs only LRU
     /// precision after a crash.
-    pub fn touch(&self, key: &BlockKey, entry: &IndexEntry) -> Result<()> {
+    pub fn touch(&self, entries: &[(BlockKey, IndexEntry)]) -> Result<()> {
+        if entries.is_empty() {
+            return Ok(());
+        }
+        let mut b = WriteBatch::default();
+        for (k, e) in entries {
+            b.put(k.0, encode(e));
+        }
         let mut wo = WriteOptions::default();
         wo.disable_wal(true);
-        self.db.put_opt(key.0, encode(entry), &wo).map_err(index_err)
+        self.db.write_opt(b, &wo).map_err(index_err)
     }
 
     /// Flushes memtables and the WAL.

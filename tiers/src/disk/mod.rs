@@ -101,7 +101,13 @@ pub struct DiskTier {
     high_pages: usize,
     low_pages: usize,
     logged_corruption: AtomicBool,
+    /// Recency ticks not yet in the index, written in one batch per `TOUCH_BATCH` reads (and at
+    /// flush): a RocksDB write per read would cost more than the checksum.
+    touched: Mutex<Vec<(BlockKey, Arc<DiskSlot>, IndexEntry)>>,
 }
+
+/// Reads whose recency ticks are written to the index together.
+const TOUCH_BATCH: usize = 256;
 
 fn open_data_file(cfg: &DiskTierConfig, len: u64) -> Result<File> {
     let path = cfg.dir.join("blocks.dat");
@@ -217,6 +223,7 @@ impl DiskTier {
             cfg: cfg.clone(),
             next_tick: AtomicU64::new(max_tick + 1),
             logged_corruption: AtomicBool::new(false),
+            touched: Mutex::new(Vec::new()),
         })
     }
 
@@ -303,6 +310,21 @@ impl DiskTier {
             }
             off += run_bytes;
         }
+    }
+
+    /// Writes recency ticks of blocks that are still resident. Runs under the state lock, like
+    /// eviction's index deletes, so that a tick never resurrects an entry evicted meanwhile.
+    fn write_touches(&self, batch: Vec<(BlockKey, Arc<DiskSlot>, IndexEntry)>) {
+        let mut st = self.state.lock();
+        let live: Vec<(BlockKey, IndexEntry)> = batch
+            .into_iter()
+            .filter(|(k, slot, _)| st.get(k, false).is_some_and(|(s, _)| Arc::ptr_eq(&s, slot)))
+            .map(|(k, _, e)| (k, e))
+            .collect();
+        if let Err(e) = self.index.touch(&live) {
+            tracing::debug!("G3 recency update failed: {e}");
+        }
+        drop(st);
     }
 
     fn corrupt(&self, key: &BlockKey, slot: &Arc<DiskSlot>, why: &str) {
@@ -460,8 +482,13 @@ impl Tier for DiskTier {
         let tick = self.tick();
         slot.tick.store(tick, Ordering::Relaxed);
         let entry = IndexEntry { meta, checksum: slot.checksum, tick, runs: slot.pages.runs() };
-        if let Err(e) = self.index.touch(key, &entry) {
-            tracing::debug!("G3 recency update failed: {e}");
+        let batch = {
+            let mut t = self.touched.lock();
+            t.push((*key, Arc::clone(&slot), entry));
+            (t.len() >= TOUCH_BATCH).then(|| std::mem::take(&mut *t))
+        };
+        if let Some(batch) = batch {
+            self.write_touches(batch);
         }
         self.counters.hits.add(1);
         self.counters.bytes_read.add(meta.len);
@@ -508,6 +535,8 @@ impl Tier for DiskTier {
     }
 
     fn flush(&self) -> Result<()> {
+        let touched = std::mem::take(&mut *self.touched.lock());
+        self.write_touches(touched);
         // SAFETY: plain syscall on our fd.
         if unsafe { libc::fdatasync(self.fd()) } != 0 {
             return Err(TierError::io(TIER, "fdatasync", std::io::Error::last_os_error()));
