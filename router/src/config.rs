@@ -123,6 +123,83 @@ impl Default for HealthConfig {
     }
 }
 
+/// When the router splits a request into a prefill worker and a decode worker (docs/router.md,
+/// "Prefill/decode split"): only when the handoff costs less than the prefill it saves.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SplitConfig {
+    /// Consider splits at all (a request can still opt out with `"split": false`).
+    pub enabled: bool,
+    /// Roles of workers that can take the prefill half of a split.
+    pub prefill_roles: Vec<String>,
+    /// Prefill time of one token on a decode worker (ms); a block costs `tokens_per_block` times this.
+    pub prefill_ms_per_token: f64,
+    /// Prefill time of one block (ms); overrides `prefill_ms_per_token` when set.
+    pub prefill_ms_per_block: Option<f64>,
+    /// KV throughput of a same-node handoff through the node's G2 (GB/s).
+    pub same_node_gbytes_per_s: f64,
+    /// Fixed cost of a same-node handoff (ms).
+    pub same_node_latency_ms: f64,
+    /// KV throughput between nodes (GB/s): the decode node's daemon pulls from the prefill node's.
+    pub cross_node_gbytes_per_s: f64,
+    /// Fixed cost of a cross-node handoff (ms).
+    pub cross_node_latency_ms: f64,
+    /// Split only when the saving exceeds the handoff by more than this (ms).
+    pub min_gain_ms: f64,
+    /// KV bytes of one block for requests whose namespace layout is unknown (given by
+    /// `namespace_id` only); none: such requests are never split.
+    pub default_block_bytes: Option<u64>,
+}
+
+impl Default for SplitConfig {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            prefill_roles: vec!["prefill".into(), "both".into()],
+            prefill_ms_per_token: 0.05,
+            prefill_ms_per_block: None,
+            same_node_gbytes_per_s: 20.0,
+            same_node_latency_ms: 0.2,
+            cross_node_gbytes_per_s: 5.0,
+            cross_node_latency_ms: 1.0,
+            min_gain_ms: 0.0,
+            default_block_bytes: None,
+        }
+    }
+}
+
+impl SplitConfig {
+    fn validate(&self) -> Result<(), RouterError> {
+        let finite =
+            [self.prefill_ms_per_token, self.same_node_latency_ms, self.cross_node_latency_ms, self.min_gain_ms];
+        let positive = [self.same_node_gbytes_per_s, self.cross_node_gbytes_per_s];
+        if finite.iter().any(|w| !w.is_finite() || *w < 0.0)
+            || positive.iter().any(|w| !w.is_finite() || *w <= 0.0)
+            || self.prefill_ms_per_block.is_some_and(|b| !b.is_finite() || b < 0.0)
+        {
+            return Err(RouterError::Config("split: times must be finite and >= 0, throughputs finite and > 0".into()));
+        }
+        Ok(())
+    }
+}
+
+/// The Mooncake RFC #1403 indexer API (`/register`, `/query`; docs/router.md section 7).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct IndexerConfig {
+    /// Serve the indexer API (`/register` makes the router subscribe to any endpoint it is
+    /// given: turn it off where the HTTP port is reachable by untrusted clients).
+    pub enabled: bool,
+    /// Most publishers registered at once through `POST /register`.
+    pub max_registrations: usize,
+}
+
+impl Default for IndexerConfig {
+    fn default() -> Self {
+        Self { enabled: true, max_registrations: 1024 }
+    }
+}
+
 /// A namespace by value: the fields of [`kvproto::Namespace`] plus the key scheme. Used in the
 /// config (`[[namespaces]]`, with a `name`) and inline in `POST /route`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -280,6 +357,8 @@ pub struct RouterConfig {
     pub mode: RoutingMode,
     pub weights: CostWeights,
     pub health: HealthConfig,
+    pub split: SplitConfig,
+    pub indexer: IndexerConfig,
     /// Approximate mode: how long a routing decision is remembered (s).
     pub approx_ttl_s: f64,
     /// Approximate mode: most (block, worker) decisions remembered; the oldest go first.
@@ -304,6 +383,8 @@ impl Default for RouterConfig {
             mode: RoutingMode::Events,
             weights: CostWeights::default(),
             health: HealthConfig::default(),
+            split: SplitConfig::default(),
+            indexer: IndexerConfig::default(),
             approx_ttl_s: 120.0,
             approx_max_blocks: 1 << 20,
             max_pending_predictions: 100_000,
@@ -328,6 +409,7 @@ impl RouterConfig {
     /// Checks weights, thresholds and namespaces.
     pub fn validate(&self) -> Result<(), RouterError> {
         self.weights.validate()?;
+        self.split.validate()?;
         if !(self.approx_ttl_s.is_finite() && self.approx_ttl_s > 0.0) {
             return Err(RouterError::Config("approx_ttl_s must be > 0".into()));
         }

@@ -1,4 +1,7 @@
-//! The HTTP API and [`serve`]: `POST /route`, `POST /events`, `GET /healthz`, `GET /metrics`.
+//! The HTTP API and [`serve`]: `POST /route`, `POST /events`, `GET /healthz`, `GET /metrics`,
+//! the Mooncake RFC #1403 indexer API ([`crate::indexer_api`]), and on the same listener the gRPC
+//! `kvrouter.v1.Router/Route` ([`crate::grpc`]; the server speaks HTTP/1.1 and HTTP/2 with prior
+//! knowledge, and gRPC requests are told apart by their `/kvrouter.v1.Router/...` path).
 //!
 //! Errors are JSON `{"error": "..."}` with 400 (bad request) or 503 (no worker). `/healthz`
 //! answers 200 with `status` `ok` or `degraded` and the reasons; `/healthz?strict=true` answers
@@ -19,6 +22,8 @@ use tokio::net::TcpListener;
 
 use crate::RouterError;
 use crate::config::RouterConfig;
+use crate::grpc::RouterService;
+use crate::indexer_api::{self, IndexerApi};
 use crate::router::{RouteRequest, Router};
 
 /// How often housekeeping runs (stale / dead holders, expiring conditions, recovery retries).
@@ -68,16 +73,31 @@ async fn metrics(State(r): State<Arc<Router>>) -> Response {
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], r.metrics_text()).into_response()
 }
 
-/// The HTTP routes of a router.
+async fn not_found() -> Response {
+    (StatusCode::NOT_FOUND, Json(serde_json::json!({ "error": "no such endpoint" }))).into_response()
+}
+
+/// The routes of a router (HTTP, indexer API and gRPC) with a fresh indexer registry; [`serve`]
+/// uses [`app_with`] to stop the registry's subscriptions at shutdown.
 pub fn app(router: Arc<Router>) -> AxumRouter {
+    app_with(router.clone(), IndexerApi::new(router))
+}
+
+/// The routes of a router with the given indexer registry.
+pub fn app_with(router: Arc<Router>, indexer: Arc<IndexerApi>) -> AxumRouter {
     let limit = router.config().max_body_bytes;
+    let grpc = tonic::service::Routes::new(RouterService::server(router.clone())).into_axum_router();
+    let indexer = if router.config().indexer.enabled { indexer_api::routes(indexer) } else { AxumRouter::new() };
     AxumRouter::new()
         .route("/route", post(route))
         .route("/events", post(events))
         .route("/healthz", get(healthz))
         .route("/metrics", get(metrics))
-        .layer(DefaultBodyLimit::max(limit))
         .with_state(router)
+        .merge(indexer)
+        .layer(DefaultBodyLimit::max(limit))
+        .merge(grpc)
+        .fallback(not_found)
 }
 
 /// Runs a router on `listener` until `shutdown` resolves: the HTTP API, housekeeping, and one
@@ -118,13 +138,15 @@ pub async fn serve_router(
         let stop = stop_rx.clone();
         background.spawn(async move { crate::zmq::run_source(r, i, src, stop).await });
     }
-    tracing::info!(addr = ?listener.local_addr().ok(), "kvrouter listening");
-    let result = axum::serve(listener, app(router))
+    tracing::info!(addr = ?listener.local_addr().ok(), "kvrouter listening (HTTP and gRPC)");
+    let indexer = IndexerApi::new(router.clone());
+    let result = axum::serve(listener, app_with(router, indexer.clone()))
         .with_graceful_shutdown(async move {
             shutdown.await;
         })
         .await;
     let _ = stop_tx.send(true);
+    indexer.shutdown().await;
     while background.join_next().await.is_some() {}
     result.map_err(RouterError::Io)
 }

@@ -15,7 +15,10 @@
 //! - [`publish`]: [`publish::HttpPublisher`], the shipping side a daemon embeds (bounded,
 //!   never blocks; routers replay what it could not send).
 //! - [`health`]: degrading conditions, log-once transitions, Prometheus text.
-//! - [`http`]: the HTTP API and [`serve`].
+//! - [`http`]: the HTTP API and [`serve`] (HTTP and gRPC on one listener).
+//! - [`grpc`]: the gRPC `kvrouter.v1.Router/Route` (`router/proto/kvrouter.proto`).
+//! - [`split`]: the prefill/decode split decision (only when the handoff pays).
+//! - [`indexer_api`]: the Mooncake RFC #1403 indexer API (`/register`, `/query`, ...).
 //! - [`vllm`]: vLLM's KV-event wire format (msgpack, tuple and map encodings), both directions.
 //! - [`zmq`]: ZMQ SUB ingest of vLLM engines, ZMQ PUB export of our events.
 //! - [`sim`]: the simulation harness (LRU workers publishing real events to a real router).
@@ -27,13 +30,16 @@ pub mod approx;
 pub mod config;
 pub mod cost;
 pub mod error;
+pub mod grpc;
 pub mod health;
 pub mod http;
 pub mod index;
+pub mod indexer_api;
 pub mod publish;
 pub mod recovery;
 pub mod router;
 pub mod sim;
+pub mod split;
 pub mod state;
 pub mod vllm;
 pub mod zmq;
@@ -44,3 +50,4 @@ pub use http::{app, serve, serve_router};
 pub use kvproto;
 pub use kvproto::events::{Replay, Snapshot};
 pub use router::{HealthReport, RouteRequest, RouteResponse, Router};
+pub use split::SplitDecision;

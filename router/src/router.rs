@@ -16,7 +16,8 @@ use crate::config::{NamespaceSpec, ResolvedNamespace, RouterConfig, RoutingMode}
 use crate::cost::{self, CandidateIn, CostBreakdown, TierMatch};
 use crate::health::{ConditionKind, PromText, bump};
 use crate::recovery::{HttpRecovery, RecoverySource};
-use crate::state::{GapState, Prediction, PublisherKind, RecoveryTask, State};
+use crate::split::{self, PrefillCandidate, SplitDecision, SplitInput};
+use crate::state::{GapState, Prediction, PublisherKind, RecoveryTask, State, WorkerState};
 use crate::{Replay, RouterError};
 
 /// The instant approximate-mode timestamps count from.
@@ -55,6 +56,12 @@ pub struct RouteRequest {
     /// Include every candidate's breakdown in the answer.
     #[serde(default)]
     pub explain: bool,
+    /// `false`: never split this request into prefill + decode; absent: `[split]` decides.
+    #[serde(default)]
+    pub split: Option<bool>,
+    /// Only these workers may take the prefill half of a split.
+    #[serde(default)]
+    pub prefill_candidates: Option<Vec<String>>,
 }
 
 /// One candidate's evaluation.
@@ -85,6 +92,9 @@ pub struct RouteResponse {
     /// Every candidate, when `explain` was set.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub candidates: Vec<CandidateReport>,
+    /// The prefill/decode split decision, when prefill workers exist (or the request asked).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub split: Option<SplitDecision>,
 }
 
 /// `GET /healthz` body.
@@ -132,6 +142,8 @@ struct Resolved {
     model: Option<String>,
     tokens_per_block: Option<u32>,
     scheme: Option<&'static str>,
+    /// KV bytes of one block, when the layout is known.
+    block_bytes: Option<u64>,
 }
 
 impl Router {
@@ -181,6 +193,7 @@ impl Router {
                 model: named.map(|n| n.namespace.model_id.clone()),
                 tokens_per_block: named.map(|n| n.tokens_per_block()),
                 scheme: named.map(|n| n.scheme.name()),
+                block_bytes: named.map(|n| n.namespace.layout.block_bytes()),
             });
         }
         let ns = match &req.namespace {
@@ -197,6 +210,7 @@ impl Router {
             model: Some(ns.namespace.model_id.clone()),
             tokens_per_block: Some(ns.tokens_per_block()),
             scheme: Some(ns.scheme.name()),
+            block_bytes: Some(ns.namespace.layout.block_bytes()),
         })
     }
 
@@ -266,57 +280,14 @@ impl Router {
         if mode == RoutingMode::Approximate {
             st.approx.expire(now_ms);
         }
-        let mut workers = Vec::new();
-        let mut cands = Vec::new();
-        for w in st.workers.values() {
-            if req.candidates.as_ref().is_some_and(|c| !c.contains(&w.id.0)) {
-                continue;
-            }
-            if req.role.as_ref().is_some_and(|role| w.role.as_ref() != Some(role)) {
-                continue;
-            }
-            let same_model = r.model.as_ref().is_some_and(|m| {
-                st.publishers.get(&w.publisher).is_some_and(|p| p.namespaces().iter().any(|n| &n.model_id == m))
-            });
-            if !st.serves(w, r.id) && !same_model {
-                continue;
-            }
-            let (util, reported) =
-                w.load.as_ref().map_or((0.0, 0.0), |l| (l.kv_utilisation(), f64::from(l.running + l.waiting)));
-            let fill = match w.load.as_ref().map(|l| l.kv_total_blocks) {
-                Some(total) if total > 0 => st.index.holder_facts(w.holder) as f64 / total as f64,
-                _ => 0.0,
-            };
-            cands.push(CandidateIn {
-                worker_holder: w.holder,
-                node_holder: w.node_holder,
-                kv_utilisation: util,
-                active: reported + f64::from(w.routed_since_report),
-                fill,
-            });
-            workers.push(w.id.clone());
-        }
+        let (workers, cands) = collect_candidates(st, &r, |w| {
+            req.candidates.as_ref().is_none_or(|c| c.contains(&w.id.0))
+                && req.role.as_ref().is_none_or(|role| w.role.as_ref() == Some(role))
+        });
         if cands.is_empty() {
             return Err(RouterError::NoWorker(format!("no live worker serves namespace {}", r.id)));
         }
-        let mut scratch = std::mem::take(&mut st.scratch);
-        let matches: Vec<TierMatch> = match mode {
-            RoutingMode::Events => {
-                let index = &st.index;
-                cost::match_candidates(&cands, &mut scratch, |visit| {
-                    index.walk(r.id, &r.keys, |_, slots| visit(&mut slots.iter()));
-                })
-            }
-            RoutingMode::Approximate => {
-                let approx = &st.approx;
-                cost::match_candidates(&cands, &mut scratch, |visit| {
-                    approx.walk(r.id, &r.keys, |_, v| {
-                        visit(&mut v.iter().map(|(h, _)| crate::index::Slot::new(*h, TierKind::G1Gpu)))
-                    });
-                })
-            }
-        };
-        st.scratch = scratch;
+        let matches = match_all(st, mode, &r, &cands);
         let costs = cost::costs(&self.config.weights, r.keys.len(), &cands, &matches);
         let pick = cost::choose(&costs, self.config.weights.temperature, r.keys.len(), &mut st.rng)
             .ok_or_else(|| RouterError::NoWorker("no finite cost".into()))?;
@@ -324,6 +295,13 @@ impl Router {
         st.next_route_id += 1;
         let chosen = workers[pick].clone();
         let m = matches[pick];
+        let split = self.split_decision(st, req, &r, &chosen, m);
+        // A split sends the prefill to another worker: count it there too, so a burst spreads.
+        if let Some(p) = split.as_ref().filter(|s| s.split).and_then(|s| s.prefill_worker.as_ref())
+            && let Some(w) = st.workers.get_mut(&kvproto::events::WorkerId(p.clone()))
+        {
+            w.routed_since_report += 1;
+        }
         if mode == RoutingMode::Approximate {
             st.approx.record(r.id, &r.keys, cands[pick].worker_holder, now_ms);
         }
@@ -357,7 +335,58 @@ impl Router {
             cost: costs[pick],
             mode,
             candidates,
+            split,
         })
+    }
+
+    /// The prefill/decode split decision for a request routed to `decode` (see [`crate::split`]);
+    /// `None` when splits are off, the request opted out, or no prefill worker exists and the
+    /// request did not ask.
+    fn split_decision(
+        &self,
+        st: &mut State,
+        req: &RouteRequest,
+        r: &Resolved,
+        decode: &kvproto::events::WorkerId,
+        m: TierMatch,
+    ) -> Option<SplitDecision> {
+        let cfg = &self.config.split;
+        if !cfg.enabled || req.split == Some(false) {
+            return None;
+        }
+        let decode_node = st.workers.get(decode)?.node.0.clone();
+        let (ids, cands) = collect_candidates(st, r, |w| {
+            &w.id != decode
+                && w.role.as_ref().is_some_and(|role| cfg.prefill_roles.contains(role))
+                && req.prefill_candidates.as_ref().is_none_or(|c| c.contains(&w.id.0))
+        });
+        if cands.is_empty() && req.split != Some(true) {
+            return None;
+        }
+        let matches = match_all(st, self.config.mode, r, &cands);
+        let costs = cost::costs(&self.config.weights, r.keys.len(), &cands, &matches);
+        let prefill: Vec<PrefillCandidate> = ids
+            .iter()
+            .zip(matches.iter().zip(&costs))
+            .filter_map(|(id, (m, c))| {
+                let w = st.workers.get(id)?;
+                Some(PrefillCandidate {
+                    worker: id.0.clone(),
+                    address: w.address.clone(),
+                    node: w.node.0.clone(),
+                    cached: *m,
+                    cost: *c,
+                })
+            })
+            .collect();
+        let input = SplitInput {
+            blocks: r.keys.len(),
+            decode_prefix: m.prefix(),
+            decode_node: &decode_node,
+            tokens_per_block: r.tokens_per_block,
+            block_bytes: r.block_bytes.or(cfg.default_block_bytes),
+        };
+        Some(split::decide(cfg, &input, &prefill))
     }
 
     /// Attaches an in-process recovery source for `publisher` (tests, embedded publishers). It
@@ -704,4 +733,66 @@ impl Router {
         );
         p.finish()
     }
+}
+
+/// The workers that may take a request in namespace `r` (declared it, or serve its model under
+/// another namespace: the mismatch is flagged, the request still routed) and pass `keep`, with
+/// their cost-model inputs.
+fn collect_candidates(
+    st: &State,
+    r: &Resolved,
+    keep: impl Fn(&WorkerState) -> bool,
+) -> (Vec<kvproto::events::WorkerId>, Vec<CandidateIn>) {
+    let mut workers = Vec::new();
+    let mut cands = Vec::new();
+    for w in st.workers.values() {
+        if !keep(w) {
+            continue;
+        }
+        let same_model = r.model.as_ref().is_some_and(|m| {
+            st.publishers.get(&w.publisher).is_some_and(|p| p.namespaces().iter().any(|n| &n.model_id == m))
+        });
+        if !st.serves(w, r.id) && !same_model {
+            continue;
+        }
+        let (util, reported) =
+            w.load.as_ref().map_or((0.0, 0.0), |l| (l.kv_utilisation(), f64::from(l.running + l.waiting)));
+        let fill = match w.load.as_ref().map(|l| l.kv_total_blocks) {
+            Some(total) if total > 0 => st.index.holder_facts(w.holder) as f64 / total as f64,
+            _ => 0.0,
+        };
+        cands.push(CandidateIn {
+            worker_holder: w.holder,
+            node_holder: w.node_holder,
+            kv_utilisation: util,
+            active: reported + f64::from(w.routed_since_report),
+            fill,
+        });
+        workers.push(w.id.clone());
+    }
+    (workers, cands)
+}
+
+/// Blocks of the prompt each candidate can get, per tier (from the index, or in approximate mode
+/// from the router's remembered decisions).
+fn match_all(st: &mut State, mode: RoutingMode, r: &Resolved, cands: &[CandidateIn]) -> Vec<TierMatch> {
+    let mut scratch = std::mem::take(&mut st.scratch);
+    let matches = match mode {
+        RoutingMode::Events => {
+            let index = &st.index;
+            cost::match_candidates(cands, &mut scratch, |visit| {
+                index.walk(r.id, &r.keys, |_, slots| visit(&mut slots.iter()));
+            })
+        }
+        RoutingMode::Approximate => {
+            let approx = &st.approx;
+            cost::match_candidates(cands, &mut scratch, |visit| {
+                approx.walk(r.id, &r.keys, |_, v| {
+                    visit(&mut v.iter().map(|(h, _)| crate::index::Slot::new(*h, TierKind::G1Gpu)))
+                });
+            })
+        }
+    };
+    st.scratch = scratch;
+    matches
 }

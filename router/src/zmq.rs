@@ -245,16 +245,22 @@ pub fn split_message(m: &ZmqMessage) -> Result<(Bytes, u64, Bytes), RouterError>
 }
 
 /// Subscribes to one vLLM engine until `stop` flips; reconnects after errors.
-pub async fn run_source(
-    router: Arc<Router>,
-    _index: usize,
-    src: VllmSource,
-    mut stop: tokio::sync::watch::Receiver<bool>,
-) {
+pub async fn run_source(router: Arc<Router>, _index: usize, src: VllmSource, stop: tokio::sync::watch::Receiver<bool>) {
     let Some(ns) = router.namespace(&src.namespace).cloned() else {
         tracing::error!(endpoint = %src.endpoint, "vLLM source names an unknown namespace");
         return;
     };
+    run_source_in(router, src, ns, stop).await;
+}
+
+/// [`run_source`] with the namespace given (sources registered through the indexer API, whose
+/// namespaces are not in the config).
+pub async fn run_source_in(
+    router: Arc<Router>,
+    src: VllmSource,
+    ns: ResolvedNamespace,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
     let mut ingest = VllmIngest::new(ns, WorkerId(src.worker.clone()), NodeId(src.node.clone()));
     let mut last_seq = None;
     loop {
