@@ -33,6 +33,43 @@ impl BlockingClient {
         self.rt.block_on(self.client.register(engine_name, ns, memory))
     }
 
+    /// See [`Client::register_worker`].
+    pub fn register_worker(
+        &self,
+        engine_name: &str,
+        ns: &Namespace,
+        memory: &KvMemory,
+        address: &str,
+        role: &str,
+    ) -> Result<pb::RegisterResponse, ClientError> {
+        self.rt.block_on(self.client.register_worker(engine_name, ns, memory, address, role))
+    }
+
+    /// See [`Client::lookup_routed`].
+    pub fn lookup_routed(
+        &self,
+        tokens: &[u32],
+        route_id: u64,
+        g1_blocks: u32,
+    ) -> Result<pb::LookupResponse, ClientError> {
+        self.rt.block_on(self.client.lookup_routed(tokens, route_id, g1_blocks))
+    }
+
+    /// See [`Client::gpu_stored`].
+    pub fn gpu_stored(&self, tokens: &[u32], first_block: u32) -> Result<Vec<kvproto::BlockKey>, ClientError> {
+        self.rt.block_on(self.client.gpu_stored(tokens, first_block))
+    }
+
+    /// See [`Client::gpu_removed_keys`].
+    pub fn gpu_removed_keys(&self, keys: &[kvproto::BlockKey]) -> Result<(), ClientError> {
+        self.rt.block_on(self.client.gpu_removed_keys(keys))
+    }
+
+    /// See [`Client::report_load`].
+    pub fn report_load(&self, running: u32, waiting: u32, used: u64, total: u64) -> Result<(), ClientError> {
+        self.rt.block_on(self.client.report_load(running, waiting, used, total))
+    }
+
     pub fn save(&self, tokens: &[u32], first_block: u32, slots: &[u32]) -> Result<pb::SaveResponse, ClientError> {
         self.rt.block_on(self.client.save(tokens, first_block, slots))
     }

@@ -148,7 +148,23 @@ impl Client {
         ns: &Namespace,
         memory: &KvMemory,
     ) -> Result<pb::RegisterResponse, ClientError> {
-        let request = memory.to_request(engine_name, ns);
+        self.register_worker(engine_name, ns, memory, "", "").await
+    }
+
+    /// [`Client::register`] for an engine a cluster router places requests on: `address` is
+    /// where the router sends them, `role` its role (`prefill`, `decode`, `both`); the daemon
+    /// publishes both with this worker's hit reports.
+    pub async fn register_worker(
+        &self,
+        engine_name: &str,
+        ns: &Namespace,
+        memory: &KvMemory,
+        address: &str,
+        role: &str,
+    ) -> Result<pb::RegisterResponse, ClientError> {
+        let mut request = memory.to_request(engine_name, ns);
+        request.worker_address = address.to_string();
+        request.role = role.to_string();
         let resp = self.rpc().register(request.clone()).await?.into_inner();
         let heartbeat = Duration::from_millis(u64::from(resp.heartbeat_ms.max(100)));
         *self.inner.reg.lock() = Some(Registration { request, engine_id: resp.engine_id });
@@ -192,10 +208,88 @@ impl Client {
     /// How many leading blocks of `tokens` are cached, and in which tier.
     pub async fn lookup(&self, tokens: &[u32]) -> Result<pb::LookupResponse, ClientError> {
         self.with_retry(|mut rpc, engine_id| {
-            let req = pb::LookupRequest { engine_id, tokens: tokens.to_vec() };
+            let req = pb::LookupRequest { engine_id, tokens: tokens.to_vec(), route_id: None, g1_blocks: 0 };
             async move { rpc.lookup(req).await }
         })
         .await
+    }
+
+    /// [`Client::lookup`] for a request a router placed (`route_id` from its answer), with the
+    /// leading blocks the engine already holds on its GPU: the daemon reports what was found so
+    /// the router can check its prediction.
+    pub async fn lookup_routed(
+        &self,
+        tokens: &[u32],
+        route_id: u64,
+        g1_blocks: u32,
+    ) -> Result<pb::LookupResponse, ClientError> {
+        self.with_retry(|mut rpc, engine_id| {
+            let req = pb::LookupRequest { engine_id, tokens: tokens.to_vec(), route_id: Some(route_id), g1_blocks };
+            async move { rpc.lookup(req).await }
+        })
+        .await
+    }
+
+    /// Reports that blocks `[first_block, ..)` of `tokens` are now in the engine's GPU memory
+    /// (published to routers as G1 blocks of this worker). Returns their keys.
+    pub async fn gpu_stored(&self, tokens: &[u32], first_block: u32) -> Result<Vec<kvproto::BlockKey>, ClientError> {
+        self.gpu_report(pb::gpu_blocks_request::Change::Stored, tokens, first_block, Vec::new()).await
+    }
+
+    /// Reports that blocks `[first_block, ..)` of `tokens` left the engine's GPU memory.
+    pub async fn gpu_removed(&self, tokens: &[u32], first_block: u32) -> Result<Vec<kvproto::BlockKey>, ClientError> {
+        self.gpu_report(pb::gpu_blocks_request::Change::Removed, tokens, first_block, Vec::new()).await
+    }
+
+    /// Reports that the blocks with these keys (as returned by [`Client::gpu_stored`]) left the
+    /// engine's GPU memory.
+    pub async fn gpu_removed_keys(&self, keys: &[kvproto::BlockKey]) -> Result<(), ClientError> {
+        let keys = keys.iter().map(|k| k.0.to_vec()).collect();
+        self.gpu_report(pb::gpu_blocks_request::Change::Removed, &[], 0, keys).await.map(|_| ())
+    }
+
+    /// Reports that the engine's GPU memory holds no cached block any more.
+    pub async fn gpu_cleared(&self) -> Result<(), ClientError> {
+        self.gpu_report(pb::gpu_blocks_request::Change::Cleared, &[], 0, Vec::new()).await.map(|_| ())
+    }
+
+    async fn gpu_report(
+        &self,
+        change: pb::gpu_blocks_request::Change,
+        tokens: &[u32],
+        first_block: u32,
+        keys: Vec<Vec<u8>>,
+    ) -> Result<Vec<kvproto::BlockKey>, ClientError> {
+        let resp = self
+            .with_retry(|mut rpc, engine_id| {
+                let req = pb::GpuBlocksRequest {
+                    engine_id,
+                    change: change as i32,
+                    tokens: tokens.to_vec(),
+                    first_block,
+                    keys: keys.clone(),
+                };
+                async move { rpc.report_gpu_blocks(req).await }
+            })
+            .await?;
+        Ok(resp.keys.iter().filter_map(|k| <[u8; 16]>::try_from(k.as_slice()).ok()).map(kvproto::BlockKey).collect())
+    }
+
+    /// Reports the engine's load (requests running and waiting, GPU KV blocks used of total);
+    /// the daemon forwards the latest one with its next load report to routers.
+    pub async fn report_load(
+        &self,
+        running: u32,
+        waiting: u32,
+        kv_used_blocks: u64,
+        kv_total_blocks: u64,
+    ) -> Result<(), ClientError> {
+        self.with_retry(|mut rpc, engine_id| {
+            let req = pb::EngineLoadRequest { engine_id, running, waiting, kv_used_blocks, kv_total_blocks };
+            async move { rpc.report_load(req).await }
+        })
+        .await
+        .map(|_: pb::Empty| ())
     }
 
     /// Starts loading blocks `[first_block, first_block + slots.len())` of `tokens` into engine

@@ -117,6 +117,8 @@ impl KvMemory {
                 .collect(),
             segment_bytes: self.segment_bytes,
             num_blocks: self.num_blocks,
+            worker_address: String::new(),
+            role: String::new(),
         }
     }
 }

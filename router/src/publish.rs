@@ -42,6 +42,7 @@ enum Item {
 #[derive(Debug)]
 pub struct HttpPublisher {
     log: Arc<MemoryPublisher>,
+    info: Arc<parking_lot::Mutex<PublisherInfo>>,
     tx: mpsc::Sender<Item>,
     dropped: Arc<AtomicU64>,
     failed_posts: Arc<AtomicU64>,
@@ -73,6 +74,8 @@ impl HttpPublisher {
         let epoch = log.epoch();
         let failed = failed_posts.clone();
         let log_for_task = log.clone();
+        let info = Arc::new(parking_lot::Mutex::new(cfg.info.clone()));
+        let info_for_task = Arc::clone(&info);
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(interval);
             let mut open = true;
@@ -96,7 +99,7 @@ impl HttpPublisher {
                         }
                     }
                 }
-                msg.info = Some(cfg.info.clone());
+                msg.info = Some(info_for_task.lock().clone());
                 // With an empty queue every assigned event was offered: announce the newest id so
                 // routers notice events that were dropped with nothing after them. (A race with a
                 // concurrent `publish` at worst triggers a harmless replay.)
@@ -121,7 +124,18 @@ impl HttpPublisher {
                 }
             }
         });
-        Self { log, tx, dropped, failed_posts }
+        Self { log, info, tx, dropped, failed_posts }
+    }
+
+    /// Replaces the info sent with every message from now on (workers attached or detached,
+    /// namespaces added).
+    pub fn set_info(&self, info: PublisherInfo) {
+        *self.info.lock() = info;
+    }
+
+    /// The info sent with every message.
+    pub fn info(&self) -> PublisherInfo {
+        self.info.lock().clone()
     }
 
     /// Records an event (assigning its id) and offers it for shipping. Never blocks.

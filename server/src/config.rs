@@ -24,6 +24,26 @@ pub struct Config {
     pub g2: G2Config,
     pub g3: G3Config,
     pub engines: EngineConfig,
+    pub router: RouterConfig,
+}
+
+/// Hit reports to kvrouter (docs/router.md section 2).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct RouterConfig {
+    /// Base URLs of the routers (`http://host:port`); empty: no hit reports.
+    pub urls: Vec<String>,
+    /// This node's name in the cluster; empty: the host name.
+    pub node: String,
+    /// Report (and heartbeat) period.
+    pub report_interval_ms: u64,
+    /// Events kept for routers to replay after a gap.
+    pub event_log: usize,
+    /// Events waiting to be sent; beyond this they are left to replay.
+    pub max_pending: usize,
+    /// The URL routers use to reach this daemon's HTTP listener for replay and snapshots;
+    /// empty: `http://<metrics_addr>` when that is not a wildcard address.
+    pub advertise_url: String,
 }
 
 /// G2, the host pool.
@@ -100,6 +120,7 @@ impl Default for Config {
             g2: G2Config::default(),
             g3: G3Config::default(),
             engines: EngineConfig::default(),
+            router: RouterConfig::default(),
         }
     }
 }
@@ -131,6 +152,31 @@ impl Default for G3Config {
             writethrough_queue: 4096,
             writethrough_batch: 32,
         }
+    }
+}
+
+impl Default for RouterConfig {
+    fn default() -> Self {
+        Self {
+            urls: Vec::new(),
+            node: String::new(),
+            report_interval_ms: 1000,
+            event_log: 65_536,
+            max_pending: 16_384,
+            advertise_url: String::new(),
+        }
+    }
+}
+
+/// The machine's host name ("localhost" if it cannot be read).
+pub fn host_name() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: gethostname writes at most buf.len() bytes into buf.
+    let r = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    match (r, std::str::from_utf8(&buf[..end])) {
+        (0, Ok(s)) if !s.is_empty() => s.to_string(),
+        _ => "localhost".into(),
     }
 }
 
@@ -209,6 +255,20 @@ impl Config {
         }
         if self.engines.lease_ms < 1000 {
             return Err(bad("engines.lease_ms", "must be at least 1000 (heartbeats are sent every third of it)"));
+        }
+        if self.router.node.is_empty() {
+            self.router.node = host_name();
+        }
+        for u in &self.router.urls {
+            if !(u.starts_with("http://") || u.starts_with("https://")) {
+                return Err(bad("router.urls", format!("{u:?} is not an http:// or https:// URL")));
+            }
+        }
+        if self.router.report_interval_ms == 0 || self.router.event_log == 0 || self.router.max_pending == 0 {
+            return Err(bad(
+                "router.report_interval_ms",
+                "report_interval_ms, event_log and max_pending must be at least 1",
+            ));
         }
         if self.g3.writethrough_queue == 0 || self.g3.writethrough_batch == 0 {
             return Err(bad("g3.writethrough_queue", "queue and batch must be at least 1"));

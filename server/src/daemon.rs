@@ -13,6 +13,7 @@ use tokio::sync::watch;
 
 use crate::engine::{Engine, Registry};
 use crate::error::ServerError;
+use crate::reports::{GpuChange, Reports};
 
 /// How long blocks being loaded stay pinned at most (a crashed load releases them after this).
 const LOAD_LEASE: Duration = Duration::from_secs(30);
@@ -30,6 +31,7 @@ struct Op {
 pub struct Daemon {
     pub store: Arc<BlockStore>,
     pub engines: Registry,
+    pub reports: Arc<Reports>,
     ops: Mutex<HashMap<u64, Op>>,
     next_op: AtomicU64,
     max_pending: usize,
@@ -44,10 +46,17 @@ fn to_u32(n: usize) -> u32 {
 }
 
 impl Daemon {
-    pub fn new(store: Arc<BlockStore>, engines: Registry, max_pending: usize, retention: Duration) -> Self {
+    pub fn new(
+        store: Arc<BlockStore>,
+        engines: Registry,
+        reports: Arc<Reports>,
+        max_pending: usize,
+        retention: Duration,
+    ) -> Self {
         Self {
             store,
             engines,
+            reports,
             ops: Mutex::new(HashMap::new()),
             next_op: AtomicU64::new(1),
             max_pending,
@@ -104,6 +113,10 @@ impl Daemon {
         let engine = self.engines.get(req.engine_id)?;
         let keys = engine.keys(&req.tokens);
         let m = self.store.lookup(&keys);
+        if let Some(route_id) = req.route_id {
+            let found = self.found_blocks(&keys, req.g1_blocks as usize);
+            self.reports.outcome(&engine, route_id, found);
+        }
         Ok(pb::LookupResponse {
             matched_blocks: to_u32(m.blocks),
             matched_tokens: to_u32(m.blocks * engine.namespace.layout.tokens_per_block as usize),
@@ -111,6 +124,60 @@ impl Daemon {
             g3_blocks: to_u32(m.fastest[TierKind::G3Disk.index()]),
             g4_blocks: to_u32(m.fastest[TierKind::G4Object.index()]),
         })
+    }
+
+    /// Prefix blocks of `keys` per tier as a routed request finds them: the first `g1` the
+    /// engine holds itself, then each following block from its fastest tier here, up to the
+    /// first block found nowhere.
+    fn found_blocks(&self, keys: &[kvproto::BlockKey], g1: usize) -> [u32; 4] {
+        let g1 = g1.min(keys.len());
+        let mut found = [to_u32(g1), 0, 0, 0];
+        for i in g1..keys.len() {
+            let m = self.store.lookup(&keys[i..=i]);
+            let Some(tier) = (1..4).find(|&t| m.fastest[t] > 0) else { break };
+            found[tier] += 1;
+        }
+        found
+    }
+
+    /// An engine's report about its GPU memory (G1), published to routers.
+    pub fn gpu_blocks(&self, req: &pb::GpuBlocksRequest) -> Result<pb::GpuBlocksResponse, ServerError> {
+        use pb::gpu_blocks_request::Change;
+        let engine = self.engines.get(req.engine_id)?;
+        let change = match Change::try_from(req.change) {
+            Ok(Change::Stored) => GpuChange::Stored,
+            Ok(Change::Removed) => GpuChange::Removed,
+            Ok(Change::Cleared) => GpuChange::Cleared,
+            Err(_) => return Err(ServerError::Invalid(format!("unknown GPU block change {}", req.change))),
+        };
+        let (parent, keys) = if req.keys.is_empty() {
+            let all = engine.keys(&req.tokens);
+            let first = req.first_block as usize;
+            if change != GpuChange::Cleared && first > all.len() {
+                return Err(ServerError::Invalid(format!(
+                    "first_block {first} is past the {} full blocks of the tokens",
+                    all.len()
+                )));
+            }
+            let first = first.min(all.len());
+            (first.checked_sub(1).map(|p| all[p]), all[first..].to_vec())
+        } else {
+            if change == GpuChange::Stored {
+                return Err(ServerError::Invalid("STORED names its blocks by tokens (keys carry no parent)".into()));
+            }
+            let keys = req
+                .keys
+                .iter()
+                .map(|k| {
+                    <[u8; 16]>::try_from(k.as_slice())
+                        .map(kvproto::BlockKey)
+                        .map_err(|_| ServerError::Invalid(format!("a block key has {} bytes, not 16", k.len())))
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            (None, keys)
+        };
+        let event_id = self.reports.gpu_blocks(&engine, change, parent, keys.clone());
+        Ok(pb::GpuBlocksResponse { keys: keys.iter().map(|k| k.0.to_vec()).collect(), event_id })
     }
 
     /// Registers a load and returns its id and the receiver of its status.
@@ -218,7 +285,9 @@ impl Daemon {
     pub fn housekeeping(&self) {
         let now = Instant::now();
         self.ops.lock().retain(|_, o| o.finished_at.is_none_or(|t| now.duration_since(t) < self.retention));
-        self.engines.reap();
+        for e in self.engines.reap() {
+            self.reports.detached(&e);
+        }
     }
 
     /// Loads not yet finished.

@@ -36,6 +36,9 @@ pub struct Engine {
     segments: Vec<(u64, u64)>,
     segment_bytes: u64,
     pub num_blocks: u32,
+    /// Where routers send this engine's requests, and its role (published with hit reports).
+    pub address: String,
+    pub role: String,
     last_seen: Mutex<Instant>,
 }
 
@@ -129,6 +132,8 @@ impl Engine {
             segments: req.segments.iter().map(|s| (s.offset, s.block_stride)).collect(),
             segment_bytes: req.segment_bytes,
             num_blocks: req.num_blocks,
+            address: req.worker_address.clone(),
+            role: req.role.clone(),
             last_seen: Mutex::new(Instant::now()),
         })
     }
@@ -217,27 +222,34 @@ impl Registry {
         Ok(e)
     }
 
-    pub fn unregister(&self, id: u64) -> Result<(), ServerError> {
+    pub fn unregister(&self, id: u64) -> Result<Arc<Engine>, ServerError> {
         match self.engines.write().remove(&id) {
             Some(e) => {
                 tracing::info!(engine = id, name = %e.name, "engine detached");
-                Ok(())
+                Ok(e)
             }
             None => Err(ServerError::UnknownEngine(id)),
         }
     }
 
-    /// Drops engines whose lease ran out; returns how many.
-    pub fn reap(&self) -> usize {
+    /// Every attached engine.
+    pub fn all(&self) -> Vec<Arc<Engine>> {
+        self.engines.read().values().cloned().collect()
+    }
+
+    /// Drops engines whose lease ran out; returns them.
+    pub fn reap(&self) -> Vec<Arc<Engine>> {
         let now = Instant::now();
         let mut map = self.engines.write();
         let dead: Vec<u64> = map.iter().filter(|(_, e)| e.expired(self.lease, now)).map(|(id, _)| *id).collect();
+        let mut out = Vec::new();
         for id in &dead {
             if let Some(e) = map.remove(id) {
                 tracing::warn!(engine = id, name = %e.name, "engine missed its heartbeats; detached");
+                out.push(e);
             }
         }
-        dead.len()
+        out
     }
 
     pub fn len(&self) -> usize {

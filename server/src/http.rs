@@ -45,8 +45,14 @@ async fn healthz(State(s): State<HttpState>) -> (StatusCode, String) {
 
 /// The HTTP routes.
 pub fn router(daemon: Arc<Daemon>, queue_capacity: usize) -> Router {
-    Router::new()
+    let log = daemon.reports.log();
+    let app = Router::new()
         .route("/metrics", get(metrics_text))
         .route("/healthz", get(healthz))
-        .with_state(HttpState { daemon, queue_capacity })
+        .with_state(HttpState { daemon, queue_capacity });
+    // Routers that saw a gap in this daemon's event ids replay from here.
+    match log {
+        Some(log) => app.merge(kvrouter::recovery::recovery_routes(log)),
+        None => app,
+    }
 }

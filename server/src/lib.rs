@@ -7,7 +7,8 @@
 //! - [`service`]: the gRPC edge (tonic), errors mapped to `Status` here only.
 //! - [`daemon`]: request logic: save (gather into G2), lookup, load (scatter from G2/G3).
 //! - [`engine`]: attached engines, their memory mappings and heartbeat leases.
-//! - [`http`]: `/metrics` and `/healthz`.
+//! - [`http`]: `/metrics`, `/healthz`, and the event replay / snapshot routes for routers.
+//! - [`reports`]: hit reports to kvrouter (tier events, G1 from engines, load, outcomes).
 //! - [`error`]: the [`ServerError`] enum.
 //! - [`demo`]: two engines handing blocks over through a running daemon.
 
@@ -17,6 +18,7 @@ pub mod demo;
 pub mod engine;
 pub mod error;
 pub mod http;
+pub mod reports;
 pub mod service;
 
 use std::future::Future;
@@ -89,10 +91,24 @@ pub async fn serve(
     let store = tokio::task::spawn_blocking(move || kvtiers::BlockStore::open(&store_cfg))
         .await
         .map_err(|e| ServerError::Io(std::io::Error::other(e)))??;
+    let store = Arc::new(store);
     let engines = engine::Registry::new(config.engines.max_engines, Duration::from_millis(config.engines.lease_ms));
+    let http_addr = listeners.http.as_ref().and_then(|l| l.local_addr().ok());
+    let recovery_url = if config.router.advertise_url.is_empty() {
+        http_addr.filter(|a| !a.ip().is_unspecified()).map(|a| format!("http://{a}"))
+    } else {
+        Some(config.router.advertise_url.clone())
+    };
+    let reports = Arc::new(reports::Reports::start(&config.router, recovery_url, Arc::clone(&store)));
+    if reports.enabled() {
+        store.set_listener(Arc::clone(&reports) as Arc<dyn kvtiers::TierListener>);
+        let n = reports.announce(&store);
+        tracing::info!(blocks = n, "announced the blocks kept across the restart");
+    }
     let daemon = Arc::new(daemon::Daemon::new(
-        Arc::new(store),
+        Arc::clone(&store),
         engines,
+        reports,
         config.engines.max_pending_loads,
         Duration::from_millis(config.engines.op_retention_ms),
     ));

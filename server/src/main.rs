@@ -58,6 +58,12 @@ struct Cli {
     /// Drop an engine silent for this many milliseconds.
     #[arg(long, env = "KVCACHED_ENGINE_LEASE_MS", global = true)]
     engine_lease_ms: Option<u64>,
+    /// kvrouter base URLs to publish hit reports to (comma-separated).
+    #[arg(long, env = "KVCACHED_ROUTER_URLS", global = true, value_delimiter = ',')]
+    router_urls: Option<Vec<String>>,
+    /// This node's name in the cluster (default: the host name).
+    #[arg(long, env = "KVCACHED_NODE", global = true)]
+    node: Option<String>,
     #[command(subcommand)]
     command: Option<Command>,
 }
@@ -101,6 +107,8 @@ impl Cli {
         set!(self.g3_fsync => g3.fsync);
         set!(self.max_engines => engines.max_engines);
         set!(self.engine_lease_ms => engines.lease_ms);
+        set!(self.router_urls => router.urls);
+        set!(self.node => router.node);
         c.resolve()
     }
 }

@@ -30,6 +30,7 @@ impl pb::kvcached_server::Kvcached for KvcachedService {
         let d = Arc::clone(&self.daemon);
         let req = req.into_inner();
         let e = blocking(move || d.engines.register(&req)).await?;
+        self.daemon.reports.attached(&e);
         let lease = self.daemon.engines.lease.as_millis() as u32;
         Ok(Response::new(pb::RegisterResponse {
             engine_id: e.id,
@@ -41,7 +42,8 @@ impl pb::kvcached_server::Kvcached for KvcachedService {
     }
 
     async fn unregister(&self, req: Request<pb::EngineRef>) -> Result<Response<pb::Empty>, Status> {
-        self.daemon.engines.unregister(req.into_inner().engine_id)?;
+        let e = self.daemon.engines.unregister(req.into_inner().engine_id)?;
+        self.daemon.reports.detached(&e);
         Ok(Response::new(pb::Empty {}))
     }
 
@@ -89,5 +91,21 @@ impl pb::kvcached_server::Kvcached for KvcachedService {
 
     async fn health(&self, _: Request<pb::Empty>) -> Result<Response<pb::HealthResponse>, Status> {
         Ok(Response::new(self.daemon.health(self.queue_capacity)))
+    }
+
+    async fn report_gpu_blocks(
+        &self,
+        req: Request<pb::GpuBlocksRequest>,
+    ) -> Result<Response<pb::GpuBlocksResponse>, Status> {
+        let d = Arc::clone(&self.daemon);
+        let req = req.into_inner();
+        Ok(Response::new(blocking(move || d.gpu_blocks(&req)).await?))
+    }
+
+    async fn report_load(&self, req: Request<pb::EngineLoadRequest>) -> Result<Response<pb::Empty>, Status> {
+        let r = req.into_inner();
+        let e = self.daemon.engines.get(r.engine_id)?;
+        self.daemon.reports.engine_load(&e, r.running, r.waiting, r.kv_used_blocks, r.kv_total_blocks);
+        Ok(Response::new(pb::Empty {}))
     }
 }

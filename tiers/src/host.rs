@@ -21,6 +21,7 @@ use crate::buf::BlockBuf;
 use crate::cuda::HostRegistration;
 use crate::error::{Result, TierError};
 use crate::eviction::EvictionPolicy;
+use crate::listener::{ListenerSlot, TierListener};
 use crate::lru_policy::LruPolicy;
 use crate::pages::{PagePool, Pages};
 use crate::residency::{Residency, SlotBytes};
@@ -156,6 +157,7 @@ pub struct HostTier {
     /// Signalled when a put commits (a put of the same key may be waiting for it).
     committed: Condvar,
     dirty_wait: Duration,
+    listener: ListenerSlot,
     high_pages: usize,
     low_pages: usize,
 }
@@ -237,6 +239,7 @@ impl HostTier {
             cleaned: Condvar::new(),
             committed: Condvar::new(),
             dirty_wait: cfg.dirty_wait,
+            listener: ListenerSlot::default(),
             evicted_dirty: Count::labelled(
                 "kvcached_writethrough_dropped_total",
                 &[("reason", "evicted_before_write")],
@@ -321,6 +324,8 @@ impl HostTier {
                 self.evicted_dirty.add(dropped);
             }
             self.counters.evictions.add(victims.len() as u64);
+            let keys: Vec<BlockKey> = victims.iter().map(|(k, _)| *k).collect();
+            self.listener.removed(TIER, &keys);
             drop(victims); // frees the pages (no reader holds them: evict skips blocks in use)
             if self.pool.free_pages() >= pages {
                 return Ok(());
@@ -390,6 +395,9 @@ impl HostTier {
         let committed = {
             let mut st = self.state.lock();
             let ok = st.commit(&key, &slot);
+            if ok {
+                self.listener.stored(TIER, key, &meta);
+            }
             self.counters.set_usage(self.pool.used_pages() as u64 * ps as u64, st.len());
             ok
         };
@@ -453,8 +461,15 @@ impl Tier for HostTier {
     fn remove(&self, key: &BlockKey) -> Result<bool> {
         let mut st = self.state.lock();
         let removed = st.remove(key).is_some();
+        if removed {
+            self.listener.removed(TIER, &[*key]);
+        }
         self.counters.set_usage(self.pool.used_pages() as u64 * self.pool.page_size() as u64, st.len());
         Ok(removed)
+    }
+
+    fn set_listener(&self, listener: Arc<dyn TierListener>) -> bool {
+        self.listener.set(listener)
     }
 
     fn pin(&self, lease: LeaseId, keys: &[BlockKey], deadline: Instant) -> usize {

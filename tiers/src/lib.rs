@@ -14,6 +14,7 @@
 //!   crate.
 //! - [`pages`]: page-granular space allocation shared by G2 and G3.
 //! - [`buf`]: [`BlockBuf`], the 4 KiB-aligned buffer blocks are read into.
+//! - [`listener`]: [`TierListener`], what each tier gained and lost (for hit reports).
 //! - [`block`]: block metadata, checksums, lease ids.
 //! - [`stats`]: counters exported as `kvcached_*` metrics.
 //! - [`cuda`]: page-locking host memory for CUDA, loaded at run time.
@@ -26,6 +27,7 @@ pub mod disk;
 pub mod error;
 pub mod eviction;
 pub mod host;
+pub mod listener;
 pub mod lru_policy;
 pub mod pages;
 pub(crate) mod residency;
@@ -39,6 +41,7 @@ pub use buf::BlockBuf;
 pub use disk::{DiskTier, DiskTierConfig};
 pub use error::{Result, TierError};
 pub use host::{CudaRegister, HostTier, HostTierConfig};
+pub use listener::TierListener;
 pub use stats::{TierStats, TierUsage};
 pub use store::{BlockStore, BlockStoreConfig, Hit, PrefixMatch, StoreStats};
 pub use tier::{BlockRef, Tier};

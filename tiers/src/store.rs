@@ -100,6 +100,16 @@ impl BlockStore {
         })
     }
 
+    /// Installs `listener` on every tier (G2 and below): it hears of each block a tier gains
+    /// or loses. Returns false if a tier already had one.
+    pub fn set_listener(&self, listener: std::sync::Arc<dyn crate::listener::TierListener>) -> bool {
+        let mut ok = self.g2.set_listener(std::sync::Arc::clone(&listener));
+        for t in self.lower.iter() {
+            ok &= t.set_listener(std::sync::Arc::clone(&listener));
+        }
+        ok
+    }
+
     /// The G2 tier (for zero-copy access by the daemon).
     pub fn g2(&self) -> &Arc<HostTier> {
         &self.g2

@@ -7,6 +7,7 @@ use kvproto::{BlockKey, TierKind};
 use crate::block::{BlockMeta, LeaseId};
 use crate::buf::BlockBuf;
 use crate::error::Result;
+use crate::listener::TierListener;
 use crate::stats::{TierStats, TierUsage};
 
 /// One block to put.
@@ -60,6 +61,12 @@ pub trait Tier: Send + Sync + std::fmt::Debug {
 
     /// Every visible block (for snapshots and tests).
     fn keys(&self) -> Vec<(BlockKey, BlockMeta)>;
+
+    /// Installs the listener told of every block this tier gains and loses (once; false if one
+    /// is already installed or the tier reports nothing).
+    fn set_listener(&self, _listener: std::sync::Arc<dyn TierListener>) -> bool {
+        false
+    }
 
     /// Makes every completed put durable (no-op for volatile tiers).
     fn flush(&self) -> Result<()> {

@@ -211,6 +211,44 @@ fn concurrent_with_eviction(f: Factory) {
     assert!(t.usage().used_bytes <= t.usage().capacity_bytes);
 }
 
+/// Records what a tier reports, in order.
+#[derive(Debug, Default)]
+struct Recorder(parking_lot::Mutex<Vec<(bool, kvproto::BlockKey)>>);
+
+impl kvtiers::TierListener for Recorder {
+    fn stored(&self, _tier: kvproto::TierKind, key: kvproto::BlockKey, _meta: &kvtiers::BlockMeta) {
+        self.0.lock().push((true, key));
+    }
+    fn removed(&self, _tier: kvproto::TierKind, keys: &[kvproto::BlockKey]) {
+        self.0.lock().extend(keys.iter().map(|k| (false, *k)));
+    }
+}
+
+/// The listener hears every store and every loss, and replaying what it heard gives exactly
+/// the tier's contents (what the daemon's hit reports rely on).
+fn listener_mirrors_contents(f: Factory) {
+    let (t, _d) = f(8 * PAGE as u64);
+    let rec = Arc::new(Recorder::default());
+    assert!(t.set_listener(rec.clone()));
+    assert!(!t.set_listener(rec.clone()), "a second listener is refused");
+    for i in 0..20 {
+        put(&*t, 3, i, PAGE).unwrap(); // 8 fit: the rest evict
+    }
+    assert!(!put(&*t, 3, 19, PAGE).unwrap(), "an idempotent put reports nothing");
+    t.remove(&key(3, 19)).unwrap();
+    let mut mirror = std::collections::HashSet::new();
+    for (stored, k) in rec.0.lock().iter() {
+        if *stored {
+            assert!(mirror.insert(*k), "stored twice without a removal");
+        } else {
+            assert!(mirror.remove(k), "removal of a key never stored");
+        }
+    }
+    let now: std::collections::HashSet<_> = t.keys().into_iter().map(|(k, _)| k).collect();
+    assert_eq!(mirror, now);
+    assert!(!now.contains(&key(3, 19)));
+}
+
 macro_rules! suite {
     ($modname:ident, $factory:expr) => {
         mod $modname {
@@ -254,6 +292,10 @@ macro_rules! suite {
             #[test]
             fn concurrent_same_keys() {
                 super::concurrent_same_keys($factory)
+            }
+            #[test]
+            fn listener_mirrors_contents() {
+                super::listener_mirrors_contents($factory)
             }
             #[test]
             fn concurrent_with_eviction() {

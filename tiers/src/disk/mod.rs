@@ -27,6 +27,7 @@ use crate::block::{BlockMeta, LeaseId, checksum};
 use crate::buf::{ALIGN, BlockBuf, align_up};
 use crate::error::{Result, TierError};
 use crate::host::validate_space;
+use crate::listener::{ListenerSlot, TierListener};
 use crate::lru_policy::LruPolicy;
 use crate::pages::{PagePool, Pages};
 use crate::residency::{Residency, SlotBytes};
@@ -101,6 +102,7 @@ pub struct DiskTier {
     high_pages: usize,
     low_pages: usize,
     logged_corruption: AtomicBool,
+    listener: ListenerSlot,
     /// Recency ticks not yet in the index, written in one batch per `TOUCH_BATCH` reads (and at
     /// flush): a RocksDB write per read would cost more than the checksum.
     touched: Mutex<Vec<(BlockKey, Arc<DiskSlot>, IndexEntry)>>,
@@ -224,6 +226,7 @@ impl DiskTier {
             next_tick: AtomicU64::new(max_tick + 1),
             logged_corruption: AtomicBool::new(false),
             touched: Mutex::new(Vec::new()),
+            listener: ListenerSlot::default(),
         })
     }
 
@@ -262,6 +265,7 @@ impl DiskTier {
             // The deletions must be in the index before the pages can be reused.
             self.index.write(&[], &keys, false)?;
             self.counters.evictions.add(victims.len() as u64);
+            self.listener.removed(TIER, &keys);
         }
         drop(victims);
         if self.pool.free_pages() >= pages {
@@ -336,6 +340,7 @@ impl DiskTier {
         let same = st.get(key, false).is_some_and(|(s, _)| Arc::ptr_eq(&s, slot));
         if same {
             st.remove(key);
+            self.listener.removed(TIER, &[*key]);
             if let Err(e) = self.index.write(&[], &[*key], false) {
                 tracing::warn!("G3 index delete failed: {e}");
             }
@@ -425,6 +430,9 @@ impl Tier for DiskTier {
             Ok(()) => {
                 for (i, slot) in &reserved {
                     let ok = st.commit(&blocks[*i].key, slot);
+                    if ok {
+                        self.listener.stored(TIER, blocks[*i].key, &blocks[*i].meta);
+                    }
                     self.counters.bytes_written.add(blocks[*i].meta.len);
                     results[*i] = Some(Ok(ok));
                 }
@@ -504,9 +512,14 @@ impl Tier for DiskTier {
         let mut st = self.state.lock();
         let Some(e) = st.remove(key) else { return Ok(false) };
         self.index.write(&[], &[*key], false)?;
+        self.listener.removed(TIER, &[*key]);
         drop(e);
         self.counters.set_usage(self.pool.used_pages() as u64 * self.pool.page_size() as u64, st.len());
         Ok(true)
+    }
+
+    fn set_listener(&self, listener: Arc<dyn TierListener>) -> bool {
+        self.listener.set(listener)
     }
 
     fn pin(&self, lease: LeaseId, keys: &[BlockKey], deadline: Instant) -> usize {

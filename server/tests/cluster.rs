@@ -1,0 +1,254 @@
+//! A cluster across real processes: one kvrouter (`serve_router` on port 0) and two kvcached
+//! daemons (the real binary, each its own process and node) with engines attached through the
+//! real client. The daemons publish their tiers' hit reports; the router places requests on
+//! them; restarts of a daemon and of the router both end with the right index.
+#![allow(clippy::unwrap_used)]
+
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kvclient::{Client, KvMemory, synthetic_block};
+use kvproto::events::KEY_SCHEME_KVCACHED_V1;
+use kvproto::{Dtype, KvLayout, LayoutKind, Namespace};
+use kvrouter::config::{NamespaceSpec, RouterConfig};
+use serde_json::{Value, json};
+
+fn layout() -> KvLayout {
+    KvLayout {
+        num_layers: 2,
+        kv_heads: 2,
+        head_dim: 64,
+        dtype: Dtype::Bf16,
+        tokens_per_block: 16,
+        kind: LayoutKind::LayerSeparate,
+    }
+}
+
+fn prompt(seed: u32, blocks: u32) -> Vec<u32> {
+    (0..blocks * 16).map(|i| (i.wrapping_mul(2_654_435_761) ^ seed) % 150_000).collect()
+}
+
+fn router_config() -> RouterConfig {
+    let mut c = RouterConfig {
+        namespaces: vec![NamespaceSpec {
+            name: Some("m".into()),
+            model_id: "cluster/model".into(),
+            num_layers: 2,
+            kv_heads: 2,
+            head_dim: 64,
+            dtype: "bf16".into(),
+            tokens_per_block: 16,
+            layout_kind: "layer_separate".into(),
+            tenant_salt_hex: None,
+            adapter_id: None,
+            extra_hex: None,
+            key_scheme: KEY_SCHEME_KVCACHED_V1.into(),
+        }],
+        seed: Some(1),
+        ..RouterConfig::default()
+    };
+    c.health.default_report_interval_ms = 200;
+    c
+}
+
+struct RouterProc {
+    base: String,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+async fn start_router(addr: &str) -> RouterProc {
+    let listener = tokio::net::TcpListener::bind(addr).await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    let router = kvrouter::Router::new(router_config()).unwrap();
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(async move {
+        kvrouter::serve_router(listener, router, async move {
+            let _ = rx.await;
+        })
+        .await
+        .unwrap();
+    });
+    RouterProc { base, stop: Some(tx), task }
+}
+
+impl RouterProc {
+    async fn stop(mut self) {
+        let _ = self.stop.take().unwrap().send(());
+        tokio::time::timeout(Duration::from_secs(10), self.task).await.unwrap().unwrap();
+    }
+}
+
+/// Starts `kvcached` for `node` in `dir`, publishing to `router` every 200 ms.
+fn spawn_daemon(dir: &Path, node: &str, router: &str) -> Child {
+    let cfg = dir.join("kvcached.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "metrics_addr = \"127.0.0.1:0\"\n[router]\nurls = [\"{router}\"]\nnode = \"{node}\"\nreport_interval_ms = 200\n"
+        ),
+    )
+    .unwrap();
+    let sock = dir.join("kvcached.sock");
+    let _ = std::fs::remove_file(&sock);
+    let child = Command::new(env!("CARGO_BIN_EXE_kvcached"))
+        .args(["--config", cfg.to_str().unwrap(), "--socket", sock.to_str().unwrap()])
+        .args(["--g2-capacity-bytes", "67108864", "--g2-shm-dir", dir.to_str().unwrap()])
+        .args(["--g3-dir", dir.join("g3").to_str().unwrap(), "--g3-capacity-bytes", "134217728"])
+        .args(["--g3-fsync", "false", "--engine-lease-ms", "2000"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while std::os::unix::net::UnixStream::connect(&sock).is_err() {
+        assert!(Instant::now() < deadline, "daemon {node} did not start");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child
+}
+
+fn signal_and_wait(mut child: Child, sig: i32) {
+    // SAFETY: plain kill(2) on our child's pid.
+    unsafe { libc::kill(child.id() as i32, sig) };
+    let status = child.wait().unwrap();
+    if sig == libc::SIGTERM {
+        assert!(status.success(), "daemon exited with {status}");
+    }
+}
+
+/// An engine attached to one daemon as worker `<node>/gpu0`.
+async fn engine(dir: &Path, address: &str) -> (Client, KvMemory) {
+    let mut mem = KvMemory::create_layer_separate(dir.join("engine-kv"), &layout(), 64).unwrap();
+    let len = layout().block_bytes() as usize;
+    for b in 0..64 {
+        mem.write_block(b, &synthetic_block(7, b, len));
+    }
+    let c = Client::connect(dir.join("kvcached.sock")).await.unwrap();
+    c.register_worker("gpu0", &Namespace::new("cluster/model", layout()), &mem, address, "both").await.unwrap();
+    (c, mem)
+}
+
+async fn route(http: &reqwest::Client, base: &str, tokens: &[u32]) -> Value {
+    let r = match http.post(format!("{base}/route")).json(&json!({"namespace": "m", "tokens": tokens})).send().await {
+        Ok(r) => r,
+        // The router is restarting: callers retry.
+        Err(e) => return json!({"error": e.to_string()}),
+    };
+    let status = r.status();
+    let v: Value = r.json().await.unwrap_or(Value::Null);
+    if status.is_success() { v } else { json!({"status": status.as_u16(), "body": v}) }
+}
+
+/// Polls the route of `tokens` until `ok` accepts it.
+async fn wait_route(
+    http: &reqwest::Client,
+    base: &str,
+    tokens: &[u32],
+    what: &str,
+    ok: impl Fn(&Value) -> bool,
+) -> Value {
+    let t0 = Instant::now();
+    loop {
+        let v = route(http, base, tokens).await;
+        if ok(&v) {
+            return v;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(20), "timed out waiting for {what}; last answer {v}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn cached(v: &Value) -> [u64; 4] {
+    let c = v["cached_blocks"].as_array().cloned().unwrap_or_default();
+    let g = |i: usize| c.get(i).and_then(Value::as_u64).unwrap_or(0);
+    [g(0), g(1), g(2), g(3)]
+}
+
+async fn metric(http: &reqwest::Client, base: &str, series: &str) -> f64 {
+    let text = http.get(format!("{base}/metrics")).send().await.unwrap().text().await.unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix(series).and_then(|r| r.strip_prefix(' ')).and_then(|v| v.parse().ok()))
+        .unwrap_or(0.0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn router_places_requests_on_two_real_daemons_through_restarts() {
+    // No pooled connections: the router restarts under this client.
+    let http = reqwest::Client::builder().pool_max_idle_per_host(0).build().unwrap();
+    let router = start_router("127.0.0.1:0").await;
+    let base = router.base.clone();
+    let (da, db) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let daemon_a = spawn_daemon(da.path(), "node-a", &base);
+    let daemon_b = spawn_daemon(db.path(), "node-b", &base);
+    let (ca, _ma) = engine(da.path(), "http://a:8000").await;
+    let (cb, _mb) = engine(db.path(), "http://b:8000").await;
+
+    // 1. Engine A saves a prompt: node A's G2 report steers the prompt to A's worker.
+    let p = prompt(1, 24);
+    assert_eq!(ca.save(&p, 0, &(0..24).collect::<Vec<_>>()).await.unwrap().stored, 24);
+    let v = wait_route(&http, &base, &p, "G2 blocks of node-a", |v| v["worker"] == "node-a/gpu0" && cached(v)[1] == 24)
+        .await;
+    assert_eq!(v["address"], "http://a:8000");
+
+    // 2. Engine B reports blocks in its own GPU memory: G1 of worker node-b/gpu0.
+    let q = prompt(2, 10);
+    let keys = cb.gpu_stored(&q, 0).await.unwrap();
+    assert_eq!(keys.len(), 10);
+    wait_route(&http, &base, &q, "G1 blocks of node-b/gpu0", |v| v["worker"] == "node-b/gpu0" && cached(v)[0] == 10)
+        .await;
+    cb.gpu_removed_keys(&keys[5..]).await.unwrap();
+    wait_route(&http, &base, &q, "G1 removal", |v| cached(v)[0] == 5).await;
+
+    // 3. The daemon reports what a routed request found; the router counts the outcome.
+    let v = route(&http, &base, &p).await;
+    let route_id = v["route_id"].as_u64().unwrap();
+    let found = ca.lookup_routed(&p, route_id, 0).await.unwrap();
+    assert_eq!(found.matched_blocks, 24);
+    let t0 = Instant::now();
+    while metric(&http, &base, "kvrouter_outcomes_total").await < 1.0 {
+        assert!(t0.elapsed() < Duration::from_secs(10), "no outcome reached the router");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(metric(&http, &base, "kvrouter_outcomes_unknown_total").await, 0.0);
+
+    // 4. Daemon A restarts: a new epoch; its G3 survived and is announced again.
+    signal_and_wait(daemon_a, libc::SIGTERM);
+    let daemon_a = spawn_daemon(da.path(), "node-a", &base);
+    assert_eq!(ca.lookup(&p).await.unwrap().g3_blocks, 24, "the client re-registers with the new daemon");
+    wait_route(&http, &base, &p, "G3 blocks of node-a after its restart", |v| {
+        v["worker"] == "node-a/gpu0" && cached(v) == [0, 0, 24, 0]
+    })
+    .await;
+
+    // 5. The router restarts on the same port: it learns everything back from the daemons'
+    //    next reports plus their replay / snapshot API.
+    let addr = base.trim_start_matches("http://").to_string();
+    router.stop().await;
+    let router = start_router(&addr).await;
+    wait_route(&http, &base, &p, "node-a's G3 after a router restart", |v| {
+        v["worker"] == "node-a/gpu0" && cached(v)[2] == 24
+    })
+    .await;
+    wait_route(&http, &base, &q, "node-b's G1 after a router restart", |v| {
+        v["worker"] == "node-b/gpu0" && cached(v)[0] == 5
+    })
+    .await;
+
+    // 6. Daemon B dies without a word: the router says so instead of routing blind.
+    signal_and_wait(daemon_b, libc::SIGKILL);
+    let t0 = Instant::now();
+    loop {
+        let h: Value = http.get(format!("{base}/healthz")).send().await.unwrap().json().await.unwrap();
+        if h["status"] == "degraded" && h.to_string().contains("node-b") {
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(20), "a silent daemon went unnoticed: {h}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    drop((ca, cb));
+    signal_and_wait(daemon_a, libc::SIGTERM);
+    router.stop().await;
+}
