@@ -5,7 +5,8 @@
 //!   raw O_DIRECT I/O on the same sizes, in the same run.
 //! - [`raw`]: the physical-limit baselines (memcpy, O_DIRECT pread/pwrite) those benches
 //!   compare against.
-//!
-//! Later: the `kvbench` load generator and trace replayer that drives real daemons and routers.
+//! - [`socket`]: the daemon through its real socket (save/load throughput beside memcpy, lookup
+//!   and small-batch latency), run by the `kvbench` binary (`src/bin/kvbench.rs`).
 
 pub mod raw;
+pub mod socket;

@@ -252,6 +252,48 @@ async fn daemon_restart_brings_blocks_back_from_g3_and_clients_reconnect() {
     sigterm_and_wait(daemon);
 }
 
+/// The client crate's example engine: `examples/engine` after `cargo build --examples`, or the
+/// newest `examples/engine-<hash>` that `cargo test --all-targets` builds.
+fn example_engine() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let dir = exe.parent().unwrap().parent().unwrap().join("examples");
+    let plain = dir.join("engine");
+    if plain.is_file() {
+        return plain;
+    }
+    std::fs::read_dir(&dir)
+        .unwrap()
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .filter(|p| {
+            let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("");
+            name.starts_with("engine-") && p.extension().is_none()
+        })
+        .max_by_key(|p| std::fs::metadata(p).and_then(|m| m.modified()).ok())
+        .expect("the example engine is built (cargo test --all-targets or cargo build --examples)")
+}
+
+#[test]
+fn example_engines_in_two_processes_hand_a_prompt_over() {
+    let d = tempfile::tempdir().unwrap();
+    let daemon = spawn_daemon(d.path());
+    let run = |mode: &str| {
+        let out = Command::new(example_engine())
+            .args([mode, "11", "24"])
+            .env("KVCACHED_SOCKET", d.path().join("kvcached.sock"))
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "engine {mode} failed: {text}");
+        text
+    };
+    assert!(run("save").contains("saved 24 blocks"));
+    let load = run("load");
+    assert!(load.contains("lookup: 24 of 24 blocks cached (G2 24"), "{load}");
+    assert!(load.contains("24 byte-exact"), "{load}");
+    sigterm_and_wait(daemon);
+}
+
 const CHILD_SOCKET: &str = "KVCACHED_TEST_CHILD_SOCKET";
 
 /// The engine process of `kill_9_of_a_client_mid_save_leaves_no_partial_block`.

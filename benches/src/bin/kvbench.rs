@@ -1,0 +1,72 @@
+//! `kvbench`: drives a kvcached daemon through its real socket and prints Markdown tables.
+//!
+//! `cargo run --release -p kvbench -- socket` starts a daemon in this process on a temp socket
+//! (G3 off unless `--g3`); `--socket PATH` measures a running daemon instead.
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use kvbench::socket::{SocketBench, markdown, run};
+
+#[derive(Debug, Parser)]
+#[command(version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Save/load throughput beside memcpy, lookup latency of a 128k-token prompt, small-batch p50/p99.
+    Socket {
+        /// A running daemon's socket (default: start one in this process).
+        #[arg(long)]
+        socket: Option<std::path::PathBuf>,
+        /// Directory for shared-memory KV and the in-process daemon (default: /dev/shm).
+        #[arg(long)]
+        dir: Option<std::path::PathBuf>,
+        /// Throughput calls per block size (32 MiB each).
+        #[arg(long, default_value_t = 40)]
+        calls: usize,
+        /// Latency samples per operation.
+        #[arg(long, default_value_t = 200)]
+        samples: usize,
+        /// Let the in-process daemon write through to G3 as well.
+        #[arg(long)]
+        g3: bool,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let Command::Socket { socket, dir, calls, samples, g3 } = cli.command;
+    let base = dir.unwrap_or_else(|| {
+        let shm = std::path::Path::new("/dev/shm");
+        if shm.is_dir() { shm.to_path_buf() } else { std::env::temp_dir() }
+    });
+    let tmp = match tempfile::tempdir_in(&base) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("kvbench: cannot create a directory in {}: {e}", base.display());
+            return ExitCode::FAILURE;
+        }
+    };
+    let cfg = SocketBench { socket, dir: tmp.path().to_path_buf(), calls: calls.max(1), samples: samples.max(1), g3 };
+    let rt = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("kvbench: cannot start a runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match rt.block_on(run(&cfg)) {
+        Ok(r) => {
+            print!("{}", markdown(&r));
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("kvbench: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

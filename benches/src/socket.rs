@@ -1,0 +1,282 @@
+//! The daemon through its real socket: save and load throughput per block size beside memcpy in
+//! the same run, lookup latency for a 128k-token prompt, and p50/p99 of small batches.
+//!
+//! Everything goes through `kvclient::Client` over the Unix socket of a `kvcached::serve`
+//! started in this process (or an already running daemon given with `--socket`).
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use kvclient::{Client, KvMemory, synthetic_block};
+use kvproto::{Dtype, KvLayout, LayoutKind, Namespace};
+
+/// Bytes moved by one save or load call in the throughput runs.
+const CALL_BYTES: u64 = 32 << 20;
+
+/// What to run.
+#[derive(Debug, Clone)]
+pub struct SocketBench {
+    /// A running daemon's socket; `None` starts one in this process.
+    pub socket: Option<PathBuf>,
+    /// Directory for the engine's shared-memory KV (and the in-process daemon's files).
+    pub dir: PathBuf,
+    /// Throughput calls per block size (each moves [`CALL_BYTES`]).
+    pub calls: usize,
+    /// Latency samples per operation.
+    pub samples: usize,
+    /// The in-process daemon writes through to G3 too.
+    pub g3: bool,
+}
+
+/// One row of the throughput table.
+#[derive(Debug, Clone)]
+pub struct Throughput {
+    pub block: &'static str,
+    pub memcpy_hot_gibs: f64,
+    pub memcpy_pool_gibs: f64,
+    pub save_gibs: f64,
+    pub load_gibs: f64,
+}
+
+/// p50 / p99 of one operation.
+#[derive(Debug, Clone)]
+pub struct Latency {
+    pub what: String,
+    pub p50_us: f64,
+    pub p99_us: f64,
+}
+
+/// Everything measured.
+#[derive(Debug, Clone, Default)]
+pub struct Report {
+    pub throughput: Vec<Throughput>,
+    pub latency: Vec<Latency>,
+}
+
+fn layout(layers: u32, tokens_per_block: u32) -> KvLayout {
+    KvLayout {
+        num_layers: layers,
+        kv_heads: 8,
+        head_dim: 128,
+        dtype: Dtype::Bf16,
+        tokens_per_block,
+        kind: LayoutKind::LayerSeparate,
+    }
+}
+
+fn gibs(bytes: u64, d: Duration) -> f64 {
+    bytes as f64 / d.as_secs_f64() / (1u64 << 30) as f64
+}
+
+fn percentiles(mut v: Vec<Duration>) -> (f64, f64) {
+    v.sort();
+    let at = |q: f64| v[((v.len() as f64 - 1.0) * q).round() as usize].as_secs_f64() * 1e6;
+    (at(0.5), at(0.99))
+}
+
+/// Tokens of prompt number `p` with `blocks` blocks of `tpb` tokens (distinct per `p`).
+fn prompt(p: u32, blocks: u32, tpb: u32) -> Vec<u32> {
+    (0..blocks * tpb).map(|i| (p.wrapping_mul(1_000_003) ^ i.wrapping_mul(2_654_435_761)) % 150_000).collect()
+}
+
+/// memcpy of `bytes` between two engine-sized buffers (hot), and into a rotating destination
+/// across 1 GiB of shared memory like the G2 pool (what a save writes into).
+fn memcpy_baselines(dir: &Path, bytes: usize, calls: usize) -> std::io::Result<(f64, f64)> {
+    let src: Vec<u8> = (0..bytes).map(|i| (i * 31 % 251) as u8).collect();
+    let mut dst = vec![0u8; bytes];
+    let t0 = Instant::now();
+    for _ in 0..calls {
+        dst.copy_from_slice(std::hint::black_box(&src));
+        std::hint::black_box(&dst);
+    }
+    let hot = gibs((bytes * calls) as u64, t0.elapsed());
+    let pool_len = 1usize << 30;
+    let file = tempfile::tempfile_in(dir)?;
+    file.set_len(pool_len as u64)?;
+    // SAFETY: a private temp file that outlives the mapping.
+    let mut map = unsafe { memmap2::MmapOptions::new().len(pool_len).populate().map_mut(&file)? };
+    let slots = pool_len / bytes;
+    let t0 = Instant::now();
+    for i in 0..calls {
+        let at = (i % slots) * bytes;
+        map[at..at + bytes].copy_from_slice(std::hint::black_box(&src));
+    }
+    std::hint::black_box(&map[0]);
+    Ok((hot, gibs((bytes * calls) as u64, t0.elapsed())))
+}
+
+/// An engine attached with `layout` and `slots` block slots, filled with synthetic KV.
+async fn engine(
+    dir: &Path,
+    socket: &Path,
+    name: &str,
+    layout: &KvLayout,
+    slots: u32,
+) -> Result<(Client, KvMemory), String> {
+    let mut mem = KvMemory::create_layer_separate(dir.join(name), layout, slots).map_err(|e| e.to_string())?;
+    let len = layout.block_bytes() as usize;
+    for b in 0..slots {
+        mem.write_block(b, &synthetic_block(u64::from(b), b, len));
+    }
+    let c = Client::connect(socket).await.map_err(|e| e.to_string())?;
+    c.register(name, &Namespace::new(format!("kvbench/{name}"), *layout), &mem).await.map_err(|e| e.to_string())?;
+    Ok((c, mem))
+}
+
+async fn throughput(
+    cfg: &SocketBench,
+    socket: &Path,
+    name: &'static str,
+    layout: KvLayout,
+) -> Result<Throughput, String> {
+    let bytes = layout.block_bytes();
+    let per_call = (CALL_BYTES / bytes).max(1) as u32;
+    let (c, _mem) = engine(&cfg.dir, socket, name, &layout, per_call * 2).await?;
+    let tpb = layout.tokens_per_block;
+    let save_slots: Vec<u32> = (0..per_call).collect();
+    let load_slots: Vec<u32> = (per_call..per_call * 2).collect();
+    // Saves: a fresh prompt per call (fresh keys; at steady state the pool evicts).
+    let t0 = Instant::now();
+    for i in 0..cfg.calls {
+        let r = c.save(&prompt(i as u32 + 1, per_call, tpb), 0, &save_slots).await.map_err(|e| e.to_string())?;
+        if r.failed > 0 {
+            return Err(format!("save failed: {}", r.error));
+        }
+    }
+    let save = gibs(bytes * u64::from(per_call) * cfg.calls as u64, t0.elapsed());
+    // Loads: one cached prompt into other slots, again and again.
+    let p = prompt(u32::MAX, per_call, tpb);
+    c.save(&p, 0, &save_slots).await.map_err(|e| e.to_string())?;
+    let t0 = Instant::now();
+    for _ in 0..cfg.calls {
+        let s = c.load_now(&p, 0, &load_slots).await.map_err(|e| e.to_string())?;
+        if s.loaded_blocks != per_call {
+            return Err(format!("loaded {} of {per_call} blocks", s.loaded_blocks));
+        }
+    }
+    let load = gibs(bytes * u64::from(per_call) * cfg.calls as u64, t0.elapsed());
+    c.unregister().await.map_err(|e| e.to_string())?;
+    let (hot, pool) =
+        memcpy_baselines(&cfg.dir, (bytes * u64::from(per_call)) as usize, cfg.calls).map_err(|e| e.to_string())?;
+    Ok(Throughput { block: name, memcpy_hot_gibs: hot, memcpy_pool_gibs: pool, save_gibs: save, load_gibs: load })
+}
+
+async fn latencies(cfg: &SocketBench, socket: &Path, report: &mut Report) -> Result<(), String> {
+    // A 128k-token prompt: 8192 blocks of 16 tokens (blocks of one layer, 64 KiB).
+    let big = layout(1, 16);
+    let (c, _mem) = engine(&cfg.dir, socket, "lookup128k", &big, 512).await?;
+    let p = prompt(7, 8192, 16);
+    let slots: Vec<u32> = (0..512).collect();
+    for chunk in 0..16u32 {
+        let r =
+            c.save(&p[..((chunk + 1) * 512 * 16) as usize], chunk * 512, &slots).await.map_err(|e| e.to_string())?;
+        if r.failed > 0 {
+            return Err(format!("save failed: {}", r.error));
+        }
+    }
+    let mut v = Vec::with_capacity(cfg.samples);
+    for _ in 0..cfg.samples {
+        let t0 = Instant::now();
+        let hit = c.lookup(&p).await.map_err(|e| e.to_string())?;
+        v.push(t0.elapsed());
+        if hit.matched_blocks != 8192 {
+            return Err(format!("lookup matched {} of 8192 blocks (is G2 too small?)", hit.matched_blocks));
+        }
+    }
+    let (p50, p99) = percentiles(v);
+    report.latency.push(Latency {
+        what: "lookup, 128k-token prompt (8192 blocks of 16 tokens)".into(),
+        p50_us: p50,
+        p99_us: p99,
+    });
+    c.unregister().await.map_err(|e| e.to_string())?;
+
+    // A small batch: 4 blocks of 2 MiB (16 tokens, 32 layers x 8 KV heads x 128 dims, bf16).
+    let small = layout(32, 16);
+    let (c, _mem) = engine(&cfg.dir, socket, "small", &small, 8).await?;
+    let (mut save, mut lookup, mut load) = (Vec::new(), Vec::new(), Vec::new());
+    for i in 0..cfg.samples {
+        let p = prompt(1_000 + i as u32, 4, 16);
+        let t0 = Instant::now();
+        c.save(&p, 0, &[0, 1, 2, 3]).await.map_err(|e| e.to_string())?;
+        save.push(t0.elapsed());
+        let t0 = Instant::now();
+        c.lookup(&p).await.map_err(|e| e.to_string())?;
+        lookup.push(t0.elapsed());
+        let t0 = Instant::now();
+        c.load_now(&p, 0, &[4, 5, 6, 7]).await.map_err(|e| e.to_string())?;
+        load.push(t0.elapsed());
+    }
+    for (what, v) in [("save", save), ("lookup", lookup), ("load (wait)", load)] {
+        let (p50, p99) = percentiles(v);
+        report.latency.push(Latency { what: format!("{what}, 4 blocks of 2 MiB"), p50_us: p50, p99_us: p99 });
+    }
+    c.unregister().await.map_err(|e| e.to_string())?;
+    Ok(())
+}
+
+/// Runs every measurement against `socket`.
+pub async fn run_against(cfg: &SocketBench, socket: &Path) -> Result<Report, String> {
+    let mut report = Report::default();
+    for (name, l) in [("256KiB", layout(4, 16)), ("2MiB", layout(32, 16)), ("16MiB", layout(32, 128))] {
+        report.throughput.push(throughput(cfg, socket, name, l).await?);
+    }
+    latencies(cfg, socket, &mut report).await?;
+    Ok(report)
+}
+
+/// Runs the benchmark, starting a daemon in this process unless `cfg.socket` names one.
+pub async fn run(cfg: &SocketBench) -> Result<Report, String> {
+    if let Some(s) = &cfg.socket {
+        return run_against(cfg, s).await;
+    }
+    let mut c = kvcached::Config {
+        socket: cfg.dir.join("kvcached.sock"),
+        metrics_addr: "127.0.0.1:0".parse().map_err(|e| format!("{e}"))?,
+        ..Default::default()
+    };
+    c.g2.capacity_bytes = 2 << 30;
+    c.g3.enabled = cfg.g3;
+    c.g3.dir = cfg.dir.join("g3");
+    c.g3.capacity_bytes = 4 << 30;
+    c.g3.fsync = false;
+    let c = c.resolve().map_err(|e| e.to_string())?;
+    let socket = c.socket.clone();
+    let listeners = kvcached::Listeners::bind(&c).await.map_err(|e| e.to_string())?;
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let daemon = tokio::spawn(kvcached::serve(c, listeners, async move {
+        let _ = rx.await;
+    }));
+    let r = run_against(cfg, &socket).await;
+    let _ = tx.send(());
+    match daemon.await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => return Err(format!("daemon: {e}")),
+        Err(e) => return Err(format!("daemon task: {e}")),
+    }
+    r
+}
+
+/// The report as Markdown tables.
+pub fn markdown(r: &Report) -> String {
+    let mut s = String::from(
+        "| block | memcpy (hot) | memcpy into a 1 GiB pool | save | save / pool memcpy | load | load / hot memcpy |\n|---|---|---|---|---|---|---|\n",
+    );
+    for t in &r.throughput {
+        s.push_str(&format!(
+            "| {} | {:.2} | {:.2} | {:.2} | {:.2}x | {:.2} | {:.2}x |\n",
+            t.block,
+            t.memcpy_hot_gibs,
+            t.memcpy_pool_gibs,
+            t.save_gibs,
+            t.save_gibs / t.memcpy_pool_gibs,
+            t.load_gibs,
+            t.load_gibs / t.memcpy_hot_gibs
+        ));
+    }
+    s.push_str("\n| operation | p50 (us) | p99 (us) |\n|---|---|---|\n");
+    for l in &r.latency {
+        s.push_str(&format!("| {} | {:.0} | {:.0} |\n", l.what, l.p50_us, l.p99_us));
+    }
+    s
+}

@@ -1,0 +1,137 @@
+//! An engine in a process of its own, for trying kvcached by hand and for the cross-process test.
+//!
+//! ```text
+//! cargo run --release -p kvcached &                       # the daemon, embedded defaults
+//! cargo run -p kvclient --example engine -- save 7 64     # prefill: fill 64 blocks, save them
+//! cargo run -p kvclient --example engine -- load 7 64     # decode: look up, load, verify
+//! ```
+//!
+//! `save SEED BLOCKS` allocates shared-memory KV, fills slots 0..BLOCKS with deterministic
+//! synthetic KV for prompt SEED and saves it. `load SEED BLOCKS` (another process) allocates its
+//! own KV, looks the prompt up, loads it into slots BLOCKS..2*BLOCKS and checks every byte. The
+//! socket is `KVCACHED_SOCKET` or the daemon's default. Exit status 0 only when all is right.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use kvclient::{BlockingClient, KvMemory, synthetic_block};
+use kvproto::{Dtype, KvLayout, LayoutKind, Namespace};
+
+fn layout() -> KvLayout {
+    KvLayout {
+        num_layers: 28,
+        kv_heads: 8,
+        head_dim: 128,
+        dtype: Dtype::Bf16,
+        tokens_per_block: 16,
+        kind: LayoutKind::LayerSeparate,
+    }
+}
+
+/// The daemon's default socket (see docs/configuration.md).
+fn default_socket() -> PathBuf {
+    if let Some(s) = std::env::var_os("KVCACHED_SOCKET") {
+        return s.into();
+    }
+    if let Some(d) = std::env::var_os("XDG_RUNTIME_DIR") {
+        return PathBuf::from(d).join("kvcached/kvcached.sock");
+    }
+    // SAFETY: getuid never fails.
+    std::env::temp_dir().join(format!("kvcached-{}/kvcached.sock", unsafe { libc_getuid() }))
+}
+
+unsafe extern "C" {
+    #[link_name = "getuid"]
+    fn libc_getuid() -> u32;
+}
+
+fn tokens(seed: u32, blocks: u32) -> Vec<u32> {
+    (0..blocks * 16).map(|i| (i.wrapping_mul(2_654_435_761) ^ seed.wrapping_mul(40_503)) % 151_936).collect()
+}
+
+fn shm(role: &str) -> PathBuf {
+    let dir = if std::path::Path::new("/dev/shm").is_dir() { "/dev/shm".into() } else { std::env::temp_dir() };
+    dir.join(format!("kvclient-example-{role}-{}", std::process::id()))
+}
+
+fn run(mode: &str, seed: u32, blocks: u32) -> Result<bool, Box<dyn std::error::Error>> {
+    let layout = layout();
+    let ns = Namespace::new("Qwen/Qwen3-0.6B", layout);
+    let len = layout.block_bytes() as usize;
+    let prompt = tokens(seed, blocks);
+    let client = BlockingClient::connect(default_socket())?;
+    match mode {
+        "save" => {
+            let mut kv = KvMemory::create_layer_separate(shm("save"), &layout, blocks)?;
+            for b in 0..blocks {
+                kv.write_block(b, &synthetic_block(u64::from(seed), b, len));
+            }
+            client.register("example-prefill", &ns, &kv)?;
+            let t0 = Instant::now();
+            let r = client.save(&prompt, 0, &(0..blocks).collect::<Vec<_>>())?;
+            println!(
+                "saved {} blocks ({} already cached, {} failed) of {} KiB in {:.1} ms",
+                r.stored,
+                r.already_present,
+                r.failed,
+                len / 1024,
+                t0.elapsed().as_secs_f64() * 1e3
+            );
+            client.unregister()?;
+            Ok(r.failed == 0 && r.stored + r.already_present == blocks)
+        }
+        "load" => {
+            let kv = KvMemory::create_layer_separate(shm("load"), &layout, blocks * 2)?;
+            client.register("example-decode", &ns, &kv)?;
+            let hit = client.lookup(&prompt)?;
+            println!(
+                "lookup: {} of {blocks} blocks cached (G2 {}, G3 {})",
+                hit.matched_blocks, hit.g2_blocks, hit.g3_blocks
+            );
+            let slots: Vec<u32> = (blocks..blocks + hit.matched_blocks).collect();
+            let op = client.load(&prompt, 0, &slots)?;
+            let done = client.wait(op, Duration::from_secs(30))?;
+            let exact = (0..done.loaded_blocks)
+                .filter(|&i| kv.read_block(blocks + i) == synthetic_block(u64::from(seed), i, len))
+                .count() as u32;
+            println!(
+                "loaded {} blocks (G2 {}, G3 {}); {exact} byte-exact",
+                done.loaded_blocks, done.from_g2, done.from_g3
+            );
+            client.unregister()?;
+            Ok(exact == blocks && done.loaded_blocks == blocks)
+        }
+        other => Err(format!("unknown mode {other:?}: use save or load").into()),
+    }
+}
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let parsed = match args.as_slice() {
+        [mode, seed, blocks] => {
+            seed.parse::<u32>().ok().zip(blocks.parse::<u32>().ok()).map(|(s, b)| (mode.as_str(), s, b))
+        }
+        _ => None,
+    };
+    if args.is_empty() {
+        // `cargo test --all-targets` runs examples without arguments: say how to use it.
+        println!("usage: engine save|load SEED BLOCKS (see the top of client/examples/engine.rs)");
+        return ExitCode::SUCCESS;
+    }
+    let Some((mode, seed, blocks)) = parsed else {
+        eprintln!("usage: engine save|load SEED BLOCKS");
+        return ExitCode::from(2);
+    };
+    match run(mode, seed, blocks.max(1)) {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => {
+            eprintln!("engine {mode}: not every block came through");
+            ExitCode::FAILURE
+        }
+        Err(e) => {
+            eprintln!("engine {mode}: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
