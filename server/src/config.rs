@@ -59,6 +59,8 @@ pub struct G2Config {
     pub cuda_register: String,
     /// How long a save may wait for write-through to free G2 space (ms).
     pub dirty_wait_ms: u64,
+    /// Map the whole pool in a background thread at start, so saves take no page faults.
+    pub prefault: bool,
 }
 
 /// G3, the disk tier.
@@ -135,6 +137,7 @@ impl Default for G2Config {
             mlock: false,
             cuda_register: "auto".into(),
             dirty_wait_ms: 100,
+            prefault: true,
         }
     }
 }

@@ -92,6 +92,17 @@ pub async fn serve(
         .await
         .map_err(|e| ServerError::Io(std::io::Error::other(e)))??;
     let store = Arc::new(store);
+    if config.g2.prefault {
+        let g2 = Arc::downgrade(store.g2());
+        let spawned = std::thread::Builder::new().name("kv-g2-prefault".into()).spawn(move || {
+            let t0 = std::time::Instant::now();
+            let bytes = kvtiers::HostTier::prefault(&g2);
+            tracing::info!(bytes, took_ms = t0.elapsed().as_millis() as u64, "G2 pool prefaulted");
+        });
+        if let Err(e) = spawned {
+            tracing::warn!("cannot start the G2 prefault thread: {e}");
+        }
+    }
     let engines = engine::Registry::new(config.engines.max_engines, Duration::from_millis(config.engines.lease_ms));
     let http_addr = listeners.http.as_ref().and_then(|l| l.local_addr().ok());
     let recovery_url = if config.router.advertise_url.is_empty() {

@@ -249,6 +249,31 @@ impl HostTier {
         })
     }
 
+    /// Maps every page of the pool in advance (`MADV_POPULATE_WRITE`, 64 MiB at a time), so
+    /// that saves do not take a page fault per fresh page (a quarter of a save's CPU time in a
+    /// profile of a cold pool). Meant for a background thread: it holds only a weak reference
+    /// between chunks and stops when the tier is dropped. Returns the bytes populated.
+    pub fn prefault(tier: &std::sync::Weak<HostTier>) -> u64 {
+        const CHUNK: usize = 64 << 20;
+        let mut done = 0usize;
+        loop {
+            let Some(t) = tier.upgrade() else { return done as u64 };
+            let (base, len) = (t.region.map.as_mut_ptr(), t.region.map.len());
+            if done >= len {
+                return done as u64;
+            }
+            let n = CHUNK.min(len - done);
+            // SAFETY: the range lies inside our live mapping; populating changes no contents.
+            let r = unsafe { libc::madvise(base.wrapping_add(done).cast(), n, libc::MADV_POPULATE_WRITE) };
+            if r != 0 {
+                let e = std::io::Error::last_os_error();
+                tracing::info!("G2 pool not prefaulted past {done} bytes: {e} (pages are mapped on first use)");
+                return done as u64;
+            }
+            done += n;
+        }
+    }
+
     /// Path of the shared-memory file (engines map it by this path).
     pub fn shm_path(&self) -> &Path {
         &self.region.path
@@ -456,6 +481,11 @@ impl Tier for HostTier {
 
     fn contains(&self, key: &BlockKey) -> bool {
         self.state.lock().contains(key)
+    }
+
+    fn contains_each(&self, keys: &[BlockKey]) -> Vec<bool> {
+        let st = self.state.lock();
+        keys.iter().map(|k| st.contains(k)).collect()
     }
 
     fn remove(&self, key: &BlockKey) -> Result<bool> {

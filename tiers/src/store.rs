@@ -186,21 +186,29 @@ impl BlockStore {
     /// used, ancestors last so that they outlive their descendants.
     pub fn lookup(&self, keys: &[BlockKey]) -> PrefixMatch {
         let mut m = PrefixMatch::default();
-        for k in keys {
-            let mut fastest = None;
-            if self.g2.contains(k) {
-                m.resident[TierKind::G2Host.index()] += 1;
-                fastest = Some(TierKind::G2Host);
-            }
-            for t in self.lower.iter() {
-                if t.contains(k) {
-                    m.resident[t.kind().index()] += 1;
-                    fastest = fastest.or(Some(t.kind()));
+        // One lock per tier per chunk of keys, not one per key (a 128k-token prompt has 8192),
+        // and chunks short enough that a lookup never holds a tier's lock for long.
+        const CHUNK: usize = 512;
+        'chain: for chunk in keys.chunks(CHUNK) {
+            let g2 = self.g2.contains_each(chunk);
+            let lower: Vec<(TierKind, Vec<bool>)> =
+                self.lower.iter().map(|t| (t.kind(), t.contains_each(chunk))).collect();
+            for i in 0..chunk.len() {
+                let mut fastest = None;
+                if g2[i] {
+                    m.resident[TierKind::G2Host.index()] += 1;
+                    fastest = Some(TierKind::G2Host);
                 }
+                for (kind, present) in &lower {
+                    if present[i] {
+                        m.resident[kind.index()] += 1;
+                        fastest = fastest.or(Some(*kind));
+                    }
+                }
+                let Some(f) = fastest else { break 'chain };
+                m.fastest[f.index()] += 1;
+                m.blocks += 1;
             }
-            let Some(f) = fastest else { break };
-            m.fastest[f.index()] += 1;
-            m.blocks += 1;
         }
         self.g2.touch_chain(&keys[..m.blocks]);
         m

@@ -46,6 +46,11 @@ pub trait Tier: Send + Sync + std::fmt::Debug {
     /// Whether the block is visible. Touches no block data.
     fn contains(&self, key: &BlockKey) -> bool;
 
+    /// [`Tier::contains`] of each key, in order (tiers override this to take their lock once).
+    fn contains_each(&self, keys: &[BlockKey]) -> Vec<bool> {
+        keys.iter().map(|k| self.contains(k)).collect()
+    }
+
     /// Removes a block; `true` if it was there.
     fn remove(&self, key: &BlockKey) -> Result<bool>;
 

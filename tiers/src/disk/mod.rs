@@ -508,6 +508,11 @@ impl Tier for DiskTier {
         self.state.lock().contains(key)
     }
 
+    fn contains_each(&self, keys: &[BlockKey]) -> Vec<bool> {
+        let st = self.state.lock();
+        keys.iter().map(|k| st.contains(k)).collect()
+    }
+
     fn remove(&self, key: &BlockKey) -> Result<bool> {
         let mut st = self.state.lock();
         let Some(e) = st.remove(key) else { return Ok(false) };
