@@ -44,6 +44,11 @@ pub struct RouterConfig {
     /// The URL routers use to reach this daemon's HTTP listener for replay and snapshots;
     /// empty: `http://<metrics_addr>` when that is not a wildcard address.
     pub advertise_url: String,
+    /// ZMQ endpoint to publish this node's G2/G3 events on in vLLM's wire format (e.g.
+    /// `tcp://0.0.0.0:5557`); empty: off.
+    pub vllm_export: String,
+    /// Topic of those messages.
+    pub vllm_export_topic: String,
 }
 
 /// G2, the host pool.
@@ -167,6 +172,8 @@ impl Default for RouterConfig {
             event_log: 65_536,
             max_pending: 16_384,
             advertise_url: String::new(),
+            vllm_export: String::new(),
+            vllm_export_topic: String::new(),
         }
     }
 }

@@ -87,6 +87,12 @@ impl Daemon {
         Self::span(&engine, keys.len(), req.first_block, &req.block_ids)?;
         let mut resp = pb::SaveResponse::default();
         let len = engine.block_bytes();
+        let end = req.first_block as usize + req.block_ids.len();
+        let vllm = self.reports.vllm();
+        if let Some(v) = vllm {
+            let tpb = engine.namespace.layout.tokens_per_block as usize;
+            v.note_save(&keys, &req.tokens, tpb, req.first_block as usize, end);
+        }
         for (i, &slot) in req.block_ids.iter().enumerate() {
             let idx = req.first_block as usize + i;
             let meta = BlockMeta { namespace: engine.namespace_id, parent: idx.checked_sub(1).map(|p| keys[p]), len };
@@ -104,6 +110,11 @@ impl Daemon {
                     }
                 }
             }
+        }
+        if let Some(v) = vllm
+            && resp.failed > 0
+        {
+            v.forget_unstored(&keys[req.first_block as usize..end]);
         }
         self.saves.fetch_add(1, Ordering::Relaxed);
         Ok(resp)

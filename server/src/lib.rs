@@ -9,6 +9,7 @@
 //! - [`engine`]: attached engines, their memory mappings and heartbeat leases.
 //! - [`http`]: `/metrics`, `/healthz`, and the event replay / snapshot routes for routers.
 //! - [`reports`]: hit reports to kvrouter (tier events, G1 from engines, load, outcomes).
+//! - [`vllm_export`]: the tiers' events in vLLM's ZMQ wire format, for routers that read those.
 //! - [`error`]: the [`ServerError`] enum.
 //! - [`demo`]: two engines handing blocks over through a running daemon.
 
@@ -20,6 +21,7 @@ pub mod error;
 pub mod http;
 pub mod reports;
 pub mod service;
+pub mod vllm_export;
 
 use std::future::Future;
 use std::os::unix::fs::PermissionsExt;
@@ -110,8 +112,15 @@ pub async fn serve(
     } else {
         Some(config.router.advertise_url.clone())
     };
-    let reports = Arc::new(reports::Reports::start(&config.router, recovery_url, Arc::clone(&store)));
-    if reports.enabled() {
+    let vllm = if config.router.vllm_export.is_empty() {
+        None
+    } else {
+        Some(Arc::new(
+            vllm_export::VllmExport::start(&config.router.vllm_export, &config.router.vllm_export_topic).await?,
+        ))
+    };
+    let reports = Arc::new(reports::Reports::start(&config.router, recovery_url, Arc::clone(&store), vllm));
+    if reports.listening() {
         store.set_listener(Arc::clone(&reports) as Arc<dyn kvtiers::TierListener>);
         let n = reports.announce(&store);
         tracing::info!(blocks = n, "announced the blocks kept across the restart");

@@ -24,6 +24,7 @@ use parking_lot::Mutex;
 
 use crate::config::RouterConfig;
 use crate::engine::Engine;
+use crate::vllm_export::VllmExport;
 
 /// What the daemon knows of one attached engine, for `info` and load reports.
 #[derive(Debug, Clone)]
@@ -43,6 +44,7 @@ pub struct Reports {
     publisher: Option<HttpPublisher>,
     base: PublisherInfo,
     engines: Engines,
+    vllm: Option<Arc<VllmExport>>,
 }
 
 /// A change an engine reports about its GPU memory.
@@ -61,14 +63,20 @@ impl Reports {
             publisher: None,
             base: base_info(node, 1000, None),
             engines: Arc::default(),
+            vllm: None,
         }
     }
 
     /// Starts publishing to `cfg.urls` (must run inside the tokio runtime). `recovery_url` is
     /// where routers reach [`Reports::log`]'s replay and snapshot routes.
-    pub fn start(cfg: &RouterConfig, recovery_url: Option<String>, store: Arc<BlockStore>) -> Self {
+    pub fn start(
+        cfg: &RouterConfig,
+        recovery_url: Option<String>,
+        store: Arc<BlockStore>,
+        vllm: Option<Arc<VllmExport>>,
+    ) -> Self {
         if cfg.urls.is_empty() {
-            return Self::disabled(&cfg.node);
+            return Self { vllm, ..Self::disabled(&cfg.node) };
         }
         let epoch = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -91,12 +99,22 @@ impl Reports {
             move || Some(load_report(&store, &for_load.lock())),
         );
         tracing::info!(routers = ?cfg.urls, node = %cfg.node, epoch, recovery = ?recovery_url, "publishing hit reports");
-        Self { node: NodeId(cfg.node.clone()), publisher: Some(publisher), base, engines }
+        Self { node: NodeId(cfg.node.clone()), publisher: Some(publisher), base, engines, vllm }
     }
 
     /// Whether any router is configured.
     pub fn enabled(&self) -> bool {
         self.publisher.is_some()
+    }
+
+    /// Whether tier changes are wanted at all (routers or a vLLM-format export).
+    pub fn listening(&self) -> bool {
+        self.publisher.is_some() || self.vllm.is_some()
+    }
+
+    /// The vLLM-format exporter, when configured.
+    pub fn vllm(&self) -> Option<&Arc<VllmExport>> {
+        self.vllm.as_ref()
     }
 
     /// The event log (for the recovery routes), when publishing.
@@ -212,6 +230,12 @@ impl Reports {
 
 impl TierListener for Reports {
     fn stored(&self, tier: TierKind, key: BlockKey, meta: &BlockMeta) {
+        if let Some(v) = &self.vllm {
+            v.stored(tier, &key);
+        }
+        if !self.enabled() {
+            return;
+        }
         let Some(holder) = self.holder(tier) else { return };
         self.publish(EventBody::Stored {
             namespace: meta.namespace,
@@ -223,6 +247,12 @@ impl TierListener for Reports {
     }
 
     fn removed(&self, tier: TierKind, keys: &[BlockKey]) {
+        if let Some(v) = &self.vllm {
+            v.removed(tier, keys);
+        }
+        if !self.enabled() {
+            return;
+        }
         let Some(holder) = self.holder(tier) else { return };
         self.publish(EventBody::Removed { keys: keys.to_vec(), tier, holder });
     }

@@ -59,9 +59,13 @@ struct RouterProc {
 }
 
 async fn start_router(addr: &str) -> RouterProc {
+    start_router_with(addr, router_config()).await
+}
+
+async fn start_router_with(addr: &str, config: RouterConfig) -> RouterProc {
     let listener = tokio::net::TcpListener::bind(addr).await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
-    let router = kvrouter::Router::new(router_config()).unwrap();
+    let router = kvrouter::Router::new(config).unwrap();
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     let task = tokio::spawn(async move {
         kvrouter::serve_router(listener, router, async move {
@@ -82,14 +86,13 @@ impl RouterProc {
 
 /// Starts `kvcached` for `node` in `dir`, publishing to `router` every 200 ms.
 fn spawn_daemon(dir: &Path, node: &str, router: &str) -> Child {
+    spawn_daemon_with(dir, &format!("urls = [\"{router}\"]\nnode = \"{node}\"\nreport_interval_ms = 200\n"))
+}
+
+/// Starts `kvcached` in `dir` with `router_section` as its `[router]` settings.
+fn spawn_daemon_with(dir: &Path, router_section: &str) -> Child {
     let cfg = dir.join("kvcached.toml");
-    std::fs::write(
-        &cfg,
-        format!(
-            "metrics_addr = \"127.0.0.1:0\"\n[router]\nurls = [\"{router}\"]\nnode = \"{node}\"\nreport_interval_ms = 200\n"
-        ),
-    )
-    .unwrap();
+    std::fs::write(&cfg, format!("metrics_addr = \"127.0.0.1:0\"\n[router]\n{router_section}")).unwrap();
     let sock = dir.join("kvcached.sock");
     let _ = std::fs::remove_file(&sock);
     let child = Command::new(env!("CARGO_BIN_EXE_kvcached"))
@@ -103,7 +106,7 @@ fn spawn_daemon(dir: &Path, node: &str, router: &str) -> Child {
         .unwrap();
     let deadline = Instant::now() + Duration::from_secs(30);
     while std::os::unix::net::UnixStream::connect(&sock).is_err() {
-        assert!(Instant::now() < deadline, "daemon {node} did not start");
+        assert!(Instant::now() < deadline, "daemon in {} did not start", dir.display());
         std::thread::sleep(Duration::from_millis(20));
     }
     child
@@ -250,5 +253,88 @@ async fn router_places_requests_on_two_real_daemons_through_restarts() {
 
     drop((ca, cb));
     signal_and_wait(daemon_a, libc::SIGTERM);
+    router.stop().await;
+}
+
+/// A free TCP port on loopback (bound, then released for the daemon to take).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_router_reading_vllm_events_sees_the_daemons_g2_through_its_export() {
+    let http = reqwest::Client::builder().pool_max_idle_per_host(0).build().unwrap();
+    let d = tempfile::tempdir().unwrap();
+    let endpoint = format!("tcp://127.0.0.1:{}", free_port());
+    let daemon = spawn_daemon_with(d.path(), &format!("vllm_export = \"{endpoint}\"\n"));
+    // A router that knows this node only as a vLLM event source (as Dynamo or llm-d would):
+    // Dynamo XXH3-64 hashes of 16-token blocks, medium CPU_PINNED = the node's G2.
+    let config: RouterConfig = toml::from_str(&format!(
+        r#"
+seed = 1
+[health]
+default_report_interval_ms = 200
+[[namespaces]]
+name = "m-vllm"
+model_id = "cluster/model"
+num_layers = 2
+kv_heads = 2
+head_dim = 64
+dtype = "bf16"
+tokens_per_block = 16
+key_scheme = "dynamo-xxh3-1337"
+[[vllm_sources]]
+endpoint = "{endpoint}"
+worker = "node-v/gpu0"
+node = "node-v"
+namespace = "m-vllm"
+address = "http://v:8000"
+"#
+    ))
+    .unwrap();
+    let router = start_router_with("127.0.0.1:0", config).await;
+    let (c, _mem) = engine(d.path(), "http://v:8000").await;
+    let ask = |tokens: Vec<u32>| {
+        let http = http.clone();
+        let base = router.base.clone();
+        async move {
+            let r = http
+                .post(format!("{base}/route"))
+                .json(&json!({"namespace": "m-vllm", "tokens": tokens}))
+                .send()
+                .await
+                .unwrap();
+            r.json::<Value>().await.unwrap_or(Value::Null)
+        }
+    };
+    // A subscriber misses what is sent before it connects: save fresh prompts until one shows.
+    let t0 = Instant::now();
+    let mut n = 0;
+    loop {
+        n += 1;
+        let p = prompt(100 + n, 4);
+        c.save(&p, 0, &[0, 1, 2, 3]).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        if cached(&ask(p).await)[1] == 4 {
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(20), "no exported event reached the router");
+    }
+    // Connected: a longer prompt shows up whole, on the node's G2, with the worker's address.
+    let p = prompt(7, 24);
+    assert_eq!(c.save(&p, 0, &(0..24).collect::<Vec<_>>()).await.unwrap().stored, 24);
+    let t0 = Instant::now();
+    loop {
+        let v = ask(p.clone()).await;
+        if cached(&v) == [0, 24, 0, 0] {
+            assert_eq!(v["worker"], "node-v/gpu0");
+            assert_eq!(v["address"], "http://v:8000");
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(10), "exported blocks not indexed: {v}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    drop(c);
+    signal_and_wait(daemon, libc::SIGTERM);
     router.stop().await;
 }
