@@ -162,7 +162,29 @@ impl Client {
         address: &str,
         role: &str,
     ) -> Result<pb::RegisterResponse, ClientError> {
-        let mut request = memory.to_request(engine_name, ns);
+        self.register_request(memory.to_request(engine_name, ns), address, role).await
+    }
+
+    /// Registers KV memory that lives in the engine's GPU (shared through a CUDA IPC handle),
+    /// with the worker's address and role as in [`Client::register_worker`] (empty when no
+    /// router is involved).
+    pub async fn register_gpu(
+        &self,
+        engine_name: &str,
+        ns: &Namespace,
+        memory: &crate::memory::GpuKvMemory,
+        address: &str,
+        role: &str,
+    ) -> Result<pb::RegisterResponse, ClientError> {
+        self.register_request(memory.to_request(engine_name, ns), address, role).await
+    }
+
+    async fn register_request(
+        &self,
+        mut request: pb::RegisterRequest,
+        address: &str,
+        role: &str,
+    ) -> Result<pb::RegisterResponse, ClientError> {
         request.worker_address = address.to_string();
         request.role = role.to_string();
         let resp = self.rpc().register(request.clone()).await?.into_inner();

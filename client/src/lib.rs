@@ -33,7 +33,8 @@
 //! - [`client`]: the async [`Client`] (connect, register, save, lookup, load, wait,
 //!   reconnect, heartbeats).
 //! - [`blocking`]: [`BlockingClient`], the same API for engines without an async runtime.
-//! - [`memory`]: [`KvMemory`], a shared-memory KV region and its segment layout.
+//! - [`memory`]: [`KvMemory`], a shared-memory KV region and its segment layout;
+//!   [`GpuKvMemory`], KV in GPU memory shared through a CUDA IPC handle.
 //! - [`error`]: the [`ClientError`] enum.
 
 pub mod blocking;
@@ -46,4 +47,4 @@ pub use client::{Client, LoadOp};
 pub use error::ClientError;
 pub use kvproto;
 pub use kvproto::pb::{LoadStatus, LookupResponse, SaveResponse};
-pub use memory::{KvMemory, synthetic_block};
+pub use memory::{GpuKvMemory, KvMemory, synthetic_block};

@@ -102,24 +102,74 @@ impl KvMemory {
 
     /// The registration message fields describing this region.
     pub(crate) fn to_request(&self, engine_name: &str, ns: &kvproto::Namespace) -> pb::RegisterRequest {
-        pb::RegisterRequest {
-            engine_name: engine_name.to_string(),
-            namespace: Some(pb::NamespaceSpec::from(ns)),
-            region: Some(pb::MemoryRegion {
-                kind: Some(pb::memory_region::Kind::ShmPath(self.path.to_string_lossy().into_owned())),
-                size_bytes: self.map.len() as u64,
-                cuda_device: 0,
-            }),
-            segments: self
-                .segments
-                .iter()
-                .map(|&(offset, block_stride)| pb::Segment { offset, block_stride })
-                .collect(),
-            segment_bytes: self.segment_bytes,
-            num_blocks: self.num_blocks,
-            worker_address: String::new(),
-            role: String::new(),
-        }
+        let kind = pb::memory_region::Kind::ShmPath(self.path.to_string_lossy().into_owned());
+        let region = pb::MemoryRegion { kind: Some(kind), size_bytes: self.map.len() as u64, cuda_device: 0 };
+        register_request(engine_name, ns, region, &self.segments, self.segment_bytes, self.num_blocks)
+    }
+}
+
+/// A registration of `region` laid out in `segments` (offset of block 0, stride) per segment.
+fn register_request(
+    engine_name: &str,
+    ns: &kvproto::Namespace,
+    region: pb::MemoryRegion,
+    segments: &[(u64, u64)],
+    segment_bytes: u64,
+    num_blocks: u32,
+) -> pb::RegisterRequest {
+    pb::RegisterRequest {
+        engine_name: engine_name.to_string(),
+        namespace: Some(pb::NamespaceSpec::from(ns)),
+        region: Some(region),
+        segments: segments.iter().map(|&(offset, block_stride)| pb::Segment { offset, block_stride }).collect(),
+        segment_bytes,
+        num_blocks,
+        worker_address: String::new(),
+        role: String::new(),
+    }
+}
+
+/// KV memory in the engine's GPU memory, shared with the daemon through a CUDA IPC handle
+/// (`cuIpcGetMemHandle` of the allocation holding the KV tensors; offsets are from its base).
+/// The daemon copies between it and G2 with DMA; it needs a CUDA driver and device on the node
+/// and answers "no CUDA device" otherwise.
+#[derive(Debug, Clone)]
+pub struct GpuKvMemory {
+    handle: Vec<u8>,
+    device: u32,
+    size: u64,
+    segments: Vec<(u64, u64)>,
+    segment_bytes: u64,
+    num_blocks: u32,
+}
+
+impl GpuKvMemory {
+    /// vLLM-style tensors laid out back to back in one allocation: `[num_blocks, segment]` per
+    /// layer and K/V, layer 0 K, layer 0 V, layer 1 K, ...
+    pub fn layer_separate(handle: [u8; 64], device: u32, layout: &KvLayout, num_blocks: u32) -> Self {
+        let seg = layout.segment_bytes();
+        let tensors = u64::from(layout.num_layers) * 2;
+        let segments = (0..tensors).map(|t| (t * u64::from(num_blocks) * seg, seg)).collect();
+        Self::with_segments(handle, device, tensors * u64::from(num_blocks) * seg, segments, seg, num_blocks)
+    }
+
+    /// Any layout: per segment of a block (in block byte order), the offset of block 0's
+    /// segment and the stride between blocks; `size` is the allocation's length.
+    pub fn with_segments(
+        handle: [u8; 64],
+        device: u32,
+        size: u64,
+        segments: Vec<(u64, u64)>,
+        segment_bytes: u64,
+        num_blocks: u32,
+    ) -> Self {
+        Self { handle: handle.to_vec(), device, size, segments, segment_bytes, num_blocks }
+    }
+
+    pub(crate) fn to_request(&self, engine_name: &str, ns: &kvproto::Namespace) -> pb::RegisterRequest {
+        let kind = pb::memory_region::Kind::CudaIpcHandle(self.handle.clone());
+        let region = pb::MemoryRegion { kind: Some(kind), size_bytes: self.size, cuda_device: self.device };
+        register_request(engine_name, ns, region, &self.segments, self.segment_bytes, self.num_blocks)
     }
 }
 

@@ -96,11 +96,20 @@ impl Daemon {
         for (i, &slot) in req.block_ids.iter().enumerate() {
             let idx = req.first_block as usize + i;
             let meta = BlockMeta { namespace: engine.namespace_id, parent: idx.checked_sub(1).map(|p| keys[p]), len };
-            let segs = engine.segments_of(slot);
-            // SAFETY: segments were range-checked at attach; the engine does not write a slot
-            // it asked to save until the call returns.
-            let parts: Vec<&[u8]> = segs.iter().map(|&(p, l)| unsafe { std::slice::from_raw_parts(p, l) }).collect();
-            match self.store.put_parts(keys[idx], meta, &parts) {
+            let put = match engine.host_segments(slot) {
+                Some(segs) => {
+                    // SAFETY: segments were range-checked at attach; the engine does not write a
+                    // slot it asked to save until the call returns.
+                    let parts: Vec<&[u8]> =
+                        segs.iter().map(|&(p, l)| unsafe { std::slice::from_raw_parts(p, l) }).collect();
+                    self.store.put_parts(keys[idx], meta, &parts)
+                }
+                // GPU memory: DMA from the engine's segments straight into the G2 pages.
+                None => self.store.put_with(keys[idx], meta, |dst| {
+                    engine.read_slot_into(slot, dst).map_err(|e| kvtiers::TierError::NoCuda(e.to_string()))
+                }),
+            };
+            match put {
                 Ok(true) => resp.stored += 1,
                 Ok(false) => resp.already_present += 1,
                 Err(e) => {
@@ -239,29 +248,27 @@ impl Daemon {
         let mut buf = BlockBuf::new();
         let want_len = engine.block_bytes();
         for (key, &slot) in wanted.iter().zip(&req.block_ids) {
-            let dst = engine.segments_of(slot);
             let got = self.store.read_with(key, &mut buf, |meta, pieces| {
                 // Defence in depth: keys already bind the namespace, but a block of another
                 // namespace or size is never copied into an engine.
                 if meta.namespace != engine.namespace_id || meta.len != want_len {
-                    return false;
+                    return Ok(false);
                 }
-                // SAFETY: destinations are this engine's slot segments (range-checked at attach)
-                // and the sources are store memory; lengths add up to the block's bytes.
-                unsafe {
-                    kvtiers::host::copy_pieces(pieces.iter().map(|p| (p.as_ptr(), p.len())), dst.iter().copied());
-                }
-                true
+                engine.write_slot_from(slot, pieces).map(|()| true)
             });
             match got {
-                Ok(Some((tier, true))) => {
+                Ok(Some((_, Err(e)))) => {
+                    self.store.release(lease);
+                    return Err(e);
+                }
+                Ok(Some((tier, Ok(true)))) => {
                     st.loaded_blocks += 1;
                     match tier {
                         TierKind::G2Host => st.from_g2 += 1,
                         _ => st.from_g3 += 1,
                     }
                 }
-                Ok(Some((_, false))) => {
+                Ok(Some((_, Ok(false)))) => {
                     self.namespace_mismatch.increment(1);
                     tracing::warn!(%key, engine = engine.id, "block namespace or size differs from the engine's; served as a miss");
                     break;

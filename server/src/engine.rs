@@ -2,8 +2,9 @@
 //! that stopped sending heartbeats.
 //!
 //! On a CPU-only node an engine's KV memory is a shared-memory file the daemon maps; a GPU
-//! engine passes a CUDA IPC handle, which needs a CUDA driver on the node (a clear error
-//! otherwise).
+//! engine passes a CUDA IPC handle, which the daemon opens with the CUDA driver (loaded at run
+//! time; a clear "no CUDA device" error where there is none) and copies to and from with DMA.
+//! [`Engine::read_slot_into`] and [`Engine::write_slot_from`] hide which.
 
 use std::collections::HashMap;
 use std::fs::OpenOptions;
@@ -21,6 +22,35 @@ use crate::error::ServerError;
 #[derive(Debug)]
 enum EngineMemory {
     Shm(MmapRaw),
+    Cuda(kvtiers::cuda::DeviceRegion),
+}
+
+/// Walks two lists of contiguous pieces of equal total length in step, calling `f(src, dst, n)`
+/// for each overlapping run (addresses or offsets, as the caller's pieces are).
+fn zip_pieces(
+    src: &[(usize, usize)],
+    dst: &[(usize, usize)],
+    mut f: impl FnMut(usize, usize, usize) -> Result<(), ServerError>,
+) -> Result<(), ServerError> {
+    let mut d = dst.iter().copied();
+    let mut cur: Option<(usize, usize)> = None;
+    for &(mut s, mut slen) in src {
+        while slen > 0 {
+            let (da, dlen) = match cur.take() {
+                Some(c) if c.1 > 0 => c,
+                _ => match d.next() {
+                    Some(c) => c,
+                    None => return Err(ServerError::Invalid("block pieces and slot segments differ in length".into())),
+                },
+            };
+            let n = slen.min(dlen);
+            f(s, da, n)?;
+            s += n;
+            slen -= n;
+            cur = Some((da + n, dlen - n));
+        }
+    }
+    Ok(())
 }
 
 /// One attached engine.
@@ -112,13 +142,16 @@ impl Engine {
                     .map_err(|e| ServerError::Attach(format!("cannot map {path}: {e}")))?;
                 EngineMemory::Shm(map)
             }
-            Some(pb::memory_region::Kind::CudaIpcHandle(_)) => {
-                return Err(ServerError::Attach(if kvtiers::cuda::cuda_available() {
-                    "CUDA IPC engine memory is not supported by this build yet: register a shared-memory region".into()
-                } else {
-                    "no CUDA device on this node: a CUDA IPC handle cannot be opened; register a shared-memory region"
-                        .into()
-                }));
+            Some(pb::memory_region::Kind::CudaIpcHandle(handle)) => {
+                let len = usize::try_from(size).map_err(|_| invalid("region size exceeds the address space"))?;
+                let region = kvtiers::cuda::DeviceRegion::open_ipc(handle, region.cuda_device, len)
+                    .map_err(|e| ServerError::Attach(e.to_string()))?;
+                tracing::info!(
+                    device = region.cuda_device_ordinal(),
+                    bytes = len,
+                    "engine KV memory opened over CUDA IPC"
+                );
+                EngineMemory::Cuda(region)
             }
             None => return Err(invalid("region has neither shm_path nor cuda_ipc_handle")),
         };
@@ -156,18 +189,67 @@ impl Engine {
         }
     }
 
-    /// The segments of engine block `block` as (address, length), in block byte order.
-    /// `block` must have passed [`Engine::check_slots`].
-    pub fn segments_of(&self, block: u32) -> Vec<(*mut u8, usize)> {
-        let EngineMemory::Shm(map) = &self.memory;
-        let base = map.as_mut_ptr();
+    /// The segments of engine block `block` as (offset in the region, length), in block byte
+    /// order. In range: checked against the region size at attach.
+    fn segment_ranges(&self, block: u32) -> Vec<(usize, usize)> {
         self.segments
             .iter()
-            .map(|&(off, stride)| {
-                // In range: checked against the region size at attach.
-                (base.wrapping_add((off + u64::from(block) * stride) as usize), self.segment_bytes as usize)
-            })
+            .map(|&(off, stride)| ((off + u64::from(block) * stride) as usize, self.segment_bytes as usize))
             .collect()
+    }
+
+    /// The segments of engine block `block` as host (address, length) when the engine's memory
+    /// is host memory the daemon maps (`None` for GPU memory). `block` must have passed
+    /// [`Engine::check_slots`].
+    pub fn host_segments(&self, block: u32) -> Option<Vec<(*mut u8, usize)>> {
+        let EngineMemory::Shm(map) = &self.memory else { return None };
+        let base = map.as_mut_ptr();
+        Some(self.segment_ranges(block).into_iter().map(|(off, len)| (base.wrapping_add(off), len)).collect())
+    }
+
+    /// Copies engine block `block` into `dst` (pieces of the block's bytes in order, e.g. G2
+    /// pages).
+    pub fn read_slot_into(&self, block: u32, dst: &[(*mut u8, usize)]) -> Result<(), ServerError> {
+        let dst: Vec<(usize, usize)> = dst.iter().map(|&(p, n)| (p as usize, n)).collect();
+        match &self.memory {
+            EngineMemory::Shm(map) => {
+                let base = map.as_ptr() as usize;
+                let src: Vec<(usize, usize)> =
+                    self.segment_ranges(block).into_iter().map(|(o, n)| (base + o, n)).collect();
+                zip_pieces(&src, &dst, |s, d, n| {
+                    // SAFETY: sources are this engine's mapped segments, destinations the
+                    // caller's pieces; `n` stays within both.
+                    unsafe { std::ptr::copy_nonoverlapping(s as *const u8, d as *mut u8, n) };
+                    Ok(())
+                })
+            }
+            EngineMemory::Cuda(region) => zip_pieces(&self.segment_ranges(block), &dst, |off, d, n| {
+                // SAFETY: `d` is inside the caller's piece for `n` bytes.
+                unsafe { region.to_host(off, d as *mut u8, n) }.map_err(|e| ServerError::Attach(e.to_string()))
+            }),
+        }
+    }
+
+    /// Copies a block given as pieces (in order) into engine block `block`.
+    pub fn write_slot_from(&self, block: u32, pieces: &[&[u8]]) -> Result<(), ServerError> {
+        let src: Vec<(usize, usize)> = pieces.iter().map(|p| (p.as_ptr() as usize, p.len())).collect();
+        match &self.memory {
+            EngineMemory::Shm(map) => {
+                let base = map.as_mut_ptr() as usize;
+                let dst: Vec<(usize, usize)> =
+                    self.segment_ranges(block).into_iter().map(|(o, n)| (base + o, n)).collect();
+                zip_pieces(&src, &dst, |s, d, n| {
+                    // SAFETY: destinations are this engine's mapped segments, sources the
+                    // caller's pieces; `n` stays within both.
+                    unsafe { std::ptr::copy_nonoverlapping(s as *const u8, d as *mut u8, n) };
+                    Ok(())
+                })
+            }
+            EngineMemory::Cuda(region) => zip_pieces(&src, &self.segment_ranges(block), |s, off, n| {
+                // SAFETY: `s` is inside the caller's piece for `n` bytes.
+                unsafe { region.from_host(off, s as *const u8, n) }.map_err(|e| ServerError::Attach(e.to_string()))
+            }),
+        }
     }
 
     pub fn touch(&self) {

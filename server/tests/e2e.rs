@@ -130,6 +130,16 @@ async fn wrong_layout_namespace_and_requests_get_clear_errors() {
     let ClientError::Rpc(s) = c.register("bad", &zero, &mem).await.unwrap_err() else { panic!() };
     assert!(s.message().contains("head_dim"), "{}", s.message());
 
+    // GPU memory over CUDA IPC: a malformed handle, and (on a node without CUDA) a clear
+    // "no CUDA device", both as FAILED_PRECONDITION naming the cause.
+    let l = layout(LayoutKind::LayerSeparate);
+    let gpu = kvclient::GpuKvMemory::layer_separate([7; 64], 0, &l, 8);
+    let ClientError::Rpc(s) = c.register_gpu("gpu", &ns("m"), &gpu, "", "").await.unwrap_err() else { panic!() };
+    assert_eq!(s.code(), tonic::Code::FailedPrecondition);
+    if !kvtiers::cuda::cuda_available() {
+        assert!(s.message().contains("no CUDA device"), "{}", s.message());
+    }
+
     c.register("ok", &ns("m"), &mem).await.unwrap();
     // Slots out of range, and blocks beyond the tokens' full blocks.
     let ClientError::Rpc(s) = c.save(&prompt(1, 2), 0, &[0, 99]).await.unwrap_err() else { panic!() };

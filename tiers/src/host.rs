@@ -373,11 +373,30 @@ impl HostTier {
     /// Puts a block given as pieces that are concatenated in order (the daemon gathers an
     /// engine's per-layer segments straight into the pool with this: one copy).
     pub fn put_parts(&self, key: BlockKey, meta: BlockMeta, parts: &[&[u8]], dirty: bool) -> Result<bool> {
-        let t0 = Instant::now();
         let total: u64 = parts.iter().map(|p| p.len() as u64).sum();
         if meta.len != total {
             return Err(TierError::LengthMismatch { expected: meta.len, actual: total });
         }
+        self.put_with(key, meta, dirty, |dst| {
+            // SAFETY: destinations are runs inside the mapping owned by this reservation;
+            // sources are the caller's slices; the total lengths are equal.
+            unsafe { copy_pieces(parts.iter().map(|p| (p.as_ptr(), p.len())), dst.iter().copied()) };
+            Ok(())
+        })
+    }
+
+    /// Puts a block whose `meta.len` bytes `fill` writes into the given destination pieces (in
+    /// block order, no lock held; the pieces are this reservation's alone). Used to copy from
+    /// memory the CPU cannot read directly (GPU memory, with DMA into the pool). If `fill` fails
+    /// the reservation is dropped and nothing becomes visible.
+    pub fn put_with(
+        &self,
+        key: BlockKey,
+        meta: BlockMeta,
+        dirty: bool,
+        fill: impl FnOnce(&[(*mut u8, usize)]) -> Result<()>,
+    ) -> Result<bool> {
+        let t0 = Instant::now();
         let n = self.pool.pages_for(meta.len);
         let slot = {
             let mut st = self.state.lock();
@@ -405,7 +424,7 @@ impl HostTier {
             }
             slot
         };
-        // Copy with no lock held: the pages are exclusively this reservation's.
+        // Fill with no lock held: the pages are exclusively this reservation's.
         let ps = self.pool.page_size();
         let mut dst: Vec<(*mut u8, usize)> = Vec::new();
         let mut left = meta.len as usize;
@@ -414,9 +433,12 @@ impl HostTier {
             dst.push((self.page_ptr(first), take));
             left -= take;
         }
-        // SAFETY: destinations are runs inside the mapping owned by `slot`; sources are the
-        // caller's slices; the total lengths are equal.
-        unsafe { copy_pieces(parts.iter().map(|p| (p.as_ptr(), p.len())), dst.into_iter()) };
+        if let Err(e) = fill(&dst) {
+            self.state.lock().abort(&key, &slot);
+            self.committed.notify_all();
+            self.counters.put_errors.add(1);
+            return Err(e);
+        }
         let committed = {
             let mut st = self.state.lock();
             let ok = st.commit(&key, &slot);

@@ -131,6 +131,22 @@ impl BlockStore {
     pub fn put_parts(&self, key: BlockKey, meta: BlockMeta, parts: &[&[u8]]) -> Result<bool> {
         let dirty = self.wt.is_some();
         let stored = self.g2.put_parts(key, meta, parts, dirty)?;
+        self.after_put(key, stored)
+    }
+
+    /// Puts a block whose bytes `fill` writes straight into its G2 pages (see
+    /// [`HostTier::put_with`]), then queues it for the tiers below.
+    pub fn put_with(
+        &self,
+        key: BlockKey,
+        meta: BlockMeta,
+        fill: impl FnOnce(&[(*mut u8, usize)]) -> Result<()>,
+    ) -> Result<bool> {
+        let stored = self.g2.put_with(key, meta, self.wt.is_some(), fill)?;
+        self.after_put(key, stored)
+    }
+
+    fn after_put(&self, key: BlockKey, stored: bool) -> Result<bool> {
         if stored
             && let Some(wt) = &self.wt
             && !wt.enqueue(key)
