@@ -256,6 +256,42 @@ async fn router_places_requests_on_two_real_daemons_through_restarts() {
     router.stop().await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn router_replicas_fed_by_the_same_daemons_answer_alike() {
+    let http = reqwest::Client::builder().pool_max_idle_per_host(0).build().unwrap();
+    let (r1, r2) = (start_router("127.0.0.1:0").await, start_router("127.0.0.1:0").await);
+    let urls = format!("urls = [\"{}\", \"{}\"]\nreport_interval_ms = 200\n", r1.base, r2.base);
+    let (da, db) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let daemon_a = spawn_daemon_with(da.path(), &format!("{urls}node = \"node-a\"\n"));
+    let daemon_b = spawn_daemon_with(db.path(), &format!("{urls}node = \"node-b\"\n"));
+    let (ca, _ma) = engine(da.path(), "http://a:8000").await;
+    let (cb, _mb) = engine(db.path(), "http://b:8000").await;
+    let (p, q, g) = (prompt(1, 16), prompt(2, 12), prompt(3, 6));
+    ca.save(&p, 0, &(0..16).collect::<Vec<_>>()).await.unwrap();
+    cb.save(&q, 0, &(0..12).collect::<Vec<_>>()).await.unwrap();
+    cb.gpu_stored(&g, 0).await.unwrap();
+    let expect =
+        [(&p, "node-a/gpu0", [0, 16, 0, 0]), (&q, "node-b/gpu0", [0, 12, 0, 0]), (&g, "node-b/gpu0", [6, 0, 0, 0])];
+    // Restart one replica on its port half-way: it catches up from the daemons' next reports
+    // and their replay / snapshot API.
+    let addr2 = r2.base.trim_start_matches("http://").to_string();
+    r2.stop().await;
+    let r2 = start_router(&addr2).await;
+    for base in [&r1.base, &r2.base] {
+        for (tokens, worker, blocks) in expect {
+            wait_route(&http, base, tokens, "the same answer from every replica", |v| {
+                v["worker"] == worker && cached(v) == blocks
+            })
+            .await;
+        }
+    }
+    drop((ca, cb));
+    signal_and_wait(daemon_a, libc::SIGTERM);
+    signal_and_wait(daemon_b, libc::SIGTERM);
+    r1.stop().await;
+    r2.stop().await;
+}
+
 /// A free TCP port on loopback (bound, then released for the daemon to take).
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
