@@ -136,7 +136,7 @@ fn g3(c: &mut Criterion) {
             b.iter(|| tier.put(BlockRef { key: fresh_key(), meta: meta(len), data: black_box(&src) }).unwrap())
         });
         // Read back a rotating set of distinct blocks (like the raw read).
-        let keys: Vec<BlockKey> = (0..((256 << 20) / len).max(4))
+        let keys: Vec<BlockKey> = (0..((256 << 20) / len).max(32))
             .map(|_| {
                 let k = fresh_key();
                 tier.put(BlockRef { key: k, meta: meta(len), data: &src }).unwrap();
@@ -148,6 +148,18 @@ fn g3(c: &mut Criterion) {
             b.iter(|| {
                 i = (i + 1) % keys.len();
                 black_box(tier.get(&keys[i], &mut out).unwrap().unwrap())
+            })
+        });
+        // A load of a chain: 16 blocks per call in one batch (one I/O hand-off, 16 reads in
+        // flight), beside the same raw single-stream read.
+        let mut outs: Vec<BlockBuf> = (0..16).map(|_| BlockBuf::zeroed(len)).collect();
+        let mut at = 0;
+        g.throughput(Throughput::Bytes(16 * len as u64));
+        g.bench_function(BenchmarkId::new("read_batch16", name), |b| {
+            b.iter(|| {
+                at = (at + 16) % (keys.len() - 15);
+                let got = tier.get_batch(&keys[at..at + 16], &mut outs);
+                black_box(got.iter().filter(|r| matches!(r, Ok(Some(_)))).count())
             })
         });
         drop(raw);

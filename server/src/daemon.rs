@@ -18,6 +18,9 @@ use crate::reports::{GpuChange, Reports};
 /// How long blocks being loaded stay pinned at most (a crashed load releases them after this).
 const LOAD_LEASE: Duration = Duration::from_secs(30);
 
+/// Blocks of a load brought up from G3 in one batch read (bounds the buffers a load holds).
+const LOAD_CHUNK: usize = 16;
+
 /// A load in progress or finished.
 #[derive(Debug)]
 struct Op {
@@ -247,36 +250,48 @@ impl Daemon {
         let mut st = pb::LoadStatus { op_id: op, state: pb::load_status::State::Done as i32, ..Default::default() };
         let mut buf = BlockBuf::new();
         let want_len = engine.block_bytes();
-        for (key, &slot) in wanted.iter().zip(&req.block_ids) {
-            let got = self.store.read_with(key, &mut buf, |meta, pieces| {
-                // Defence in depth: keys already bind the namespace, but a block of another
-                // namespace or size is never copied into an engine.
-                if meta.namespace != engine.namespace_id || meta.len != want_len {
-                    return Ok(false);
-                }
-                engine.write_slot_from(slot, pieces).map(|()| true)
-            });
-            match got {
-                Ok(Some((_, Err(e)))) => {
-                    self.store.release(lease);
-                    return Err(e);
-                }
-                Ok(Some((tier, Ok(true)))) => {
-                    st.loaded_blocks += 1;
-                    match tier {
-                        TierKind::G2Host => st.from_g2 += 1,
-                        _ => st.from_g3 += 1,
-                    }
-                }
-                Ok(Some((_, Ok(false)))) => {
-                    self.namespace_mismatch.increment(1);
-                    tracing::warn!(%key, engine = engine.id, "block namespace or size differs from the engine's; served as a miss");
-                    break;
-                }
-                Ok(None) => break,
+        // Chunk by chunk: blocks not in G2 come up from G3 in one batch read per chunk, then
+        // the chunk is copied out of G2.
+        'chain: for (keys, slots) in wanted.chunks(LOAD_CHUNK).zip(req.block_ids.chunks(LOAD_CHUNK)) {
+            let promoted = match self.store.promote_batch(keys) {
+                Ok(p) => p,
                 Err(e) => {
                     self.store.release(lease);
                     return Err(e.into());
+                }
+            };
+            for (key, &slot) in keys.iter().zip(slots) {
+                let got = self.store.read_with(key, &mut buf, |meta, pieces| {
+                    // Defence in depth: keys already bind the namespace, but a block of another
+                    // namespace or size is never copied into an engine.
+                    if meta.namespace != engine.namespace_id || meta.len != want_len {
+                        return Ok(false);
+                    }
+                    engine.write_slot_from(slot, pieces).map(|()| true)
+                });
+                match got {
+                    Ok(Some((_, Err(e)))) => {
+                        self.store.release(lease);
+                        return Err(e);
+                    }
+                    Ok(Some((tier, Ok(true)))) => {
+                        st.loaded_blocks += 1;
+                        if tier == TierKind::G2Host && !promoted.contains(key) {
+                            st.from_g2 += 1;
+                        } else {
+                            st.from_g3 += 1;
+                        }
+                    }
+                    Ok(Some((_, Ok(false)))) => {
+                        self.namespace_mismatch.increment(1);
+                        tracing::warn!(%key, engine = engine.id, "block namespace or size differs from the engine's; served as a miss");
+                        break 'chain;
+                    }
+                    Ok(None) => break 'chain,
+                    Err(e) => {
+                        self.store.release(lease);
+                        return Err(e.into());
+                    }
                 }
             }
         }

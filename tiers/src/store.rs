@@ -198,6 +198,41 @@ impl BlockStore {
         Ok(None)
     }
 
+    /// Brings the blocks of `keys` that are not in G2 up from the tiers below, each tier's share
+    /// read in one batch (one I/O hand-off, all reads in flight together, instead of one round
+    /// trip per block). Returns the keys promoted. Loads of chains from G3 call this per chunk
+    /// before copying the chunk out of G2.
+    pub fn promote_batch(&self, keys: &[BlockKey]) -> Result<Vec<BlockKey>> {
+        let present = self.g2.contains_each(keys);
+        let mut left: Vec<BlockKey> = keys.iter().zip(present).filter(|(_, p)| !p).map(|(k, _)| *k).collect();
+        let mut promoted = Vec::new();
+        if left.is_empty() || self.lower.is_empty() {
+            return Ok(promoted);
+        }
+        let mut bufs: Vec<BlockBuf> = left.iter().map(|_| BlockBuf::new()).collect();
+        for tier in self.lower.iter() {
+            if left.is_empty() {
+                break;
+            }
+            let got = tier.get_batch(&left, &mut bufs[..left.len()]);
+            let mut still = Vec::new();
+            for ((key, r), buf) in left.iter().zip(got).zip(bufs.iter()) {
+                match r? {
+                    Some(meta) => match self.g2.put_marked(BlockRef { key: *key, meta, data: buf }, false) {
+                        Ok(_) => {
+                            self.promotions.add(1);
+                            promoted.push(*key);
+                        }
+                        Err(e) => tracing::debug!(%key, "promotion into G2 skipped: {e}"),
+                    },
+                    None => still.push(*key),
+                }
+            }
+            left = still;
+        }
+        Ok(promoted)
+    }
+
     /// Longest cached prefix of `keys` and where its blocks are. Marks the matched G2 blocks
     /// used, ancestors last so that they outlive their descendants.
     pub fn lookup(&self, keys: &[BlockKey]) -> PrefixMatch {

@@ -43,6 +43,13 @@ pub trait Tier: Send + Sync + std::fmt::Debug {
     /// Reads a block into `out` (resized to the block's length).
     fn get(&self, key: &BlockKey, out: &mut BlockBuf) -> Result<Option<BlockMeta>>;
 
+    /// Reads several blocks, `keys[i]` into `outs[i]` (`outs` at least as long as `keys`);
+    /// returns, per key, what `get` would have. Tiers whose I/O has a fixed cost per call
+    /// override it to read the whole batch at once.
+    fn get_batch(&self, keys: &[BlockKey], outs: &mut [BlockBuf]) -> Vec<Result<Option<BlockMeta>>> {
+        keys.iter().zip(outs.iter_mut()).map(|(k, o)| self.get(k, o)).collect()
+    }
+
     /// Whether the block is visible. Touches no block data.
     fn contains(&self, key: &BlockKey) -> bool;
 

@@ -211,6 +211,28 @@ fn concurrent_with_eviction(f: Factory) {
     assert!(t.usage().used_bytes <= t.usage().capacity_bytes);
 }
 
+/// A batch read returns exactly what one read per key would, misses included.
+fn get_batch_matches_get(f: Factory) {
+    let (t, _d) = f(16 << 20);
+    let sizes = [1usize, 4096, PAGE + 3, 3 * PAGE];
+    for (i, &len) in sizes.iter().enumerate() {
+        put(&*t, 5, i as u32, len).unwrap();
+    }
+    // Present, missing, present again, present.
+    let keys = [key(5, 0), key(6, 0), key(5, 2), key(5, 3), key(5, 1)];
+    let mut outs: Vec<BlockBuf> = keys.iter().map(|_| BlockBuf::new()).collect();
+    let got = t.get_batch(&keys, &mut outs);
+    assert_eq!(got.len(), keys.len());
+    for ((k, r), out) in keys.iter().zip(got).zip(&outs) {
+        let mut one = BlockBuf::new();
+        let single = t.get(k, &mut one).unwrap();
+        assert_eq!(r.unwrap(), single, "{k}");
+        if single.is_some() {
+            assert_eq!(&out[..], &one[..], "{k}");
+        }
+    }
+}
+
 /// Records what a tier reports, in order.
 #[derive(Debug, Default)]
 struct Recorder(parking_lot::Mutex<Vec<(bool, kvproto::BlockKey)>>);
@@ -292,6 +314,10 @@ macro_rules! suite {
             #[test]
             fn concurrent_same_keys() {
                 super::concurrent_same_keys($factory)
+            }
+            #[test]
+            fn get_batch_matches_get() {
+                super::get_batch_matches_get($factory)
             }
             #[test]
             fn listener_mirrors_contents() {

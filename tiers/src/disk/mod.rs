@@ -455,53 +455,74 @@ impl Tier for DiskTier {
     }
 
     fn get(&self, key: &BlockKey, out: &mut BlockBuf) -> Result<Option<BlockMeta>> {
+        self.get_batch(std::slice::from_ref(key), std::slice::from_mut(out)).pop().unwrap_or(Ok(None))
+    }
+
+    /// Reads every block in one I/O batch (one hand-off to the I/O threads, all reads in flight
+    /// at once), then verifies each on its own: a block that fails is dropped and is a miss,
+    /// the others are served.
+    fn get_batch(&self, keys: &[BlockKey], outs: &mut [BlockBuf]) -> Vec<Result<Option<BlockMeta>>> {
         let t0 = Instant::now();
-        let Some((slot, meta)) = self.state.lock().get(key, true) else {
-            self.counters.misses.add(1);
-            return Ok(None);
+        let found: Vec<Option<(Arc<DiskSlot>, BlockMeta)>> = {
+            let mut st = self.state.lock();
+            keys.iter().map(|k| st.get(k, true)).collect()
         };
-        let len = meta.len as usize;
-        out.resize(len);
         let ps = self.pool.page_size();
-        let base = out.full_mut().as_mut_ptr() as usize;
         let mut ops = Vec::new();
-        let mut off = 0usize;
-        for (first, n) in slot.pages.runs() {
-            let run_bytes = (len - off).min(n as usize * ps);
-            // The buffer's capacity is aligned, so reading the padded tail stays inside it.
-            ops.push(IoOp {
-                kind: IoKind::Read,
-                offset: first as u64 * ps as u64,
-                addr: base + off,
-                len: align_up(run_bytes.max(1)),
-            });
-            off += run_bytes;
+        for (hit, out) in found.iter().zip(outs.iter_mut()) {
+            let Some((slot, meta)) = hit else { continue };
+            let len = meta.len as usize;
+            out.resize(len);
+            let base = out.full_mut().as_mut_ptr() as usize;
+            let mut off = 0usize;
+            for (first, n) in slot.pages.runs() {
+                let run_bytes = (len - off).min(n as usize * ps);
+                // The buffer's capacity is aligned, so reading the padded tail stays inside it.
+                ops.push(IoOp {
+                    kind: IoKind::Read,
+                    offset: first as u64 * ps as u64,
+                    addr: base + off,
+                    len: align_up(run_bytes.max(1)),
+                });
+                off += run_bytes;
+            }
         }
-        if let Err(e) = self.io.run(self.fd(), ops) {
-            self.corrupt(key, &slot, &format!("read failed: {e}"));
-            self.counters.misses.add(1);
-            return Ok(None);
+        let io = self.io.run(self.fd(), ops);
+        let mut results = Vec::with_capacity(keys.len());
+        for ((key, hit), out) in keys.iter().zip(found).zip(outs.iter()) {
+            let Some((slot, meta)) = hit else {
+                self.counters.misses.add(1);
+                results.push(Ok(None));
+                continue;
+            };
+            // A failed batch is re-checked block by block: the checksum tells which are whole.
+            if checksum(&out[..]) != slot.checksum {
+                let why = match &io {
+                    Err(e) => format!("read failed: {e}"),
+                    Ok(()) => "checksum mismatch".to_string(),
+                };
+                self.corrupt(key, &slot, &why);
+                self.counters.misses.add(1);
+                results.push(Ok(None));
+                continue;
+            }
+            let tick = self.tick();
+            slot.tick.store(tick, Ordering::Relaxed);
+            let entry = IndexEntry { meta, checksum: slot.checksum, tick, runs: slot.pages.runs() };
+            let batch = {
+                let mut t = self.touched.lock();
+                t.push((*key, Arc::clone(&slot), entry));
+                (t.len() >= TOUCH_BATCH).then(|| std::mem::take(&mut *t))
+            };
+            if let Some(batch) = batch {
+                self.write_touches(batch);
+            }
+            self.counters.hits.add(1);
+            self.counters.bytes_read.add(meta.len);
+            results.push(Ok(Some(meta)));
         }
-        if checksum(&out[..]) != slot.checksum {
-            self.corrupt(key, &slot, "checksum mismatch");
-            self.counters.misses.add(1);
-            return Ok(None);
-        }
-        let tick = self.tick();
-        slot.tick.store(tick, Ordering::Relaxed);
-        let entry = IndexEntry { meta, checksum: slot.checksum, tick, runs: slot.pages.runs() };
-        let batch = {
-            let mut t = self.touched.lock();
-            t.push((*key, Arc::clone(&slot), entry));
-            (t.len() >= TOUCH_BATCH).then(|| std::mem::take(&mut *t))
-        };
-        if let Some(batch) = batch {
-            self.write_touches(batch);
-        }
-        self.counters.hits.add(1);
-        self.counters.bytes_read.add(meta.len);
         self.counters.get_took(t0.elapsed());
-        Ok(Some(meta))
+        results
     }
 
     fn contains(&self, key: &BlockKey) -> bool {
