@@ -86,6 +86,11 @@ fn stream(n: usize, seed: u64) -> Vec<Seq> {
         .collect()
 }
 
+/// Store phases per side (fastest counts; the machine is shared and noisy): 3 with `--bench`.
+fn reps() -> usize {
+    if std::env::args().any(|a| a == "--bench") { 3 } else { 1 }
+}
+
 fn pct(v: &mut [f64], p: f64) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     v[((v.len() - 1) as f64 * p).round() as usize]
@@ -101,14 +106,20 @@ struct Figures {
 fn ours(seqs: &[Seq], queries: &[usize], distinct: usize) -> (Figures, Vec<u32>) {
     let ns = NamespaceId([9; 16]);
     let keys: Vec<Vec<BlockKey>> = seqs.iter().map(|s| s.seq.iter().map(|h| key_from_u64(*h)).collect()).collect();
-    let before = live();
+    let mut store = f64::INFINITY;
+    let mut bytes = 0.0;
     let mut ix = BlockIndex::new();
-    let t0 = Instant::now();
-    for (s, k) in seqs.iter().zip(&keys) {
-        ix.store(ns, k, Slot::new(s.worker as u32 + 1, TierKind::G1Gpu));
+    for _ in 0..reps() {
+        drop(ix);
+        let before = live();
+        ix = BlockIndex::new();
+        let t0 = Instant::now();
+        for (s, k) in seqs.iter().zip(&keys) {
+            ix.store(ns, None, k, Slot::new(s.worker as u32 + 1, TierKind::G1Gpu));
+        }
+        store = store.min(t0.elapsed().as_secs_f64());
+        bytes = (live() - before) as f64;
     }
-    let store = t0.elapsed().as_secs_f64();
-    let bytes = (live() - before) as f64;
     assert_eq!(ix.blocks(), distinct);
     println!(
         "kvrouter_index_bytes estimate {:.1} bytes/block vs {:.1} counted by the allocator",
@@ -131,7 +142,7 @@ fn ours(seqs: &[Seq], queries: &[usize], distinct: usize) -> (Figures, Vec<u32>)
     for q in queries {
         let t = Instant::now();
         let m = cost::match_candidates(&cands, &mut scratch, |visit| {
-            ix.walk(ns, &keys[*q], |_, slots| visit(&mut slots.iter()));
+            ix.walk(ns, &keys[*q], |_, len, slots| visit(len as u32, &mut slots.iter()));
         });
         lat.push(t.elapsed().as_secs_f64() * 1e6);
         sums.push(m.iter().map(|m| m.prefix()).sum());
@@ -178,14 +189,23 @@ fn dynamo(seqs: &[Seq], queries: &[usize], distinct: usize) -> (Figures, Vec<u32
         .collect();
     let queries_local: Vec<Vec<LocalBlockHash>> =
         queries.iter().map(|q| seqs[*q].local.iter().map(|l| LocalBlockHash(*l)).collect()).collect();
-    let before = live();
+    let mut store = f64::INFINITY;
+    let mut naive = 0.0;
     let mut tree = RadixTree::new();
-    let t0 = Instant::now();
-    for e in events {
-        tree.apply_event(e).unwrap();
+    for _ in 0..reps() {
+        drop(tree);
+        let events = events.clone();
+        let before = live();
+        tree = RadixTree::new();
+        let t0 = Instant::now();
+        for e in events {
+            tree.apply_event(e).unwrap();
+        }
+        store = store.min(t0.elapsed().as_secs_f64());
+        // `apply_event` consumes the events, whose block vectors are freed inside the timed loop:
+        // `live() - before` nets them out of the tree's size. Count what dropping the tree frees.
+        naive = (live() - before) as f64;
     }
-    let store = t0.elapsed().as_secs_f64();
-    let bytes = (live() - before) as f64;
     let mut lat = vec![];
     let mut sums = vec![];
     for q in queries_local {
@@ -194,6 +214,14 @@ fn dynamo(seqs: &[Seq], queries: &[usize], distinct: usize) -> (Figures, Vec<u32
         lat.push(t.elapsed().as_secs_f64() * 1e6);
         sums.push(m.scores.values().sum());
     }
+    let with_tree = live();
+    drop(tree);
+    let bytes = (with_tree - live()) as f64;
+    println!(
+        "dynamo RadixTree: {:.1} bytes/block freed by dropping it ({:.1} by live() - before, which nets out the consumed events)",
+        bytes / distinct as f64,
+        naive / distinct as f64
+    );
     let n_blocks = (seqs.len() * SEQ_BLOCKS) as f64;
     (
         Figures {

@@ -69,26 +69,31 @@ pub struct CostBreakdown {
     pub fill_term: f64,
 }
 
+/// Best tier index by `g1 | g2 << 1 | g3 << 2 | g4 << 3` (which tiers offer the block); 4: none.
+const BEST_TIER: [usize; 16] = [4, 0, 1, 0, 2, 0, 1, 0, 3, 0, 1, 0, 2, 0, 1, 0];
+
 /// Computes, for each candidate, the blocks it can get per tier. `positions` is called with a
-/// callback `visit(slots) -> bool`; it must call it once per prompt block in order with that
-/// block's holders, and stop when it returns false (nothing more can match) or at the first
-/// block nobody holds.
+/// callback `visit(len, slots) -> bool`; it must call it for the prompt's blocks in order, once
+/// per stretch of `len` consecutive blocks that have the same holders, and stop when it returns
+/// false (nothing more can match) or at the first block nobody holds.
 ///
 /// `scratch` is a per-holder-index mark buffer (cleared on return).
 pub fn match_candidates(
     cands: &[CandidateIn],
     scratch: &mut Vec<u8>,
-    positions: impl FnOnce(&mut dyn FnMut(&mut dyn Iterator<Item = Slot>) -> bool),
+    positions: impl FnOnce(&mut dyn FnMut(u32, &mut dyn Iterator<Item = Slot>) -> bool),
 ) -> Vec<TierMatch> {
     let mut out = vec![TierMatch::default(); cands.len()];
-    let mut alive: Vec<usize> = (0..cands.len()).collect();
+    // Candidates still matching; filled by the first stretch (which every candidate sees).
+    let mut alive: Vec<u32> = Vec::new();
+    let mut first = true;
     let mut touched: Vec<u32> = Vec::with_capacity(16);
-    let mut visit = |slots: &mut dyn Iterator<Item = Slot>| -> bool {
-        let mut g4 = false;
+    let mut visit = |len: u32, slots: &mut dyn Iterator<Item = Slot>| -> bool {
+        let mut g4 = 0u8;
         for s in slots {
             let h = s.holder() as usize;
             if s.tier() == TierKind::G4Object {
-                g4 = true;
+                g4 = 8;
                 continue;
             }
             if scratch.len() <= h {
@@ -99,24 +104,29 @@ pub fn match_candidates(
             }
             scratch[h] |= 1 << s.tier().index();
         }
-        alive.retain(|&c| {
-            let cand = &cands[c];
-            let own = scratch.get(cand.worker_holder as usize).copied().unwrap_or(0);
-            let node = scratch.get(cand.node_holder as usize).copied().unwrap_or(0);
-            let tier = if own & 1 != 0 {
-                TierKind::G1Gpu
-            } else if node & 2 != 0 {
-                TierKind::G2Host
-            } else if node & 4 != 0 {
-                TierKind::G3Disk
-            } else if g4 {
-                TierKind::G4Object
-            } else {
-                return false;
-            };
-            out[c].blocks[tier.index()] += 1;
-            true
-        });
+        // The tier a candidate gets a block from: its own G1, else its node's G2, G3, else G4.
+        let tier_of = |c: &CandidateIn| -> usize {
+            let own = scratch.get(c.worker_holder as usize).copied().unwrap_or(0) & 1;
+            let node = scratch.get(c.node_holder as usize).copied().unwrap_or(0) & 6;
+            BEST_TIER[usize::from(own | node | g4)]
+        };
+        if std::mem::take(&mut first) {
+            for (c, cand) in cands.iter().enumerate() {
+                let t = tier_of(cand);
+                if t < 4 {
+                    out[c].blocks[t] += len;
+                    alive.push(c as u32);
+                }
+            }
+        } else {
+            alive.retain(|&c| {
+                let t = tier_of(&cands[c as usize]);
+                if t < 4 {
+                    out[c as usize].blocks[t] += len;
+                }
+                t < 4
+            });
+        }
         for h in touched.drain(..) {
             scratch[h as usize] = 0;
         }
@@ -189,7 +199,7 @@ mod tests {
         let mut scratch = vec![];
         let m = match_candidates(cands, &mut scratch, |visit| {
             for p in positions {
-                if p.is_empty() || !visit(&mut p.iter().copied()) {
+                if p.is_empty() || !visit(1, &mut p.iter().copied()) {
                     break;
                 }
             }

@@ -1,10 +1,18 @@
 //! The block index: for every indexed block key, which holders hold it in which tier.
 //!
-//! State per block is one hash-map slot: the 16-byte key and a [`Slots`] value of 16 bytes that
-//! keeps up to three `(holder, tier)` pairs inline (packed in a `u32` each) and spills to the heap
-//! only for blocks held by more than three holders. Keys are chained (a key names its whole
-//! prefix), so no parent/child structure is needed: a request's keys are looked up in order and
-//! the walk stops at the first key nobody holds.
+//! Blocks are stored in **runs**: consecutive blocks of one chain (keys are chained, each names
+//! its whole prefix) that have the same holder set. A run keeps its keys contiguously and one
+//! holder set ([`Slots`]: up to three `(holder, tier)` pairs packed in a `u32` each, inline,
+//! more on the heap) for all of them. A store of a chain the index has not seen is one new run
+//! (or an append to the run its parent ends); where a store, a removal or a new holder diverges
+//! from a run, the run is split so that every run keeps a single holder set.
+//!
+//! A [`KeyTable`] locates every block: key -> (run, offset), 12 bytes per slot, holding no key
+//! (it compares the run's copy). So a single block can still be found, removed or given a new
+//! holder. A second, small table holds each run's first key: a lookup finds a prompt's first
+//! block there, compares the prompt's keys with the run's contiguous keys and probes again only
+//! where the run ends or diverges (with chained keys, the next key can only start a run).
+//! State per block: its 16-byte key in its run plus 12 bytes over the key table's load (40-80%).
 //!
 //! Holders are interned to 30-bit indices ([`HolderTable`]); a dropped holder's index is reused
 //! only after every slot naming it has been removed.
@@ -12,7 +20,9 @@
 use std::collections::HashMap;
 
 use kvproto::events::Holder;
-use kvproto::{BlockKey, BlockKeyBuildHasher, NamespaceId, TierKind};
+use kvproto::{BlockKey, NamespaceId, TierKind};
+
+use crate::keytable::{KeyTable, Loc};
 
 /// Largest holder index (30 bits; the top 2 bits of a [`Slot`] carry the tier).
 pub const MAX_HOLDERS: u32 = (1 << 30) - 1;
@@ -52,6 +62,25 @@ impl Default for Slots {
 }
 
 impl Slots {
+    /// Just `s`.
+    fn one(s: Slot) -> Self {
+        Slots::Inline([s.0, EMPTY, EMPTY])
+    }
+
+    /// Whether `s` is one of the slots.
+    pub fn contains(&self, s: Slot) -> bool {
+        match self {
+            Slots::Inline(a) => a.contains(&s.0),
+            Slots::Heap(v) => v.contains(&s.0),
+        }
+    }
+
+    /// Whether `s` is the only slot.
+    fn is_only(&self, s: Slot) -> bool {
+        let mut it = self.iter();
+        it.next() == Some(s) && it.next().is_none()
+    }
+
     /// Adds a slot; false when it was already there.
     fn insert(&mut self, s: Slot) -> bool {
         match self {
@@ -129,15 +158,211 @@ impl Slots {
     }
 }
 
-type KeyMap = HashMap<BlockKey, Slots, BlockKeyBuildHasher>;
+/// Absolute offsets inside a run fit the key table's 16 bits.
+const RUN_MAX: usize = 1 << 16;
 
-/// The index of every namespace.
+/// How many keys ahead a store prefetches key-table slots.
+const PREFETCH: usize = 8;
+
+/// A run: consecutive blocks of one chain (each key's parent is the key before it) held by the
+/// same holder set. `start` is the absolute offset of `keys[0]` (the key table stores absolute
+/// offsets, so dropping a run's first keys moves nothing else).
+#[derive(Debug, Default)]
+struct Run {
+    keys: Vec<BlockKey>,
+    start: u32,
+    holders: Slots,
+}
+
+impl Run {
+    fn end(&self) -> usize {
+        self.start as usize + self.keys.len()
+    }
+
+    fn key(&self, off: u16) -> Option<&BlockKey> {
+        self.keys.get((off as usize).wrapping_sub(self.start as usize))
+    }
+
+    /// How many of `keys` equal this run's keys from absolute offset `off` on.
+    fn matching(&self, off: u16, keys: &[BlockKey]) -> usize {
+        let base = (off as usize).saturating_sub(self.start as usize);
+        keys.iter().zip(self.keys.get(base..).unwrap_or(&[])).take_while(|(a, b)| a == b).count()
+    }
+
+    /// [`Run::matching`] for a lookup, reading few keys: as a key names its whole prefix, if the
+    /// `j`-th keys are equal so are all before them, so the length is found by comparing the
+    /// last candidate pair, then by bisection.
+    fn matching_chain(&self, off: u16, keys: &[BlockKey]) -> usize {
+        let base = (off as usize).saturating_sub(self.start as usize);
+        let mine = self.keys.get(base..).unwrap_or(&[]);
+        let n = keys.len().min(mine.len());
+        if n == 0 || keys[n - 1] == mine[n - 1] {
+            return n;
+        }
+        // keys[..lo] are known equal, keys[hi - 1] known different.
+        let (mut lo, mut hi) = (0, n);
+        while hi - lo > 1 {
+            let mid = (lo + hi) / 2;
+            if keys[mid - 1] == mine[mid - 1] {
+                lo = mid;
+            } else {
+                hi = mid;
+            }
+        }
+        lo
+    }
+
+    fn bytes(&self) -> usize {
+        self.keys.capacity() * std::mem::size_of::<BlockKey>() + self.holders.heap_bytes()
+    }
+}
+
+/// One namespace: the runs, the key table that locates every block in them, and the table of
+/// run heads (first keys) that lookups use.
+#[derive(Debug, Default)]
+struct Space {
+    table: KeyTable,
+    heads: KeyTable,
+    runs: Vec<Run>,
+    free: Vec<u32>,
+}
+
+impl Space {
+    fn find(&self, k: &BlockKey) -> Option<Loc> {
+        self.find_h(self.table.hash(k), k)
+    }
+
+    fn find_h(&self, h: u32, k: &BlockKey) -> Option<Loc> {
+        let runs = &self.runs;
+        self.table.find(h, |l| runs.get(l.run as usize).and_then(|r| r.key(l.off)) == Some(k))
+    }
+
+    /// The run whose first key is `k`.
+    fn find_head(&self, k: &BlockKey) -> Option<Loc> {
+        let runs = &self.runs;
+        self.heads.find(self.heads.hash(k), |l| runs.get(l.run as usize).and_then(|r| r.key(l.off)) == Some(k))
+    }
+
+    /// Enters run `r`'s first key in the heads table.
+    fn add_head(&mut self, r: u32) {
+        let Space { heads, runs, .. } = self;
+        let run = &runs[r as usize];
+        let Some(k) = run.keys.first() else { return };
+        heads.reserve(1);
+        let is_key = |l: Loc| runs.get(l.run as usize).and_then(|r| r.key(l.off)) == Some(k);
+        heads.find_or_insert(heads.hash(k), is_key, Loc { run: r, off: run.start as u16 });
+    }
+
+    /// Removes run `r`'s first key from the heads table.
+    fn drop_head(&mut self, r: u32) {
+        let run = &self.runs[r as usize];
+        if let Some(k) = run.keys.first() {
+            self.heads.remove(k, Loc { run: r, off: run.start as u16 });
+        }
+    }
+
+    fn new_run(&mut self, holders: Slots) -> u32 {
+        match self.free.pop() {
+            Some(r) => {
+                self.runs[r as usize] = Run { keys: Vec::new(), start: 0, holders };
+                r
+            }
+            None => {
+                // Never more than `MAX_RUN` runs: 2^32 runs would need 200 GB for the runs alone.
+                debug_assert!(self.runs.len() < crate::keytable::MAX_RUN as usize);
+                self.runs.push(Run { keys: Vec::new(), start: 0, holders });
+                (self.runs.len() - 1) as u32
+            }
+        }
+    }
+
+    /// Removes a run and its keys.
+    fn free_run(&mut self, r: u32) {
+        self.drop_head(r);
+        let run = std::mem::take(&mut self.runs[r as usize]);
+        for (j, k) in run.keys.iter().enumerate() {
+            self.table.remove(k, Loc { run: r, off: (run.start as usize + j) as u16 });
+        }
+        self.free.push(r);
+    }
+
+    /// Moves the keys at absolute offsets `[a, b)` of run `r` (a prefix or a suffix of it) to a
+    /// new run with the same holders; returns the new run.
+    fn move_out(&mut self, r: u32, a: usize, b: usize) -> u32 {
+        let (start, holders) = {
+            let run = &self.runs[r as usize];
+            (run.start as usize, run.holders.clone())
+        };
+        let keys: Vec<BlockKey> = self.runs[r as usize].keys[a - start..b - start].to_vec();
+        self.drop_head(r);
+        let n = self.new_run(holders);
+        for (j, k) in keys.iter().enumerate() {
+            self.table.repoint(k, Loc { run: r, off: (a + j) as u16 }, Loc { run: n, off: j as u16 });
+        }
+        self.runs[n as usize].keys = keys;
+        let run = &mut self.runs[r as usize];
+        if a == start {
+            run.keys.drain(..b - a);
+            run.start = b as u32;
+        } else {
+            run.keys.truncate(a - start);
+        }
+        if run.keys.capacity() > 2 * run.keys.len() + 8 {
+            run.keys.shrink_to_fit();
+        }
+        self.add_head(r);
+        self.add_head(n);
+        n
+    }
+
+    /// Splits run `r` so that its absolute offsets `[a, b)` are one run, and returns that run.
+    /// The largest piece stays in place, so a run eaten one block at a time costs O(n log n).
+    fn isolate(&mut self, r: u32, a: usize, b: usize) -> u32 {
+        let (s, e) = {
+            let run = &self.runs[r as usize];
+            (run.start as usize, run.end())
+        };
+        let (left, mid, right) = (a - s, b - a, e - b);
+        if mid >= left && mid >= right {
+            if left > 0 {
+                self.move_out(r, s, a);
+            }
+            if right > 0 {
+                self.move_out(r, b, e);
+            }
+            r
+        } else if left >= right {
+            if right > 0 {
+                self.move_out(r, b, e);
+            }
+            self.move_out(r, a, b)
+        } else {
+            if left > 0 {
+                self.move_out(r, s, a);
+            }
+            self.move_out(r, a, b)
+        }
+    }
+
+    fn bytes(&self) -> usize {
+        self.table.bytes()
+            + self.heads.bytes()
+            + self.runs.capacity() * std::mem::size_of::<Run>()
+            + self.free.capacity() * 4
+            + self.runs.iter().map(Run::bytes).sum::<usize>()
+    }
+}
+
+/// The index of every namespace: per namespace, runs of blocks with one holder set each, and a
+/// key table locating every block (see the module documentation).
 #[derive(Debug, Default)]
 pub struct BlockIndex {
-    spaces: HashMap<NamespaceId, KeyMap>,
+    spaces: HashMap<NamespaceId, Space>,
     /// Number of `(block, holder, tier)` facts per holder index.
     per_holder: Vec<u64>,
     facts: u64,
+    /// Scratch: the hashes of a store's keys.
+    hashes: Vec<u32>,
 }
 
 impl BlockIndex {
@@ -154,20 +379,91 @@ impl BlockIndex {
         self.facts = self.facts.saturating_add_signed(delta);
     }
 
-    /// Records that `slot` holds every key of `keys` in `ns`.
-    pub fn store(&mut self, ns: NamespaceId, keys: &[BlockKey], slot: Slot) {
-        let map = self.spaces.entry(ns).or_default();
+    /// Records that `slot` holds every key of `keys` (a chain: each key's parent is the one
+    /// before it, the first one's is `parent`) in `ns`.
+    pub fn store(&mut self, ns: NamespaceId, parent: Option<&BlockKey>, keys: &[BlockKey], slot: Slot) {
+        let sp = self.spaces.entry(ns).or_default();
+        sp.table.reserve(keys.len());
+        let mut hashes = std::mem::take(&mut self.hashes);
+        hashes.clear();
+        hashes.extend(keys.iter().map(|k| sp.table.hash(k)));
+        for h in hashes.iter().take(PREFETCH) {
+            sp.table.prefetch(*h);
+        }
         let mut added = 0i64;
-        map.reserve(keys.len());
-        for k in keys {
-            if map.entry(*k).or_default().insert(slot) {
+        // Where the previous key of the chain lives (the run new keys may be appended to).
+        let mut prev = parent.and_then(|p| sp.find(p));
+        let mut i = 0;
+        while i < keys.len() {
+            if let Some(loc) = sp.find_h(hashes[i], &keys[i]) {
+                let run = &sp.runs[loc.run as usize];
+                let m = run.matching(loc.off, &keys[i..]).max(1);
+                let mut last = Loc { run: loc.run, off: loc.off + (m - 1) as u16 };
+                if !run.holders.contains(slot) {
+                    let mid = sp.isolate(loc.run, loc.off as usize, loc.off as usize + m);
+                    sp.runs[mid as usize].holders.insert(slot);
+                    added += m as i64;
+                    last = Loc { run: mid, off: (sp.runs[mid as usize].end() - 1) as u16 };
+                }
+                prev = Some(last);
+                i += m;
+                continue;
+            }
+            // New keys: appended to the previous key's run when that key ends a run held by
+            // exactly `slot`, else a new run; until a key the index already has.
+            let append = prev.filter(|l| {
+                let r = &sp.runs[l.run as usize];
+                l.off as usize + 1 == r.end() && r.end() < RUN_MAX && r.holders.is_only(slot)
+            });
+            let (r, fresh) = match append {
+                Some(l) => {
+                    sp.runs[l.run as usize].keys.reserve(keys.len() - i);
+                    (l.run, false)
+                }
+                None => {
+                    let r = sp.new_run(Slots::one(slot));
+                    sp.runs[r as usize].keys.reserve_exact(keys.len() - i);
+                    (r, true)
+                }
+            };
+            let Space { table, runs, .. } = sp;
+            while i < keys.len() {
+                let off = runs[r as usize].end();
+                if off >= RUN_MAX {
+                    break;
+                }
+                if let Some(h) = hashes.get(i + PREFETCH) {
+                    table.prefetch(*h);
+                }
+                let loc = Loc { run: r, off: off as u16 };
+                let k = &keys[i];
+                let is_key = |l: Loc| runs.get(l.run as usize).and_then(|r| r.key(l.off)) == Some(k);
+                if table.find_or_insert(hashes[i], is_key, loc).is_some() {
+                    break;
+                }
+                runs[r as usize].keys.push(*k);
+                prev = Some(loc);
                 added += 1;
+                i += 1;
+            }
+            let run = &mut runs[r as usize];
+            if run.keys.is_empty() {
+                sp.free_run(r);
+                continue;
+            }
+            if run.keys.capacity() > run.keys.len() + run.keys.len() / 8 + 4 {
+                run.keys.shrink_to_fit();
+            }
+            if fresh {
+                sp.add_head(r);
             }
         }
+        self.hashes = hashes;
         self.count(slot.holder(), added);
     }
 
-    /// Records that `slot` no longer holds `keys` in `ns` (unknown keys are ignored).
+    /// Records that `slot` no longer holds `keys` in `ns`, or in every namespace when `ns` is
+    /// `None` (unknown keys are ignored).
     pub fn remove(&mut self, ns: Option<NamespaceId>, keys: &[BlockKey], slot: Slot) {
         let mut removed = 0i64;
         let spaces: Vec<NamespaceId> = match ns {
@@ -175,35 +471,63 @@ impl BlockIndex {
             None => self.spaces.keys().copied().collect(),
         };
         for ns in spaces {
-            let Some(map) = self.spaces.get_mut(&ns) else { continue };
-            for k in keys {
-                if let Some(e) = map.get_mut(k) {
-                    removed += e.remove_where(|s| s == slot) as i64;
-                    if e.is_empty() {
-                        map.remove(k);
+            let Some(sp) = self.spaces.get_mut(&ns) else { continue };
+            let mut i = 0;
+            while i < keys.len() {
+                let Some(loc) = sp.find(&keys[i]) else {
+                    i += 1;
+                    continue;
+                };
+                let run = &sp.runs[loc.run as usize];
+                let m = run.matching(loc.off, &keys[i..]).max(1);
+                if run.holders.contains(slot) {
+                    let mid = sp.isolate(loc.run, loc.off as usize, loc.off as usize + m);
+                    let run = &mut sp.runs[mid as usize];
+                    run.holders.remove_where(|s| s == slot);
+                    removed += m as i64;
+                    if run.holders.is_empty() {
+                        sp.free_run(mid);
                     }
                 }
+                i += m;
+            }
+            if sp.table.is_empty() {
+                self.spaces.remove(&ns);
             }
         }
         self.count(slot.holder(), -removed);
     }
 
-    /// Removes every fact matching `pred` (a full scan; used for `Cleared`, a publisher restart
-    /// and dead holders). Returns how many facts were removed.
+    /// Removes every fact matching `pred` (a scan of the runs; used for `Cleared`, a publisher
+    /// restart and dead holders). Returns how many facts were removed.
     pub fn remove_where(&mut self, mut pred: impl FnMut(Slot) -> bool) -> u64 {
         let mut removed_per: HashMap<u32, i64> = HashMap::new();
-        for map in self.spaces.values_mut() {
-            map.retain(|_, e| {
-                e.remove_where(|s| {
+        for sp in self.spaces.values_mut() {
+            let mut freed = false;
+            for r in 0..sp.runs.len() {
+                let run = &mut sp.runs[r];
+                if run.keys.is_empty() {
+                    continue;
+                }
+                let len = run.keys.len() as i64;
+                run.holders.remove_where(|s| {
                     let hit = pred(s);
                     if hit {
-                        *removed_per.entry(s.holder()).or_default() += 1;
+                        *removed_per.entry(s.holder()).or_default() += len;
                     }
                     hit
                 });
-                !e.is_empty()
-            });
+                if run.holders.is_empty() {
+                    sp.free_run(r as u32);
+                    freed = true;
+                }
+            }
+            // Give memory back after large drops.
+            if freed && sp.table.len() * 8 < sp.table.slots() && sp.table.slots() > 1024 {
+                sp.table.rehash(sp.table.len());
+            }
         }
+        self.spaces.retain(|_, sp| !sp.table.is_empty());
         let mut total = 0;
         for (h, n) in removed_per {
             self.count(h, -n);
@@ -217,34 +541,37 @@ impl BlockIndex {
         self.per_holder.get(holder as usize).copied().unwrap_or(0)
     }
 
-    /// The holders of each key of `keys`, in order, stopping before the first key nobody holds.
-    /// `f(position, slots)` returns false to stop early.
-    pub fn walk(&self, ns: NamespaceId, keys: &[BlockKey], mut f: impl FnMut(usize, &Slots) -> bool) {
-        let Some(map) = self.spaces.get(&ns) else { return };
-        // Probe a chunk of keys before looking at any result: the probes do not depend on each
-        // other, so their cache misses overlap (a lookup is memory-latency bound).
-        const CHUNK: usize = 16;
-        let mut found: [Option<&Slots>; CHUNK] = [None; CHUNK];
-        for (c, chunk) in keys.chunks(CHUNK).enumerate() {
-            for (slot, k) in found.iter_mut().zip(chunk) {
-                *slot = map.get(k);
+    /// The holders of `keys`, in order, stopping before the first key nobody holds: calls
+    /// `f(position, len, slots)` for each stretch of `len` keys from `position` on that share one
+    /// holder set; `f` returns false to stop early.
+    pub fn walk(&self, ns: NamespaceId, keys: &[BlockKey], mut f: impl FnMut(usize, usize, &Slots) -> bool) {
+        let Some(sp) = self.spaces.get(&ns) else { return };
+        let mut pos = 0;
+        while pos < keys.len() {
+            // A prompt's first key, and the first key past where a run ends or diverges, can
+            // only be a run's first key: each key's parent is the key before it in its run.
+            let Some(loc) = sp.find_head(&keys[pos]) else { return };
+            let run = &sp.runs[loc.run as usize];
+            // Where the run ends, the next probe starts: fetch its slot while comparing keys.
+            if let Some(next) = keys.get(pos + run.end() - loc.off as usize) {
+                sp.heads.prefetch(sp.heads.hash(next));
             }
-            for (j, e) in found.iter().take(chunk.len()).enumerate() {
-                match e {
-                    Some(e) => {
-                        if !f(c * CHUNK + j, e) {
-                            return;
-                        }
-                    }
-                    None => return,
-                }
+            let m = run.matching_chain(loc.off, &keys[pos..]).max(1);
+            if !f(pos, m, &run.holders) {
+                return;
             }
+            pos += m;
         }
     }
 
     /// Number of distinct indexed blocks (over all namespaces).
     pub fn blocks(&self) -> usize {
-        self.spaces.values().map(|m| m.len()).sum()
+        self.spaces.values().map(|s| s.table.len()).sum()
+    }
+
+    /// Number of runs (stretches of blocks with one holder set) over all namespaces.
+    pub fn runs(&self) -> usize {
+        self.spaces.values().map(|s| s.runs.len() - s.free.len()).sum()
     }
 
     /// Number of `(block, holder, tier)` facts.
@@ -252,19 +579,10 @@ impl BlockIndex {
         self.facts
     }
 
-    /// Estimated heap bytes of the index: hash-table buckets (key, value, one control byte) at
-    /// their allocated capacity plus spilled holder lists. Measured against a counting allocator
-    /// in `benches/index.rs`.
+    /// Heap bytes of the index: key tables, runs (keys at their allocated capacity, spilled
+    /// holder lists). Measured against a counting allocator in `benches/index.rs`.
     pub fn approx_bytes(&self) -> usize {
-        let bucket = std::mem::size_of::<(BlockKey, Slots)>() + 1;
-        self.spaces
-            .values()
-            .map(|m| {
-                // hashbrown keeps a power-of-two bucket count >= capacity * 8 / 7.
-                let buckets = if m.capacity() == 0 { 0 } else { (m.capacity() * 8 / 7).next_power_of_two() };
-                buckets * bucket + m.values().map(Slots::heap_bytes).sum::<usize>()
-            })
-            .sum()
+        self.spaces.values().map(Space::bytes).sum()
     }
 }
 
@@ -367,28 +685,160 @@ mod tests {
         }
     }
 
+    /// The holders of each walked key, one entry per key (expanding stretches).
+    fn walked(ix: &BlockIndex, ns: NamespaceId, keys: &[BlockKey]) -> Vec<Vec<Slot>> {
+        let mut out = vec![];
+        ix.walk(ns, keys, |pos, len, s| {
+            assert_eq!(pos, out.len());
+            let mut v: Vec<Slot> = s.iter().collect();
+            v.sort();
+            out.extend(std::iter::repeat_n(v, len));
+            true
+        });
+        out
+    }
+
     #[test]
     fn store_remove_walk_and_counts() {
         let ns = NamespaceId([1; 16]);
         let mut ix = BlockIndex::new();
         let a = Slot::new(1, TierKind::G1Gpu);
         let b = Slot::new(2, TierKind::G2Host);
-        ix.store(ns, &[k(1), k(2), k(3)], a);
-        ix.store(ns, &[k(1), k(2)], b);
-        ix.store(ns, &[k(1)], a); // duplicate: no new fact
+        ix.store(ns, None, &[k(1), k(2), k(3)], a);
+        ix.store(ns, None, &[k(1), k(2)], b);
+        ix.store(ns, None, &[k(1)], a); // duplicate: no new fact
         assert_eq!((ix.blocks(), ix.facts(), ix.holder_facts(1), ix.holder_facts(2)), (3, 5, 3, 2));
         let mut seen = vec![];
-        ix.walk(ns, &[k(1), k(2), k(9), k(3)], |i, s| {
-            seen.push((i, s.iter().count()));
+        ix.walk(ns, &[k(1), k(2), k(9), k(3)], |i, len, s| {
+            seen.push((i, len, s.iter().count()));
             true
         });
-        assert_eq!(seen, [(0, 2), (1, 2)]);
+        assert_eq!(seen, [(0, 2, 2)]);
         ix.remove(Some(ns), &[k(2), k(7)], a);
         assert_eq!((ix.facts(), ix.holder_facts(1)), (4, 2));
         assert_eq!(ix.remove_where(|s| s.holder() == 2), 2);
         assert_eq!((ix.blocks(), ix.facts()), (2, 2));
         ix.remove(None, &[k(1), k(3)], a);
-        assert_eq!((ix.blocks(), ix.facts()), (0, 0));
+        assert_eq!((ix.blocks(), ix.facts(), ix.approx_bytes()), (0, 0, 0));
+    }
+
+    #[test]
+    fn chains_are_runs_split_on_divergence_and_appended_to() {
+        let ns = NamespaceId([1; 16]);
+        let mut ix = BlockIndex::new();
+        let a = Slot::new(1, TierKind::G1Gpu);
+        let b = Slot::new(2, TierKind::G1Gpu);
+        let chain: Vec<BlockKey> = (1..=8).map(k).collect();
+        ix.store(ns, None, &chain[..4], a);
+        ix.store(ns, Some(&chain[3]), &chain[4..], a); // appended to the same run
+        assert_eq!(ix.runs(), 1);
+        ix.store(ns, None, &chain[..3], b); // split: [1..3] {a, b}, [4..8] {a}
+        assert_eq!(ix.runs(), 2);
+        let w = walked(&ix, ns, &chain);
+        assert_eq!(w.len(), 8);
+        assert_eq!(w[2], vec![a, b]);
+        assert_eq!(w[3], vec![a]);
+        ix.remove(Some(ns), &chain[5..6], a); // a hole: the walk stops there
+        assert_eq!(walked(&ix, ns, &chain).len(), 5);
+        assert_eq!((ix.blocks(), ix.facts()), (7, 10));
+        // A diverging continuation of the shared prefix is its own run.
+        ix.store(ns, Some(&chain[2]), &[k(50), k(51)], b);
+        assert_eq!(walked(&ix, ns, &[k(1), k(2), k(3), k(50), k(51)]).len(), 5);
+    }
+
+    #[test]
+    fn chains_longer_than_a_run() {
+        let ns = NamespaceId([2; 16]);
+        let mut ix = BlockIndex::new();
+        let a = Slot::new(1, TierKind::G3Disk);
+        let chain: Vec<BlockKey> = (0..70_000u32)
+            .map(|i| {
+                let mut b = [0u8; 16];
+                b[..4].copy_from_slice(&i.to_le_bytes());
+                b[4..8].copy_from_slice(&i.wrapping_mul(0x9e37_79b9).to_le_bytes());
+                BlockKey(b)
+            })
+            .collect();
+        ix.store(ns, None, &chain[..40_000], a);
+        ix.store(ns, Some(&chain[39_999]), &chain[40_000..], a);
+        assert_eq!(ix.runs(), 2);
+        assert_eq!(walked(&ix, ns, &chain).len(), 70_000);
+        ix.remove(Some(ns), &chain[65_535..65_537], a);
+        assert_eq!(walked(&ix, ns, &chain).len(), 65_535);
+        assert_eq!((ix.blocks(), ix.facts()), (69_998, 69_998));
+        ix.store(ns, Some(&chain[65_534]), &chain[65_535..65_537], a);
+        assert_eq!(walked(&ix, ns, &chain).len(), 70_000);
+        assert_eq!(ix.remove_where(|s| s == a), 70_000);
+        assert_eq!((ix.blocks(), ix.runs(), ix.approx_bytes()), (0, 0, 0));
+    }
+
+    /// Random stores / removals / drops against a per-block model.
+    #[test]
+    fn matches_a_per_block_model() {
+        use rand::{Rng, SeedableRng};
+        use std::collections::{BTreeSet, HashMap};
+        let ns = NamespaceId([3; 16]);
+        let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+        let mut ix = BlockIndex::new();
+        let mut model: HashMap<BlockKey, BTreeSet<Slot>> = HashMap::new();
+        // Chains over a small tree: key (prefix id) derived from the parent and a branch digit.
+        let key_of = |path: &[u8]| {
+            let h = blake3::hash(path);
+            let mut b = [0u8; 16];
+            b.copy_from_slice(&h.as_bytes()[..16]);
+            BlockKey(b)
+        };
+        for step in 0..3000 {
+            let slot = Slot::new(rng.random_range(0..6), TierKind::ALL[rng.random_range(0..4)]);
+            let len = rng.random_range(1..12);
+            let path: Vec<u8> = (0..len).map(|_| rng.random_range(0..3)).collect();
+            let chain: Vec<BlockKey> = (1..=len).map(|i| key_of(&path[..i])).collect();
+            match rng.random_range(0..10) {
+                0..6 => {
+                    let from = rng.random_range(0..len);
+                    let parent = (from > 0).then(|| chain[from - 1]);
+                    ix.store(ns, parent.as_ref(), &chain[from..], slot);
+                    for c in &chain[from..] {
+                        model.entry(*c).or_default().insert(slot);
+                    }
+                }
+                6..9 => {
+                    let mut gone: Vec<BlockKey> = chain.iter().filter(|_| rng.random_bool(0.5)).copied().collect();
+                    if rng.random_bool(0.5) {
+                        gone.reverse();
+                    }
+                    ix.remove(if rng.random_bool(0.5) { Some(ns) } else { None }, &gone, slot);
+                    for c in &gone {
+                        if let Some(e) = model.get_mut(c) {
+                            e.remove(&slot);
+                        }
+                    }
+                }
+                _ => {
+                    let h = slot.holder();
+                    ix.remove_where(|s| s.holder() == h);
+                    for e in model.values_mut() {
+                        e.retain(|s| s.holder() != h);
+                    }
+                }
+            }
+            model.retain(|_, e| !e.is_empty());
+            if step % 50 == 0 || step == 2999 {
+                assert_eq!(ix.blocks(), model.len(), "step {step}");
+                let facts: usize = model.values().map(BTreeSet::len).sum();
+                assert_eq!(ix.facts(), facts as u64, "step {step}");
+                for h in 0..6 {
+                    let n = model.values().flatten().filter(|s| s.holder() == h).count();
+                    assert_eq!(ix.holder_facts(h), n as u64, "step {step} holder {h}");
+                }
+            }
+            // Every prefix of a random chain walks as the model says.
+            let q: Vec<u8> = (0..12).map(|_| rng.random_range(0..3)).collect();
+            let qk: Vec<BlockKey> = (1..=12).map(|i| key_of(&q[..i])).collect();
+            let want: Vec<Vec<Slot>> =
+                qk.iter().map_while(|c| model.get(c).map(|e| e.iter().copied().collect())).collect();
+            assert_eq!(walked(&ix, ns, &qk), want, "step {step}");
+        }
     }
 
     #[test]

@@ -474,7 +474,7 @@ fn medium_prefixes(
 ) -> Vec<[u64; 5]> {
     let mut out = vec![[0u64; 5]; holders.len()];
     let mut alive = vec![[true; 5]; holders.len()];
-    st.index.walk(ns, keys, |_, slots| {
+    st.index.walk(ns, keys, |_, len, slots| {
         let mut any_alive = false;
         for ((wh, nh), (count, live)) in holders.iter().zip(out.iter_mut().zip(alive.iter_mut())) {
             let mut has = [false; 5];
@@ -494,7 +494,7 @@ fn medium_prefixes(
             for m in 0..5 {
                 live[m] &= has[m];
                 if live[m] {
-                    count[m] += 1;
+                    count[m] += len as u64;
                 }
             }
             any_alive |= live.iter().any(|l| *l);

@@ -4,7 +4,8 @@
 //!
 //! # Layout
 //! - [`config`]: configuration (TOML), cost weights, health thresholds, namespace specs, vLLM sources.
-//! - [`index`]: the block index (key -> holders per tier), holder interning.
+//! - [`index`]: the block index (runs of blocks with one holder set, key -> holders per tier),
+//!   holder interning; [`keytable`]: its key -> (run, offset) table.
 //! - [`cost`]: the cost model: per-tier prefix matching, cost terms, choice (ties, temperature).
 //! - [`approx`]: approximate mode (remembers its own decisions for a TTL).
 //! - [`state`]: the locked state: workers, publishers, event-id tracking and gaps, loads,
@@ -35,6 +36,7 @@ pub mod health;
 pub mod http;
 pub mod index;
 pub mod indexer_api;
+pub mod keytable;
 pub mod publish;
 pub mod recovery;
 pub mod router;

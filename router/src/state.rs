@@ -344,7 +344,9 @@ impl State {
         let h = self.intern(holder);
         let slot = Slot::new(h, tier);
         match body {
-            EventBody::Stored { namespace, keys, .. } => self.index.store(*namespace, keys, slot),
+            EventBody::Stored { namespace, parent, keys, .. } => {
+                self.index.store(*namespace, parent.as_ref(), keys, slot)
+            }
             EventBody::Removed { keys, .. } => self.index.remove(None, keys, slot),
             EventBody::Cleared { .. } => {
                 self.index.remove_where(|s| s == slot);

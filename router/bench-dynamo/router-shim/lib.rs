@@ -7,5 +7,7 @@ pub mod cost;
 pub mod error;
 #[path = "../../src/index.rs"]
 pub mod index;
+#[path = "../../src/keytable.rs"]
+pub mod keytable;
 
 pub use error::RouterError;

@@ -1,0 +1,304 @@
+//! The block index's key table: block key -> where the key lives (run and offset), 12 bytes per
+//! slot, open addressing with linear probing.
+//!
+//! A slot does not hold the key: it holds 32 bits of the key's hash, the run index and the offset
+//! inside the run. A probe compares hash bits and, on a match, asks the caller whether the run's
+//! key at that offset is the key (the runs hold every key exactly once). The home slot is the
+//! hash's top bits, so growing (or dropping tombstones) re-inserts from the slots' own hash bits
+//! in nearly sequential order, without reading a key. Deleted slots become tombstones; the table
+//! is rehashed when live slots plus tombstones pass 80% of the slots.
+//!
+//! The hash is a seeded 128-bit multiply of the key's two halves (the keys are themselves hashes;
+//! the per-instance seed keeps a publisher from aiming keys at one probe sequence).
+
+use kvproto::BlockKey;
+
+/// Where a key lives: run index and absolute offset inside the run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Loc {
+    pub run: u32,
+    pub off: u16,
+}
+
+/// `run` of an empty slot (all-zero, so a new table is a zeroed allocation).
+const EMPTY: u32 = 0;
+/// `run` of a deleted slot.
+const TOMB: u32 = u32::MAX;
+/// Largest run index (slots store `run + 1`).
+pub const MAX_RUN: u32 = u32::MAX - 2;
+
+/// A slot: `[hash, run + 1, offset]` (`run + 1` is [`EMPTY`] or [`TOMB`] for free slots).
+type Entry = [u32; 3];
+
+const VACANT: Entry = [0; 3];
+
+/// The location in an occupied slot.
+#[inline]
+fn loc_of(e: Entry) -> Loc {
+    Loc { run: e[1].wrapping_sub(1), off: e[2] as u16 }
+}
+
+#[inline]
+fn entry(hash: u32, loc: Loc) -> Entry {
+    [hash, loc.run + 1, u32::from(loc.off)]
+}
+
+/// See the module documentation.
+#[derive(Debug)]
+pub struct KeyTable {
+    slots: Vec<Entry>,
+    /// `32 - log2(slots.len())`: the home slot is `hash >> shift`.
+    shift: u32,
+    len: usize,
+    tombs: usize,
+    seed: (u64, u64),
+}
+
+impl Default for KeyTable {
+    fn default() -> Self {
+        let s = std::hash::BuildHasher::hash_one(&std::collections::hash_map::RandomState::new(), 0x6b74_u64);
+        Self {
+            slots: Vec::new(),
+            shift: 32,
+            len: 0,
+            tombs: 0,
+            seed: (s | 1, s.rotate_left(32) ^ 0x9e37_79b9_7f4a_7c15),
+        }
+    }
+}
+
+impl KeyTable {
+    /// The key's hash (callers that probe a key more than once compute it once).
+    #[inline]
+    pub fn hash(&self, k: &BlockKey) -> u32 {
+        let (a, b) = k.0.split_at(8);
+        let a = u64::from_le_bytes(a.try_into().unwrap_or([0; 8])) ^ self.seed.0;
+        let b = u64::from_le_bytes(b.try_into().unwrap_or([0; 8])) ^ self.seed.1;
+        let p = u128::from(a) * u128::from(b);
+        (((p as u64) ^ ((p >> 64) as u64)) >> 32) as u32
+    }
+
+    #[inline]
+    fn mask(&self) -> usize {
+        self.slots.len().wrapping_sub(1)
+    }
+
+    #[inline]
+    fn home(&self, h: u32) -> usize {
+        // `checked_shr`: an empty table has shift 32 (and is never probed).
+        h.checked_shr(self.shift).unwrap_or(0) as usize
+    }
+
+    /// Keys in the table.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True when no key is in the table.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Slots (free or not).
+    pub fn slots(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// Heap bytes.
+    pub fn bytes(&self) -> usize {
+        self.slots.capacity() * std::mem::size_of::<Entry>()
+    }
+
+    /// Makes room for `additional` more keys (rehashing into a larger table, or in place of the
+    /// tombstones, when live slots plus tombstones would pass 80%).
+    pub fn reserve(&mut self, additional: usize) {
+        if (self.len + self.tombs + additional) * 5 > self.slots.len() * 4 {
+            self.rehash(self.len + additional);
+        }
+    }
+
+    /// Rehashes into a table sized for `n` keys (at least those it holds; at most 70% full):
+    /// grows, shrinks, drops tombstones.
+    pub fn rehash(&mut self, n: usize) {
+        let n = n.max(self.len);
+        let mut want = (n * 5 / 4 + 1).max(16).next_power_of_two();
+        if n * 10 > want * 7 {
+            want *= 2;
+        }
+        let old = std::mem::replace(&mut self.slots, vec![VACANT; want]);
+        self.shift = 32 - want.trailing_zeros();
+        self.tombs = 0;
+        let mask = self.mask();
+        // Old slots in order have nearly increasing home slots, so the writes are nearly
+        // sequential.
+        for e in old.into_iter().filter(|e| e[1] != EMPTY && e[1] != TOMB) {
+            let mut i = self.home(e[0]);
+            while self.slots[i][1] != EMPTY {
+                i = (i + 1) & mask;
+            }
+            self.slots[i] = e;
+        }
+    }
+
+    /// Asks the CPU to load the home slot of hash `h` ahead of a later probe (a hint; probes are
+    /// memory-latency bound, and a prefetch lets several misses overlap).
+    #[inline]
+    pub fn prefetch(&self, h: u32) {
+        if self.slots.is_empty() {
+            return;
+        }
+        let i = self.home(h);
+        #[cfg(target_arch = "x86_64")]
+        {
+            let p = self.slots.as_ptr().wrapping_add(i);
+            // SAFETY: a prefetch is only a hint: it never faults and never writes (and `i` is in
+            // bounds anyway).
+            unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p.cast()) }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = i;
+    }
+
+    /// The location of the key of hash `h`; `is_key(loc)` says whether the key stored at `loc`
+    /// is that key.
+    #[inline]
+    pub fn find(&self, h: u32, is_key: impl Fn(Loc) -> bool) -> Option<Loc> {
+        if self.slots.is_empty() {
+            return None;
+        }
+        let mask = self.mask();
+        let mut i = self.home(h);
+        loop {
+            let e = self.slots[i];
+            if e[1] == EMPTY {
+                return None;
+            }
+            if e[0] == h && e[1] != TOMB && is_key(loc_of(e)) {
+                return Some(loc_of(e));
+            }
+            i = (i + 1) & mask;
+        }
+    }
+
+    /// Finds the key of hash `h` (as [`KeyTable::find`]), or inserts it at `loc` and returns
+    /// `None`. Call [`KeyTable::reserve`] first.
+    #[inline]
+    pub fn find_or_insert(&mut self, h: u32, is_key: impl Fn(Loc) -> bool, loc: Loc) -> Option<Loc> {
+        let mask = self.mask();
+        let mut i = self.home(h);
+        let mut tomb = None;
+        loop {
+            let e = self.slots[i];
+            if e[1] == EMPTY {
+                break;
+            }
+            if e[1] == TOMB {
+                tomb.get_or_insert(i);
+            } else if e[0] == h && is_key(loc_of(e)) {
+                return Some(loc_of(e));
+            }
+            i = (i + 1) & mask;
+        }
+        if let Some(t) = tomb {
+            self.tombs -= 1;
+            i = t;
+        }
+        self.slots[i] = entry(h, loc);
+        self.len += 1;
+        None
+    }
+
+    fn slot_of(&self, k: &BlockKey, loc: Loc) -> Option<usize> {
+        if self.slots.is_empty() {
+            return None;
+        }
+        let h = self.hash(k);
+        let mask = self.mask();
+        let mut i = self.home(h);
+        loop {
+            let e = self.slots[i];
+            if e[1] == EMPTY {
+                return None;
+            }
+            if e[0] == h && loc_of(e) == loc {
+                return Some(i);
+            }
+            i = (i + 1) & mask;
+        }
+    }
+
+    /// Moves key `k` from `old` to `new` (no-op if `k` is not at `old`).
+    pub fn repoint(&mut self, k: &BlockKey, old: Loc, new: Loc) {
+        if let Some(i) = self.slot_of(k, old) {
+            self.slots[i] = entry(self.slots[i][0], new);
+        }
+    }
+
+    /// Removes key `k` stored at `loc` (no-op if it is not there).
+    pub fn remove(&mut self, k: &BlockKey, loc: Loc) {
+        if let Some(i) = self.slot_of(k, loc) {
+            // A slot followed by an empty one ends every probe sequence through it: no tombstone.
+            if self.slots[(i + 1) & self.mask()][1] == EMPTY {
+                self.slots[i] = VACANT;
+            } else {
+                self.slots[i][1] = TOMB;
+                self.tombs += 1;
+            }
+            self.len -= 1;
+            // Probes end only at an empty slot: never let tombstones fill the table.
+            if (self.len + self.tombs) * 5 > self.slots.len() * 4 {
+                self.rehash(self.len);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn k(i: u32) -> BlockKey {
+        let mut b = [0u8; 16];
+        b[..4].copy_from_slice(&i.to_le_bytes());
+        b[8..12].copy_from_slice(&i.wrapping_mul(2_654_435_761).to_le_bytes());
+        BlockKey(b)
+    }
+
+    fn is(keys: &[BlockKey], q: BlockKey) -> impl Fn(Loc) -> bool + '_ {
+        move |l: Loc| keys[l.run as usize] == q
+    }
+
+    #[test]
+    fn insert_find_repoint_remove() {
+        let mut t = KeyTable::default();
+        t.reserve(1000);
+        let keys: Vec<BlockKey> = (0..1000).map(k).collect();
+        for (i, key) in keys.iter().enumerate() {
+            let loc = Loc { run: i as u32, off: 7 };
+            assert_eq!(t.find(t.hash(key), is(&keys, *key)), None);
+            assert_eq!(t.find_or_insert(t.hash(key), is(&keys, *key), loc), None);
+        }
+        assert_eq!(t.len(), 1000);
+        for (i, key) in keys.iter().enumerate() {
+            assert_eq!(t.find(t.hash(key), is(&keys, *key)), Some(Loc { run: i as u32, off: 7 }));
+        }
+        assert_eq!(
+            t.find_or_insert(t.hash(&keys[5]), is(&keys, keys[5]), Loc { run: 0, off: 0 }),
+            Some(Loc { run: 5, off: 7 })
+        );
+        t.repoint(&keys[5], Loc { run: 5, off: 7 }, Loc { run: 5, off: 9 });
+        assert_eq!(t.find(t.hash(&keys[5]), is(&keys, keys[5])), Some(Loc { run: 5, off: 9 }));
+        for (i, key) in keys.iter().enumerate().filter(|(i, _)| i % 2 == 0) {
+            let off = if i == 5 { 9 } else { 7 };
+            t.remove(key, Loc { run: i as u32, off });
+        }
+        assert_eq!(t.len(), 500);
+        t.rehash(10); // grows back to fit the 500 it holds
+        assert_eq!(t.len(), 500);
+        for (i, key) in keys.iter().enumerate() {
+            let off = if i == 5 { 9 } else { 7 };
+            let want = (i % 2 == 1).then_some(Loc { run: i as u32, off });
+            assert_eq!(t.find(t.hash(key), is(&keys, *key)), want);
+        }
+    }
+}
