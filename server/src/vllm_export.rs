@@ -92,14 +92,19 @@ impl VllmExport {
     pub fn note_save(&self, keys: &[BlockKey], tokens: &[u32], tokens_per_block: usize, first: usize, end: usize) {
         let seed = kvproto::dynamo::DYNAMO_SEED;
         let blocks: Vec<&[u32]> = tokens.chunks_exact(tokens_per_block.max(1)).take(end.min(keys.len())).collect();
+        // Hash the chain with no lock held; record only the blocks being saved.
         let mut parent = None;
-        let mut origins = self.origins.lock();
+        let mut fresh = Vec::with_capacity(blocks.len().saturating_sub(first));
         for (i, block) in blocks.iter().enumerate() {
             let hash = kvproto::dynamo::chain(parent, kvproto::dynamo::local_block_hash(block, seed), seed);
             if i >= first {
-                origins.entry(keys[i]).or_insert_with(|| Origin { hash, parent, tokens: (*block).into(), tiers: 0 });
+                fresh.push((keys[i], Origin { hash, parent, tokens: (*block).into(), tiers: 0 }));
             }
             parent = Some(hash);
+        }
+        let mut origins = self.origins.lock();
+        for (k, o) in fresh {
+            origins.entry(k).or_insert(o);
         }
     }
 

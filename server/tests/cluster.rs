@@ -85,12 +85,24 @@ impl RouterProc {
 }
 
 /// Starts `kvcached` for `node` in `dir`, publishing to `router` every 200 ms.
-fn spawn_daemon(dir: &Path, node: &str, router: &str) -> Child {
+fn spawn_daemon(dir: &Path, node: &str, router: &str) -> Daemon {
     spawn_daemon_with(dir, &format!("urls = [\"{router}\"]\nnode = \"{node}\"\nreport_interval_ms = 200\n"))
 }
 
 /// Starts `kvcached` in `dir` with `router_section` as its `[router]` settings.
-fn spawn_daemon_with(dir: &Path, router_section: &str) -> Child {
+/// A daemon process, killed if the test fails before stopping it (no process outlives a test).
+struct Daemon(Option<Child>);
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.0.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+fn spawn_daemon_with(dir: &Path, router_section: &str) -> Daemon {
     let cfg = dir.join("kvcached.toml");
     std::fs::write(&cfg, format!("metrics_addr = \"127.0.0.1:0\"\n[router]\n{router_section}")).unwrap();
     let sock = dir.join("kvcached.sock");
@@ -104,15 +116,17 @@ fn spawn_daemon_with(dir: &Path, router_section: &str) -> Child {
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
+    let daemon = Daemon(Some(child));
     let deadline = Instant::now() + Duration::from_secs(30);
     while std::os::unix::net::UnixStream::connect(&sock).is_err() {
         assert!(Instant::now() < deadline, "daemon in {} did not start", dir.display());
         std::thread::sleep(Duration::from_millis(20));
     }
-    child
+    daemon
 }
 
-fn signal_and_wait(mut child: Child, sig: i32) {
+fn signal_and_wait(mut daemon: Daemon, sig: i32) {
+    let Some(mut child) = daemon.0.take() else { return };
     // SAFETY: plain kill(2) on our child's pid.
     unsafe { libc::kill(child.id() as i32, sig) };
     let status = child.wait().unwrap();
