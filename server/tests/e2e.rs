@@ -205,7 +205,19 @@ async fn eight_engines_share_overlapping_prefixes_and_see_only_correct_bytes() {
     daemon.stop().await;
 }
 
-fn spawn_daemon(dir: &Path) -> Child {
+/// A daemon process, killed if the test fails before stopping it.
+struct DaemonProc(Option<Child>);
+
+impl Drop for DaemonProc {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.0.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+fn spawn_daemon(dir: &Path) -> DaemonProc {
     let child = Command::new(env!("CARGO_BIN_EXE_kvcached"))
         .args(["--socket", dir.join("kvcached.sock").to_str().unwrap()])
         .args(["--metrics-addr", "127.0.0.1:0", "--g2-capacity-bytes", "67108864"])
@@ -215,15 +227,17 @@ fn spawn_daemon(dir: &Path) -> Child {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
+    let daemon = DaemonProc(Some(child));
     let deadline = Instant::now() + Duration::from_secs(30);
     while !dir.join("kvcached.sock").exists() {
         assert!(Instant::now() < deadline, "daemon did not start");
         std::thread::sleep(Duration::from_millis(20));
     }
-    child
+    daemon
 }
 
-fn sigterm_and_wait(mut child: Child) {
+fn sigterm_and_wait(mut daemon: DaemonProc) {
+    let Some(mut child) = daemon.0.take() else { return };
     // SAFETY: plain kill(2) on our child's pid.
     unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
     let status = child.wait().unwrap();
