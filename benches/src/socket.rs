@@ -79,41 +79,56 @@ fn prompt(p: u32, blocks: u32, tpb: u32) -> Vec<u32> {
     (0..blocks * tpb).map(|i| (p.wrapping_mul(1_000_003) ^ i.wrapping_mul(2_654_435_761)) % 150_000).collect()
 }
 
-/// memcpy of `bytes` between two engine-sized buffers (hot: a load's source, G2, is hot too
-/// when the same prompt is loaded again and again), and into a rotating destination across
-/// 1 GiB of shared memory prepared like the G2 pool (what a save writes into).
-fn memcpy_baselines(dir: &Path, bytes: usize, calls: usize) -> std::io::Result<(f64, f64)> {
-    let src: Vec<u8> = (0..bytes).map(|i| (i * 31 % 251) as u8).collect();
-    let mut dst = vec![0u8; bytes];
-    let t0 = Instant::now();
-    for _ in 0..calls {
-        dst.copy_from_slice(std::hint::black_box(&src));
-        std::hint::black_box(&dst);
+/// The memcpy baselines of one call's bytes: between two engine-sized buffers (hot: a load's
+/// source, G2, is hot too when the same prompt is loaded again and again), and into a rotating
+/// destination across 1 GiB of shared memory prepared like the G2 pool (fallocated, every page
+/// mapped for writing), which is what a save writes into.
+struct Baselines {
+    src: Vec<u8>,
+    dst: Vec<u8>,
+    pool: memmap2::MmapMut,
+    next: usize,
+    _file: std::fs::File,
+}
+
+impl Baselines {
+    fn new(dir: &Path, bytes: usize) -> std::io::Result<Self> {
+        let src: Vec<u8> = (0..bytes).map(|i| (i * 31 % 251) as u8).collect();
+        let dst = src.clone();
+        let pool_len = 1usize << 30;
+        let file = tempfile::tempfile_in(dir)?;
+        // SAFETY: plain syscall on an owned fd.
+        let r = unsafe { libc::posix_fallocate(std::os::fd::AsRawFd::as_raw_fd(&file), 0, pool_len as libc::off_t) };
+        if r != 0 {
+            return Err(std::io::Error::from_raw_os_error(r));
+        }
+        // SAFETY: a private temp file that outlives the mapping.
+        let mut pool = unsafe { memmap2::MmapOptions::new().len(pool_len).map_mut(&file)? };
+        // SAFETY: the range is our live mapping; populating changes no contents.
+        if unsafe { libc::madvise(pool.as_mut_ptr().cast(), pool_len, libc::MADV_POPULATE_WRITE) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(Self { src, dst, pool, next: 0, _file: file })
     }
-    let hot = gibs((bytes * calls) as u64, t0.elapsed());
-    // Prepared like the G2 pool: space reserved with posix_fallocate, every page mapped for
-    // writing in advance (the daemon's `g2.prefault`), so the copies take no page fault.
-    let pool_len = 1usize << 30;
-    let file = tempfile::tempfile_in(dir)?;
-    // SAFETY: plain syscall on an owned fd.
-    let r = unsafe { libc::posix_fallocate(std::os::fd::AsRawFd::as_raw_fd(&file), 0, pool_len as libc::off_t) };
-    if r != 0 {
-        return Err(std::io::Error::from_raw_os_error(r));
+
+    /// One hot copy; its duration.
+    fn hot(&mut self) -> Duration {
+        let t0 = Instant::now();
+        self.dst.copy_from_slice(std::hint::black_box(&self.src));
+        std::hint::black_box(&self.dst);
+        t0.elapsed()
     }
-    // SAFETY: a private temp file that outlives the mapping.
-    let mut map = unsafe { memmap2::MmapOptions::new().len(pool_len).map_mut(&file)? };
-    // SAFETY: the range is our live mapping; populating changes no contents.
-    if unsafe { libc::madvise(map.as_mut_ptr().cast(), pool_len, libc::MADV_POPULATE_WRITE) } != 0 {
-        return Err(std::io::Error::last_os_error());
+
+    /// One copy into the next slot of the pool; its duration.
+    fn pool(&mut self) -> Duration {
+        let n = self.src.len();
+        let at = (self.next % (self.pool.len() / n)) * n;
+        self.next += 1;
+        let t0 = Instant::now();
+        self.pool[at..at + n].copy_from_slice(std::hint::black_box(&self.src));
+        std::hint::black_box(&self.pool[at]);
+        t0.elapsed()
     }
-    let slots = pool_len / bytes;
-    let t0 = Instant::now();
-    for i in 0..calls {
-        let at = (i % slots) * bytes;
-        map[at..at + bytes].copy_from_slice(std::hint::black_box(&src));
-    }
-    std::hint::black_box(&map[0]);
-    Ok((hot, gibs((bytes * calls) as u64, t0.elapsed())))
 }
 
 /// An engine attached with `layout` and `slots` block slots, filled with synthetic KV.
@@ -146,28 +161,37 @@ async fn throughput(
     let tpb = layout.tokens_per_block;
     let save_slots: Vec<u32> = (0..per_call).collect();
     let load_slots: Vec<u32> = (per_call..per_call * 2).collect();
-    let (hot, pool) =
-        memcpy_baselines(&cfg.dir, (bytes * u64::from(per_call)) as usize, cfg.calls).map_err(|e| e.to_string())?;
+    let call_bytes = bytes * u64::from(per_call) * cfg.calls as u64;
+    let mut base = Baselines::new(&cfg.dir, (bytes * u64::from(per_call)) as usize).map_err(|e| e.to_string())?;
+    // Each call alternates with its baseline copy, so that the machine's drifting memory
+    // bandwidth weighs on both alike.
     // Saves: a fresh prompt per call (fresh keys; at steady state the pool evicts).
-    let t0 = Instant::now();
+    let (mut pool_t, mut save_t) = (Duration::ZERO, Duration::ZERO);
     for i in 0..cfg.calls {
-        let r = c.save(&prompt(i as u32 + 1, per_call, tpb), 0, &save_slots).await.map_err(|e| e.to_string())?;
+        pool_t += base.pool();
+        let p = prompt(i as u32 + 1, per_call, tpb);
+        let t0 = Instant::now();
+        let r = c.save(&p, 0, &save_slots).await.map_err(|e| e.to_string())?;
+        save_t += t0.elapsed();
         if r.failed > 0 {
             return Err(format!("save failed: {}", r.error));
         }
     }
-    let save = gibs(bytes * u64::from(per_call) * cfg.calls as u64, t0.elapsed());
     // Loads: one cached prompt into other slots, again and again.
     let p = prompt(u32::MAX, per_call, tpb);
     c.save(&p, 0, &save_slots).await.map_err(|e| e.to_string())?;
-    let t0 = Instant::now();
+    let (mut hot_t, mut load_t) = (Duration::ZERO, Duration::ZERO);
     for _ in 0..cfg.calls {
+        hot_t += base.hot();
+        let t0 = Instant::now();
         let s = c.load_now(&p, 0, &load_slots).await.map_err(|e| e.to_string())?;
+        load_t += t0.elapsed();
         if s.loaded_blocks != per_call {
             return Err(format!("loaded {} of {per_call} blocks", s.loaded_blocks));
         }
     }
-    let load = gibs(bytes * u64::from(per_call) * cfg.calls as u64, t0.elapsed());
+    let (hot, pool) = (gibs(call_bytes, hot_t), gibs(call_bytes, pool_t));
+    let (save, load) = (gibs(call_bytes, save_t), gibs(call_bytes, load_t));
     c.unregister().await.map_err(|e| e.to_string())?;
     Ok(Throughput { block: name, memcpy_hot_gibs: hot, memcpy_pool_gibs: pool, save_gibs: save, load_gibs: load })
 }
