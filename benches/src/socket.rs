@@ -282,9 +282,16 @@ pub async fn run(cfg: &SocketBench) -> Result<Report, String> {
     let daemon = tokio::spawn(kvcached::serve(c, listeners, async move {
         let _ = rx.await;
     }));
-    // Let the daemon's background prefault map the 2 GiB pool first (about a second here), as
-    // it has on a daemon that has been up for a while.
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    // Let the daemon's background prefault map the 2 GiB pool first, as it has on a daemon
+    // that has been up for a while (it zeroes and maps every page: seconds, and competing with
+    // it for the two cores and the memory bandwidth would measure the prefault, not saves).
+    let t0 = Instant::now();
+    while !kvcached::http::prometheus().render().lines().any(|l| l == "kvcached_g2_prefault_done 1") {
+        if t0.elapsed() > Duration::from_secs(300) {
+            return Err("the daemon's G2 prefault did not finish in 300 s".into());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     let r = run_against(cfg, &socket).await;
     let _ = tx.send(());
     match daemon.await {

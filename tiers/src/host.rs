@@ -253,13 +253,23 @@ impl HostTier {
     /// that saves do not take a page fault per fresh page (a quarter of a save's CPU time in a
     /// profile of a cold pool). Meant for a background thread: it holds only a weak reference
     /// between chunks and stops when the tier is dropped. Returns the bytes populated.
+    /// Progress is exported as `kvcached_g2_prefaulted_bytes` and, once finished (or stopped),
+    /// `kvcached_g2_prefault_done` = 1.
     pub fn prefault(tier: &std::sync::Weak<HostTier>) -> u64 {
         const CHUNK: usize = 64 << 20;
+        let progress = metrics::gauge!("kvcached_g2_prefaulted_bytes");
+        let finished = metrics::gauge!("kvcached_g2_prefault_done");
+        finished.set(0.0);
         let mut done = 0usize;
         loop {
-            let Some(t) = tier.upgrade() else { return done as u64 };
+            progress.set(done as f64);
+            let Some(t) = tier.upgrade() else {
+                finished.set(1.0);
+                return done as u64;
+            };
             let (base, len) = (t.region.map.as_mut_ptr(), t.region.map.len());
             if done >= len {
+                finished.set(1.0);
                 return done as u64;
             }
             let n = CHUNK.min(len - done);
@@ -268,6 +278,7 @@ impl HostTier {
             if r != 0 {
                 let e = std::io::Error::last_os_error();
                 tracing::info!("G2 pool not prefaulted past {done} bytes: {e} (pages are mapped on first use)");
+                finished.set(1.0);
                 return done as u64;
             }
             done += n;

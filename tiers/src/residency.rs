@@ -185,19 +185,35 @@ impl<S: SlotBytes> Residency<S> {
             loop {
                 let mut picked = Vec::new();
                 let mut picked_bytes = 0u64;
+                let free_now = |e: &Resident<S>| {
+                    e.state == State::Ready
+                        && !e.pinned(now)
+                        && (allow_dirty || !e.dirty)
+                        && Arc::strong_count(&e.slot) == 1
+                };
                 for key in self.policy.coldest_first() {
                     if freed + picked_bytes >= need_bytes {
                         break;
                     }
                     let Some(e) = self.entries.get(&key) else { continue };
-                    let evictable = e.state == State::Ready
-                        && e.children == 0
-                        && !e.pinned(now)
-                        && (allow_dirty || !e.dirty)
-                        && Arc::strong_count(&e.slot) == 1;
-                    if evictable {
+                    if e.children == 0 && free_now(e) {
                         picked_bytes += e.slot.slot_bytes();
                         picked.push(key);
+                    }
+                }
+                // A picked block's parent becomes a leaf once the block goes: follow chains
+                // upward now instead of rescanning the whole order once per chain level (which
+                // made freeing space behind one long chain quadratic: a stall of tens of ms).
+                let mut i = 0;
+                while i < picked.len() && freed + picked_bytes < need_bytes {
+                    let parent = self.entries.get(&picked[i]).and_then(|e| e.meta.parent);
+                    i += 1;
+                    let Some(pk) = parent else { continue };
+                    let Some(p) = self.entries.get(&pk) else { continue };
+                    // Its one child is the block just picked, so it cannot be picked already.
+                    if p.children == 1 && free_now(p) {
+                        picked_bytes += p.slot.slot_bytes();
+                        picked.push(pk);
                     }
                 }
                 if picked.is_empty() {

@@ -125,6 +125,19 @@ fn evicts_descendants_before_ancestors(f: Factory) {
     assert!(!t.contains(&key(7, 3)));
 }
 
+/// Room for a big block behind one long chain comes from the chain's tail, deepest first, in
+/// one put (the parents of evicted blocks become leaves as they go).
+fn a_long_chain_is_evicted_from_its_tail(f: Factory) {
+    let (t, _d) = f(64 * PAGE as u64);
+    for i in 0..64 {
+        put(&*t, 30, i, PAGE).unwrap();
+    }
+    // A block of 20 pages needs 20 of the chain's 64 to go.
+    put(&*t, 31, 0, 20 * PAGE).unwrap();
+    let left: Vec<u32> = (0..64).filter(|&i| t.contains(&key(30, i))).collect();
+    assert_eq!(left, (0..44).collect::<Vec<_>>(), "the chain lost its tail, not its middle");
+}
+
 fn pinned_blocks_stay_and_leases_expire(f: Factory) {
     let (t, _d) = f(4 * PAGE as u64);
     put(&*t, 10, 0, 2 * PAGE).unwrap();
@@ -298,6 +311,10 @@ macro_rules! suite {
             #[test]
             fn evicts_lru_when_full() {
                 super::evicts_lru_when_full($factory)
+            }
+            #[test]
+            fn a_long_chain_is_evicted_from_its_tail() {
+                super::a_long_chain_is_evicted_from_its_tail($factory)
             }
             #[test]
             fn evicts_descendants_before_ancestors() {
