@@ -12,7 +12,7 @@ use std::error::Error;
 use std::path::{Path, PathBuf};
 
 use kvproto::dynamo::{DYNAMO_SEED, local_block_hash, sequence_hashes};
-use kvproto::{Dtype, KvLayout, LayoutKind, Namespace, block_keys};
+use kvproto::{KvLayout, Namespace, block_keys};
 
 #[path = "../tests/common/schema.rs"]
 mod schema;
@@ -63,14 +63,14 @@ fn ns(
 }
 
 fn to_namespace(spec: &NamespaceSpec) -> Result<Namespace, Box<dyn Error>> {
-    let layout = KvLayout {
-        num_layers: spec.num_layers,
-        kv_heads: spec.kv_heads,
-        head_dim: spec.head_dim,
-        dtype: Dtype::parse(&spec.dtype)?,
-        tokens_per_block: spec.tokens_per_block,
-        kind: LayoutKind::parse(&spec.layout_kind)?,
-    };
+    let layout = KvLayout::from_names(
+        spec.num_layers,
+        spec.kv_heads,
+        spec.head_dim,
+        &spec.dtype,
+        spec.tokens_per_block,
+        &spec.layout_kind,
+    )?;
     let ns = Namespace {
         model_id: spec.model_id.clone(),
         layout,

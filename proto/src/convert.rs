@@ -2,19 +2,12 @@
 //! namespace that crosses a process boundary goes through here.
 
 use crate::pb;
-use crate::{Dtype, KvLayout, LayoutKind, Namespace, ProtoError};
+use crate::{KvLayout, Namespace, ProtoError};
 
 impl TryFrom<&pb::Layout> for KvLayout {
     type Error = ProtoError;
     fn try_from(l: &pb::Layout) -> Result<Self, ProtoError> {
-        let layout = KvLayout {
-            num_layers: l.num_layers,
-            kv_heads: l.kv_heads,
-            head_dim: l.head_dim,
-            dtype: Dtype::parse(&l.dtype)?,
-            tokens_per_block: l.tokens_per_block,
-            kind: LayoutKind::parse(&l.kind)?,
-        };
+        let layout = KvLayout::from_names(l.num_layers, l.kv_heads, l.head_dim, &l.dtype, l.tokens_per_block, &l.kind)?;
         layout.validate()?;
         Ok(layout)
     }

@@ -117,6 +117,26 @@ pub struct KvLayout {
 }
 
 impl KvLayout {
+    /// A layout from its fields with the dtype and kind by name (`"bf16"`, `"layer_separate"`),
+    /// as configuration files and the wire carry them. Not validated: see [`KvLayout::validate`].
+    pub fn from_names(
+        num_layers: u32,
+        kv_heads: u32,
+        head_dim: u32,
+        dtype: &str,
+        tokens_per_block: u32,
+        kind: &str,
+    ) -> Result<Self, ProtoError> {
+        Ok(KvLayout {
+            num_layers,
+            kv_heads,
+            head_dim,
+            dtype: Dtype::parse(dtype)?,
+            tokens_per_block,
+            kind: LayoutKind::parse(kind)?,
+        })
+    }
+
     /// Checks every field is non-zero and the block size fits in 64 bits. The byte-size
     /// helpers below assume a validated layout (they saturate instead of overflowing).
     pub fn validate(&self) -> Result<(), ProtoError> {

@@ -4,7 +4,7 @@
 //! each one.
 
 use kvproto::events::{KEY_SCHEME_DYNAMO_XXH3_1337, KEY_SCHEME_KVCACHED_V1, key_from_u64};
-use kvproto::{BlockKey, Dtype, KvLayout, LayoutKind, Namespace, NamespaceId, TierKind};
+use kvproto::{BlockKey, KvLayout, Namespace, NamespaceId, TierKind};
 use serde::{Deserialize, Serialize};
 
 use crate::RouterError;
@@ -296,14 +296,14 @@ impl NamespaceSpec {
         let hex_opt = |s: &Option<String>, what: &str| -> Result<Option<Vec<u8>>, RouterError> {
             s.as_ref().map(|h| hex::decode(h).map_err(|_| RouterError::Invalid(format!("{what}: not hex")))).transpose()
         };
-        let layout = KvLayout {
-            num_layers: self.num_layers,
-            kv_heads: self.kv_heads,
-            head_dim: self.head_dim,
-            dtype: Dtype::parse(&self.dtype)?,
-            tokens_per_block: self.tokens_per_block,
-            kind: LayoutKind::parse(&self.layout_kind)?,
-        };
+        let layout = KvLayout::from_names(
+            self.num_layers,
+            self.kv_heads,
+            self.head_dim,
+            &self.dtype,
+            self.tokens_per_block,
+            &self.layout_kind,
+        )?;
         let namespace = Namespace {
             model_id: self.model_id.clone(),
             layout,
