@@ -99,19 +99,11 @@ impl Daemon {
         for (i, &slot) in req.block_ids.iter().enumerate() {
             let idx = req.first_block as usize + i;
             let meta = BlockMeta { namespace: engine.namespace_id, parent: idx.checked_sub(1).map(|p| keys[p]), len };
-            let put = match engine.host_segments(slot) {
-                Some(segs) => {
-                    // SAFETY: segments were range-checked at attach; the engine does not write a
-                    // slot it asked to save until the call returns.
-                    let parts: Vec<&[u8]> =
-                        segs.iter().map(|&(p, l)| unsafe { std::slice::from_raw_parts(p, l) }).collect();
-                    self.store.put_parts(keys[idx], meta, &parts)
-                }
-                // GPU memory: DMA from the engine's segments straight into the G2 pages.
-                None => self.store.put_with(keys[idx], meta, |dst| {
-                    engine.read_slot_into(slot, dst).map_err(|e| kvtiers::TierError::NoCuda(e.to_string()))
-                }),
-            };
+            // Straight from the engine's segments into the block's G2 pages: one copy (DMA for
+            // GPU memory).
+            let put = self.store.put_with(keys[idx], meta, |dst| {
+                engine.read_slot_into(slot, dst).map_err(|e| kvtiers::TierError::Fill(e.to_string()))
+            });
             match put {
                 Ok(true) => resp.stored += 1,
                 Ok(false) => resp.already_present += 1,
@@ -155,10 +147,8 @@ impl Daemon {
     fn found_blocks(&self, keys: &[kvproto::BlockKey], g1: usize) -> [u32; 4] {
         let g1 = g1.min(keys.len());
         let mut found = [to_u32(g1), 0, 0, 0];
-        for i in g1..keys.len() {
-            let m = self.store.lookup(&keys[i..=i]);
-            let Some(tier) = (1..4).find(|&t| m.fastest[t] > 0) else { break };
-            found[tier] += 1;
+        for tier in self.store.fastest_tiers(&keys[g1..]) {
+            found[tier.index()] += 1;
         }
         found
     }

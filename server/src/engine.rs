@@ -25,32 +25,18 @@ enum EngineMemory {
     Cuda(kvtiers::cuda::DeviceRegion),
 }
 
-/// Walks two lists of contiguous pieces of equal total length in step, calling `f(src, dst, n)`
-/// for each overlapping run (addresses or offsets, as the caller's pieces are).
+/// [`kvtiers::pieces::zip_pieces`] over a block's pieces and a slot's segments, which add up to
+/// the same length (checked at attach).
 fn zip_pieces(
     src: &[(usize, usize)],
     dst: &[(usize, usize)],
-    mut f: impl FnMut(usize, usize, usize) -> Result<(), ServerError>,
+    f: impl FnMut(usize, usize, usize) -> Result<(), ServerError>,
 ) -> Result<(), ServerError> {
-    let mut d = dst.iter().copied();
-    let mut cur: Option<(usize, usize)> = None;
-    for &(mut s, mut slen) in src {
-        while slen > 0 {
-            let (da, dlen) = match cur.take() {
-                Some(c) if c.1 > 0 => c,
-                _ => match d.next() {
-                    Some(c) => c,
-                    None => return Err(ServerError::Invalid("block pieces and slot segments differ in length".into())),
-                },
-            };
-            let n = slen.min(dlen);
-            f(s, da, n)?;
-            s += n;
-            slen -= n;
-            cur = Some((da + n, dlen - n));
-        }
+    if kvtiers::pieces::zip_pieces(src.iter().copied(), dst.iter().copied(), f)? {
+        Ok(())
+    } else {
+        Err(ServerError::Invalid("block pieces and slot segments differ in length".into()))
     }
-    Ok(())
 }
 
 /// One attached engine.
@@ -198,30 +184,19 @@ impl Engine {
             .collect()
     }
 
-    /// The segments of engine block `block` as host (address, length) when the engine's memory
-    /// is host memory the daemon maps (`None` for GPU memory). `block` must have passed
-    /// [`Engine::check_slots`].
-    pub fn host_segments(&self, block: u32) -> Option<Vec<(*mut u8, usize)>> {
-        let EngineMemory::Shm(map) = &self.memory else { return None };
-        let base = map.as_mut_ptr();
-        Some(self.segment_ranges(block).into_iter().map(|(off, len)| (base.wrapping_add(off), len)).collect())
-    }
-
-    /// Copies engine block `block` into `dst` (pieces of the block's bytes in order, e.g. G2
-    /// pages).
+    /// Copies engine block `block` into `dst` (pieces of the block's bytes in order: its G2
+    /// pages). `block` must have passed [`Engine::check_slots`].
     pub fn read_slot_into(&self, block: u32, dst: &[(*mut u8, usize)]) -> Result<(), ServerError> {
         let dst: Vec<(usize, usize)> = dst.iter().map(|&(p, n)| (p as usize, n)).collect();
         match &self.memory {
             EngineMemory::Shm(map) => {
-                let base = map.as_ptr() as usize;
-                let src: Vec<(usize, usize)> =
-                    self.segment_ranges(block).into_iter().map(|(o, n)| (base + o, n)).collect();
-                zip_pieces(&src, &dst, |s, d, n| {
-                    // SAFETY: sources are this engine's mapped segments, destinations the
-                    // caller's pieces; `n` stays within both.
-                    unsafe { std::ptr::copy_nonoverlapping(s as *const u8, d as *mut u8, n) };
-                    Ok(())
-                })
+                let base = map.as_ptr();
+                let src = self.segment_ranges(block).into_iter().map(|(o, n)| (base.wrapping_add(o), n));
+                // SAFETY: sources are this engine's mapped segments (range-checked at attach; the
+                // engine does not write a slot it asked to save until the call returns),
+                // destinations the caller's pieces; both add up to one block.
+                unsafe { kvtiers::pieces::copy_pieces(src, dst.iter().map(|&(p, n)| (p as *mut u8, n))) };
+                Ok(())
             }
             EngineMemory::Cuda(region) => zip_pieces(&self.segment_ranges(block), &dst, |off, d, n| {
                 // SAFETY: `d` is inside the caller's piece for `n` bytes.

@@ -30,6 +30,9 @@ pub enum TierError {
     /// The store is shutting down.
     #[error("the block store is shutting down")]
     ShuttingDown,
+    /// A put's fill (a copy from memory the store does not own, e.g. an engine's) failed.
+    #[error("copying the block in failed: {0}")]
+    Fill(String),
     /// CUDA is needed for the operation and no device or driver is present.
     #[error("no CUDA device: {0}")]
     NoCuda(String),

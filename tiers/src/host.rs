@@ -24,6 +24,7 @@ use crate::eviction::EvictionPolicy;
 use crate::listener::{ListenerSlot, TierListener};
 use crate::lru_policy::LruPolicy;
 use crate::pages::{PagePool, Pages};
+use crate::pieces::copy_pieces;
 use crate::residency::{Residency, SlotBytes};
 use crate::stats::{Count, TierCounters, TierStats, TierUsage};
 use crate::tier::{BlockRef, Tier};
@@ -559,89 +560,4 @@ impl Tier for HostTier {
     fn keys(&self) -> Vec<(BlockKey, BlockMeta)> {
         self.state.lock().ready_keys()
     }
-}
-
-/// Copies a sequence of source pieces into a sequence of destination pieces of the same total
-/// length (gather/scatter in one pass). Used for puts into the pool: the destination is memory
-/// that has left the cache and will not be read soon, so on x86_64 large pieces are written
-/// with non-temporal stores (no read-for-ownership of the destination: 1.4x a plain memcpy into
-/// a prefaulted 1 GiB shared-memory region on this VM, `docs/benchmarks.md`).
-///
-/// # Safety
-/// Every source piece must be readable and every destination piece writable for its length,
-/// and no destination may overlap a source.
-pub unsafe fn copy_pieces(
-    src: impl Iterator<Item = (*const u8, usize)>,
-    mut dst: impl Iterator<Item = (*mut u8, usize)>,
-) {
-    let mut cur: Option<(*mut u8, usize)> = None;
-    for (mut s, mut slen) in src {
-        while slen > 0 {
-            let (d, dlen) = match cur.take() {
-                Some(c) if c.1 > 0 => c,
-                _ => match dst.next() {
-                    Some(c) => c,
-                    None => return fence(),
-                },
-            };
-            let n = slen.min(dlen);
-            // SAFETY: guaranteed by the caller; n is within both pieces.
-            unsafe {
-                copy_streaming(s, d, n);
-                s = s.add(n);
-                cur = Some((d.add(n), dlen - n));
-            }
-            slen -= n;
-        }
-    }
-    fence();
-}
-
-/// Pieces shorter than this are copied with plain stores.
-const STREAM_MIN: usize = 4096;
-
-/// Copies `n` bytes with non-temporal stores where the CPU has them (SSE2 is part of x86_64).
-///
-/// # Safety
-/// As `copy_nonoverlapping`; the caller calls [`fence`] before publishing the bytes.
-unsafe fn copy_streaming(src: *const u8, dst: *mut u8, n: usize) {
-    #[cfg(target_arch = "x86_64")]
-    if n >= STREAM_MIN {
-        use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
-        // Plain-copy up to a 16-byte aligned destination, stream 64 bytes at a time, plain-copy
-        // the tail.
-        let head = dst.align_offset(16).min(n);
-        // SAFETY: in bounds of both pieces (head <= n); the streamed range is 16-byte aligned
-        // at the destination and within both pieces; unaligned loads are allowed.
-        unsafe {
-            std::ptr::copy_nonoverlapping(src, dst, head);
-            let (s, d) = (src.add(head), dst.add(head));
-            let body = (n - head) / 64 * 64;
-            let mut i = 0;
-            while i < body {
-                let a = _mm_loadu_si128(s.add(i).cast::<__m128i>());
-                let b = _mm_loadu_si128(s.add(i + 16).cast::<__m128i>());
-                let c = _mm_loadu_si128(s.add(i + 32).cast::<__m128i>());
-                let e = _mm_loadu_si128(s.add(i + 48).cast::<__m128i>());
-                _mm_stream_si128(d.add(i).cast::<__m128i>(), a);
-                _mm_stream_si128(d.add(i + 16).cast::<__m128i>(), b);
-                _mm_stream_si128(d.add(i + 32).cast::<__m128i>(), c);
-                _mm_stream_si128(d.add(i + 48).cast::<__m128i>(), e);
-                i += 64;
-            }
-            std::ptr::copy_nonoverlapping(s.add(body), d.add(body), n - head - body);
-        }
-        return;
-    }
-    // SAFETY: guaranteed by the caller.
-    unsafe { std::ptr::copy_nonoverlapping(src, dst, n) };
-}
-
-/// Orders non-temporal stores before the stores that publish them (the commit under the lock).
-fn fence() {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: a store fence has no preconditions.
-    unsafe {
-        std::arch::x86_64::_mm_sfence()
-    };
 }

@@ -13,6 +13,7 @@
 //! - [`eviction`] / [`lru_policy`]: recency order behind a small trait, LRU via the `lru`
 //!   crate.
 //! - [`pages`]: page-granular space allocation shared by G2 and G3.
+//! - [`pieces`]: copies between block pieces (non-temporal stores into G2).
 //! - [`buf`]: [`BlockBuf`], the 4 KiB-aligned buffer blocks are read into.
 //! - [`listener`]: [`TierListener`], what each tier gained and lost (for hit reports).
 //! - [`block`]: block metadata, checksums, lease ids.
@@ -30,6 +31,7 @@ pub mod host;
 pub mod listener;
 pub mod lru_policy;
 pub mod pages;
+pub mod pieces;
 pub(crate) mod residency;
 pub mod stats;
 pub mod store;

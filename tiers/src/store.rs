@@ -44,6 +44,11 @@ pub struct PrefixMatch {
     pub resident: [usize; 4],
 }
 
+/// The fastest tier in a set of tiers (bit `TierKind::index`; not empty).
+fn fastest_of(held: u8) -> TierKind {
+    TierKind::ALL.into_iter().find(|t| held & (1 << t.index()) != 0).unwrap_or(TierKind::G4Object)
+}
+
 /// A snapshot of the store's counters.
 #[derive(Debug, Clone, Default)]
 pub struct StoreStats {
@@ -186,16 +191,26 @@ impl BlockStore {
         }
         for tier in self.lower.iter() {
             if let Some(meta) = tier.get(key, out)? {
-                match self.g2.put_marked(BlockRef { key: *key, meta, data: out }, false) {
-                    Ok(_) => {
-                        self.promotions.add(1);
-                    }
-                    Err(e) => tracing::debug!(%key, "promotion into G2 skipped: {e}"),
-                }
+                self.promote(key, meta, out);
                 return Ok(Some(Hit { meta, tier: tier.kind() }));
             }
         }
         Ok(None)
+    }
+
+    /// Copies a block read from a lower tier into G2 (clean: it is already below). A full G2
+    /// only skips the promotion.
+    fn promote(&self, key: &BlockKey, meta: BlockMeta, data: &[u8]) -> bool {
+        match self.g2.put_marked(BlockRef { key: *key, meta, data }, false) {
+            Ok(_) => {
+                self.promotions.add(1);
+                true
+            }
+            Err(e) => {
+                tracing::debug!(%key, "promotion into G2 skipped: {e}");
+                false
+            }
+        }
     }
 
     /// Brings the blocks of `keys` that are not in G2 up from the tiers below, each tier's share
@@ -218,13 +233,11 @@ impl BlockStore {
             let mut still = Vec::new();
             for ((key, r), buf) in left.iter().zip(got).zip(bufs.iter()) {
                 match r? {
-                    Some(meta) => match self.g2.put_marked(BlockRef { key: *key, meta, data: buf }, false) {
-                        Ok(_) => {
-                            self.promotions.add(1);
+                    Some(meta) => {
+                        if self.promote(key, meta, buf) {
                             promoted.push(*key);
                         }
-                        Err(e) => tracing::debug!(%key, "promotion into G2 skipped: {e}"),
-                    },
+                    }
                     None => still.push(*key),
                 }
             }
@@ -233,33 +246,45 @@ impl BlockStore {
         Ok(promoted)
     }
 
+    /// The fastest tier holding each block of the longest cached prefix of `keys` (as long as
+    /// that prefix). Touches nothing: for accounting, not for use.
+    pub fn fastest_tiers(&self, keys: &[BlockKey]) -> Vec<TierKind> {
+        self.held_prefix(keys).into_iter().map(fastest_of).collect()
+    }
+
+    /// For each block of the longest prefix of `keys` held in some tier, the tiers holding it
+    /// (bit `TierKind::index`). One lock per tier per chunk of keys, not one per key (a
+    /// 128k-token prompt has 8192), and chunks short enough that no tier's lock is held long.
+    fn held_prefix(&self, keys: &[BlockKey]) -> Vec<u8> {
+        const CHUNK: usize = 512;
+        let mut out = Vec::with_capacity(keys.len());
+        for chunk in keys.chunks(CHUNK) {
+            let mut held: Vec<u8> =
+                self.g2.contains_each(chunk).into_iter().map(|p| u8::from(p) << TierKind::G2Host.index()).collect();
+            for t in self.lower.iter() {
+                for (h, p) in held.iter_mut().zip(t.contains_each(chunk)) {
+                    *h |= u8::from(p) << t.kind().index();
+                }
+            }
+            let end = held.iter().position(|&h| h == 0);
+            out.extend_from_slice(&held[..end.unwrap_or(held.len())]);
+            if end.is_some() {
+                break;
+            }
+        }
+        out
+    }
+
     /// Longest cached prefix of `keys` and where its blocks are. Marks the matched G2 blocks
     /// used, ancestors last so that they outlive their descendants.
     pub fn lookup(&self, keys: &[BlockKey]) -> PrefixMatch {
         let mut m = PrefixMatch::default();
-        // One lock per tier per chunk of keys, not one per key (a 128k-token prompt has 8192),
-        // and chunks short enough that a lookup never holds a tier's lock for long.
-        const CHUNK: usize = 512;
-        'chain: for chunk in keys.chunks(CHUNK) {
-            let g2 = self.g2.contains_each(chunk);
-            let lower: Vec<(TierKind, Vec<bool>)> =
-                self.lower.iter().map(|t| (t.kind(), t.contains_each(chunk))).collect();
-            for i in 0..chunk.len() {
-                let mut fastest = None;
-                if g2[i] {
-                    m.resident[TierKind::G2Host.index()] += 1;
-                    fastest = Some(TierKind::G2Host);
-                }
-                for (kind, present) in &lower {
-                    if present[i] {
-                        m.resident[kind.index()] += 1;
-                        fastest = fastest.or(Some(*kind));
-                    }
-                }
-                let Some(f) = fastest else { break 'chain };
-                m.fastest[f.index()] += 1;
-                m.blocks += 1;
+        for held in self.held_prefix(keys) {
+            for t in TierKind::ALL.iter().filter(|t| held & (1 << t.index()) != 0) {
+                m.resident[t.index()] += 1;
             }
+            m.fastest[fastest_of(held).index()] += 1;
+            m.blocks += 1;
         }
         self.g2.touch_chain(&keys[..m.blocks]);
         m
