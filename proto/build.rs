@@ -7,6 +7,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         unsafe { std::env::set_var("PROTOC", protoc_bin_vendored::protoc_bin_path()?) };
     }
     println!("cargo:rerun-if-changed=proto/kvcached.proto");
-    tonic_prost_build::configure().compile_protos(&["proto/kvcached.proto"], &["proto"])?;
+    // Token fields decode as `Bytes` (a slice of the receive buffer, no copy).
+    tonic_prost_build::configure()
+        .bytes(".kvcached.v1.SaveRequest.tokens")
+        .bytes(".kvcached.v1.LookupRequest.tokens")
+        .bytes(".kvcached.v1.LoadRequest.tokens")
+        .bytes(".kvcached.v1.GpuBlocksRequest.tokens")
+        .compile_protos(&["proto/kvcached.proto"], &["proto"])?;
     Ok(())
 }

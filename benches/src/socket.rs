@@ -26,6 +26,9 @@ pub struct SocketBench {
     pub samples: usize,
     /// The in-process daemon writes through to G3 too.
     pub g3: bool,
+    /// The in-process daemon's `engines.key_memo_bytes` (`None`: its default). With 0 every
+    /// request derives its keys, which is what the first request for a prompt costs.
+    pub key_memo_bytes: Option<u64>,
 }
 
 /// One row of the throughput table.
@@ -275,6 +278,9 @@ pub async fn run(cfg: &SocketBench) -> Result<Report, String> {
     c.g3.dir = cfg.dir.join("g3");
     c.g3.capacity_bytes = 4 << 30;
     c.g3.fsync = false;
+    if let Some(b) = cfg.key_memo_bytes {
+        c.engines.key_memo_bytes = b;
+    }
     let c = c.resolve().map_err(|e| e.to_string())?;
     let socket = c.socket.clone();
     let listeners = kvcached::Listeners::bind(&c).await.map_err(|e| e.to_string())?;

@@ -220,8 +220,9 @@ impl Client {
 
     /// Saves blocks `[first_block, first_block + slots.len())` of `tokens` from engine slots.
     pub async fn save(&self, tokens: &[u32], first_block: u32, slots: &[u32]) -> Result<pb::SaveResponse, ClientError> {
+        let le = kvproto::tokens_to_le(tokens);
         self.with_retry(|mut rpc, engine_id| {
-            let req = pb::SaveRequest { engine_id, tokens: tokens.to_vec(), first_block, block_ids: slots.to_vec() };
+            let req = pb::SaveRequest { engine_id, tokens: le.clone(), first_block, block_ids: slots.to_vec() };
             async move { rpc.save(req).await }
         })
         .await
@@ -229,8 +230,9 @@ impl Client {
 
     /// How many leading blocks of `tokens` are cached, and in which tier.
     pub async fn lookup(&self, tokens: &[u32]) -> Result<pb::LookupResponse, ClientError> {
+        let le = kvproto::tokens_to_le(tokens);
         self.with_retry(|mut rpc, engine_id| {
-            let req = pb::LookupRequest { engine_id, tokens: tokens.to_vec(), route_id: None, g1_blocks: 0 };
+            let req = pb::LookupRequest { engine_id, tokens: le.clone(), route_id: None, g1_blocks: 0 };
             async move { rpc.lookup(req).await }
         })
         .await
@@ -245,8 +247,9 @@ impl Client {
         route_id: u64,
         g1_blocks: u32,
     ) -> Result<pb::LookupResponse, ClientError> {
+        let le = kvproto::tokens_to_le(tokens);
         self.with_retry(|mut rpc, engine_id| {
-            let req = pb::LookupRequest { engine_id, tokens: tokens.to_vec(), route_id: Some(route_id), g1_blocks };
+            let req = pb::LookupRequest { engine_id, tokens: le.clone(), route_id: Some(route_id), g1_blocks };
             async move { rpc.lookup(req).await }
         })
         .await
@@ -282,12 +285,13 @@ impl Client {
         first_block: u32,
         keys: Vec<Vec<u8>>,
     ) -> Result<Vec<kvproto::BlockKey>, ClientError> {
+        let le = kvproto::tokens_to_le(tokens);
         let resp = self
             .with_retry(|mut rpc, engine_id| {
                 let req = pb::GpuBlocksRequest {
                     engine_id,
                     change: change as i32,
-                    tokens: tokens.to_vec(),
+                    tokens: le.clone(),
                     first_block,
                     keys: keys.clone(),
                 };
@@ -338,9 +342,9 @@ impl Client {
         slots: &[u32],
         wait: bool,
     ) -> Result<pb::LoadStatus, ClientError> {
+        let le = kvproto::tokens_to_le(tokens);
         self.with_retry(|mut rpc, engine_id| {
-            let req =
-                pb::LoadRequest { engine_id, tokens: tokens.to_vec(), first_block, block_ids: slots.to_vec(), wait };
+            let req = pb::LoadRequest { engine_id, tokens: le.clone(), first_block, block_ids: slots.to_vec(), wait };
             async move { rpc.load(req).await }
         })
         .await

@@ -16,4 +16,7 @@ pub enum ProtoError {
     /// An unknown dtype or layout-kind name or code.
     #[error("unknown {what} {value:?}")]
     Unknown { what: &'static str, value: String },
+    /// Token ids given as little-endian bytes whose length is not a multiple of 4.
+    #[error("tokens are {0} bytes, not a whole number of 4-byte little-endian u32 token ids")]
+    TokenBytes(usize),
 }

@@ -28,7 +28,7 @@ pub const EVENTS_VERSION: u32 = 1;
 
 /// Name of the key scheme of kvcached's 128-bit chained keys ([`crate::BlockKey`], encoding
 /// version [`crate::namespace::ENCODING_VERSION`]).
-pub const KEY_SCHEME_KVCACHED_V1: &str = "kvcached-blake3-v1";
+pub const KEY_SCHEME_KVCACHED: &str = "kvcached-blake3-v2";
 /// Name of the key scheme of Dynamo / RFC-1527 XXH3-64 chained hashes (seed 1337), carried in the
 /// low 8 bytes of a [`BlockKey`] (little-endian), high 8 bytes zero.
 pub const KEY_SCHEME_DYNAMO_XXH3_1337: &str = "dynamo-xxh3-1337";
@@ -196,7 +196,7 @@ pub struct NamespaceInfo {
     pub id: NamespaceId,
     pub model_id: String,
     pub tokens_per_block: u32,
-    /// [`KEY_SCHEME_KVCACHED_V1`] or [`KEY_SCHEME_DYNAMO_XXH3_1337`].
+    /// [`KEY_SCHEME_KVCACHED`] or [`KEY_SCHEME_DYNAMO_XXH3_1337`].
     pub key_scheme: String,
 }
 

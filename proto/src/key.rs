@@ -1,19 +1,15 @@
 //! 128-bit chained block keys.
 //!
-//! `key(i) = BLAKE3-keyed(fingerprint, 0x01 || parent16 || n_tokens_le32 || tokens_le32...)[..16]`
-//! with the parent field absent and the tag byte 0x00 for the first block; the exact encoding is
-//! in `docs/block-keys.md`. Only full blocks have keys.
+//! `key(0) = BLAKE3-keyed(fingerprint, tokens_le)[..16]` and
+//! `key(i) = BLAKE3-keyed(key(i-1) || fingerprint[16..32], tokens_le)[..16]`: the parent key is
+//! half of the hash key, so a block of 16 tokens (64 bytes) costs one BLAKE3 compression. The
+//! exact encoding is in `docs/block-keys.md`. Only full blocks have keys.
 
 use std::fmt;
 use std::hash::Hasher;
 use std::str::FromStr;
 
 use crate::{NamespaceFingerprint, ProtoError};
-
-/// Tag byte of the first block of a chain (no parent).
-pub const ROOT_TAG: u8 = 0x00;
-/// Tag byte of every later block (the parent key follows).
-pub const CHILD_TAG: u8 = 0x01;
 
 /// A block's 128-bit key: a hash of its namespace and the tokens of its whole prefix.
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -62,58 +58,84 @@ impl FromStr for BlockKey {
 
 /// Derives the key of one full block from its parent's key (None for the first block).
 pub fn next_block_key(fp: &NamespaceFingerprint, parent: Option<&BlockKey>, block_tokens: &[u32]) -> BlockKey {
-    // The hashed bytes: tag, parent key (children only), token count, tokens as LE u32.
-    // Blocks of up to ONE_SHOT_TOKENS tokens are laid out on the stack and hashed in one call
-    // (no streaming hasher state: ~2x faster for 16-token blocks); longer ones stream the same
-    // bytes.
-    const ONE_SHOT_TOKENS: usize = 256;
-    let mut buf = [0u8; 1 + 16 + 4 + 4 * ONE_SHOT_TOKENS];
-    let mut n = 0;
-    match parent {
-        None => {
-            buf[0] = ROOT_TAG;
-            n += 1;
-        }
+    with_tokens_le(block_tokens, |le| next_block_key_le(fp, parent, le))
+}
+
+/// [`next_block_key`] of a block given as its tokens' little-endian bytes.
+pub fn next_block_key_le(fp: &NamespaceFingerprint, parent: Option<&BlockKey>, block_le: &[u8]) -> BlockKey {
+    // The hash key: the whole fingerprint for a root block; the parent key and the fingerprint's
+    // second half for a child. The message is only the tokens, so a 16-token block is exactly one
+    // 64-byte BLAKE3 block: one compression on the sequential path of a prompt.
+    let hash_key = match parent {
+        None => fp.0,
         Some(p) => {
-            buf[0] = CHILD_TAG;
-            buf[1..17].copy_from_slice(&p.0);
-            n += 17;
+            let mut k = fp.0;
+            k[..16].copy_from_slice(&p.0);
+            k
         }
-    }
-    buf[n..n + 4].copy_from_slice(&(block_tokens.len() as u32).to_le_bytes());
-    n += 4;
-    let full = if block_tokens.len() <= ONE_SHOT_TOKENS {
-        for t in block_tokens {
-            buf[n..n + 4].copy_from_slice(&t.to_le_bytes());
-            n += 4;
-        }
-        blake3::keyed_hash(&fp.0, &buf[..n])
-    } else {
-        let mut h = blake3::Hasher::new_keyed(&fp.0);
-        h.update(&buf[..n]);
-        let mut chunk_buf = [0u8; 4 * ONE_SHOT_TOKENS];
-        for chunk in block_tokens.chunks(ONE_SHOT_TOKENS) {
-            for (i, t) in chunk.iter().enumerate() {
-                chunk_buf[4 * i..4 * i + 4].copy_from_slice(&t.to_le_bytes());
-            }
-            h.update(&chunk_buf[..4 * chunk.len()]);
-        }
-        h.finalize()
     };
+    let full = blake3::keyed_hash(&hash_key, block_le);
     let mut key = [0u8; 16];
     key.copy_from_slice(&full.as_bytes()[..16]);
     BlockKey(key)
 }
 
+/// Token ids as their wire form: little-endian u32, 4 bytes each.
+pub fn tokens_to_le(tokens: &[u32]) -> bytes::Bytes {
+    with_tokens_le(tokens, bytes::Bytes::copy_from_slice)
+}
+
+/// Token ids from their wire form ([`tokens_to_le`]).
+pub fn tokens_from_le(le: &[u8]) -> Result<Vec<u32>, ProtoError> {
+    if !le.len().is_multiple_of(4) {
+        return Err(ProtoError::TokenBytes(le.len()));
+    }
+    Ok(le.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+}
+
+/// Calls `f` with the tokens as little-endian u32 bytes (a view on little-endian hosts).
+#[cfg(target_endian = "little")]
+fn with_tokens_le<R>(tokens: &[u32], f: impl FnOnce(&[u8]) -> R) -> R {
+    // SAFETY: u32 has no padding and any byte is a valid u8; the view covers exactly the
+    // slice's memory, which on a little-endian host already is the little-endian encoding.
+    let bytes = unsafe { std::slice::from_raw_parts(tokens.as_ptr().cast::<u8>(), std::mem::size_of_val(tokens)) };
+    f(bytes)
+}
+
+/// Calls `f` with the tokens as little-endian u32 bytes (a converted copy on big-endian hosts).
+#[cfg(not(target_endian = "little"))]
+fn with_tokens_le<R>(tokens: &[u32], f: impl FnOnce(&[u8]) -> R) -> R {
+    let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+    f(&bytes)
+}
+
 /// Keys of every full block of `tokens` (a trailing partial block has no key).
 pub fn block_keys(fp: &NamespaceFingerprint, tokens_per_block: usize, tokens: &[u32]) -> Vec<BlockKey> {
+    with_tokens_le(tokens, |le| keys_of_le(fp, tokens_per_block, le))
+}
+
+/// [`block_keys`] of tokens in their wire form ([`tokens_to_le`]); an error if the bytes are not
+/// whole tokens.
+pub fn block_keys_le(
+    fp: &NamespaceFingerprint,
+    tokens_per_block: usize,
+    le: &[u8],
+) -> Result<Vec<BlockKey>, ProtoError> {
+    if !le.len().is_multiple_of(4) {
+        return Err(ProtoError::TokenBytes(le.len()));
+    }
+    Ok(keys_of_le(fp, tokens_per_block, le))
+}
+
+fn keys_of_le(fp: &NamespaceFingerprint, tokens_per_block: usize, le: &[u8]) -> Vec<BlockKey> {
     if tokens_per_block == 0 {
         return Vec::new();
     }
-    let mut keys = Vec::with_capacity(tokens.len() / tokens_per_block);
+    let block_bytes = 4 * tokens_per_block;
+    let mut keys = Vec::with_capacity(le.len() / block_bytes);
     let mut parent: Option<BlockKey> = None;
-    for block in tokens.chunks_exact(tokens_per_block) {
-        let k = next_block_key(fp, parent.as_ref(), block);
+    for block in le.chunks_exact(block_bytes) {
+        let k = next_block_key_le(fp, parent.as_ref(), block);
         keys.push(k);
         parent = Some(k);
     }

@@ -31,6 +31,9 @@ pub mod pb {
 }
 
 pub use error::ProtoError;
-pub use key::{BlockKey, BlockKeyBuildHasher, BlockKeyHasher, block_keys, next_block_key};
+pub use key::{
+    BlockKey, BlockKeyBuildHasher, BlockKeyHasher, block_keys, block_keys_le, next_block_key, next_block_key_le,
+    tokens_from_le, tokens_to_le,
+};
 pub use namespace::{Dtype, KvLayout, LayoutKind, Namespace, NamespaceFingerprint, NamespaceId};
 pub use tier::TierKind;

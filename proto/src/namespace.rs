@@ -9,11 +9,11 @@ use std::fmt;
 use crate::ProtoError;
 
 /// Version byte that starts the canonical namespace encoding.
-pub const ENCODING_VERSION: u8 = 1;
+pub const ENCODING_VERSION: u8 = 2;
 /// BLAKE3 `derive_key` context for the namespace fingerprint.
-pub const FINGERPRINT_CONTEXT: &str = "kvcached 2026-11-30 namespace fingerprint v1";
+pub const FINGERPRINT_CONTEXT: &str = "kvcached 2026-11-30 namespace fingerprint v2";
 /// BLAKE3 `derive_key` context for the public namespace id.
-pub const ID_CONTEXT: &str = "kvcached 2026-11-30 namespace id v1";
+pub const ID_CONTEXT: &str = "kvcached 2026-11-30 namespace id v2";
 
 /// Element type of the KV cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -24,16 +24,14 @@ except ImportError as e:  # pragma: no cover
 
 # --- section 2: namespace encoding -------------------------------------------------------------
 
-ENCODING_VERSION = 0x01
+ENCODING_VERSION = 0x02
 DTYPE_CODES = {"f16": 0x01, "bf16": 0x02, "f32": 0x03, "fp8_e4m3": 0x04, "fp8_e5m2": 0x05, "int8": 0x06}
 LAYOUT_KIND_CODES = {"layer_separate": 0x01, "contiguous": 0x02}
 U32_MAX = 0xFFFFFFFF
 
-FINGERPRINT_CONTEXT = "kvcached 2026-11-30 namespace fingerprint v1"
-ID_CONTEXT = "kvcached 2026-11-30 namespace id v1"
+FINGERPRINT_CONTEXT = "kvcached 2026-11-30 namespace fingerprint v2"
+ID_CONTEXT = "kvcached 2026-11-30 namespace id v2"
 
-ROOT_TAG = 0x00
-CHILD_TAG = 0x01
 
 DYNAMO_SEED = 1337
 
@@ -103,11 +101,8 @@ def block_keys(fp: bytes, block_size: int, tokens: list[int]) -> list[bytes]:
     keys: list[bytes] = []
     for start in range(0, len(tokens) - block_size + 1, block_size):  # full blocks only
         block = tokens[start : start + block_size]
-        if keys:
-            msg = bytes([CHILD_TAG]) + keys[-1] + u32le(block_size) + tokens_le(block)
-        else:
-            msg = bytes([ROOT_TAG]) + u32le(block_size) + tokens_le(block)
-        keys.append(blake3.blake3(msg, key=fp).digest()[:16])
+        hash_key = keys[-1] + fp[16:] if keys else fp
+        keys.append(blake3.blake3(tokens_le(block), key=hash_key).digest()[:16])
     return keys
 
 
@@ -208,14 +203,14 @@ def self_test(c: Checker) -> None:
     }
     canon = canonical_bytes(ns)
     c.check("worked example: canonical", canon.hex(),
-            "010f0000005177656e2f5177656e332d302e36421c0000000800000080000000021000000001010400000073616c740000")
+            "020f0000005177656e2f5177656e332d302e36421c0000000800000080000000021000000001010400000073616c740000")
     fp = fingerprint(canon)
     c.check("worked example: fingerprint", fp.hex(),
-            "45f1610e22f7fd4d9ff4022ea0c6bc8718f62e6f228616739eb2e643a32a9e3b")
-    c.check("worked example: id", namespace_id(fp).hex(), "e3c94a0b5c74c74e5f9715844d5814ef")
+            "feb112d2c498b68cb4c6e77de2c8747527d225cb8100a542e310214c1fe84b9e")
+    c.check("worked example: id", namespace_id(fp).hex(), "85ff298061f6d3935da3c13d40dd856c")
     keys = [k.hex() for k in block_keys(fp, 16, list(range(47)))]
     c.check("worked example: keys (47 tokens -> 2 keys)", keys,
-            ["a35678197c4377eee1ddcbfec6ef1e79", "1d26ce964808e5733bd2dfd76d6e2d52"])
+            ["87f8e357387eb4638979afd29a96da0c", "be80cd7edee640f9e0cc27b2de94d04d"])
     _, seq = dynamo_hashes(list(range(32)), 16, DYNAMO_SEED)
     c.check("worked example: dynamo", seq, [15310707395893867146, 13769157705258532664])
 

@@ -7,7 +7,6 @@ use std::collections::{BTreeSet, HashMap};
 use std::path::PathBuf;
 
 use kvproto::dynamo::{DYNAMO_SEED, chain, local_block_hash, sequence_hashes};
-use kvproto::key::{CHILD_TAG, ROOT_TAG};
 use kvproto::namespace::{ENCODING_VERSION, FINGERPRINT_CONTEXT, ID_CONTEXT};
 use kvproto::{
     BlockKey, BlockKeyBuildHasher, Dtype, KvLayout, LayoutKind, Namespace, NamespaceFingerprint, block_keys,
@@ -136,8 +135,7 @@ fn doc_worked_example_matches_vectors() {
     // The constants the doc quotes.
     assert!(doc.contains(&format!("`{FINGERPRINT_CONTEXT}`")));
     assert!(doc.contains(&format!("`{ID_CONTEXT}`")));
-    assert_eq!(ENCODING_VERSION, 1);
-    assert_eq!((ROOT_TAG, CHILD_TAG), (0x00, 0x01));
+    assert_eq!(ENCODING_VERSION, 2);
     let d = load_dynamo();
     let dv = d.vectors.iter().find(|v| v.name == "bs16_two_blocks").unwrap();
     for s in dv.sequence_hashes_dec.iter().chain(&dv.local_hashes_hex) {
@@ -358,6 +356,12 @@ fn key_depends_on_parent_and_whole_prefix() {
     assert_ne!(next_block_key(&fp, Some(&keys[2]), block), keys[1]);
     assert_ne!(next_block_key(&fp, None, block), keys[1]);
     assert_ne!(next_block_key(&fp, Some(&BlockKey([0; 16])), block), next_block_key(&fp, None, block));
+    // The spec's construction: a child's hash key is its parent key followed by the fingerprint's
+    // second half, a root's is the whole fingerprint. So a child aliases a root only under a
+    // parent key equal to the fingerprint's first half (a 128-bit preimage).
+    let mut first_half = [0u8; 16];
+    first_half.copy_from_slice(&fp.0[..16]);
+    assert_eq!(next_block_key(&fp, Some(&BlockKey(first_half)), block), next_block_key(&fp, None, block));
 
     // Swapping two blocks changes keys (order matters).
     let mut swapped = t[16..32].to_vec();
@@ -467,7 +471,7 @@ fn canonical_bytes_layout() {
             kind: LayoutKind::Contiguous,
         },
     );
-    let head = "01 01000000 6d 04030201 05000000 06000000 06 ffffffff 02";
+    let head = "02 01000000 6d 04030201 05000000 06000000 06 ffffffff 02";
     let want = |tail: &str| format!("{head} {tail}").replace(' ', "");
     assert_eq!(hex::encode(ns.canonical_bytes()), want("00 00 00"));
     ns.tenant_salt = Some(vec![0xAA, 0xBB]);

@@ -3,7 +3,7 @@
 //! Every weight of the cost model and every health threshold is here; `docs/router.md` explains
 //! each one.
 
-use kvproto::events::{KEY_SCHEME_DYNAMO_XXH3_1337, KEY_SCHEME_KVCACHED_V1, key_from_u64};
+use kvproto::events::{KEY_SCHEME_DYNAMO_XXH3_1337, KEY_SCHEME_KVCACHED, key_from_u64};
 use kvproto::{BlockKey, KvLayout, Namespace, NamespaceId, TierKind};
 use serde::{Deserialize, Serialize};
 
@@ -221,7 +221,7 @@ pub struct NamespaceSpec {
     pub adapter_id: Option<String>,
     #[serde(default)]
     pub extra_hex: Option<String>,
-    /// `kvcached-blake3-v1` (default) or `dynamo-xxh3-1337` (vLLM engines ingested over ZMQ).
+    /// `kvcached-blake3-v2` (default) or `dynamo-xxh3-1337` (vLLM engines ingested over ZMQ).
     #[serde(default = "default_scheme")]
     pub key_scheme: String,
 }
@@ -230,7 +230,7 @@ fn default_layout_kind() -> String {
     "layer_separate".into()
 }
 fn default_scheme() -> String {
-    KEY_SCHEME_KVCACHED_V1.into()
+    KEY_SCHEME_KVCACHED.into()
 }
 
 /// How keys of a namespace are computed from tokens.
@@ -246,7 +246,7 @@ impl KeyScheme {
     /// Parses a scheme name.
     pub fn parse(s: &str) -> Option<Self> {
         match s {
-            KEY_SCHEME_KVCACHED_V1 => Some(Self::Kvcached),
+            KEY_SCHEME_KVCACHED => Some(Self::Kvcached),
             KEY_SCHEME_DYNAMO_XXH3_1337 => Some(Self::DynamoXxh3),
             _ => None,
         }
@@ -254,7 +254,7 @@ impl KeyScheme {
     /// The scheme's name.
     pub fn name(self) -> &'static str {
         match self {
-            Self::Kvcached => KEY_SCHEME_KVCACHED_V1,
+            Self::Kvcached => KEY_SCHEME_KVCACHED,
             Self::DynamoXxh3 => KEY_SCHEME_DYNAMO_XXH3_1337,
         }
     }

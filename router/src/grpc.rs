@@ -69,7 +69,7 @@ pub fn from_proto(req: pb::RouteRequest) -> RouteRequest {
             tenant_salt_hex: s.tenant_salt_hex,
             adapter_id: s.adapter_id,
             extra_hex: s.extra_hex,
-            key_scheme: s.key_scheme.unwrap_or_else(|| kvproto::events::KEY_SCHEME_KVCACHED_V1.into()),
+            key_scheme: s.key_scheme.unwrap_or_else(|| kvproto::events::KEY_SCHEME_KVCACHED.into()),
         })),
     });
     let by_keys = req.namespace_id.is_some() || !req.keys.is_empty();

@@ -15,7 +15,7 @@ use std::num::NonZeroUsize;
 use std::sync::Arc;
 
 use kvproto::events::{
-    EVENTS_VERSION, EngineLoad, EventBody, Holder, KEY_SCHEME_KVCACHED_V1, LoadReport, NamespaceInfo, NodeId,
+    EVENTS_VERSION, EngineLoad, EventBody, Holder, KEY_SCHEME_KVCACHED, LoadReport, NamespaceInfo, NodeId,
     PublisherInfo, PublisherMessage, RouteOutcome, WorkerId, WorkerInfo, key_from_u64,
 };
 use kvproto::{BlockKey, NamespaceId, TierKind};
@@ -208,7 +208,7 @@ fn publisher_info(i: usize, interval_ms: u64) -> PublisherInfo {
             id: SIM_NAMESPACE,
             model_id: "sim".into(),
             tokens_per_block: 512,
-            key_scheme: KEY_SCHEME_KVCACHED_V1.into(),
+            key_scheme: KEY_SCHEME_KVCACHED.into(),
         }],
         events_version: EVENTS_VERSION,
         report_interval_ms: interval_ms,

@@ -25,10 +25,11 @@ async fn a_bounded_publisher_never_blocks_and_routers_catch_up_by_replay() {
     let cfg = config();
     let ns = resolved(&cfg);
     let router = Server::start(cfg.clone()).await;
-    // A second router that is down at first (a port nobody listens on yet).
-    let late_listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let late_addr = late_listener.local_addr().unwrap();
-    drop(late_listener);
+    // A second router that is down at first: its port is bound (so no other test can take it)
+    // but not listening, so connections are refused until it starts.
+    let late_socket = tokio::net::TcpSocket::new_v4().unwrap();
+    late_socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let late_addr = late_socket.local_addr().unwrap();
 
     let log = Arc::new(MemoryPublisher::new("daemon-a", 7, 10_000));
     let url = serve_recovery(log.clone()).await;
@@ -68,7 +69,7 @@ async fn a_bounded_publisher_never_blocks_and_routers_catch_up_by_replay() {
     assert!(r.cost.active_term >= 6.0, "{:?}", r.cost);
 
     // The second router comes up late on the address the publisher already targets.
-    let listener = tokio::net::TcpListener::bind(late_addr).await.unwrap();
+    let listener = late_socket.listen(1024).unwrap();
     let late = kvrouter::Router::new(cfg).unwrap();
     let late2 = late.clone();
     tokio::spawn(async move { kvrouter::serve_router(listener, late2, std::future::pending()).await.unwrap() });

@@ -96,6 +96,9 @@ pub struct EngineConfig {
     pub max_pending_loads: usize,
     /// How long a finished load's status stays available to `Wait` (ms).
     pub op_retention_ms: u64,
+    /// Bytes of recent long prompts (tokens and keys) whose keys later requests for the same
+    /// tokens reuse instead of deriving them again; 0: off.
+    pub key_memo_bytes: u64,
 }
 
 fn runtime_dir() -> PathBuf {
@@ -192,7 +195,13 @@ pub fn host_name() -> String {
 
 impl Default for EngineConfig {
     fn default() -> Self {
-        Self { max_engines: 64, lease_ms: 15_000, max_pending_loads: 1024, op_retention_ms: 60_000 }
+        Self {
+            max_engines: 64,
+            lease_ms: 15_000,
+            max_pending_loads: 1024,
+            op_retention_ms: 60_000,
+            key_memo_bytes: 32 << 20,
+        }
     }
 }
 

@@ -13,6 +13,7 @@ use tokio::sync::watch;
 
 use crate::engine::{Engine, Registry};
 use crate::error::ServerError;
+use crate::key_memo::KeyMemo;
 use crate::reports::{GpuChange, Reports};
 
 /// How long blocks being loaded stay pinned at most (a crashed load releases them after this).
@@ -42,6 +43,7 @@ pub struct Daemon {
     pub saves: AtomicU64,
     pub loads: AtomicU64,
     namespace_mismatch: metrics::Counter,
+    key_memo: KeyMemo,
 }
 
 fn to_u32(n: usize) -> u32 {
@@ -55,6 +57,7 @@ impl Daemon {
         reports: Arc<Reports>,
         max_pending: usize,
         retention: Duration,
+        key_memo_bytes: usize,
     ) -> Self {
         Self {
             store,
@@ -67,7 +70,17 @@ impl Daemon {
             saves: AtomicU64::new(0),
             loads: AtomicU64::new(0),
             namespace_mismatch: metrics::counter!("kvcached_load_mismatch_total"),
+            key_memo: KeyMemo::new(key_memo_bytes),
         }
+    }
+
+    /// Keys of every full block of `tokens` (wire form) in `engine`'s namespace, reusing the
+    /// keys of a recent request for the same prompt where its tokens agree.
+    fn keys(&self, engine: &Engine, tokens: &[u8]) -> Result<Vec<kvproto::BlockKey>, ServerError> {
+        if !tokens.len().is_multiple_of(4) {
+            return Err(kvproto::ProtoError::TokenBytes(tokens.len()).into());
+        }
+        Ok(self.key_memo.keys(&engine.fingerprint, engine.namespace.layout.tokens_per_block as usize, tokens))
     }
 
     /// Checks that `first + ids.len()` blocks are covered by the full blocks of `tokens`.
@@ -86,7 +99,7 @@ impl Daemon {
     /// Saves engine blocks into the store (gathering each block's segments in one copy).
     pub fn save(&self, req: &pb::SaveRequest) -> Result<pb::SaveResponse, ServerError> {
         let engine = self.engines.get(req.engine_id)?;
-        let keys = engine.keys(&req.tokens);
+        let keys = self.keys(&engine, &req.tokens)?;
         Self::span(&engine, keys.len(), req.first_block, &req.block_ids)?;
         let mut resp = pb::SaveResponse::default();
         let len = engine.block_bytes();
@@ -94,7 +107,7 @@ impl Daemon {
         let vllm = self.reports.vllm();
         if let Some(v) = vllm {
             let tpb = engine.namespace.layout.tokens_per_block as usize;
-            v.note_save(&keys, &req.tokens, tpb, req.first_block as usize, end);
+            v.note_save(&keys, &kvproto::tokens_from_le(&req.tokens)?, tpb, req.first_block as usize, end);
         }
         for (i, &slot) in req.block_ids.iter().enumerate() {
             let idx = req.first_block as usize + i;
@@ -126,7 +139,7 @@ impl Daemon {
 
     pub fn lookup(&self, req: &pb::LookupRequest) -> Result<pb::LookupResponse, ServerError> {
         let engine = self.engines.get(req.engine_id)?;
-        let keys = engine.keys(&req.tokens);
+        let keys = self.keys(&engine, &req.tokens)?;
         let m = self.store.lookup(&keys);
         if let Some(route_id) = req.route_id {
             let found = self.found_blocks(&keys, req.g1_blocks as usize);
@@ -164,7 +177,7 @@ impl Daemon {
             Err(_) => return Err(ServerError::Invalid(format!("unknown GPU block change {}", req.change))),
         };
         let (parent, keys) = if req.keys.is_empty() {
-            let all = engine.keys(&req.tokens);
+            let all = self.keys(&engine, &req.tokens)?;
             let first = req.first_block as usize;
             if change != GpuChange::Cleared && first > all.len() {
                 return Err(ServerError::Invalid(format!(
@@ -199,6 +212,9 @@ impl Daemon {
         req: &pb::LoadRequest,
     ) -> Result<(u64, Arc<Engine>, watch::Sender<pb::LoadStatus>), ServerError> {
         let engine = self.engines.get(req.engine_id)?;
+        if !req.tokens.len().is_multiple_of(4) {
+            return Err(kvproto::ProtoError::TokenBytes(req.tokens.len()).into());
+        }
         let mut ops = self.ops.lock();
         let pending = ops.values().filter(|o| o.engine == engine.id && o.finished_at.is_none()).count();
         if pending >= self.max_pending {
@@ -232,7 +248,7 @@ impl Daemon {
     }
 
     fn load_blocks(&self, op: u64, engine: &Engine, req: &pb::LoadRequest) -> Result<pb::LoadStatus, ServerError> {
-        let keys = engine.keys(&req.tokens);
+        let keys = self.keys(engine, &req.tokens)?;
         Self::span(engine, keys.len(), req.first_block, &req.block_ids)?;
         let first = req.first_block as usize;
         let wanted = &keys[first..first + req.block_ids.len()];

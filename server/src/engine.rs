@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use kvproto::{BlockKey, KvLayout, LayoutKind, Namespace, NamespaceFingerprint, NamespaceId, pb};
+use kvproto::{KvLayout, LayoutKind, Namespace, NamespaceFingerprint, NamespaceId, pb};
 use memmap2::{MmapOptions, MmapRaw};
 use parking_lot::{Mutex, RwLock};
 
@@ -46,7 +46,7 @@ pub struct Engine {
     pub name: String,
     pub namespace: Namespace,
     pub namespace_id: NamespaceId,
-    fingerprint: NamespaceFingerprint,
+    pub(crate) fingerprint: NamespaceFingerprint,
     memory: EngineMemory,
     /// (offset of block 0, stride between blocks) per segment, in block byte order.
     segments: Vec<(u64, u64)>,
@@ -160,11 +160,6 @@ impl Engine {
     /// Bytes of one block.
     pub fn block_bytes(&self) -> u64 {
         self.namespace.layout.block_bytes()
-    }
-
-    /// Keys of every full block of `tokens` in this engine's namespace.
-    pub fn keys(&self, tokens: &[u32]) -> Vec<BlockKey> {
-        kvproto::block_keys(&self.fingerprint, self.namespace.layout.tokens_per_block as usize, tokens)
     }
 
     /// Checks engine block slots.

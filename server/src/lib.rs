@@ -6,6 +6,7 @@
 //!   the metrics listener, runs housekeeping, and drains on shutdown.
 //! - [`service`]: the gRPC edge (tonic), errors mapped to `Status` here only.
 //! - [`daemon`]: request logic: save (gather into G2), lookup, load (scatter from G2/G3).
+//! - [`key_memo`]: key chains of recent prompts, reused by later requests for the same tokens.
 //! - [`engine`]: attached engines, their memory mappings and heartbeat leases.
 //! - [`http`]: `/metrics`, `/healthz`, and the event replay / snapshot routes for routers.
 //! - [`reports`]: hit reports to kvrouter (tier events, G1 from engines, load, outcomes).
@@ -19,6 +20,7 @@ pub mod demo;
 pub mod engine;
 pub mod error;
 pub mod http;
+pub mod key_memo;
 pub mod reports;
 pub mod service;
 pub mod vllm_export;
@@ -81,6 +83,16 @@ pub fn bind_unix(path: &Path, mode: u32) -> Result<UnixListener, ServerError> {
     Ok(l)
 }
 
+/// The gRPC server settings of both listeners. A 128k-token prompt is a 512 KiB request:
+/// large HTTP/2 frames and windows let it arrive in a few frames without waiting for window
+/// updates (the defaults are 16 KiB frames).
+fn grpc_server() -> tonic::transport::Server {
+    tonic::transport::Server::builder()
+        .max_frame_size(1 << 20)
+        .initial_stream_window_size(8 << 20)
+        .initial_connection_window_size(16 << 20)
+}
+
 /// Runs the daemon until `shutdown` resolves, then stops accepting, drains in-flight requests
 /// and loads, flushes the write-through queue, detaches engines and removes the socket.
 pub async fn serve(
@@ -131,6 +143,7 @@ pub async fn serve(
         reports,
         config.engines.max_pending_loads,
         Duration::from_millis(config.engines.op_retention_ms),
+        config.engines.key_memo_bytes as usize,
     ));
     let queue = if config.g3.enabled { config.g3.writethrough_queue } else { 0 };
     let svc = service::KvcachedService { daemon: Arc::clone(&daemon), queue_capacity: queue };
@@ -146,7 +159,7 @@ pub async fn serve(
         let rx = stop_rx.clone();
         let incoming = UnixListenerStream::new(listeners.unix);
         async move {
-            tonic::transport::Server::builder()
+            grpc_server()
                 .add_service(KvcachedServer::new(svc).max_decoding_message_size(64 << 20))
                 .serve_with_incoming_shutdown(incoming, stopped(rx))
                 .await
@@ -157,7 +170,7 @@ pub async fn serve(
         let svc = svc.clone();
         let rx = stop_rx.clone();
         tasks.spawn(async move {
-            tonic::transport::Server::builder()
+            grpc_server()
                 .add_service(KvcachedServer::new(svc).max_decoding_message_size(64 << 20))
                 .serve_with_incoming_shutdown(TcpListenerStream::new(tcp), stopped(rx))
                 .await

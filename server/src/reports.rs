@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvproto::events::{
-    EVENTS_VERSION, EngineLoad, EventBody, Holder, KEY_SCHEME_KVCACHED_V1, LoadReport, NamespaceInfo, NodeId,
+    EVENTS_VERSION, EngineLoad, EventBody, Holder, KEY_SCHEME_KVCACHED, LoadReport, NamespaceInfo, NodeId,
     PublisherInfo, RouteOutcome, TierCapacity, WorkerId, WorkerInfo,
 };
 use kvproto::{BlockKey, TierKind};
@@ -181,7 +181,7 @@ impl Reports {
             id: e.namespace_id,
             model_id: e.namespace.model_id.clone(),
             tokens_per_block: e.namespace.layout.tokens_per_block,
-            key_scheme: KEY_SCHEME_KVCACHED_V1.to_string(),
+            key_scheme: KEY_SCHEME_KVCACHED.to_string(),
         };
         self.engines.lock().insert(e.id, Attached { worker, namespace, block_bytes: e.block_bytes(), load: None });
         self.refresh_info();

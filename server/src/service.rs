@@ -17,7 +17,14 @@ pub struct KvcachedService {
     pub queue_capacity: usize,
 }
 
+/// Runs CPU-bound or lock-taking request work off the async path. On a multi-threaded runtime
+/// it runs right here (`block_in_place` hands this worker's other tasks to another thread), so a
+/// request does not pay a thread hop (about 50 us on a small VM) before its work starts; on a
+/// current-thread runtime it goes to the blocking pool.
 async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T, ServerError> + Send + 'static) -> Result<T, Status> {
+    if tokio::runtime::Handle::current().runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread {
+        return tokio::task::block_in_place(f).map_err(Status::from);
+    }
     match tokio::task::spawn_blocking(f).await {
         Ok(r) => r.map_err(Status::from),
         Err(e) => Err(Status::internal(format!("worker failed: {e}"))),

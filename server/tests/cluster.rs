@@ -9,7 +9,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use kvclient::{Client, KvMemory, synthetic_block};
-use kvproto::events::KEY_SCHEME_KVCACHED_V1;
+use kvproto::events::KEY_SCHEME_KVCACHED;
 use kvproto::{Dtype, KvLayout, LayoutKind, Namespace};
 use kvrouter::config::{NamespaceSpec, RouterConfig};
 use serde_json::{Value, json};
@@ -43,7 +43,7 @@ fn router_config() -> RouterConfig {
             tenant_salt_hex: None,
             adapter_id: None,
             extra_hex: None,
-            key_scheme: KEY_SCHEME_KVCACHED_V1.into(),
+            key_scheme: KEY_SCHEME_KVCACHED.into(),
         }],
         seed: Some(1),
         ..RouterConfig::default()

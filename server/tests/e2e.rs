@@ -164,6 +164,64 @@ async fn wrong_layout_namespace_and_requests_get_clear_errors() {
     daemon.stop().await;
 }
 
+/// Token ids travel as little-endian u32 bytes: a length that is not whole tokens is
+/// INVALID_ARGUMENT on every RPC that carries tokens, and the daemon keeps serving. Sent with the
+/// raw generated client over the daemon's TCP listener (the client crate cannot produce it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn token_bytes_that_are_not_whole_tokens_are_rejected() {
+    use kvproto::pb;
+    let d = tempfile::tempdir().unwrap();
+    let mut c = config(d.path());
+    c.tcp = Some("127.0.0.1:0".parse().unwrap());
+    let l = Listeners::bind(&c).await.unwrap();
+    let addr = l.tcp.as_ref().unwrap().local_addr().unwrap();
+    let socket = c.socket.clone();
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(kvcached::serve(c, l, async move {
+        let _ = rx.await;
+    }));
+    let daemon = InProcess { socket, stop: Some(tx), task };
+
+    let mut mem = kv(d.path(), "a", 8);
+    fill(&mut mem, 9, 2, 0);
+    let engine = Client::connect(&daemon.socket).await.unwrap();
+    engine.register("a", &ns("m"), &mem).await.unwrap();
+    engine.save(&prompt(9, 2), 0, &[0, 1]).await.unwrap();
+    let engine_id = engine.engine_id_now().unwrap();
+
+    let mut raw = pb::kvcached_client::KvcachedClient::connect(format!("http://{addr}")).await.unwrap();
+    let odd = bytes::Bytes::from(vec![1u8; 4 * 16 + 3]);
+    let bad = [
+        raw.lookup(pb::LookupRequest { engine_id, tokens: odd.clone(), ..Default::default() }).await.map(|_| ()),
+        raw.save(pb::SaveRequest { engine_id, tokens: odd.clone(), first_block: 0, block_ids: vec![0] })
+            .await
+            .map(|_| ()),
+        raw.load(pb::LoadRequest {
+            engine_id,
+            tokens: odd.clone(),
+            block_ids: vec![2],
+            wait: true,
+            ..Default::default()
+        })
+        .await
+        .map(|_| ()),
+    ];
+    for r in bad {
+        let s = r.unwrap_err();
+        assert_eq!(s.code(), tonic::Code::InvalidArgument, "{s:?}");
+        assert!(s.message().contains("67 bytes"), "{}", s.message());
+    }
+    // The same prompt in whole tokens still hits.
+    let good = raw
+        .lookup(pb::LookupRequest { engine_id, tokens: kvproto::tokens_to_le(&prompt(9, 2)), ..Default::default() })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(good.matched_blocks, 2);
+    engine.unregister().await.unwrap();
+    daemon.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn eight_engines_share_overlapping_prefixes_and_see_only_correct_bytes() {
     let d = tempfile::tempdir().unwrap();

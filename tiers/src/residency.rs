@@ -134,6 +134,12 @@ impl<S: SlotBytes> Residency<S> {
         Some(out)
     }
 
+    /// Marks a visible block used (one recency-order update; no entry lookup). A key that is
+    /// not visible is ignored: the policy only orders visible blocks.
+    pub fn touch(&mut self, key: &BlockKey) {
+        self.policy.touch(key);
+    }
+
     /// Marks a block as written to the tiers below.
     pub fn mark_clean(&mut self, key: &BlockKey) {
         if let Some(e) = self.entries.get_mut(key)

@@ -34,12 +34,16 @@ enum Command {
         /// Let the in-process daemon write through to G3 as well.
         #[arg(long)]
         g3: bool,
+        /// The in-process daemon's key memo in bytes (default: the daemon's default); 0 makes
+        /// every request derive its keys, as the first request for a prompt does.
+        #[arg(long)]
+        key_memo_bytes: Option<u64>,
     },
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let Command::Socket { socket, dir, calls, samples, g3 } = cli.command;
+    let Command::Socket { socket, dir, calls, samples, g3, key_memo_bytes } = cli.command;
     let base = dir.unwrap_or_else(|| {
         let shm = std::path::Path::new("/dev/shm");
         if shm.is_dir() { shm.to_path_buf() } else { std::env::temp_dir() }
@@ -51,7 +55,14 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let cfg = SocketBench { socket, dir: tmp.path().to_path_buf(), calls: calls.max(1), samples: samples.max(1), g3 };
+    let cfg = SocketBench {
+        socket,
+        dir: tmp.path().to_path_buf(),
+        calls: calls.max(1),
+        samples: samples.max(1),
+        g3,
+        key_memo_bytes,
+    };
     let rt = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {

@@ -13,6 +13,6 @@ pub mod namespace;
 pub mod tier;
 
 pub use error::ProtoError;
-pub use key::{BlockKey, BlockKeyBuildHasher, BlockKeyHasher, block_keys, next_block_key};
+pub use key::{BlockKey, BlockKeyBuildHasher, BlockKeyHasher, block_keys, block_keys_le, next_block_key, tokens_to_le};
 pub use namespace::{Dtype, KvLayout, LayoutKind, Namespace, NamespaceFingerprint, NamespaceId};
 pub use tier::TierKind;

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvproto::events::{
-    EVENTS_VERSION, EventBody, Holder, KEY_SCHEME_KVCACHED_V1, NamespaceInfo, NodeId, PublisherInfo, PublisherMessage,
+    EVENTS_VERSION, EventBody, Holder, KEY_SCHEME_KVCACHED, NamespaceInfo, NodeId, PublisherInfo, PublisherMessage,
     WorkerId, WorkerInfo,
 };
 use kvproto::{BlockKey, TierKind};
@@ -109,7 +109,7 @@ pub fn spec(name: &str, model: &str, tokens_per_block: u32) -> NamespaceSpec {
         tenant_salt_hex: None,
         adapter_id: None,
         extra_hex: None,
-        key_scheme: KEY_SCHEME_KVCACHED_V1.into(),
+        key_scheme: KEY_SCHEME_KVCACHED.into(),
     }
 }
 
@@ -143,7 +143,7 @@ pub fn info(
             id: ns.id,
             model_id: ns.namespace.model_id.clone(),
             tokens_per_block: ns.tokens_per_block(),
-            key_scheme: KEY_SCHEME_KVCACHED_V1.into(),
+            key_scheme: KEY_SCHEME_KVCACHED.into(),
         }],
         events_version: EVENTS_VERSION,
         report_interval_ms: interval_ms,
