@@ -105,10 +105,21 @@ impl Health {
     /// Clears conditions of `kind` not re-asserted for `hold` (for conditions that are observed
     /// per request rather than tracked as a state).
     pub fn expire(&mut self, kind: ConditionKind, hold: std::time::Duration, now: Instant) {
+        self.expire_if(kind, hold, now, |_| true);
+    }
+
+    /// [`Health::expire`] for the subjects `expires` accepts.
+    pub fn expire_if(
+        &mut self,
+        kind: ConditionKind,
+        hold: std::time::Duration,
+        now: Instant,
+        expires: impl Fn(&str) -> bool,
+    ) {
         let old: Vec<String> = self
             .active
             .values()
-            .filter(|c| c.kind == kind && now.duration_since(c.last) >= hold)
+            .filter(|c| c.kind == kind && now.duration_since(c.last) >= hold && expires(&c.subject))
             .map(|c| c.subject.clone())
             .collect();
         for s in old {

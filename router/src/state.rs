@@ -559,6 +559,12 @@ impl State {
         for k in [ConditionKind::NamespaceMismatch, ConditionKind::BlockSizeMismatch] {
             self.health.expire(k, hold(h.mismatch_hold_s), now);
         }
+        // A key-scheme mismatch raised by requests (subject: a model) expires like the others;
+        // one raised by a publisher's info (subject: the publisher) lasts until its next good info.
+        let publishers = &self.publishers;
+        self.health.expire_if(ConditionKind::KeySchemeMismatch, hold(h.mismatch_hold_s), now, |subject| {
+            !publishers.contains_key(subject)
+        });
         // Gaps with no way to recover are reported for gap_hold_s after the last one.
         let expired: Vec<String> = self
             .publishers

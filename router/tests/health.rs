@@ -105,14 +105,30 @@ async fn block_size_scheme_and_namespace_mismatches_are_reported() {
 async fn mismatch_conditions_expire_when_no_longer_seen() {
     let mut cfg = config();
     cfg.namespaces.push(spec("m8", "test/model", 8));
+    let mut dyn_spec = spec("mdyn", "test/model", 4);
+    dyn_spec.key_scheme = KEY_SCHEME_DYNAMO_XXH3_1337.into();
+    cfg.namespaces.push(dyn_spec);
     cfg.health.mismatch_hold_s = 0.3;
     let ns = resolved(&cfg);
     let srv = Server::start(cfg).await;
     let p = MemoryPublisher::new("daemon-a", 1, 100);
     srv.publish(&p.message(Some(info("A", &["w1"], &ns, 60_000, None)), vec![])).await;
-    srv.route(serde_json::json!({"namespace": "m8", "tokens": prompt(1, 4)})).await;
-    assert_eq!(srv.healthz().await["status"], "degraded");
+    for n in ["m8", "mdyn"] {
+        srv.route(serde_json::json!({"namespace": n, "tokens": prompt(1, 4)})).await;
+    }
+    assert_eq!(kinds(&srv.healthz().await), ["block_size_mismatch", "key_scheme_mismatch"]);
     srv.wait_for(5, "expiry", || async { srv.healthz().await["status"] == "ok" }).await;
+
+    // A publisher's own unknown key scheme is not a passing request: it stays until fixed.
+    let q = MemoryPublisher::new("daemon-b", 1, 100);
+    let mut inf = info("B", &["w2"], &ns, 60_000, None);
+    inf.namespaces[0].key_scheme = "sha256-v9".into();
+    srv.publish(&q.message(Some(inf.clone()), vec![])).await;
+    tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+    assert_eq!(kinds(&srv.healthz().await), ["key_scheme_mismatch"]);
+    inf.namespaces[0].key_scheme = kvproto::events::KEY_SCHEME_KVCACHED.into();
+    srv.publish(&q.message(Some(inf), vec![])).await;
+    assert_eq!(srv.healthz().await["status"], "ok");
     srv.stop().await;
 }
 

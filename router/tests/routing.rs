@@ -203,7 +203,20 @@ tokens_per_block = 4
     assert!((r["cost"]["prefill_blocks"].as_f64().unwrap() - 2.0).abs() < 1e-9, "g2 weight from the config file: {r}");
     let m = http.get(format!("{base}/metrics")).send().await.unwrap().text().await.unwrap();
     assert!(m.contains("kvrouter_routes_total 1"), "{m}");
-    child.kill().unwrap();
-    child.wait().unwrap();
+    // SIGTERM (what an orchestrator sends) stops it cleanly.
+    let term = std::process::Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap();
+    assert!(term.success());
+    let t0 = std::time::Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if t0.elapsed() > Duration::from_secs(10) {
+            child.kill().unwrap();
+            panic!("kvrouter did not stop on SIGTERM");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert!(status.success(), "{status}");
     std::fs::remove_dir_all(&dir).ok();
 }

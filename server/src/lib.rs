@@ -223,6 +223,9 @@ pub async fn serve(
         if let Err(e) = d.store.flush() {
             tracing::warn!("flush at shutdown failed: {e}");
         }
+        // Unlink the pool now: a background thread (the prefault) may still hold the tier when
+        // the process exits, and then its drop, which unlinks it too, never runs.
+        let _ = std::fs::remove_file(d.store.g2().shm_path());
     })
     .await
     .map_err(|e| ServerError::Io(std::io::Error::other(e)))?;

@@ -113,15 +113,24 @@ impl Cli {
     }
 }
 
-async fn shutdown_signal() {
+/// Installs the SIGTERM/SIGINT handlers now (before anything listens, so a signal that
+/// arrives right after start still shuts down cleanly) and returns the future that resolves on
+/// either.
+fn shutdown_signal() -> impl std::future::Future<Output = ()> {
     use tokio::signal::unix::{SignalKind, signal};
-    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
-        tracing::warn!("cannot install signal handlers; stop with SIGKILL");
-        return std::future::pending().await;
+    let handlers = match (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) {
+        (Ok(term), Ok(int)) => Some((term, int)),
+        _ => {
+            tracing::warn!("cannot install signal handlers; stop with SIGKILL");
+            None
+        }
     };
-    tokio::select! {
-        _ = term.recv() => tracing::info!("SIGTERM"),
-        _ = int.recv() => tracing::info!("SIGINT"),
+    async move {
+        let Some((mut term, mut int)) = handlers else { return std::future::pending().await };
+        tokio::select! {
+            _ = term.recv() => tracing::info!("SIGTERM"),
+            _ = int.recv() => tracing::info!("SIGINT"),
+        }
     }
 }
 
@@ -156,13 +165,14 @@ fn main() -> ExitCode {
         Command::Demo => rt.block_on(kvcached::demo::run(&config.socket)).map_err(|e| e.to_string()),
         Command::Run => rt
             .block_on(async {
+                let shutdown = shutdown_signal();
                 let listeners = Listeners::bind(&config).await?;
                 eprintln!(
                     "kvcached listening on {} (metrics http://{}/metrics); try `kvcached demo` in another shell",
                     config.socket.display(),
                     config.metrics_addr
                 );
-                kvcached::serve(config, listeners, shutdown_signal()).await
+                kvcached::serve(config, listeners, shutdown).await
             })
             .map_err(|e| e.to_string()),
     };

@@ -125,6 +125,15 @@ fn spawn_daemon_with(dir: &Path, router_section: &str) -> Daemon {
     daemon
 }
 
+/// G2 pool files in a daemon's pool directory.
+fn pool_files(dir: &Path) -> Vec<String> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|n| n.starts_with("kvcached-g2-"))
+        .collect()
+}
+
 fn signal_and_wait(mut daemon: Daemon, sig: i32) {
     let Some(mut child) = daemon.0.take() else { return };
     // SAFETY: plain kill(2) on our child's pid.
@@ -264,6 +273,21 @@ async fn router_places_requests_on_two_real_daemons_through_restarts() {
         assert!(t0.elapsed() < Duration::from_secs(20), "a silent daemon went unnoticed: {h}");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    // The killed daemon never unlinked its G2 pool file; its successor removes it at start.
+    let dead = pool_files(db.path());
+    assert_eq!(dead.len(), 1);
+    let daemon_b = spawn_daemon(db.path(), "node-b", &base);
+    let t0 = Instant::now();
+    loop {
+        let now = pool_files(db.path());
+        if now.len() == 1 && now != dead {
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(20), "pool files {now:?} (the dead daemon's: {dead:?})");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    signal_and_wait(daemon_b, libc::SIGTERM);
+    assert_eq!(pool_files(db.path()), Vec::<String>::new());
 
     drop((ca, cb));
     signal_and_wait(daemon_a, libc::SIGTERM);

@@ -126,6 +126,35 @@ struct SharedRegion {
     _file: File,
 }
 
+/// Pool files are `kvcached-g2-<pid>-<nanos>` in the pool directory.
+const POOL_PREFIX: &str = "kvcached-g2-";
+
+/// Removes the pool files that no live daemon holds: those of a daemon that was killed
+/// (`kill -9`, OOM) and so never unlinked its pool, which would otherwise keep its memory in
+/// `/dev/shm` until someone deletes it. A live daemon holds an exclusive lock on its pool file.
+fn remove_stale_pools(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    for entry in entries.flatten() {
+        if !entry.file_name().to_str().is_some_and(|n| n.starts_with(POOL_PREFIX)) {
+            continue;
+        }
+        let path = entry.path();
+        let Ok(file) = File::open(&path) else { continue };
+        if file.try_lock().is_err() {
+            continue; // a live daemon's pool
+        }
+        let bytes = file.metadata().map(|m| m.len()).unwrap_or(0);
+        match std::fs::remove_file(&path) {
+            Ok(()) => tracing::warn!(
+                path = %path.display(),
+                bytes,
+                "removed the G2 pool file of a daemon that did not shut down cleanly"
+            ),
+            Err(e) => tracing::warn!(path = %path.display(), "cannot remove a stale G2 pool file: {e}"),
+        }
+    }
+}
+
 impl Drop for SharedRegion {
     fn drop(&mut self) {
         // Unlink; processes that still map it keep their mapping.
@@ -171,15 +200,29 @@ impl HostTier {
         let len = pages as usize * cfg.page_size;
         let nanos =
             std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
-        let path = cfg.shm_dir.join(format!("kvcached-g2-{}-{nanos:09}", std::process::id()));
+        remove_stale_pools(&cfg.shm_dir);
+        let name = format!("{POOL_PREFIX}{}-{nanos:09}", std::process::id());
         let io = |op, e| TierError::io(TIER, op, e);
+        // Created under a hidden name and locked before it gets its real name, so that another
+        // daemon's stale-pool sweep never sees it unlocked.
+        let hidden = cfg.shm_dir.join(format!(".{name}"));
+        let path = cfg.shm_dir.join(&name);
         let file = OpenOptions::new()
             .read(true)
             .write(true)
             .create_new(true)
             .mode(0o600)
-            .open(&path)
+            .open(&hidden)
             .map_err(|e| io("create pool file", e))?;
+        // Held for the daemon's life; the kernel drops it when the process dies, however.
+        let named = match file.try_lock() {
+            Ok(()) => std::fs::rename(&hidden, &path),
+            Err(e) => Err(std::io::Error::other(e.to_string())),
+        };
+        if let Err(e) = named {
+            let _ = std::fs::remove_file(&hidden);
+            return Err(io("lock and name pool file", e));
+        }
         // SAFETY: plain syscall on an owned fd.
         let r = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len as libc::off_t) };
         if r != 0 {

@@ -222,3 +222,29 @@ fn metrics_are_exported_under_kvcached_names() {
     }
     assert!(names.iter().any(|(n, l)| n == "kvcached_tier_hits_total" && l.contains(&"tier=g3".to_string())));
 }
+
+/// A daemon killed with `kill -9` never unlinks its G2 pool file; the next pool opened in the
+/// same directory removes it, and never a pool some live process holds.
+#[test]
+fn a_pool_file_left_by_a_killed_daemon_is_removed_and_a_live_one_is_kept() {
+    let d = tempfile::tempdir().unwrap();
+    let stale = d.path().join("kvcached-g2-4194304-000000001");
+    std::fs::write(&stale, vec![0u8; 4096]).unwrap();
+    let unrelated = d.path().join("engine-kv");
+    std::fs::write(&unrelated, b"x").unwrap();
+    let live = common::host(d.path(), 1 << 20);
+    assert!(!stale.exists(), "the stale pool file is still there");
+    assert!(unrelated.exists());
+    let pools = |dir: &std::path::Path| {
+        std::fs::read_dir(dir)
+            .unwrap()
+            .filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .filter(|n| n.starts_with("kvcached-g2-"))
+            .count()
+    };
+    assert_eq!(pools(d.path()), 1);
+    let second = common::host(d.path(), 1 << 20);
+    assert_eq!(pools(d.path()), 2, "a live pool was removed");
+    drop((live, second));
+    assert_eq!(pools(d.path()), 0, "a clean shutdown unlinks its pool");
+}
