@@ -1,7 +1,9 @@
 //! The router index against NVIDIA Dynamo's (`dynamo-kv-router` 1.6.1 `RadixTree`, its default
 //! KV indexer core) on the same event stream and the same queries, in one run: store rate
-//! (blocks/s), lookup p50/p99 (per-worker overlap of a 64-block prompt over 256 workers) and heap
-//! bytes per indexed block (a counting allocator around the system one).
+//! (blocks/s) building the index from empty, the steady-state rate (a new sequence stored while
+//! the oldest is removed, the index staying at its size), lookup p50/p99 (per-worker overlap of a
+//! 64-block prompt over 256 workers) and heap bytes per indexed block (a counting allocator around
+//! the system one).
 //!
 //! ```text
 //! cd router/bench-dynamo && cargo run --release -- --bench   # both, 1M blocks (own workspace)
@@ -98,14 +100,21 @@ fn pct(v: &mut [f64], p: f64) -> f64 {
 
 struct Figures {
     store_blocks_per_s: f64,
+    /// Steady state: each new sequence stored while the oldest one is removed (blocks stored +
+    /// removed per second), the index staying at its size.
+    churn_blocks_per_s: f64,
     lookup_p50_us: f64,
     lookup_p99_us: f64,
     bytes_per_block: f64,
 }
 
-fn ours(seqs: &[Seq], queries: &[usize], distinct: usize) -> (Figures, Vec<u32>) {
+fn ours(seqs: &[Seq], churn: &[Seq], queries: &[usize], distinct: usize) -> (Figures, Vec<u32>) {
     let ns = NamespaceId([9; 16]);
-    let keys: Vec<Vec<BlockKey>> = seqs.iter().map(|s| s.seq.iter().map(|h| key_from_u64(*h)).collect()).collect();
+    let to_keys = |v: &[Seq]| -> Vec<Vec<BlockKey>> {
+        v.iter().map(|s| s.seq.iter().map(|h| key_from_u64(*h)).collect()).collect()
+    };
+    let keys = to_keys(seqs);
+    let churn_keys = to_keys(churn);
     let mut store = f64::INFINITY;
     let mut bytes = 0.0;
     let mut ix = BlockIndex::new();
@@ -147,10 +156,25 @@ fn ours(seqs: &[Seq], queries: &[usize], distinct: usize) -> (Figures, Vec<u32>)
         lat.push(t.elapsed().as_secs_f64() * 1e6);
         sums.push(m.iter().map(|m| m.prefix()).sum());
     }
+    let slot = |s: &Seq| Slot::new(s.worker as u32 + 1, TierKind::G1Gpu);
+    let t0 = Instant::now();
+    for (i, (s, k)) in churn.iter().zip(&churn_keys).enumerate() {
+        ix.store(ns, None, k, slot(s));
+        ix.remove(Some(ns), &keys[i], slot(&seqs[i]));
+    }
+    let churned = t0.elapsed().as_secs_f64();
+    let all: Vec<&Vec<BlockKey>> = keys.iter().chain(&churn_keys).collect();
+    for q in queries {
+        let m = cost::match_candidates(&cands, &mut scratch, |visit| {
+            ix.walk(ns, all[*q + churn.len()], |_, len, slots| visit(len as u32, &mut slots.iter()));
+        });
+        sums.push(m.iter().map(|m| m.prefix()).sum());
+    }
     let n_blocks = (seqs.len() * SEQ_BLOCKS) as f64;
     (
         Figures {
             store_blocks_per_s: n_blocks / store,
+            churn_blocks_per_s: (2 * churn.len() * SEQ_BLOCKS) as f64 / churned,
             lookup_p50_us: pct(&mut lat.clone(), 0.5),
             lookup_p99_us: pct(&mut lat, 0.99),
             bytes_per_block: bytes / distinct as f64,
@@ -160,33 +184,35 @@ fn ours(seqs: &[Seq], queries: &[usize], distinct: usize) -> (Figures, Vec<u32>)
 }
 
 #[cfg(feature = "bench-dynamo")]
-fn dynamo(seqs: &[Seq], queries: &[usize], distinct: usize) -> (Figures, Vec<u32>) {
+fn dynamo(seqs: &[Seq], churn: &[Seq], queries: &[usize], distinct: usize) -> (Figures, Vec<u32>) {
     use dynamo_kv_router::protocols::{
-        ExternalSequenceBlockHash, KvCacheEvent, KvCacheEventData, KvCacheStoreData, KvCacheStoredBlockData,
-        LocalBlockHash, RouterEvent,
+        ExternalSequenceBlockHash, KvCacheEvent, KvCacheEventData, KvCacheRemoveData, KvCacheStoreData,
+        KvCacheStoredBlockData, LocalBlockHash, RouterEvent,
     };
     use dynamo_kv_router::radix_tree::RadixTree;
-    let events: Vec<RouterEvent> = seqs
-        .iter()
-        .enumerate()
-        .map(|(i, s)| {
-            let blocks = s
-                .local
-                .iter()
-                .zip(&s.seq)
-                .map(|(l, h)| KvCacheStoredBlockData {
-                    block_hash: ExternalSequenceBlockHash(*h),
-                    tokens_hash: LocalBlockHash(*l),
-                    mm_extra_info: None,
-                })
-                .collect();
-            let data = KvCacheStoreData { parent_hash: None, start_position: None, blocks };
-            RouterEvent::new(
-                s.worker,
-                KvCacheEvent { event_id: i as u64, data: KvCacheEventData::Stored(data), dp_rank: 0 },
-            )
-        })
-        .collect();
+    let stored = |seqs: &[Seq], first_id: usize| -> Vec<RouterEvent> {
+        seqs.iter()
+            .enumerate()
+            .map(|(i, s)| {
+                let blocks = s
+                    .local
+                    .iter()
+                    .zip(&s.seq)
+                    .map(|(l, h)| KvCacheStoredBlockData {
+                        block_hash: ExternalSequenceBlockHash(*h),
+                        tokens_hash: LocalBlockHash(*l),
+                        mm_extra_info: None,
+                    })
+                    .collect();
+                let data = KvCacheStoreData { parent_hash: None, start_position: None, blocks };
+                RouterEvent::new(
+                    s.worker,
+                    KvCacheEvent { event_id: (first_id + i) as u64, data: KvCacheEventData::Stored(data), dp_rank: 0 },
+                )
+            })
+            .collect()
+    };
+    let events = stored(seqs, 0);
     let queries_local: Vec<Vec<LocalBlockHash>> =
         queries.iter().map(|q| seqs[*q].local.iter().map(|l| LocalBlockHash(*l)).collect()).collect();
     let mut store = f64::INFINITY;
@@ -215,6 +241,26 @@ fn dynamo(seqs: &[Seq], queries: &[usize], distinct: usize) -> (Figures, Vec<u32
         sums.push(m.scores.values().sum());
     }
     let with_tree = live();
+    let mut churn_events = Vec::with_capacity(2 * churn.len());
+    for (i, (new, old)) in stored(churn, seqs.len()).into_iter().zip(seqs).enumerate() {
+        churn_events.push(new);
+        let block_hashes = old.seq.iter().map(|h| ExternalSequenceBlockHash(*h)).collect();
+        let data = KvCacheEventData::Removed(KvCacheRemoveData { block_hashes });
+        let id = (seqs.len() + churn.len() + i) as u64;
+        churn_events.push(RouterEvent::new(old.worker, KvCacheEvent { event_id: id, data, dp_rank: 0 }));
+    }
+    let t0 = Instant::now();
+    for e in churn_events {
+        tree.apply_event(e).unwrap();
+    }
+    let churned = t0.elapsed().as_secs_f64();
+    for q in queries {
+        // The live sequences are now seqs[churn.len()..] followed by churn.
+        let i = *q + churn.len();
+        let s = if i < seqs.len() { &seqs[i] } else { &churn[i - seqs.len()] };
+        let local = s.local.iter().map(|l| LocalBlockHash(*l)).collect();
+        sums.push(tree.find_matches(local, false).scores.values().sum());
+    }
     drop(tree);
     let bytes = (with_tree - live()) as f64;
     println!(
@@ -226,6 +272,7 @@ fn dynamo(seqs: &[Seq], queries: &[usize], distinct: usize) -> (Figures, Vec<u32
     (
         Figures {
             store_blocks_per_s: n_blocks / store,
+            churn_blocks_per_s: (2 * churn.len() * SEQ_BLOCKS) as f64 / churned,
             lookup_p50_us: pct(&mut lat.clone(), 0.5),
             lookup_p99_us: pct(&mut lat, 0.99),
             bytes_per_block: bytes / distinct as f64,
@@ -236,8 +283,8 @@ fn dynamo(seqs: &[Seq], queries: &[usize], distinct: usize) -> (Figures, Vec<u32
 
 fn print(name: &str, f: &Figures) {
     println!(
-        "{name:<28} {:>14.0} {:>12.2} {:>12.2} {:>14.1}",
-        f.store_blocks_per_s, f.lookup_p50_us, f.lookup_p99_us, f.bytes_per_block
+        "{name:<28} {:>14.0} {:>14.0} {:>12.2} {:>12.2} {:>14.1}",
+        f.store_blocks_per_s, f.churn_blocks_per_s, f.lookup_p50_us, f.lookup_p99_us, f.bytes_per_block
     );
 }
 
@@ -245,7 +292,11 @@ fn main() {
     let full = std::env::args().any(|a| a == "--bench");
     // 1M distinct blocks: 64 groups x 16 shared + n x 48 unique.
     let n = if full { (1_000_000 - (GROUPS as usize * SHARED_BLOCKS)) / (SEQ_BLOCKS - SHARED_BLOCKS) } else { 500 };
-    let seqs = stream(n, 42);
+    // Then as many sequences again, each stored while the oldest is removed: the index is
+    // replaced once over at its size.
+    let c = n;
+    let all = stream(n + c, 42);
+    let (seqs, churn) = all.split_at(n);
     let distinct = (GROUPS as usize).min(n) * SHARED_BLOCKS + n * (SEQ_BLOCKS - SHARED_BLOCKS);
     let mut rng = StdRng::seed_from_u64(7);
     let queries: Vec<usize> = (0..if full { 20_000 } else { 200 }).map(|_| rng.random_range(0..n)).collect();
@@ -256,20 +307,22 @@ fn main() {
         queries.len()
     );
     println!(
-        "{:<28} {:>14} {:>12} {:>12} {:>14}",
-        "index", "store blk/s", "lookup p50us", "lookup p99us", "bytes/block"
+        "{:<28} {:>14} {:>14} {:>12} {:>12} {:>14}",
+        "index", "store blk/s", "churn blk/s", "lookup p50us", "lookup p99us", "bytes/block"
     );
-    let (a, sums_a) = ours(&seqs, &queries, distinct);
+    let (a, sums_a) = ours(seqs, churn, &queries, distinct);
     print("kvrouter BlockIndex", &a);
     #[cfg(feature = "bench-dynamo")]
     {
-        let (b, sums_b) = dynamo(&seqs, &queries, distinct);
+        let (b, sums_b) = dynamo(seqs, churn, &queries, distinct);
         print("dynamo-kv-router RadixTree", &b);
-        // Both answer the same question: total matched blocks over all workers per query.
+        // Both answer the same question: total matched blocks over all workers per query, before
+        // and after the churn.
         assert_eq!(sums_a, sums_b, "the two indexes disagree on overlaps");
         println!(
-            "ratios (ours / dynamo): store {:.2}x, p50 {:.2}, p99 {:.2}, bytes/block {:.2}",
+            "ratios (ours / dynamo): store {:.2}x, churn {:.2}x, p50 {:.2}, p99 {:.2}, bytes/block {:.2}",
             a.store_blocks_per_s / b.store_blocks_per_s,
+            a.churn_blocks_per_s / b.churn_blocks_per_s,
             a.lookup_p50_us / b.lookup_p50_us,
             a.lookup_p99_us / b.lookup_p99_us,
             a.bytes_per_block / b.bytes_per_block

@@ -264,7 +264,9 @@ impl Space {
     fn new_run(&mut self, holders: Slots) -> u32 {
         match self.free.pop() {
             Some(r) => {
-                self.runs[r as usize] = Run { keys: Vec::new(), start: 0, holders };
+                // The freed run's key vector, empty, keeps its capacity for the new run.
+                let keys = std::mem::take(&mut self.runs[r as usize].keys);
+                self.runs[r as usize] = Run { keys, start: 0, holders };
                 r
             }
             None => {
@@ -279,10 +281,12 @@ impl Space {
     /// Removes a run and its keys.
     fn free_run(&mut self, r: u32) {
         self.drop_head(r);
-        let run = std::mem::take(&mut self.runs[r as usize]);
-        for (j, k) in run.keys.iter().enumerate() {
-            self.table.remove(k, Loc { run: r, off: (run.start as usize + j) as u16 });
-        }
+        let mut run = std::mem::take(&mut self.runs[r as usize]);
+        self.table.remove_run(&run.keys, r, run.start as usize);
+        // Keep the allocation for the run that reuses this index (churn frees and makes runs of
+        // the same sizes over and over).
+        run.keys.clear();
+        self.runs[r as usize].keys = run.keys;
         self.free.push(r);
     }
 

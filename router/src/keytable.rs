@@ -209,10 +209,13 @@ impl KeyTable {
     }
 
     fn slot_of(&self, k: &BlockKey, loc: Loc) -> Option<usize> {
+        self.slot_of_hash(self.hash(k), loc)
+    }
+
+    fn slot_of_hash(&self, h: u32, loc: Loc) -> Option<usize> {
         if self.slots.is_empty() {
             return None;
         }
-        let h = self.hash(k);
         let mask = self.mask();
         let mut i = self.home(h);
         loop {
@@ -236,7 +239,28 @@ impl KeyTable {
 
     /// Removes key `k` stored at `loc` (no-op if it is not there).
     pub fn remove(&mut self, k: &BlockKey, loc: Loc) {
-        if let Some(i) = self.slot_of(k, loc) {
+        self.remove_hash(self.hash(k), loc);
+    }
+
+    /// Removes the keys of a whole run (`keys[j]` at offset `start + j` of run `run`), with the
+    /// slots of later keys prefetched while earlier ones are removed: the slots are random
+    /// accesses into a table larger than the caches, and this lets their misses overlap.
+    pub fn remove_run(&mut self, keys: &[BlockKey], run: u32, start: usize) {
+        const AHEAD: usize = 16;
+        let hashes: Vec<u32> = keys.iter().map(|k| self.hash(k)).collect();
+        for h in hashes.iter().take(AHEAD) {
+            self.prefetch(*h);
+        }
+        for (j, h) in hashes.iter().enumerate() {
+            if let Some(next) = hashes.get(j + AHEAD) {
+                self.prefetch(*next);
+            }
+            self.remove_hash(*h, Loc { run, off: (start + j) as u16 });
+        }
+    }
+
+    fn remove_hash(&mut self, h: u32, loc: Loc) {
+        if let Some(i) = self.slot_of_hash(h, loc) {
             // A slot followed by an empty one ends every probe sequence through it: no tombstone.
             if self.slots[(i + 1) & self.mask()][1] == EMPTY {
                 self.slots[i] = VACANT;
