@@ -227,6 +227,23 @@ async fn latencies(cfg: &SocketBench, socket: &Path, report: &mut Report) -> Res
         p50_us: p50,
         p99_us: p99,
     });
+    // A prompt the daemon has never seen, nothing of it cached (each sample another prompt).
+    let mut v = Vec::with_capacity(cfg.samples);
+    for i in 0..cfg.samples {
+        let fresh = prompt(50_000 + i as u32, 8192, 16);
+        let t0 = Instant::now();
+        let hit = c.lookup(&fresh).await.map_err(|e| e.to_string())?;
+        v.push(t0.elapsed());
+        if hit.matched_blocks != 0 {
+            return Err(format!("a never-saved prompt matched {} blocks", hit.matched_blocks));
+        }
+    }
+    let (p50, p99) = percentiles(v);
+    report.latency.push(Latency {
+        what: "lookup, 128k-token prompt never seen (nothing cached)".into(),
+        p50_us: p50,
+        p99_us: p99,
+    });
     c.unregister().await.map_err(|e| e.to_string())?;
 
     // A small batch: 4 blocks of 2 MiB (16 tokens, 32 layers x 8 KV heads x 128 dims, bf16).

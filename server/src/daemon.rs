@@ -139,8 +139,34 @@ impl Daemon {
 
     pub fn lookup(&self, req: &pb::LookupRequest) -> Result<pb::LookupResponse, ServerError> {
         let engine = self.engines.get(req.engine_id)?;
-        let keys = self.keys(&engine, &req.tokens)?;
-        let m = self.store.lookup(&keys);
+        let (keys, m) = if req.route_id.is_some() {
+            // The outcome report needs the keys past the engine's own G1 blocks: all of them.
+            let keys = self.keys(&engine, &req.tokens)?;
+            let m = self.store.lookup(&keys);
+            (keys, m)
+        } else {
+            // Keys only as far as the cached prefix reaches: a prompt whose first blocks are not
+            // cached derives one chunk, not its whole chain.
+            if !req.tokens.len().is_multiple_of(4) {
+                return Err(kvproto::ProtoError::TokenBytes(req.tokens.len()).into());
+            }
+            let (mut held, mut missed) = (Vec::<u8>::new(), false);
+            let tpb = engine.namespace.layout.tokens_per_block as usize;
+            let keys = self.key_memo.keys_while(&engine.fingerprint, tpb, &req.tokens, |keys| {
+                let fresh = &keys[held.len()..];
+                let h = self.store.held_prefix(fresh);
+                missed = h.len() < fresh.len();
+                held.extend(h);
+                !missed
+            });
+            // Keys derived (or reused) after the last question: the prompt's tail.
+            if !missed && held.len() < keys.len() {
+                let h = self.store.held_prefix(&keys[held.len()..]);
+                held.extend(h);
+            }
+            let m = self.store.mark_prefix(&keys, &held);
+            (keys, m)
+        };
         if let Some(route_id) = req.route_id {
             let found = self.found_blocks(&keys, req.g1_blocks as usize);
             self.reports.outcome(&engine, route_id, found);

@@ -24,6 +24,8 @@ const MIN_BLOCKS: usize = 64;
 /// Remembered prompts compared per request (most recent first) among those with the same first
 /// block; many prompts share a system prompt, and each comparison stops at the first difference.
 const CANDIDATES: usize = 8;
+/// Blocks derived at a time by [`KeyMemo::keys_while`] between two questions to its caller.
+pub const LAZY_CHUNK: usize = 256;
 /// Blocks compared per `memcmp` while looking for the first differing block.
 const STRIDE_BLOCKS: usize = 64;
 
@@ -86,13 +88,38 @@ impl KeyMemo {
     /// Keys of every full block of `tokens` (little-endian u32 bytes, whole tokens: checked by
     /// the caller) in the namespace `fp` with `tokens_per_block`.
     pub fn keys(&self, fp: &NamespaceFingerprint, tokens_per_block: usize, tokens: &[u8]) -> Vec<BlockKey> {
+        self.keys_while(fp, tokens_per_block, tokens, |_| true)
+    }
+
+    /// The keys of the leading full blocks of `tokens`, derived only as far as `go_on` wants:
+    /// it sees the keys so far after the reused ones and after each derived chunk of
+    /// [`LAZY_CHUNK`] blocks, and derivation stops when it says no. A lookup passes "every block
+    /// so far is cached", so a prompt whose first blocks are not cached costs one chunk, not the
+    /// whole chain. What was derived is remembered; a later request derives the rest.
+    pub fn keys_while(
+        &self,
+        fp: &NamespaceFingerprint,
+        tokens_per_block: usize,
+        tokens: &[u8],
+        mut go_on: impl FnMut(&[BlockKey]) -> bool,
+    ) -> Vec<BlockKey> {
         let block_bytes = 4 * tokens_per_block;
         let blocks = tokens.len().checked_div(block_bytes).unwrap_or(0);
-        if self.capacity_bytes == 0 || blocks < MIN_BLOCKS {
-            self.derived.increment(blocks as u64);
-            return derive(fp, None, &tokens[..blocks * block_bytes], block_bytes);
-        }
         let tokens = &tokens[..blocks * block_bytes];
+        let derive_on = |keys: &mut Vec<BlockKey>, go_on: &mut dyn FnMut(&[BlockKey]) -> bool| {
+            while keys.len() < blocks && (keys.is_empty() || go_on(keys)) {
+                let from = keys.len();
+                let to = (from + LAZY_CHUNK).min(blocks);
+                let more = derive(fp, keys.last(), &tokens[from * block_bytes..to * block_bytes], block_bytes);
+                keys.extend(more);
+            }
+        };
+        if self.capacity_bytes == 0 || blocks < MIN_BLOCKS {
+            let mut keys = Vec::with_capacity(blocks);
+            derive_on(&mut keys, &mut go_on);
+            self.derived.increment(keys.len() as u64);
+            return keys;
+        }
         let bucket = bucket_of(fp, block_bytes, tokens);
 
         // The candidates leave the lock as Arcs: comparing and deriving happen without it.
@@ -116,16 +143,20 @@ impl KeyMemo {
             _ => (Vec::with_capacity(blocks), None),
         };
         let have = keys.len();
+        if have < blocks && (have == 0 || go_on(&keys)) {
+            derive_on(&mut keys, &mut go_on);
+        }
         self.reused.increment(have as u64);
-        self.derived.increment((blocks - have) as u64);
-        keys.extend(derive(fp, keys.last(), &tokens[have * block_bytes..], block_bytes));
+        self.derived.increment((keys.len() - have) as u64);
 
+        let known = &tokens[..keys.len() * block_bytes];
         match reused_from {
-            // Nothing new to remember: the request is a prefix of (or equal to) a remembered prompt.
-            Some((_, _, n)) if n == blocks => {}
+            // Nothing new to remember: what was used is a prefix of a remembered prompt.
+            Some((_, _, n)) if n == keys.len() => {}
             // The request extends a remembered prompt: it takes that prompt's place.
-            Some((id, len, n)) if n == len => self.remember(bucket, fp, block_bytes, tokens, &keys, Some(id)),
-            _ => self.remember(bucket, fp, block_bytes, tokens, &keys, None),
+            Some((id, len, n)) if n == len => self.remember(bucket, fp, block_bytes, known, &keys, Some(id)),
+            _ if keys.len() >= MIN_BLOCKS => self.remember(bucket, fp, block_bytes, known, &keys, None),
+            _ => {}
         }
         keys
     }
@@ -248,6 +279,33 @@ mod tests {
         check(&prompt(3, 10)); // short: derived directly
         let st = memo.state.lock();
         assert_eq!(st.prompts.len(), 3, "base+extension, diverged at 40, diverged at 0");
+    }
+
+    #[test]
+    fn keys_while_derives_only_what_is_wanted_and_a_later_request_derives_the_rest() {
+        let fp = NamespaceFingerprint([6; 32]);
+        let memo = KeyMemo::new(1 << 22);
+        let t = prompt(8, 1000);
+        let all = kvproto::block_keys(&fp, 16, &t);
+        let mut asked = Vec::new();
+        // "Only the first 300 blocks are cached": stop once past them.
+        let got = memo.keys_while(&fp, 16, &le(&t), |k| {
+            asked.push(k.len());
+            k.len() < 300
+        });
+        assert_eq!(asked, [LAZY_CHUNK, 2 * LAZY_CHUNK]);
+        assert_eq!(got, all[..2 * LAZY_CHUNK]);
+        // The derived prefix is remembered; the whole prompt extends it and replaces it.
+        assert_eq!(memo.keys(&fp, 16, &le(&t)), all);
+        let st = memo.state.lock();
+        assert_eq!(st.prompts.len(), 1);
+        assert_eq!(st.bytes, 1000 * (64 + 16));
+        drop(st);
+        // A short prompt without the memo, and a memo that is off, stop the same way.
+        for m in [KeyMemo::new(0), KeyMemo::new(1 << 22)] {
+            let got = m.keys_while(&fp, 16, &le(&t), |_| false);
+            assert_eq!(got, all[..LAZY_CHUNK]);
+        }
     }
 
     #[test]

@@ -164,6 +164,45 @@ async fn wrong_layout_namespace_and_requests_get_clear_errors() {
     daemon.stop().await;
 }
 
+/// Lookups of long prompts (past the daemon's key memo threshold and its lazy derivation chunk)
+/// match exactly their cached prefix, whether the keys are derived, reused or partly both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn long_prompts_match_exactly_their_cached_prefix() {
+    let d = tempfile::tempdir().unwrap();
+    let daemon = start(d.path()).await;
+    let mut mem = kv(d.path(), "a", 8);
+    fill(&mut mem, 4, 8, 0);
+    let c = Client::connect(&daemon.socket).await.unwrap();
+    c.register("a", &ns("m"), &mem).await.unwrap();
+    let tokens = prompt(21, 1000);
+    for first in (0..600).step_by(8) {
+        let r = c.save(&tokens, first, &(0..8).collect::<Vec<_>>()).await.unwrap();
+        assert_eq!(r.failed, 0, "{}", r.error);
+    }
+    let matched = |t: Vec<u32>| {
+        let c = c.clone();
+        async move { c.lookup(&t).await.unwrap().matched_blocks }
+    };
+    assert_eq!(matched(tokens.clone()).await, 600);
+    assert_eq!(matched(tokens.clone()).await, 600, "again, keys from the memo");
+    assert_eq!(matched(tokens[..600 * 16].to_vec()).await, 600);
+    assert_eq!(matched(tokens[..300 * 16 + 5].to_vec()).await, 300);
+    for changed in [450usize, 0, 599, 600] {
+        let mut t = tokens.clone();
+        t[changed * 16 + 7] ^= 1;
+        assert_eq!(matched(t).await, changed as u32, "block {changed} changed");
+    }
+    // A fresh engine of the same namespace (its own requests, the same memo) agrees.
+    let mut other_mem = kv(d.path(), "b", 8);
+    fill(&mut other_mem, 5, 8, 0);
+    let o = Client::connect(&daemon.socket).await.unwrap();
+    o.register("b", &ns("m"), &other_mem).await.unwrap();
+    assert_eq!(o.lookup(&tokens).await.unwrap().matched_blocks, 600);
+    let got = o.load_now(&tokens, 596, &[0, 1, 2, 3, 4, 5, 6, 7]).await.unwrap();
+    assert_eq!(got.loaded_blocks, 4, "a load stops at the first block not cached");
+    daemon.stop().await;
+}
+
 /// Token ids travel as little-endian u32 bytes: a length that is not whole tokens is
 /// INVALID_ARGUMENT on every RPC that carries tokens, and the daemon keeps serving. Sent with the
 /// raw generated client over the daemon's TCP listener (the client crate cannot produce it).

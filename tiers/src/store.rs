@@ -255,7 +255,7 @@ impl BlockStore {
     /// For each block of the longest prefix of `keys` held in some tier, the tiers holding it
     /// (bit `TierKind::index`). One lock per tier per chunk of keys, not one per key (a
     /// 128k-token prompt has 8192), and chunks short enough that no tier's lock is held long.
-    fn held_prefix(&self, keys: &[BlockKey]) -> Vec<u8> {
+    pub fn held_prefix(&self, keys: &[BlockKey]) -> Vec<u8> {
         const CHUNK: usize = 512;
         let mut out = Vec::with_capacity(keys.len());
         for chunk in keys.chunks(CHUNK) {
@@ -278,12 +278,23 @@ impl BlockStore {
     /// Longest cached prefix of `keys` and where its blocks are. Marks the matched G2 blocks
     /// used, ancestors last so that they outlive their descendants.
     pub fn lookup(&self, keys: &[BlockKey]) -> PrefixMatch {
+        let held = self.held_prefix(keys);
+        self.mark_prefix(keys, &held)
+    }
+
+    /// The [`PrefixMatch`] of the leading blocks of `keys` whose tier bits
+    /// [`BlockStore::held_prefix`] gave as `held` (gathered chunk by chunk, e.g. while the keys
+    /// are still being derived), marking the G2 ones used, ancestors last.
+    pub fn mark_prefix(&self, keys: &[BlockKey], held: &[u8]) -> PrefixMatch {
         let mut m = PrefixMatch::default();
-        for held in self.held_prefix(keys) {
-            for t in TierKind::ALL.iter().filter(|t| held & (1 << t.index()) != 0) {
+        for &h in held.iter().take(keys.len()) {
+            if h == 0 {
+                break;
+            }
+            for t in TierKind::ALL.iter().filter(|t| h & (1 << t.index()) != 0) {
                 m.resident[t.index()] += 1;
             }
-            m.fastest[fastest_of(held).index()] += 1;
+            m.fastest[fastest_of(h).index()] += 1;
             m.blocks += 1;
         }
         self.g2.touch_chain(&keys[..m.blocks]);
