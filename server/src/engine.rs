@@ -202,23 +202,29 @@ impl Engine {
 
     /// Copies a block given as pieces (in order) into engine block `block`.
     pub fn write_slot_from(&self, block: u32, pieces: &[&[u8]]) -> Result<(), ServerError> {
-        let src: Vec<(usize, usize)> = pieces.iter().map(|p| (p.as_ptr() as usize, p.len())).collect();
         match &self.memory {
             EngineMemory::Shm(map) => {
-                let base = map.as_mut_ptr() as usize;
-                let dst: Vec<(usize, usize)> =
-                    self.segment_ranges(block).into_iter().map(|(o, n)| (base + o, n)).collect();
-                zip_pieces(&src, &dst, |s, d, n| {
-                    // SAFETY: destinations are this engine's mapped segments, sources the
-                    // caller's pieces; `n` stays within both.
-                    unsafe { std::ptr::copy_nonoverlapping(s as *const u8, d as *mut u8, n) };
-                    Ok(())
+                let total: usize = pieces.iter().map(|p| p.len()).sum();
+                if total != self.segments.len() * self.segment_bytes as usize {
+                    return Err(ServerError::Invalid("block pieces and slot segments differ in length".into()));
+                }
+                let base = map.as_mut_ptr();
+                // Non-temporal stores, as for saves: the daemon never reads the engine's slots
+                // again, and the engine reads them later (often by DMA to its GPU), so pulling
+                // each destination line into the cache first would only cost bandwidth.
+                let dst = self.segment_ranges(block).into_iter().map(|(o, n)| (base.wrapping_add(o), n));
+                // SAFETY: destinations are this engine's mapped segments (checked against the
+                // region at attach), sources the caller's pieces; they do not overlap.
+                unsafe { kvtiers::pieces::copy_pieces(pieces.iter().map(|p| (p.as_ptr(), p.len())), dst) };
+                Ok(())
+            }
+            EngineMemory::Cuda(region) => {
+                let src: Vec<(usize, usize)> = pieces.iter().map(|p| (p.as_ptr() as usize, p.len())).collect();
+                zip_pieces(&src, &self.segment_ranges(block), |s, off, n| {
+                    // SAFETY: `s` is inside the caller's piece for `n` bytes.
+                    unsafe { region.from_host(off, s as *const u8, n) }.map_err(|e| ServerError::Attach(e.to_string()))
                 })
             }
-            EngineMemory::Cuda(region) => zip_pieces(&src, &self.segment_ranges(block), |s, off, n| {
-                // SAFETY: `s` is inside the caller's piece for `n` bytes.
-                unsafe { region.from_host(off, s as *const u8, n) }.map_err(|e| ServerError::Attach(e.to_string()))
-            }),
         }
     }
 

@@ -2,9 +2,9 @@
 //! runs, an engine's per-layer segments), and the two sides of a copy are cut differently.
 
 /// Copies a sequence of source pieces into a sequence of destination pieces of the same total
-/// length (gather/scatter in one pass). Used for puts into the pool: the destination is memory
-/// that has left the cache and will not be read soon, so on x86_64 large pieces are written
-/// with non-temporal stores (no read-for-ownership of the destination: 1.4x a plain memcpy into
+/// length (gather/scatter in one pass). Used for puts into the pool and for loads into an
+/// engine's memory: the destination is memory that has left the cache and that this process
+/// will not read soon, so on x86_64 large pieces are written with non-temporal stores (no read-for-ownership of the destination: 1.4x a plain memcpy into
 /// a prefaulted 1 GiB shared-memory region on this VM, `docs/benchmarks.md`).
 ///
 /// # Safety
