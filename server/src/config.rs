@@ -66,6 +66,10 @@ pub struct G2Config {
     pub dirty_wait_ms: u64,
     /// Map the whole pool in a background thread at start, so saves take no page faults.
     pub prefault: bool,
+    /// Eviction starts when a save would take usage above this fraction of the capacity...
+    pub high_watermark: f64,
+    /// ...and frees blocks until usage is at this fraction.
+    pub low_watermark: f64,
 }
 
 /// G3, the disk tier.
@@ -83,6 +87,9 @@ pub struct G3Config {
     pub fsync: bool,
     pub writethrough_queue: usize,
     pub writethrough_batch: usize,
+    /// As for G2: eviction above `high_watermark` of the capacity, down to `low_watermark`.
+    pub high_watermark: f64,
+    pub low_watermark: f64,
 }
 
 /// Attached engines.
@@ -146,6 +153,8 @@ impl Default for G2Config {
             cuda_register: "auto".into(),
             dirty_wait_ms: 100,
             prefault: true,
+            high_watermark: 0.98,
+            low_watermark: 0.95,
         }
     }
 }
@@ -162,6 +171,8 @@ impl Default for G3Config {
             fsync: true,
             writethrough_queue: 4096,
             writethrough_batch: 32,
+            high_watermark: 0.98,
+            low_watermark: 0.95,
         }
     }
 }
@@ -292,6 +303,17 @@ impl Config {
         if self.g3.writethrough_queue == 0 || self.g3.writethrough_batch == 0 {
             return Err(bad("g3.writethrough_queue", "queue and batch must be at least 1"));
         }
+        for (tier, high, low) in [
+            ("g2", self.g2.high_watermark, self.g2.low_watermark),
+            ("g3", self.g3.high_watermark, self.g3.low_watermark),
+        ] {
+            if !(0.0 < low && low <= high && high <= 1.0) {
+                return Err(bad(
+                    if tier == "g2" { "g2.low_watermark" } else { "g3.low_watermark" },
+                    format!("{tier}.low_watermark {low} and {tier}.high_watermark {high}: need 0 < low <= high <= 1"),
+                ));
+            }
+        }
         Ok(self)
     }
 
@@ -311,6 +333,8 @@ impl Config {
         g2.mlock = self.g2.mlock;
         g2.populate = false;
         g2.dirty_wait = std::time::Duration::from_millis(self.g2.dirty_wait_ms);
+        g2.high_watermark = self.g2.high_watermark;
+        g2.low_watermark = self.g2.low_watermark;
         g2.cuda_register = match self.g2.cuda_register.as_str() {
             "off" => kvtiers::CudaRegister::Off,
             "required" => kvtiers::CudaRegister::Required,
@@ -321,6 +345,8 @@ impl Config {
             c.page_size = self.g3.page_size;
             c.io_threads = self.g3.io_threads;
             c.fsync = self.g3.fsync;
+            c.high_watermark = self.g3.high_watermark;
+            c.low_watermark = self.g3.low_watermark;
             c.backend = match self.g3.io_backend.as_str() {
                 "io_uring" => kvtiers::disk::io::IoBackend::IoUring,
                 "psync" => kvtiers::disk::io::IoBackend::Psync,
@@ -368,5 +394,25 @@ mod tests {
         assert!(e.contains("sockett"), "{e}");
         let c = Config { socket_mode: "rw".into(), ..Default::default() };
         assert!(c.resolve().unwrap_err().to_string().contains("socket_mode"));
+        let mut c = Config::default();
+        c.g3.enabled = false;
+        c.g2.capacity_bytes = 64 << 20;
+        c.g2.low_watermark = 0.99;
+        let e = c.resolve().unwrap_err().to_string();
+        assert!(e.contains("g2.low_watermark") && e.contains("0 < low <= high <= 1"), "{e}");
+    }
+
+    #[test]
+    fn watermarks_reach_the_tiers() {
+        let mut c = Config::default();
+        c.g3.dir = std::env::temp_dir().join("kvcached-watermark-test");
+        c.g3.capacity_bytes = 1 << 30;
+        c.g2.capacity_bytes = 64 << 20;
+        (c.g2.high_watermark, c.g2.low_watermark) = (0.9, 0.8);
+        (c.g3.high_watermark, c.g3.low_watermark) = (0.7, 0.6);
+        let s = c.resolve().unwrap().store_config();
+        assert_eq!((s.g2.high_watermark, s.g2.low_watermark), (0.9, 0.8));
+        let g3 = s.g3.unwrap();
+        assert_eq!((g3.high_watermark, g3.low_watermark), (0.7, 0.6));
     }
 }
