@@ -91,7 +91,7 @@ fn run(mode: &str, seed: u32, blocks: u32) -> Result<bool, Box<dyn std::error::E
             );
             let slots: Vec<u32> = (blocks..blocks + hit.matched_blocks).collect();
             let op = client.load(&prompt, 0, &slots)?;
-            let done = client.wait(op, Duration::from_secs(30))?;
+            let done = client.wait(&op, Duration::from_secs(30))?;
             let exact = (0..done.loaded_blocks)
                 .filter(|&i| kv.read_block(blocks + i) == synthetic_block(u64::from(seed), i, len))
                 .count() as u32;

@@ -86,8 +86,12 @@ impl BlockingClient {
         self.rt.block_on(self.client.load_now(tokens, first_block, slots))
     }
 
-    pub fn wait(&self, op: LoadOp, timeout: Duration) -> Result<pb::LoadStatus, ClientError> {
+    pub fn wait(&self, op: &LoadOp, timeout: Duration) -> Result<pb::LoadStatus, ClientError> {
         self.rt.block_on(self.client.wait(op, timeout))
+    }
+
+    pub fn poll(&self, op: &LoadOp) -> Result<pb::LoadStatus, ClientError> {
+        self.rt.block_on(self.client.poll(op))
     }
 
     pub fn stats(&self) -> Result<pb::StatsResponse, ClientError> {

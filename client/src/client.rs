@@ -13,9 +13,27 @@ use tonic::transport::{Channel, Endpoint};
 use crate::error::ClientError;
 use crate::memory::KvMemory;
 
-/// A load started with [`Client::load`]; wait for it with [`Client::wait`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct LoadOp(pub u64);
+/// A load started with [`Client::load`]; wait for it with [`Client::wait`] or [`Client::poll`].
+///
+/// It keeps what the load asked for: when the daemon restarts (or drops the engine) before the
+/// load is waited for, the load is gone with that daemon, and `wait` starts it again on the
+/// daemon the client is registered with now. That is safe because a load is idempotent and the
+/// engine does not use the slots before the load is done.
+#[derive(Debug, Clone)]
+pub struct LoadOp {
+    /// (daemon op id, engine id it was started under): replaced when the load is started again.
+    current: Arc<Mutex<(u64, u64)>>,
+    tokens: bytes::Bytes,
+    first_block: u32,
+    slots: Arc<[u32]>,
+}
+
+impl LoadOp {
+    /// The daemon's id of this load (changes if the load had to be started again).
+    pub fn id(&self) -> u64 {
+        self.current.lock().0
+    }
+}
 
 #[derive(Debug)]
 struct Registration {
@@ -321,8 +339,10 @@ impl Client {
     /// Starts loading blocks `[first_block, first_block + slots.len())` of `tokens` into engine
     /// slots; returns at once. The load stops at the first block that is not cached.
     pub async fn load(&self, tokens: &[u32], first_block: u32, slots: &[u32]) -> Result<LoadOp, ClientError> {
-        let s = self.load_rpc(tokens, first_block, slots, false).await?;
-        Ok(LoadOp(s.op_id))
+        let le = kvproto::tokens_to_le(tokens);
+        let s = self.load_rpc_le(&le, first_block, slots, false).await?;
+        let engine_id = self.engine_id()?;
+        Ok(LoadOp { current: Arc::new(Mutex::new((s.op_id, engine_id))), tokens: le, first_block, slots: slots.into() })
     }
 
     /// Loads and waits for completion in one call.
@@ -342,7 +362,16 @@ impl Client {
         slots: &[u32],
         wait: bool,
     ) -> Result<pb::LoadStatus, ClientError> {
-        let le = kvproto::tokens_to_le(tokens);
+        self.load_rpc_le(&kvproto::tokens_to_le(tokens), first_block, slots, wait).await
+    }
+
+    async fn load_rpc_le(
+        &self,
+        le: &bytes::Bytes,
+        first_block: u32,
+        slots: &[u32],
+        wait: bool,
+    ) -> Result<pb::LoadStatus, ClientError> {
         self.with_retry(|mut rpc, engine_id| {
             let req = pb::LoadRequest { engine_id, tokens: le.clone(), first_block, block_ids: slots.to_vec(), wait };
             async move { rpc.load(req).await }
@@ -351,18 +380,34 @@ impl Client {
     }
 
     /// Waits up to `timeout` for a load; returns its status (state PENDING if still running).
-    pub async fn wait(&self, op: LoadOp, timeout: Duration) -> Result<pb::LoadStatus, ClientError> {
-        let engine_id = self.engine_id()?;
-        let req = pb::WaitRequest {
-            engine_id,
-            op_id: op.0,
-            timeout_ms: timeout.as_millis().min(u128::from(u32::MAX)) as u32,
-        };
-        finished(self.rpc().wait(req).await?.into_inner())
+    /// A load lost with a restarted daemon is started again (see [`LoadOp`]).
+    pub async fn wait(&self, op: &LoadOp, timeout: Duration) -> Result<pb::LoadStatus, ClientError> {
+        let timeout_ms = timeout.as_millis().min(u128::from(u32::MAX)) as u32;
+        let (op_id, started_under) = *op.current.lock();
+        if self.engine_id_now() == Some(started_under) {
+            match self.wait_rpc(op_id, timeout_ms).await {
+                Ok(s) => return finished(s),
+                // Registered again during the call: the load died with the old daemon.
+                Err(ClientError::Rpc(s))
+                    if s.code() == tonic::Code::NotFound && self.engine_id_now() != Some(started_under) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        let s = self.load_rpc_le(&op.tokens, op.first_block, &op.slots, false).await?;
+        *op.current.lock() = (s.op_id, self.engine_id()?);
+        finished(self.wait_rpc(s.op_id, timeout_ms).await?)
+    }
+
+    async fn wait_rpc(&self, op_id: u64, timeout_ms: u32) -> Result<pb::LoadStatus, ClientError> {
+        self.with_retry(|mut rpc, engine_id| {
+            let req = pb::WaitRequest { engine_id, op_id, timeout_ms };
+            async move { rpc.wait(req).await }
+        })
+        .await
     }
 
     /// Polls a load without waiting.
-    pub async fn poll(&self, op: LoadOp) -> Result<pb::LoadStatus, ClientError> {
+    pub async fn poll(&self, op: &LoadOp) -> Result<pb::LoadStatus, ClientError> {
         self.wait(op, Duration::ZERO).await
     }
 

@@ -24,7 +24,7 @@
 //! let hit = client.lookup(&tokens).await?;             // on a new request
 //! let op = client.load(&tokens, 0, &slots[..hit.matched_blocks as usize]).await?;
 //! // ... overlap with other work ...
-//! let done = client.wait(op, std::time::Duration::from_secs(1)).await?;
+//! let done = client.wait(&op, std::time::Duration::from_secs(1)).await?;
 //! assert_eq!(done.loaded_blocks, hit.matched_blocks);
 //! # Ok(()) }
 //! ```

@@ -64,7 +64,10 @@ impl Daemon {
             engines,
             reports,
             ops: Mutex::new(HashMap::new()),
-            next_op: AtomicU64::new(1),
+            // Like engine ids, op ids start from a time-derived value: a client that asks a
+            // restarted daemon about a load of its previous life gets "unknown load", never the
+            // status of another load that happens to have the same number.
+            next_op: AtomicU64::new(crate::engine::time_seeded_id()),
             max_pending,
             retention,
             saves: AtomicU64::new(0),

@@ -58,7 +58,7 @@ pub async fn run(socket: &Path) -> Result<(), ClientError> {
     let dst: Vec<u32> = (64..64 + hit.matched_blocks).collect();
     let t0 = Instant::now();
     let op = decode.load(&tokens, 0, &dst).await?;
-    let done = decode.wait(op, Duration::from_secs(10)).await?;
+    let done = decode.wait(&op, Duration::from_secs(10)).await?;
     let ms = t0.elapsed().as_secs_f64() * 1e3;
     let exact = (0..done.loaded_blocks).filter(|&i| decode_kv.read_block(64 + i) == synthetic_block(7, i, len)).count();
     println!(
@@ -81,7 +81,7 @@ pub async fn run(socket: &Path) -> Result<(), ClientError> {
     decode.unregister().await?;
     if exact as u32 != blocks {
         return Err(ClientError::LoadFailed {
-            op: op.0,
+            op: op.id(),
             error: format!("only {exact} of {blocks} blocks came back intact"),
         });
     }

@@ -252,15 +252,20 @@ pub struct Registry {
     pub lease: Duration,
 }
 
+/// A first id for a counter that must not repeat the ids of a previous daemon process: the
+/// start time in microseconds, times 256 (a daemon would have to hand out more than 256 ids per
+/// microsecond of its life to reach the next start's range).
+pub(crate) fn time_seeded_id() -> u64 {
+    let micros =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_micros() as u64).unwrap_or(1);
+    micros << 8
+}
+
 impl Registry {
     pub fn new(max: usize, lease: Duration) -> Self {
         // Ids start from a time-derived value so a restarted daemon does not reuse the ids of
         // its previous life (a stale client then gets "not registered", not another engine).
-        let seed = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_micros() as u64)
-            .unwrap_or(1);
-        Self { engines: RwLock::new(HashMap::new()), next_id: AtomicU64::new(seed << 8), max, lease }
+        Self { engines: RwLock::new(HashMap::new()), next_id: AtomicU64::new(time_seeded_id()), max, lease }
     }
 
     pub fn register(&self, req: &pb::RegisterRequest) -> Result<Arc<Engine>, ServerError> {

@@ -104,7 +104,7 @@ async fn two_engines_hand_over_through_g2_byte_exact() {
     assert_eq!((hit.matched_blocks, hit.matched_tokens, hit.g2_blocks), (40, 640, 40));
     let dst: Vec<u32> = (20..64).collect();
     let op = b.load(&longer, 0, &dst).await.unwrap();
-    let done = b.wait(op, Duration::from_secs(10)).await.unwrap();
+    let done = b.wait(&op, Duration::from_secs(10)).await.unwrap();
     assert_eq!((done.loaded_blocks, done.from_g2), (40, 40));
     check(&b_kv, 11, 40, 20);
     let stats = b.stats().await.unwrap();
@@ -360,15 +360,29 @@ async fn daemon_restart_brings_blocks_back_from_g3_and_clients_reconnect() {
     c.register("engine", &ns("m"), &mem).await.unwrap();
     assert_eq!(c.save(&tokens, 0, &(0..24).collect::<Vec<_>>()).await.unwrap().stored, 24);
     let first_id = c.engine_id_now();
+    // A load started before the restart and waited for after it.
+    let op = c.load(&tokens, 0, &(40..64).collect::<Vec<_>>()).await.unwrap();
+    let before = op.id();
+    assert_eq!(c.wait(&op, Duration::from_secs(10)).await.unwrap().loaded_blocks, 24);
+    let op = c.load(&tokens, 0, &(40..64).collect::<Vec<_>>()).await.unwrap();
+    assert_ne!(op.id(), before);
     sigterm_and_wait(daemon); // drains write-through to G3
+    for b in 40..64 {
+        mem.write_block(b, &vec![0u8; layout(LayoutKind::LayerSeparate).block_bytes() as usize]);
+    }
 
     let daemon = spawn_daemon(d.path());
-    // The same client object: it reconnects and re-registers by itself.
-    let hit = c.lookup(&tokens).await.unwrap();
-    assert_eq!((hit.matched_blocks, hit.g3_blocks), (24, 24));
+    // The load died with the old daemon; waiting for it runs it again on the new one, from G3.
+    let done = c.wait(&op, Duration::from_secs(10)).await.unwrap();
+    assert_eq!((done.loaded_blocks, done.from_g3), (24, 24), "{done:?}");
+    check(&mem, 9, 24, 40);
     assert_ne!(c.engine_id_now(), first_id, "re-registered under a new id");
+    assert_eq!(c.poll(&op).await.unwrap().loaded_blocks, 24, "the new load's status");
+    // That load brought the blocks up from G3 into G2, where the next ones find them.
+    let hit = c.lookup(&tokens).await.unwrap();
+    assert_eq!((hit.matched_blocks, hit.g2_blocks, hit.g3_blocks), (24, 24, 0));
     let got = c.load_now(&tokens, 0, &(32..56).collect::<Vec<_>>()).await.unwrap();
-    assert_eq!((got.loaded_blocks, got.from_g3), (24, 24));
+    assert_eq!((got.loaded_blocks, got.from_g2), (24, 24));
     check(&mem, 9, 24, 32);
     sigterm_and_wait(daemon);
 }
