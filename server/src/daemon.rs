@@ -44,7 +44,14 @@ pub struct Daemon {
     pub loads: AtomicU64,
     namespace_mismatch: metrics::Counter,
     key_memo: KeyMemo,
+    /// Matched prefixes whose G2 blocks a lookup marks used, for thread `kv-g2-touch`: the
+    /// recency update (~0.15 ms for 8192 blocks here) happens after the reply, not before.
+    /// Bounded; when it is full (or the thread is gone) the lookup touches them itself.
+    touch_later: Option<std::sync::mpsc::SyncSender<Vec<kvproto::BlockKey>>>,
 }
+
+/// Lookups whose recency updates may wait for `kv-g2-touch` at once.
+const TOUCH_QUEUE: usize = 64;
 
 fn to_u32(n: usize) -> u32 {
     u32::try_from(n).unwrap_or(u32::MAX)
@@ -59,6 +66,19 @@ impl Daemon {
         retention: Duration,
         key_memo_bytes: usize,
     ) -> Self {
+        let (tx, rx) = std::sync::mpsc::sync_channel::<Vec<kvproto::BlockKey>>(TOUCH_QUEUE);
+        let toucher = Arc::clone(&store);
+        let touch_later = std::thread::Builder::new()
+            .name("kv-g2-touch".into())
+            .spawn(move || {
+                // Ends when the daemon (the only sender) is dropped.
+                while let Ok(keys) = rx.recv() {
+                    toucher.touch_prefix(&keys);
+                }
+            })
+            .map_err(|e| tracing::warn!("lookups will mark their blocks used inline: {e}"))
+            .ok()
+            .map(|_| tx);
         Self {
             store,
             engines,
@@ -74,6 +94,7 @@ impl Daemon {
             loads: AtomicU64::new(0),
             namespace_mismatch: metrics::counter!("kvcached_load_mismatch_total"),
             key_memo: KeyMemo::new(key_memo_bytes),
+            touch_later,
         }
     }
 
@@ -145,7 +166,7 @@ impl Daemon {
         let (keys, m) = if req.route_id.is_some() {
             // The outcome report needs the keys past the engine's own G1 blocks: all of them.
             let keys = self.keys(&engine, &req.tokens)?;
-            let m = self.store.lookup(&keys);
+            let m = BlockStore::count_prefix(&self.store.held_prefix(&keys));
             (keys, m)
         } else {
             // Keys only as far as the cached prefix reaches: a prompt whose first blocks are not
@@ -167,13 +188,15 @@ impl Daemon {
                 let h = self.store.held_prefix(&keys[held.len()..]);
                 held.extend(h);
             }
-            let m = self.store.mark_prefix(&keys, &held);
-            (keys, m)
+            (keys, BlockStore::count_prefix(&held))
         };
         if let Some(route_id) = req.route_id {
             let found = self.found_blocks(&keys, req.g1_blocks as usize);
             self.reports.outcome(&engine, route_id, found);
         }
+        let mut keys = keys;
+        keys.truncate(m.blocks);
+        self.touch_soon(keys);
         Ok(pb::LookupResponse {
             matched_blocks: to_u32(m.blocks),
             matched_tokens: to_u32(m.blocks * engine.namespace.layout.tokens_per_block as usize),
@@ -181,6 +204,22 @@ impl Daemon {
             g3_blocks: to_u32(m.fastest[TierKind::G3Disk.index()]),
             g4_blocks: to_u32(m.fastest[TierKind::G4Object.index()]),
         })
+    }
+
+    /// Marks a matched prefix's G2 blocks used: by `kv-g2-touch` after the reply when it has
+    /// room, else now.
+    fn touch_soon(&self, keys: Vec<kvproto::BlockKey>) {
+        if keys.is_empty() {
+            return;
+        }
+        let keys = match &self.touch_later {
+            Some(tx) => match tx.try_send(keys) {
+                Ok(()) => return,
+                Err(std::sync::mpsc::TrySendError::Full(k) | std::sync::mpsc::TrySendError::Disconnected(k)) => k,
+            },
+            None => keys,
+        };
+        self.store.touch_prefix(&keys);
     }
 
     /// Prefix blocks of `keys` per tier as a routed request finds them: the first `g1` the

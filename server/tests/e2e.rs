@@ -164,6 +164,52 @@ async fn wrong_layout_namespace_and_requests_get_clear_errors() {
     daemon.stop().await;
 }
 
+/// A lookup marks the matched G2 blocks used (after its reply, on `kv-g2-touch`): under
+/// eviction, a prompt just looked up outlives an older one that was not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lookup_keeps_its_prefix_in_g2_under_eviction() {
+    let d = tempfile::tempdir().unwrap();
+    let mut c = config(d.path());
+    c.g3.enabled = false;
+    c.g2.page_size = 16 << 10; // one page per block: the pool holds 256 blocks
+    c.g2.capacity_bytes = 4 << 20;
+    let socket = c.socket.clone();
+    let l = Listeners::bind(&c).await.unwrap();
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(kvcached::serve(c, l, async move {
+        let _ = rx.await;
+    }));
+    let daemon = InProcess { socket, stop: Some(tx), task };
+    let mut mem = kv(d.path(), "a", 8);
+    fill(&mut mem, 3, 8, 0);
+    let e = Client::connect(&daemon.socket).await.unwrap();
+    e.register("a", &ns("m"), &mem).await.unwrap();
+    let save_all = |t: Vec<u32>| {
+        let e = e.clone();
+        async move {
+            for first in (0..(t.len() / 16) as u32).step_by(8) {
+                assert_eq!(e.save(&t, first, &(0..8).collect::<Vec<_>>()).await.unwrap().failed, 0);
+            }
+        }
+    };
+    let (a, b, fresh) = (prompt(31, 64), prompt(32, 64), prompt(33, 128));
+    save_all(a.clone()).await; // oldest
+    save_all(b.clone()).await;
+    assert_eq!(e.lookup(&a).await.unwrap().matched_blocks, 64); // now the most recently used
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    save_all(fresh.clone()).await; // 256 blocks in all: eviction takes the coldest
+    let matched = |t: Vec<u32>| {
+        let e = e.clone();
+        async move { e.lookup(&t).await.unwrap().matched_blocks }
+    };
+    // Only the cold prompt loses blocks (from its tail), and it loses all that had to go.
+    let b_left = matched(b).await;
+    assert!(b_left < 64, "nothing of the cold prompt was evicted");
+    assert_eq!(matched(a).await, 64, "the looked-up prompt lost blocks");
+    assert_eq!(matched(fresh).await, 128, "the newest prompt lost blocks");
+    daemon.stop().await;
+}
+
 /// Lookups of long prompts (past the daemon's key memo threshold and its lazy derivation chunk)
 /// match exactly their cached prefix, whether the keys are derived, reused or partly both.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -5,8 +5,10 @@
 //! [`EvictionPolicy`] from coldest and skips a block that is pinned by an unexpired lease, has
 //! a cached child in this tier (a child without its parent is useless, so descendants go
 //! first), is being read, or (in the first pass) has not yet been written to the tiers below.
+//! A block passed for its children goes as soon as its last child is picked: strict LRU among
+//! the blocks that may leave.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -197,29 +199,41 @@ impl<S: SlotBytes> Residency<S> {
                         && (allow_dirty || !e.dirty)
                         && Arc::strong_count(&e.slot) == 1
                 };
+                // Least recently used first, a block only after its cached children. The scan
+                // passes a block whose children are still cached; once the last of them is
+                // picked, that block is colder than anything the scan has not reached yet, so
+                // it goes next (then its own parent, and so on up the chain). A block the scan
+                // has not reached yet is picked when reached, if its children went by then.
+                let mut gone_children: HashMap<BlockKey, u32, BlockKeyBuildHasher> = HashMap::default();
+                let mut passed: HashSet<BlockKey, BlockKeyBuildHasher> = HashSet::default();
                 for key in self.policy.coldest_first() {
                     if freed + picked_bytes >= need_bytes {
                         break;
                     }
                     let Some(e) = self.entries.get(&key) else { continue };
-                    if e.children == 0 && free_now(e) {
-                        picked_bytes += e.slot.slot_bytes();
-                        picked.push(key);
+                    if !free_now(e) {
+                        continue;
                     }
-                }
-                // A picked block's parent becomes a leaf once the block goes: follow chains
-                // upward now instead of rescanning the whole order once per chain level (which
-                // made freeing space behind one long chain quadratic: a stall of tens of ms).
-                let mut i = 0;
-                while i < picked.len() && freed + picked_bytes < need_bytes {
-                    let parent = self.entries.get(&picked[i]).and_then(|e| e.meta.parent);
-                    i += 1;
-                    let Some(pk) = parent else { continue };
-                    let Some(p) = self.entries.get(&pk) else { continue };
-                    // Its one child is the block just picked, so it cannot be picked already.
-                    if p.children == 1 && free_now(p) {
-                        picked_bytes += p.slot.slot_bytes();
-                        picked.push(pk);
+                    if e.children > gone_children.get(&key).copied().unwrap_or(0) {
+                        passed.insert(key);
+                        continue;
+                    }
+                    let mut next = Some(key);
+                    while let Some(k) = next.take() {
+                        let Some(e) = self.entries.get(&k) else { break };
+                        picked_bytes += e.slot.slot_bytes();
+                        picked.push(k);
+                        if freed + picked_bytes >= need_bytes {
+                            break;
+                        }
+                        let Some(p) = e.meta.parent else { break };
+                        let gone = gone_children.entry(p).or_insert(0);
+                        *gone += 1;
+                        let gone = *gone;
+                        if passed.contains(&p) && self.entries.get(&p).is_some_and(|pe| pe.children == gone) {
+                            passed.remove(&p);
+                            next = Some(p);
+                        }
                     }
                 }
                 if picked.is_empty() {

@@ -286,8 +286,15 @@ impl BlockStore {
     /// [`BlockStore::held_prefix`] gave as `held` (gathered chunk by chunk, e.g. while the keys
     /// are still being derived), marking the G2 ones used, ancestors last.
     pub fn mark_prefix(&self, keys: &[BlockKey], held: &[u8]) -> PrefixMatch {
+        let m = Self::count_prefix(held);
+        self.touch_prefix(&keys[..m.blocks.min(keys.len())]);
+        m
+    }
+
+    /// The [`PrefixMatch`] of tier bits from [`BlockStore::held_prefix`], touching nothing.
+    pub fn count_prefix(held: &[u8]) -> PrefixMatch {
         let mut m = PrefixMatch::default();
-        for &h in held.iter().take(keys.len()) {
+        for &h in held {
             if h == 0 {
                 break;
             }
@@ -297,8 +304,13 @@ impl BlockStore {
             m.fastest[fastest_of(h).index()] += 1;
             m.blocks += 1;
         }
-        self.g2.touch_chain(&keys[..m.blocks]);
         m
+    }
+
+    /// Marks the G2 blocks among a matched prefix used, ancestors last (so that a chain is
+    /// evicted from its tail).
+    pub fn touch_prefix(&self, keys: &[BlockKey]) {
+        self.g2.touch_chain(keys);
     }
 
     /// Pins the present blocks among `keys` in every tier for `ttl`.

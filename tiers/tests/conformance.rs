@@ -138,6 +138,25 @@ fn a_long_chain_is_evicted_from_its_tail(f: Factory) {
     assert_eq!(left, (0..44).collect::<Vec<_>>(), "the chain lost its tail, not its middle");
 }
 
+fn the_least_recently_used_chain_goes_first(f: Factory) {
+    let (t, _d) = f(64 * PAGE as u64);
+    for i in 0..32 {
+        put(&*t, 40, i, PAGE).unwrap();
+    }
+    for i in 0..32 {
+        put(&*t, 41, i, PAGE).unwrap();
+    }
+    // Chain 40 is read again (the older chain becomes the more recently used one).
+    let mut buf = BlockBuf::new();
+    for i in (0..32).rev() {
+        assert!(t.get(&key(40, i), &mut buf).unwrap().is_some());
+    }
+    // 10 pages must go: all from chain 41's tail, none from chain 40.
+    put(&*t, 42, 0, 10 * PAGE).unwrap();
+    let left = |c: u32| (0..32).filter(|&i| t.contains(&key(c, i))).count();
+    assert_eq!((left(40), left(41)), (32, 22), "eviction spread over both chains or took the wrong one");
+}
+
 fn pinned_blocks_stay_and_leases_expire(f: Factory) {
     let (t, _d) = f(4 * PAGE as u64);
     put(&*t, 10, 0, 2 * PAGE).unwrap();
@@ -315,6 +334,10 @@ macro_rules! suite {
             #[test]
             fn a_long_chain_is_evicted_from_its_tail() {
                 super::a_long_chain_is_evicted_from_its_tail($factory)
+            }
+            #[test]
+            fn the_least_recently_used_chain_goes_first() {
+                super::the_least_recently_used_chain_goes_first($factory)
             }
             #[test]
             fn evicts_descendants_before_ancestors() {
