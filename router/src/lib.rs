@@ -23,6 +23,7 @@
 //! - [`vllm`]: vLLM's KV-event wire format (msgpack, tuple and map encodings), both directions.
 //! - [`zmq`]: ZMQ SUB ingest of vLLM engines, ZMQ PUB export of our events.
 //! - [`sim`]: the simulation harness (LRU workers publishing real events to a real router).
+//! - [`signals`]: SIGTERM / SIGINT handling shared by the binaries.
 //! - [`error`]: the crate's error enum.
 //!
 //! The protocol, every weight and every health signal are documented in `docs/router.md`.
@@ -40,6 +41,7 @@ pub mod keytable;
 pub mod publish;
 pub mod recovery;
 pub mod router;
+pub mod signals;
 pub mod sim;
 pub mod split;
 pub mod state;

@@ -113,27 +113,6 @@ impl Cli {
     }
 }
 
-/// Installs the SIGTERM/SIGINT handlers now (before anything listens, so a signal that
-/// arrives right after start still shuts down cleanly) and returns the future that resolves on
-/// either.
-fn shutdown_signal() -> impl std::future::Future<Output = ()> {
-    use tokio::signal::unix::{SignalKind, signal};
-    let handlers = match (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) {
-        (Ok(term), Ok(int)) => Some((term, int)),
-        _ => {
-            tracing::warn!("cannot install signal handlers; stop with SIGKILL");
-            None
-        }
-    };
-    async move {
-        let Some((mut term, mut int)) = handlers else { return std::future::pending().await };
-        tokio::select! {
-            _ = term.recv() => tracing::info!("SIGTERM"),
-            _ = int.recv() => tracing::info!("SIGINT"),
-        }
-    }
-}
-
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -165,7 +144,7 @@ fn main() -> ExitCode {
         Command::Demo => rt.block_on(kvcached::demo::run(&config.socket)).map_err(|e| e.to_string()),
         Command::Run => rt
             .block_on(async {
-                let shutdown = shutdown_signal();
+                let shutdown = kvrouter::signals::shutdown_signal();
                 let listeners = Listeners::bind(&config).await?;
                 eprintln!(
                     "kvcached listening on {} (metrics http://{}/metrics); try `kvcached demo` in another shell",

@@ -47,28 +47,8 @@ fn run(args: Args) -> Result<(), kvrouter::RouterError> {
     }
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(async move {
-        let shutdown = shutdown_signal();
+        let shutdown = kvrouter::signals::shutdown_signal();
         let listener = tokio::net::TcpListener::bind(&args.listen).await?;
         kvrouter::serve(listener, config, shutdown).await
     })
-}
-
-/// Installs the SIGTERM (what orchestrators send) and SIGINT handlers now, before the listener
-/// binds, and returns the future that resolves on either.
-fn shutdown_signal() -> impl std::future::Future<Output = ()> {
-    use tokio::signal::unix::{SignalKind, signal};
-    let handlers = match (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) {
-        (Ok(term), Ok(int)) => Some((term, int)),
-        _ => {
-            tracing::warn!("cannot install signal handlers; stop with SIGKILL");
-            None
-        }
-    };
-    async move {
-        let Some((mut term, mut int)) = handlers else { return std::future::pending().await };
-        tokio::select! {
-            _ = term.recv() => tracing::info!("SIGTERM"),
-            _ = int.recv() => tracing::info!("SIGINT"),
-        }
-    }
 }
