@@ -23,6 +23,8 @@ use crate::memory::KvMemory;
 pub struct LoadOp {
     /// (daemon op id, engine id it was started under): replaced when the load is started again.
     current: Arc<Mutex<(u64, u64)>>,
+    /// Held while the load is started again, so that clones waiting at once start it once.
+    restarting: Arc<tokio::sync::Mutex<()>>,
     tokens: bytes::Bytes,
     first_block: u32,
     slots: Arc<[u32]>,
@@ -148,12 +150,23 @@ impl Client {
         F: Fn(KvcachedClient<Channel>, u64) -> Fut,
         Fut: std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
     {
+        self.with_retry_as(call).await.map(|(r, _)| r)
+    }
+
+    /// [`Client::with_retry`], also returning the engine id the answered call was made under
+    /// (a heartbeat may re-register the engine right after it).
+    async fn with_retry_as<T, F, Fut>(&self, call: F) -> Result<(T, u64), ClientError>
+    where
+        F: Fn(KvcachedClient<Channel>, u64) -> Fut,
+        Fut: std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+    {
         let id = self.engine_id()?;
         match call(self.rpc(), id).await {
-            Ok(r) => Ok(r.into_inner()),
+            Ok(r) => Ok((r.into_inner(), id)),
             Err(s) if needs_reconnect(&s) => {
                 self.recover().await?;
-                Ok(call(self.rpc(), self.engine_id()?).await?.into_inner())
+                let id = self.engine_id()?;
+                Ok((call(self.rpc(), id).await?.into_inner(), id))
             }
             Err(s) => Err(s.into()),
         }
@@ -340,9 +353,15 @@ impl Client {
     /// slots; returns at once. The load stops at the first block that is not cached.
     pub async fn load(&self, tokens: &[u32], first_block: u32, slots: &[u32]) -> Result<LoadOp, ClientError> {
         let le = kvproto::tokens_to_le(tokens);
-        let s = self.load_rpc_le(&le, first_block, slots, false).await?;
-        let engine_id = self.engine_id()?;
-        Ok(LoadOp { current: Arc::new(Mutex::new((s.op_id, engine_id))), tokens: le, first_block, slots: slots.into() })
+        // The engine id the load was made under (a heartbeat may re-register right after it).
+        let (s, engine_id) = self.load_rpc_le(&le, first_block, slots, false).await?;
+        Ok(LoadOp {
+            current: Arc::new(Mutex::new((s.op_id, engine_id))),
+            restarting: Arc::new(tokio::sync::Mutex::new(())),
+            tokens: le,
+            first_block,
+            slots: slots.into(),
+        })
     }
 
     /// Loads and waits for completion in one call.
@@ -362,7 +381,7 @@ impl Client {
         slots: &[u32],
         wait: bool,
     ) -> Result<pb::LoadStatus, ClientError> {
-        self.load_rpc_le(&kvproto::tokens_to_le(tokens), first_block, slots, wait).await
+        self.load_rpc_le(&kvproto::tokens_to_le(tokens), first_block, slots, wait).await.map(|(s, _)| s)
     }
 
     async fn load_rpc_le(
@@ -371,8 +390,8 @@ impl Client {
         first_block: u32,
         slots: &[u32],
         wait: bool,
-    ) -> Result<pb::LoadStatus, ClientError> {
-        self.with_retry(|mut rpc, engine_id| {
+    ) -> Result<(pb::LoadStatus, u64), ClientError> {
+        self.with_retry_as(|mut rpc, engine_id| {
             let req = pb::LoadRequest { engine_id, tokens: le.clone(), first_block, block_ids: slots.to_vec(), wait };
             async move { rpc.load(req).await }
         })
@@ -393,8 +412,14 @@ impl Client {
                 Err(e) => return Err(e),
             }
         }
-        let s = self.load_rpc_le(&op.tokens, op.first_block, &op.slots, false).await?;
-        *op.current.lock() = (s.op_id, self.engine_id()?);
+        let _one = op.restarting.lock().await;
+        let now = *op.current.lock();
+        if now != (op_id, started_under) && self.engine_id_now() == Some(now.1) {
+            // Another waiter on this load started it again meanwhile.
+            return finished(self.wait_rpc(now.0, timeout_ms).await?);
+        }
+        let (s, engine_id) = self.load_rpc_le(&op.tokens, op.first_block, &op.slots, false).await?;
+        *op.current.lock() = (s.op_id, engine_id);
         finished(self.wait_rpc(s.op_id, timeout_ms).await?)
     }
 

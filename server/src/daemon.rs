@@ -196,6 +196,9 @@ impl Daemon {
         }
         let mut keys = keys;
         keys.truncate(m.blocks);
+        if keys.capacity() > 2 * keys.len() + 64 {
+            keys.shrink_to_fit(); // a queued touch holds only the matched prefix
+        }
         self.touch_soon(keys);
         Ok(pb::LookupResponse {
             matched_blocks: to_u32(m.blocks),

@@ -21,8 +21,9 @@ use parking_lot::Mutex;
 
 /// Prompts shorter than this many full blocks are derived directly: cheaper than the memo.
 const MIN_BLOCKS: usize = 64;
-/// Remembered prompts compared per request (most recent first) among those with the same first
-/// block; many prompts share a system prompt, and each comparison stops at the first difference.
+/// Remembered prompts per first block (namespace, block size and first block's tokens), all
+/// compared per request; many prompts share a system prompt, and each comparison stops at the
+/// first difference. Older ones leave the memo.
 const CANDIDATES: usize = 8;
 /// Blocks derived at a time by [`KeyMemo::keys_while`] between two questions to its caller.
 pub const LAZY_CHUNK: usize = 256;
@@ -126,11 +127,7 @@ impl KeyMemo {
         let candidates: Vec<(u64, Arc<Prompt>)> = {
             let mut st = self.state.lock();
             let ids: Vec<u64> = st.by_first_block.get(&bucket).map(|v| v.to_vec()).unwrap_or_default();
-            ids.iter()
-                .rev()
-                .take(CANDIDATES)
-                .filter_map(|id| st.prompts.get(id).map(|p| (*id, Arc::clone(p))))
-                .collect()
+            ids.iter().rev().filter_map(|id| st.prompts.get(id).map(|p| (*id, Arc::clone(p)))).collect()
         };
         let best = candidates
             .iter()
@@ -189,7 +186,18 @@ impl KeyMemo {
         st.next_id += 1;
         st.bytes += prompt.bytes();
         st.prompts.put(id, Arc::new(prompt));
-        st.by_first_block.entry(bucket).or_default().push(id);
+        let ids = st.by_first_block.entry(bucket).or_default();
+        ids.push(id);
+        // Only the newest CANDIDATES of a bucket are ever compared: an older one could never be
+        // reused again, so it leaves the memo now (many prompts share a system prompt, and so a
+        // first block).
+        let dropped: Vec<u64> =
+            if ids.len() > CANDIDATES { ids.drain(..ids.len() - CANDIDATES).collect() } else { Vec::new() };
+        for old in dropped {
+            if let Some(p) = st.prompts.pop(&old) {
+                st.bytes -= p.bytes();
+            }
+        }
     }
 }
 
@@ -306,6 +314,22 @@ mod tests {
             let got = m.keys_while(&fp, 16, &le(&t), |_| false);
             assert_eq!(got, all[..LAZY_CHUNK]);
         }
+    }
+
+    #[test]
+    fn prompts_sharing_a_first_block_keep_only_the_newest_candidates() {
+        let fp = NamespaceFingerprint([7; 32]);
+        let memo = KeyMemo::new(1 << 24);
+        let system = prompt(1, 16);
+        for user in 0..20 {
+            let mut t = system.clone();
+            t.extend(prompt(100 + user, 64));
+            assert_eq!(memo.keys(&fp, 16, &le(&t)), kvproto::block_keys(&fp, 16, &t));
+        }
+        let st = memo.state.lock();
+        assert_eq!(st.prompts.len(), CANDIDATES);
+        assert_eq!(st.by_first_block.values().map(Vec::len).collect::<Vec<_>>(), [CANDIDATES]);
+        assert_eq!(st.bytes, CANDIDATES * 80 * (64 + 16));
     }
 
     #[test]

@@ -131,17 +131,25 @@ const POOL_PREFIX: &str = "kvcached-g2-";
 
 /// Removes the pool files that no live daemon holds: those of a daemon that was killed
 /// (`kill -9`, OOM) and so never unlinked its pool, which would otherwise keep its memory in
-/// `/dev/shm` until someone deletes it. A live daemon holds an exclusive lock on its pool file.
+/// `/dev/shm` until someone deletes it. A file goes only when both say its daemon is gone: no
+/// process holds its lock (a live daemon holds an exclusive `flock` on its pool file) and the
+/// pid in its name does not run (a daemon of a build older than the lock holds none). Also
+/// sweeps the hidden name a pool has before it is locked, left by a crash at start.
 fn remove_stale_pools(dir: &Path) {
     let Ok(entries) = std::fs::read_dir(dir) else { return };
     for entry in entries.flatten() {
-        if !entry.file_name().to_str().is_some_and(|n| n.starts_with(POOL_PREFIX)) {
+        let name = entry.file_name();
+        let Some(pid) = name.to_str().and_then(pool_pid) else { continue };
+        // SAFETY: kill with signal 0 only checks whether the process exists.
+        let alive =
+            unsafe { libc::kill(pid, 0) } == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM);
+        if alive {
             continue;
         }
         let path = entry.path();
         let Ok(file) = File::open(&path) else { continue };
         if file.try_lock().is_err() {
-            continue; // a live daemon's pool
+            continue; // a live daemon's pool (in another pid namespace)
         }
         let bytes = file.metadata().map(|m| m.len()).unwrap_or(0);
         match std::fs::remove_file(&path) {
@@ -153,6 +161,14 @@ fn remove_stale_pools(dir: &Path) {
             Err(e) => tracing::warn!(path = %path.display(), "cannot remove a stale G2 pool file: {e}"),
         }
     }
+}
+
+/// The pid in a pool file's name (`kvcached-g2-<pid>-<nanos>`, or the same behind a dot).
+fn pool_pid(name: &str) -> Option<i32> {
+    let rest = name.strip_prefix('.').unwrap_or(name).strip_prefix(POOL_PREFIX)?;
+    let (pid, nanos) = rest.split_once('-')?;
+    nanos.bytes().all(|b| b.is_ascii_digit()).then_some(())?;
+    pid.parse().ok().filter(|&p: &i32| p > 0)
 }
 
 impl Drop for SharedRegion {

@@ -228,12 +228,21 @@ fn metrics_are_exported_under_kvcached_names() {
 #[test]
 fn a_pool_file_left_by_a_killed_daemon_is_removed_and_a_live_one_is_kept() {
     let d = tempfile::tempdir().unwrap();
+    // pid 4194304 is never a live process (it equals Linux's largest pid_max).
     let stale = d.path().join("kvcached-g2-4194304-000000001");
     std::fs::write(&stale, vec![0u8; 4096]).unwrap();
+    let stale_hidden = d.path().join(".kvcached-g2-4194304-000000002");
+    std::fs::write(&stale_hidden, b"").unwrap();
+    // Unlocked but its pid runs (this test process): a daemon of an older build; it stays.
+    let unlocked_live = d.path().join(format!("kvcached-g2-{}-000000003", std::process::id()));
+    std::fs::write(&unlocked_live, vec![0u8; 4096]).unwrap();
     let unrelated = d.path().join("engine-kv");
     std::fs::write(&unrelated, b"x").unwrap();
     let live = common::host(d.path(), 1 << 20);
     assert!(!stale.exists(), "the stale pool file is still there");
+    assert!(!stale_hidden.exists(), "the hidden stale pool file is still there");
+    assert!(unlocked_live.exists(), "the pool of a live process was removed");
+    std::fs::remove_file(&unlocked_live).unwrap();
     assert!(unrelated.exists());
     let pools = |dir: &std::path::Path| {
         std::fs::read_dir(dir)
