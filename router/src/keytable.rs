@@ -163,6 +163,13 @@ impl KeyTable {
     /// is that key.
     #[inline]
     pub fn find(&self, h: u32, is_key: impl Fn(Loc) -> bool) -> Option<Loc> {
+        self.probe(h, |e| e[1] != TOMB && is_key(loc_of(e))).map(|i| loc_of(self.slots[i]))
+    }
+
+    /// The first slot on `h`'s probe sequence that holds hash `h` and satisfies `hit`, up to the
+    /// first empty slot.
+    #[inline]
+    fn probe(&self, h: u32, hit: impl Fn(Entry) -> bool) -> Option<usize> {
         if self.slots.is_empty() {
             return None;
         }
@@ -173,8 +180,8 @@ impl KeyTable {
             if e[1] == EMPTY {
                 return None;
             }
-            if e[0] == h && e[1] != TOMB && is_key(loc_of(e)) {
-                return Some(loc_of(e));
+            if e[0] == h && hit(e) {
+                return Some(i);
             }
             i = (i + 1) & mask;
         }
@@ -213,21 +220,8 @@ impl KeyTable {
     }
 
     fn slot_of_hash(&self, h: u32, loc: Loc) -> Option<usize> {
-        if self.slots.is_empty() {
-            return None;
-        }
-        let mask = self.mask();
-        let mut i = self.home(h);
-        loop {
-            let e = self.slots[i];
-            if e[1] == EMPTY {
-                return None;
-            }
-            if e[0] == h && loc_of(e) == loc {
-                return Some(i);
-            }
-            i = (i + 1) & mask;
-        }
+        // A tombstone's run (`TOMB - 1`) is never a real run index, so it never matches `loc`.
+        self.probe(h, |e| loc_of(e) == loc)
     }
 
     /// Moves key `k` from `old` to `new` (no-op if `k` is not at `old`).
