@@ -212,38 +212,11 @@ async fn latencies(cfg: &SocketBench, socket: &Path, report: &mut Report) -> Res
             return Err(format!("save failed: {}", r.error));
         }
     }
-    let mut v = Vec::with_capacity(cfg.samples);
-    for _ in 0..cfg.samples {
-        let t0 = Instant::now();
-        let hit = c.lookup(&p).await.map_err(|e| e.to_string())?;
-        v.push(t0.elapsed());
-        if hit.matched_blocks != 8192 {
-            return Err(format!("lookup matched {} of 8192 blocks (is G2 too small?)", hit.matched_blocks));
-        }
-    }
-    let (p50, p99) = percentiles(v);
-    report.latency.push(Latency {
-        what: "lookup, 128k-token prompt (8192 blocks of 16 tokens)".into(),
-        p50_us: p50,
-        p99_us: p99,
-    });
+    let what = "lookup, 128k-token prompt (8192 blocks of 16 tokens)";
+    report.latency.push(time_lookups(&c, cfg.samples, what, 8192, |_| p.clone()).await?);
     // A prompt the daemon has never seen, nothing of it cached (each sample another prompt).
-    let mut v = Vec::with_capacity(cfg.samples);
-    for i in 0..cfg.samples {
-        let fresh = prompt(50_000 + i as u32, 8192, 16);
-        let t0 = Instant::now();
-        let hit = c.lookup(&fresh).await.map_err(|e| e.to_string())?;
-        v.push(t0.elapsed());
-        if hit.matched_blocks != 0 {
-            return Err(format!("a never-saved prompt matched {} blocks", hit.matched_blocks));
-        }
-    }
-    let (p50, p99) = percentiles(v);
-    report.latency.push(Latency {
-        what: "lookup, 128k-token prompt never seen (nothing cached)".into(),
-        p50_us: p50,
-        p99_us: p99,
-    });
+    let what = "lookup, 128k-token prompt never seen (nothing cached)";
+    report.latency.push(time_lookups(&c, cfg.samples, what, 0, |i| prompt(50_000 + i as u32, 8192, 16)).await?);
     c.unregister().await.map_err(|e| e.to_string())?;
 
     // A small batch: 4 blocks of 2 MiB (16 tokens, 32 layers x 8 KV heads x 128 dims, bf16).
@@ -268,6 +241,28 @@ async fn latencies(cfg: &SocketBench, socket: &Path, report: &mut Report) -> Res
     }
     c.unregister().await.map_err(|e| e.to_string())?;
     Ok(())
+}
+
+/// p50/p99 of `samples` lookups of `prompt_of(sample)`, each expected to match `expect` blocks.
+async fn time_lookups(
+    c: &Client,
+    samples: usize,
+    what: &str,
+    expect: u32,
+    prompt_of: impl Fn(usize) -> Vec<u32>,
+) -> Result<Latency, String> {
+    let mut v = Vec::with_capacity(samples);
+    for i in 0..samples {
+        let p = prompt_of(i);
+        let t0 = Instant::now();
+        let hit = c.lookup(&p).await.map_err(|e| e.to_string())?;
+        v.push(t0.elapsed());
+        if hit.matched_blocks != expect {
+            return Err(format!("{what}: matched {} blocks, not {expect} (is G2 too small?)", hit.matched_blocks));
+        }
+    }
+    let (p50_us, p99_us) = percentiles(v);
+    Ok(Latency { what: what.into(), p50_us, p99_us })
 }
 
 /// Runs every measurement against `socket`.

@@ -85,11 +85,14 @@ pub fn tokens_to_le(tokens: &[u32]) -> bytes::Bytes {
     with_tokens_le(tokens, bytes::Bytes::copy_from_slice)
 }
 
+/// Checks that token bytes in wire form ([`tokens_to_le`]) are whole tokens.
+pub fn check_tokens_le(le: &[u8]) -> Result<(), ProtoError> {
+    if le.len().is_multiple_of(4) { Ok(()) } else { Err(ProtoError::TokenBytes(le.len())) }
+}
+
 /// Token ids from their wire form ([`tokens_to_le`]).
 pub fn tokens_from_le(le: &[u8]) -> Result<Vec<u32>, ProtoError> {
-    if !le.len().is_multiple_of(4) {
-        return Err(ProtoError::TokenBytes(le.len()));
-    }
+    check_tokens_le(le)?;
     Ok(le.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
 }
 
@@ -111,7 +114,7 @@ fn with_tokens_le<R>(tokens: &[u32], f: impl FnOnce(&[u8]) -> R) -> R {
 
 /// Keys of every full block of `tokens` (a trailing partial block has no key).
 pub fn block_keys(fp: &NamespaceFingerprint, tokens_per_block: usize, tokens: &[u32]) -> Vec<BlockKey> {
-    with_tokens_le(tokens, |le| keys_of_le(fp, tokens_per_block, le))
+    with_tokens_le(tokens, |le| chain_keys_le(fp, None, tokens_per_block, le))
 }
 
 /// [`block_keys`] of tokens in their wire form ([`tokens_to_le`]); an error if the bytes are not
@@ -121,19 +124,24 @@ pub fn block_keys_le(
     tokens_per_block: usize,
     le: &[u8],
 ) -> Result<Vec<BlockKey>, ProtoError> {
-    if !le.len().is_multiple_of(4) {
-        return Err(ProtoError::TokenBytes(le.len()));
-    }
-    Ok(keys_of_le(fp, tokens_per_block, le))
+    check_tokens_le(le)?;
+    Ok(chain_keys_le(fp, None, tokens_per_block, le))
 }
 
-fn keys_of_le(fp: &NamespaceFingerprint, tokens_per_block: usize, le: &[u8]) -> Vec<BlockKey> {
+/// Keys of the full blocks of `le` (tokens in wire form) continuing the chain after `parent`
+/// (`None`: `le` starts the prompt).
+pub fn chain_keys_le(
+    fp: &NamespaceFingerprint,
+    parent: Option<&BlockKey>,
+    tokens_per_block: usize,
+    le: &[u8],
+) -> Vec<BlockKey> {
     if tokens_per_block == 0 {
         return Vec::new();
     }
     let block_bytes = 4 * tokens_per_block;
     let mut keys = Vec::with_capacity(le.len() / block_bytes);
-    let mut parent: Option<BlockKey> = None;
+    let mut parent = parent.copied();
     for block in le.chunks_exact(block_bytes) {
         let k = next_block_key_le(fp, parent.as_ref(), block);
         keys.push(k);

@@ -32,8 +32,8 @@ pub mod pb {
 
 pub use error::ProtoError;
 pub use key::{
-    BlockKey, BlockKeyBuildHasher, BlockKeyHasher, block_keys, block_keys_le, next_block_key, next_block_key_le,
-    tokens_from_le, tokens_to_le,
+    BlockKey, BlockKeyBuildHasher, BlockKeyHasher, block_keys, block_keys_le, chain_keys_le, check_tokens_le,
+    next_block_key, next_block_key_le, tokens_from_le, tokens_to_le,
 };
 pub use namespace::{Dtype, KvLayout, LayoutKind, Namespace, NamespaceFingerprint, NamespaceId};
 pub use tier::TierKind;

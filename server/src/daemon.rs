@@ -101,9 +101,7 @@ impl Daemon {
     /// Keys of every full block of `tokens` (wire form) in `engine`'s namespace, reusing the
     /// keys of a recent request for the same prompt where its tokens agree.
     fn keys(&self, engine: &Engine, tokens: &[u8]) -> Result<Vec<kvproto::BlockKey>, ServerError> {
-        if !tokens.len().is_multiple_of(4) {
-            return Err(kvproto::ProtoError::TokenBytes(tokens.len()).into());
-        }
+        kvproto::check_tokens_le(tokens)?;
         Ok(self.key_memo.keys(&engine.fingerprint, engine.namespace.layout.tokens_per_block as usize, tokens))
     }
 
@@ -171,9 +169,7 @@ impl Daemon {
         } else {
             // Keys only as far as the cached prefix reaches: a prompt whose first blocks are not
             // cached derives one chunk, not its whole chain.
-            if !req.tokens.len().is_multiple_of(4) {
-                return Err(kvproto::ProtoError::TokenBytes(req.tokens.len()).into());
-            }
+            kvproto::check_tokens_le(&req.tokens)?;
             let (mut held, mut missed) = (Vec::<u8>::new(), false);
             let tpb = engine.namespace.layout.tokens_per_block as usize;
             let keys = self.key_memo.keys_while(&engine.fingerprint, tpb, &req.tokens, |keys| {
@@ -283,9 +279,7 @@ impl Daemon {
         req: &pb::LoadRequest,
     ) -> Result<(u64, Arc<Engine>, watch::Sender<pb::LoadStatus>), ServerError> {
         let engine = self.engines.get(req.engine_id)?;
-        if !req.tokens.len().is_multiple_of(4) {
-            return Err(kvproto::ProtoError::TokenBytes(req.tokens.len()).into());
-        }
+        kvproto::check_tokens_le(&req.tokens)?;
         let mut ops = self.ops.lock();
         let pending = ops.values().filter(|o| o.engine == engine.id && o.finished_at.is_none()).count();
         if pending >= self.max_pending {

@@ -111,7 +111,12 @@ impl KeyMemo {
             while keys.len() < blocks && (keys.is_empty() || go_on(keys)) {
                 let from = keys.len();
                 let to = (from + LAZY_CHUNK).min(blocks);
-                let more = derive(fp, keys.last(), &tokens[from * block_bytes..to * block_bytes], block_bytes);
+                let more = kvproto::chain_keys_le(
+                    fp,
+                    keys.last(),
+                    tokens_per_block,
+                    &tokens[from * block_bytes..to * block_bytes],
+                );
                 keys.extend(more);
             }
         };
@@ -211,17 +216,6 @@ fn forget(st: &mut State, bucket: u64, id: u64) {
             st.by_first_block.remove(&bucket);
         }
     }
-}
-
-fn derive(fp: &NamespaceFingerprint, parent: Option<&BlockKey>, tokens: &[u8], block_bytes: usize) -> Vec<BlockKey> {
-    let mut keys = Vec::with_capacity(tokens.len() / block_bytes);
-    let mut parent = parent.copied();
-    for block in tokens.chunks_exact(block_bytes) {
-        let k = kvproto::next_block_key_le(fp, parent.as_ref(), block);
-        keys.push(k);
-        parent = Some(k);
-    }
-    keys
 }
 
 /// The bucket of a prompt: namespace, block size and first block (there is one: prompts here
