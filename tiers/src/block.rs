@@ -20,6 +20,10 @@ pub fn checksum(data: &[u8]) -> u64 {
     xxh3_64(data)
 }
 
+/// [`checksum`] over bytes that arrive piece by piece, in order (equal to `checksum` of their
+/// concatenation).
+pub type StreamingChecksum = xxhash_rust::xxh3::Xxh3;
+
 /// Identifies a set of pins taken together; released together or expiring together.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct LeaseId(pub u64);

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::*;
-use kvtiers::disk::io::{EngineFactory, IoBackend, IoEngine, IoKind, IoOp};
+use kvtiers::disk::io::{EngineFactory, IoBackend, IoEngine, IoKind, IoOp, IoProgress};
 use kvtiers::disk::psync::PsyncEngine;
 use kvtiers::{BlockBuf, BlockRef, BlockStore, DiskTier, Tier, TierError, WriteThroughConfig};
 
@@ -116,11 +116,11 @@ impl IoEngine for NoSpace {
     fn name(&self) -> &'static str {
         "nospace"
     }
-    fn run(&mut self, fd: i32, ops: &[IoOp]) -> std::io::Result<()> {
+    fn run(&mut self, fd: i32, ops: &[IoOp], progress: &mut dyn IoProgress) -> std::io::Result<()> {
         if ops.iter().any(|o| o.kind == IoKind::Write) {
             return Err(std::io::Error::from_raw_os_error(libc::ENOSPC));
         }
-        self.0.run(fd, ops)
+        self.0.run(fd, ops, progress)
     }
 }
 
@@ -215,4 +215,83 @@ fn kill_9_mid_write_through_loses_no_integrity() {
         assert_eq!(&buf[..], &content(k, m.len as usize)[..], "block {k} has wrong bytes");
     }
     assert_eq!(g3.stats().checksum_failures, 0);
+}
+
+/// Fault injection: while armed for a kind, op 1 of every batch of that kind fails (EIO) and
+/// the others run for real.
+#[derive(Debug)]
+struct FailSecondOp {
+    inner: Box<dyn IoEngine>,
+    armed: Arc<std::sync::Mutex<Option<IoKind>>>,
+}
+
+impl IoEngine for FailSecondOp {
+    fn name(&self) -> &'static str {
+        "fail-second-op"
+    }
+    fn run(&mut self, fd: i32, ops: &[IoOp], progress: &mut dyn IoProgress) -> std::io::Result<()> {
+        let armed = *self.armed.lock().unwrap();
+        if ops.len() < 2 || armed != Some(ops[1].kind) {
+            return self.inner.run(fd, ops, progress);
+        }
+        struct Skip<'a>(&'a mut dyn IoProgress);
+        impl IoProgress for Skip<'_> {
+            fn started(&mut self) {
+                self.0.started()
+            }
+            fn completed(&mut self, i: usize, ok: bool) {
+                self.0.completed(if i >= 1 { i + 1 } else { i }, ok)
+            }
+        }
+        let rest: Vec<IoOp> = ops.iter().enumerate().filter(|(i, _)| *i != 1).map(|(_, o)| *o).collect();
+        let r = self.inner.run(fd, &rest, &mut Skip(progress));
+        progress.completed(1, false);
+        r.and(Err(std::io::Error::from_raw_os_error(libc::EIO)))
+    }
+}
+
+/// One block of a batch failing its I/O fails only that block, written or read, with the
+/// I/O on dedicated threads or on the caller's.
+#[test]
+fn a_failed_op_fails_only_its_block() {
+    for io_threads in [2, 0] {
+        let d = tempfile::tempdir().unwrap();
+        let armed = Arc::new(std::sync::Mutex::new(None));
+        let a2 = Arc::clone(&armed);
+        let factory: EngineFactory = Arc::new(move || {
+            let inner = kvtiers::disk::io::engine_factory(IoBackend::Auto, 32)()?;
+            Ok(Box::new(FailSecondOp { inner, armed: Arc::clone(&a2) }) as Box<dyn IoEngine>)
+        });
+        let mut cfg = disk_cfg(d.path(), 8 << 20);
+        cfg.io_threads = io_threads;
+        let t = DiskTier::open_with_engine(&cfg, factory).unwrap();
+        // Under 128 KiB and unaligned: one op per block either way.
+        let len = PAGE + 1000;
+        let (ka, kb) = (key(9, 0), key(9, 1));
+        let (da, db) = (content(&ka, len), content(&kb, len));
+        let both = [
+            BlockRef { key: ka, meta: meta(9, 0, len), data: &da },
+            BlockRef { key: kb, meta: meta(9, 1, len), data: &db },
+        ];
+        *armed.lock().unwrap() = Some(IoKind::Write);
+        let r = t.put_batch(&both);
+        assert!(matches!(r[0], Ok(true)), "io_threads {io_threads}: {r:?}");
+        assert!(r[1].is_err(), "io_threads {io_threads}: {r:?}");
+        assert!(t.contains(&ka) && !t.contains(&kb));
+        *armed.lock().unwrap() = None;
+        assert!(matches!(t.put_batch(&both)[1], Ok(true)));
+
+        *armed.lock().unwrap() = Some(IoKind::Read);
+        let mut outs = [BlockBuf::new(), BlockBuf::new()];
+        let got = t.get_batch(&[ka, kb], &mut outs);
+        assert!(matches!(got[0], Ok(Some(_))), "io_threads {io_threads}: {got:?}");
+        assert_eq!(&outs[0][..], &da[..]);
+        assert!(matches!(got[1], Ok(None)), "a block that could not be read is a miss");
+        assert!(!t.contains(&kb), "and is dropped");
+        assert_eq!(t.stats().checksum_failures, 1);
+        *armed.lock().unwrap() = None;
+        let mut out = BlockBuf::new();
+        assert!(t.get(&ka, &mut out).unwrap().is_some());
+        assert_eq!(&out[..], &da[..]);
+    }
 }

@@ -9,6 +9,7 @@ pub mod index;
 pub mod io;
 pub mod psync;
 pub mod uring;
+mod verify;
 
 use std::fs::{File, OpenOptions};
 use std::os::fd::{AsRawFd, RawFd};
@@ -23,7 +24,8 @@ use parking_lot::Mutex;
 
 use self::index::{DiskIndex, IndexEntry};
 use self::io::{EngineFactory, IoBackend, IoKind, IoOp, IoThreads, engine_factory};
-use crate::block::{BlockMeta, LeaseId, checksum};
+use self::verify::{VerifiedReads, WriteSums};
+use crate::block::{BlockMeta, LeaseId};
 use crate::buf::{ALIGN, BlockBuf, align_up};
 use crate::error::{Result, TierError};
 use crate::host::validate_space;
@@ -78,7 +80,8 @@ impl DiskTierConfig {
 #[derive(Debug)]
 struct DiskSlot {
     pages: Pages,
-    checksum: u64,
+    /// Set before the block becomes visible (computed while its write runs).
+    checksum: AtomicU64,
     tick: AtomicU64,
 }
 
@@ -205,8 +208,11 @@ impl DiskTier {
         let recovered = good.len();
         for (key, e, pages) in good {
             max_tick = max_tick.max(e.tick);
-            let slot =
-                Arc::new(DiskSlot { pages: pool.adopt(pages), checksum: e.checksum, tick: AtomicU64::new(e.tick) });
+            let slot = Arc::new(DiskSlot {
+                pages: pool.adopt(pages),
+                checksum: AtomicU64::new(e.checksum),
+                tick: AtomicU64::new(e.tick),
+            });
             st.insert_ready(key, e.meta, slot);
         }
         st.recount_children();
@@ -387,64 +393,73 @@ impl Tier for DiskTier {
                         continue;
                     }
                 };
-                let slot = Arc::new(DiskSlot { pages, checksum: checksum(b.data), tick: AtomicU64::new(self.tick()) });
+                let slot = Arc::new(DiskSlot { pages, checksum: AtomicU64::new(0), tick: AtomicU64::new(self.tick()) });
                 st.reserve(b.key, b.meta, Arc::clone(&slot), false);
                 reserved.push((i, slot));
                 results.push(None);
             }
         }
-        // Bytes out with no lock held.
+        // Bytes out with no lock held; checksums computed while the writes run.
         let mut ops = Vec::new();
         let mut bounce = Vec::new();
+        let mut sums = WriteSums::new();
         for (i, slot) in &reserved {
+            let before = ops.len();
             self.write_ops(blocks[*i].data, &slot.pages, &mut bounce, &mut ops);
+            sums.add(blocks[*i].data, ops.len() - before);
         }
-        let mut written = self.io.run(self.fd(), ops).map_err(|e| TierError::io(TIER, "write", e));
-        if written.is_ok() && self.cfg.fsync && !reserved.is_empty() {
+        let written = self.io.run(self.fd(), ops, &mut sums).map_err(|e| TierError::io(TIER, "write", e));
+        let mut synced = Ok(());
+        if self.cfg.fsync && !reserved.is_empty() {
             // SAFETY: plain syscall on our fd.
             if unsafe { libc::fdatasync(self.fd()) } != 0 {
-                written = Err(TierError::io(TIER, "fdatasync", std::io::Error::last_os_error()));
+                synced = Err(TierError::io(TIER, "fdatasync", std::io::Error::last_os_error()));
             }
         }
         drop(bounce);
-        let indexed = written.and_then(|_| {
-            let puts: Vec<(BlockKey, IndexEntry)> = reserved
-                .iter()
-                .map(|(i, s)| {
-                    let b = &blocks[*i];
-                    (
-                        b.key,
-                        IndexEntry {
-                            meta: b.meta,
-                            checksum: s.checksum,
-                            tick: s.tick.load(Ordering::Relaxed),
-                            runs: s.pages.runs(),
-                        },
-                    )
-                })
-                .collect();
-            self.index.write(&puts, &[], false)
-        });
+        // Blocks whose own writes all completed are indexed even when another block of the
+        // batch failed; an fdatasync failure fails them all.
+        let mut good = vec![false; reserved.len()];
+        let mut puts: Vec<(BlockKey, IndexEntry)> = Vec::with_capacity(reserved.len());
+        for (n, (i, slot)) in reserved.iter().enumerate() {
+            let Some(sum) = sums.result(n).filter(|_| synced.is_ok()) else { continue };
+            slot.checksum.store(sum, Ordering::Relaxed);
+            good[n] = true;
+            let b = &blocks[*i];
+            puts.push((
+                b.key,
+                IndexEntry {
+                    meta: b.meta,
+                    checksum: sum,
+                    tick: slot.tick.load(Ordering::Relaxed),
+                    runs: slot.pages.runs(),
+                },
+            ));
+        }
+        let indexed = self.index.write(&puts, &[], false);
         let mut st = self.state.lock();
-        match indexed {
-            Ok(()) => {
-                for (i, slot) in &reserved {
-                    let ok = st.commit(&blocks[*i].key, slot);
-                    if ok {
-                        self.listener.stored(TIER, blocks[*i].key, &blocks[*i].meta);
-                    }
-                    self.counters.bytes_written.add(blocks[*i].meta.len);
-                    results[*i] = Some(Ok(ok));
+        let failure = match (&indexed, &synced, &written) {
+            (Err(e), _, _) | (_, Err(e), _) | (_, _, Err(e)) => e.to_string(),
+            _ => "write failed".to_string(),
+        };
+        let mut failed = 0usize;
+        for (n, (i, slot)) in reserved.iter().enumerate() {
+            let b = &blocks[*i];
+            if good[n] && indexed.is_ok() {
+                let ok = st.commit(&b.key, slot);
+                if ok {
+                    self.listener.stored(TIER, b.key, &b.meta);
                 }
+                self.counters.bytes_written.add(b.meta.len);
+                results[*i] = Some(Ok(ok));
+            } else {
+                st.abort(&b.key, slot);
+                failed += 1;
+                results[*i] = Some(Err(TierError::io(TIER, "write batch", std::io::Error::other(failure.clone()))));
             }
-            Err(e) => {
-                let msg = e.to_string();
-                tracing::warn!("G3 write failed for {} blocks: {msg}", reserved.len());
-                for (i, slot) in &reserved {
-                    st.abort(&blocks[*i].key, slot);
-                    results[*i] = Some(Err(TierError::io(TIER, "write batch", std::io::Error::other(msg.clone()))));
-                }
-            }
+        }
+        if failed > 0 {
+            tracing::warn!("G3 write failed for {failed} of {} blocks: {failure}", reserved.len());
         }
         self.counters.set_usage(self.pool.used_pages() as u64 * self.pool.page_size() as u64, st.len());
         drop(st);
@@ -468,38 +483,33 @@ impl Tier for DiskTier {
             keys.iter().map(|k| st.get(k, true)).collect()
         };
         let ps = self.pool.page_size();
-        let mut ops = Vec::new();
+        let mut reads = VerifiedReads::default();
+        let mut read_of = Vec::with_capacity(keys.len());
         for (hit, out) in found.iter().zip(outs.iter_mut()) {
-            let Some((slot, meta)) = hit else { continue };
-            let len = meta.len as usize;
-            out.resize(len);
-            let base = out.full_mut().as_mut_ptr() as usize;
-            let mut off = 0usize;
-            for (first, n) in slot.pages.runs() {
-                let run_bytes = (len - off).min(n as usize * ps);
-                // The buffer's capacity is aligned, so reading the padded tail stays inside it.
-                ops.push(IoOp {
-                    kind: IoKind::Read,
-                    offset: first as u64 * ps as u64,
-                    addr: base + off,
-                    len: align_up(run_bytes.max(1)),
-                });
-                off += run_bytes;
-            }
+            let Some((slot, meta)) = hit else {
+                read_of.push(usize::MAX);
+                continue;
+            };
+            out.resize(meta.len as usize);
+            // The buffer's capacity is aligned, so reading the padded tail stays inside it.
+            let base = out.full_mut().as_mut_ptr();
+            let runs = slot.pages.runs().into_iter().map(|(first, n)| (first as u64 * ps as u64, n as usize * ps));
+            read_of.push(reads.add(base, meta.len as usize, runs));
         }
-        let io = self.io.run(self.fd(), ops);
+        let io = self.io.run(self.fd(), reads.take_ops(), &mut reads);
         let mut results = Vec::with_capacity(keys.len());
-        for ((key, hit), out) in keys.iter().zip(found).zip(outs.iter()) {
+        for ((key, hit), read) in keys.iter().zip(found).zip(read_of) {
             let Some((slot, meta)) = hit else {
                 self.counters.misses.add(1);
                 results.push(Ok(None));
                 continue;
             };
-            // A failed batch is re-checked block by block: the checksum tells which are whole.
-            if checksum(&out[..]) != slot.checksum {
-                let why = match &io {
-                    Err(e) => format!("read failed: {e}"),
-                    Ok(()) => "checksum mismatch".to_string(),
+            let expected = slot.checksum.load(Ordering::Relaxed);
+            let got = reads.checksum_of(read);
+            if got != Some(expected) {
+                let why = match (&io, got) {
+                    (Err(e), None) => format!("read failed: {e}"),
+                    _ => "checksum mismatch".to_string(),
                 };
                 self.corrupt(key, &slot, &why);
                 self.counters.misses.add(1);
@@ -508,7 +518,7 @@ impl Tier for DiskTier {
             }
             let tick = self.tick();
             slot.tick.store(tick, Ordering::Relaxed);
-            let entry = IndexEntry { meta, checksum: slot.checksum, tick, runs: slot.pages.runs() };
+            let entry = IndexEntry { meta, checksum: expected, tick, runs: slot.pages.runs() };
             let batch = {
                 let mut t = self.touched.lock();
                 t.push((*key, Arc::clone(&slot), entry));

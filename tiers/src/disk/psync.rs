@@ -3,7 +3,7 @@
 use std::io;
 use std::os::fd::RawFd;
 
-use super::io::{IoEngine, IoKind, IoOp};
+use super::io::{IoEngine, IoKind, IoOp, IoProgress};
 
 /// Synchronous positional I/O, one op at a time.
 #[derive(Debug, Default)]
@@ -43,7 +43,18 @@ impl IoEngine for PsyncEngine {
     fn name(&self) -> &'static str {
         "psync"
     }
-    fn run(&mut self, fd: RawFd, ops: &[IoOp]) -> io::Result<()> {
-        ops.iter().try_for_each(|op| run_one(fd, op))
+    /// One op after the other; a failed op does not stop the others (they may be other
+    /// blocks, still servable).
+    fn run(&mut self, fd: RawFd, ops: &[IoOp], progress: &mut dyn IoProgress) -> io::Result<()> {
+        progress.started();
+        let mut first_err = None;
+        for (i, op) in ops.iter().enumerate() {
+            let r = run_one(fd, op);
+            progress.completed(i, r.is_ok());
+            if let Err(e) = r {
+                first_err.get_or_insert(e);
+            }
+        }
+        first_err.map_or(Ok(()), Err)
     }
 }

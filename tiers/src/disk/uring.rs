@@ -1,11 +1,12 @@
-//! The io_uring engine: each I/O thread owns one ring and submits a whole batch at once.
+//! The io_uring engine: each I/O thread owns one ring and keeps up to `depth` ops of a batch in
+//! flight, submitting the next op as each completes.
 
 use std::io;
 use std::os::fd::RawFd;
 
 use io_uring::{IoUring, opcode, types};
 
-use super::io::{IoEngine, IoKind, IoOp, finish_short};
+use super::io::{IoEngine, IoKind, IoOp, IoProgress, finish_short};
 
 /// One io_uring instance.
 pub struct UringEngine {
@@ -25,6 +26,19 @@ impl UringEngine {
         let depth = depth.clamp(1, 4096);
         Ok(Self { ring: IoUring::new(depth)?, depth: depth as usize })
     }
+
+    /// Queues op `index`; false when the submission queue has no room.
+    fn push(&mut self, fd: RawFd, op: &IoOp, index: usize) -> io::Result<bool> {
+        let len = u32::try_from(op.len).map_err(|_| io::Error::other("G3 op over 4 GiB"))?;
+        let sqe = match op.kind {
+            IoKind::Read => opcode::Read::new(types::Fd(fd), op.addr as *mut u8, len).offset(op.offset).build(),
+            IoKind::Write => opcode::Write::new(types::Fd(fd), op.addr as *const u8, len).offset(op.offset).build(),
+        }
+        .user_data(index as u64);
+        // SAFETY: the buffer stays valid until its completion is reaped in `run`, which does not
+        // return while any op is in flight (the caller blocks on the batch).
+        Ok(unsafe { self.ring.submission().push(&sqe).is_ok() })
+    }
 }
 
 impl IoEngine for UringEngine {
@@ -32,51 +46,85 @@ impl IoEngine for UringEngine {
         "io_uring"
     }
 
-    fn run(&mut self, fd: RawFd, ops: &[IoOp]) -> io::Result<()> {
+    fn run(&mut self, fd: RawFd, ops: &[IoOp], progress: &mut dyn IoProgress) -> io::Result<()> {
         let mut first_err: Option<io::Error> = None;
-        for chunk in ops.chunks(self.depth) {
-            for (i, op) in chunk.iter().enumerate() {
-                let len = u32::try_from(op.len).map_err(|_| io::Error::other("G3 op over 4 GiB"))?;
-                let sqe = match op.kind {
-                    IoKind::Read => opcode::Read::new(types::Fd(fd), op.addr as *mut u8, len).offset(op.offset).build(),
-                    IoKind::Write => {
-                        opcode::Write::new(types::Fd(fd), op.addr as *const u8, len).offset(op.offset).build()
+        let (mut next, mut in_flight, mut started) = (0usize, 0usize, false);
+        let mut failed_enters = 0u32;
+        while next < ops.len() || in_flight > 0 {
+            while next < ops.len() && in_flight < self.depth && first_err.is_none() {
+                match self.push(fd, &ops[next], next) {
+                    Ok(true) => {}
+                    Ok(false) => break,
+                    Err(e) => {
+                        first_err = Some(e);
+                        break;
                     }
                 }
-                .user_data(i as u64);
-                // SAFETY: the buffer stays valid until its completion is reaped below (the
-                // caller blocks on this batch).
-                unsafe {
-                    self.ring
-                        .submission()
-                        .push(&sqe)
-                        .map_err(|_| io::Error::other("io_uring submission queue full"))?;
+                next += 1;
+                in_flight += 1;
+            }
+            if first_err.is_some() {
+                // Stop queueing; the ops never queued count as failed.
+                for i in next..ops.len() {
+                    progress.completed(i, false);
+                }
+                next = ops.len();
+            }
+            if !started {
+                // Submit without waiting, so the caller can work while the first ops run.
+                match self.ring.submit() {
+                    Ok(_) => {
+                        started = true;
+                        progress.started();
+                    }
+                    Err(e) if is_retry(&e) => continue,
+                    Err(e) if in_flight == 0 => return Err(e),
+                    Err(_) => {}
                 }
             }
-            let mut left = chunk.len();
-            while left > 0 {
-                match self.ring.submit_and_wait(left) {
-                    Ok(_) => {}
-                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                    Err(e) => return Err(e),
-                }
-                let done: Vec<(u64, i32)> = self.ring.completion().map(|c| (c.user_data(), c.result())).collect();
-                for (idx, res) in done {
-                    left -= 1;
-                    let op = &chunk[idx as usize];
-                    let r = if res < 0 {
-                        Err(io::Error::from_raw_os_error(-res))
-                    } else if (res as usize) < op.len {
-                        finish_short(fd, op, res as usize)
-                    } else {
-                        Ok(())
-                    };
-                    if let Err(e) = r {
-                        first_err.get_or_insert(e);
+            if in_flight == 0 {
+                continue;
+            }
+            match self.ring.submit_and_wait(1) {
+                Ok(_) => failed_enters = 0,
+                Err(e) if is_retry(&e) => continue,
+                Err(e) => {
+                    // Ops are in flight with the caller's buffers: never return before they
+                    // complete. A ring that keeps failing here is broken beyond recovery.
+                    failed_enters += 1;
+                    if failed_enters == 1 {
+                        tracing::error!("io_uring wait failed with {in_flight} G3 ops in flight: {e}; retrying");
                     }
+                    std::thread::sleep(std::time::Duration::from_millis(1));
+                    first_err.get_or_insert(e);
+                    continue;
+                }
+            }
+            let done: Vec<(u64, i32)> = self.ring.completion().map(|c| (c.user_data(), c.result())).collect();
+            for (idx, res) in done {
+                in_flight -= 1;
+                let idx = idx as usize;
+                let op = &ops[idx];
+                let r = if res < 0 {
+                    Err(io::Error::from_raw_os_error(-res))
+                } else if (res as usize) < op.len {
+                    finish_short(fd, op, res as usize)
+                } else {
+                    Ok(())
+                };
+                progress.completed(idx, r.is_ok());
+                if let Err(e) = r {
+                    first_err.get_or_insert(e);
                 }
             }
         }
+        if !started {
+            progress.started();
+        }
         first_err.map_or(Ok(()), Err)
     }
+}
+
+fn is_retry(e: &io::Error) -> bool {
+    matches!(e.raw_os_error(), Some(libc::EINTR) | Some(libc::EAGAIN) | Some(libc::EBUSY))
 }

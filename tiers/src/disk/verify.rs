@@ -1,0 +1,222 @@
+//! Checksums computed while G3 I/O runs.
+//!
+//! A block read from disk lands in memory the CPU has not seen, so its checksum is bound by
+//! memory bandwidth (50-70 us of a 256 KiB read's ~200 us here). Reads are
+//! therefore split into pieces that are all in flight at once; each piece is hashed as soon as
+//! it and every piece before it have arrived, while the later pieces are still on their way.
+//! Writes hash their source once the I/O has started.
+
+use super::io::{IoKind, IoOp, IoProgress};
+use crate::block::{StreamingChecksum, checksum};
+use crate::buf::{ALIGN, align_up};
+
+/// Reads at most this many pieces per block, of at least [`MIN_PIECE`] bytes each: on the
+/// virtual disk measured in docs/benchmarks.md the pieces of a 256 KiB read arrive together
+/// (nothing to overlap) and splitting it only made it slower.
+const PIECES: usize = 8;
+const MIN_PIECE: usize = 256 << 10;
+
+/// Bytes per read piece of a block of `len` bytes: a multiple of [`ALIGN`].
+fn piece_len(len: usize) -> usize {
+    align_up(len.div_ceil(PIECES)).max(MIN_PIECE)
+}
+
+/// One read op's place in its block.
+#[derive(Debug, Clone, Copy)]
+struct Piece {
+    block: usize,
+    /// Offset within the block and the bytes of it that belong to the block (the op itself is
+    /// padded to [`ALIGN`]).
+    start: usize,
+    valid: usize,
+}
+
+struct BlockRead {
+    base: *const u8,
+    /// Ops `first..end` are this block's; `next` is the first not yet hashed.
+    next: usize,
+    end: usize,
+    failed: bool,
+    sum: StreamingChecksum,
+}
+
+impl std::fmt::Debug for BlockRead {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BlockRead").field("next", &self.next).field("end", &self.end).finish_non_exhaustive()
+    }
+}
+
+/// The read ops of a batch of blocks and their checksums, built up as pieces complete.
+#[derive(Debug, Default)]
+pub(super) struct VerifiedReads {
+    ops: Vec<IoOp>,
+    pieces: Vec<Piece>,
+    arrived: Vec<bool>,
+    blocks: Vec<BlockRead>,
+}
+
+impl VerifiedReads {
+    /// Adds a block of `len` bytes stored in `runs` (file offset, bytes) to be read into memory
+    /// at `base`, which must hold `align_up(len)` bytes and stay valid until the batch is done.
+    /// Returns the block's index.
+    pub(super) fn add(&mut self, base: *mut u8, len: usize, runs: impl Iterator<Item = (u64, usize)>) -> usize {
+        let block = self.blocks.len();
+        let first = self.ops.len();
+        let piece = piece_len(len);
+        let mut off = 0usize;
+        for (file_off, run_len) in runs {
+            let run_bytes = (len - off).min(run_len);
+            let mut at = 0usize;
+            // An empty block still reads one (padding) page, so it has an op like any other.
+            while at < run_bytes || (run_bytes == 0 && at == 0) {
+                let valid = (run_bytes - at).min(piece);
+                self.ops.push(IoOp {
+                    kind: IoKind::Read,
+                    offset: file_off + at as u64,
+                    addr: base as usize + off + at,
+                    len: align_up(valid.max(1)),
+                });
+                self.pieces.push(Piece { block, start: off + at, valid });
+                at += valid.max(ALIGN);
+            }
+            off += run_bytes;
+        }
+        self.arrived.resize(self.ops.len(), false);
+        self.blocks.push(BlockRead {
+            base,
+            next: first,
+            end: self.ops.len(),
+            failed: false,
+            sum: StreamingChecksum::new(),
+        });
+        block
+    }
+
+    /// The ops to run (taken: the batch owns them from here on).
+    pub(super) fn take_ops(&mut self) -> Vec<IoOp> {
+        std::mem::take(&mut self.ops)
+    }
+
+    /// The checksum of block `block`'s bytes, or None when a piece of it failed to arrive.
+    pub(super) fn checksum_of(&self, block: usize) -> Option<u64> {
+        let b = &self.blocks[block];
+        (!b.failed && b.next == b.end).then(|| b.sum.digest())
+    }
+}
+
+impl IoProgress for VerifiedReads {
+    fn started(&mut self) {}
+
+    fn completed(&mut self, index: usize, ok: bool) {
+        let Some(piece) = self.pieces.get(index).copied() else { return };
+        let b = &mut self.blocks[piece.block];
+        if !ok {
+            b.failed = true;
+            return;
+        }
+        self.arrived[index] = true;
+        while !b.failed && b.next < b.end && self.arrived[b.next] {
+            let p = self.pieces[b.next];
+            // SAFETY: the piece's bytes have arrived (its op completed) and nothing writes them
+            // again in this batch; `base` is valid for the block's length (see `add`).
+            let bytes = unsafe { std::slice::from_raw_parts(b.base.add(p.start), p.valid) };
+            b.sum.update(bytes);
+            b.next += 1;
+        }
+    }
+}
+
+/// Checksums of blocks being written, computed once their writes are in flight.
+#[derive(Debug)]
+pub(super) struct WriteSums<'a> {
+    blocks: Vec<&'a [u8]>,
+    /// Block of each op, so that a failed op fails only its block.
+    op_block: Vec<usize>,
+    sums: Vec<Option<u64>>,
+    /// Ops of each block not yet completed; `usize::MAX` once one failed.
+    left: Vec<usize>,
+}
+
+impl<'a> WriteSums<'a> {
+    pub(super) fn new() -> Self {
+        Self { blocks: Vec::new(), op_block: Vec::new(), sums: Vec::new(), left: Vec::new() }
+    }
+
+    /// Adds a block whose write ops are the next `ops` of the batch.
+    pub(super) fn add(&mut self, data: &'a [u8], ops: usize) {
+        let block = self.blocks.len();
+        self.blocks.push(data);
+        self.op_block.extend(std::iter::repeat_n(block, ops));
+        self.sums.push(None);
+        self.left.push(ops);
+    }
+
+    /// Block `block`'s checksum, or None unless every one of its writes completed.
+    pub(super) fn result(&mut self, block: usize) -> Option<u64> {
+        if self.left[block] != 0 {
+            return None;
+        }
+        Some(*self.sums[block].get_or_insert_with(|| checksum(self.blocks[block])))
+    }
+}
+
+impl IoProgress for WriteSums<'_> {
+    fn started(&mut self) {
+        for (sum, data) in self.sums.iter_mut().zip(&self.blocks) {
+            sum.get_or_insert_with(|| checksum(data));
+        }
+    }
+
+    fn completed(&mut self, index: usize, ok: bool) {
+        let Some(&b) = self.op_block.get(index) else { return };
+        if self.left[b] != usize::MAX {
+            self.left[b] = if ok { self.left[b].saturating_sub(1) } else { usize::MAX };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pieces_cover_the_block_and_hash_to_its_checksum_in_any_arrival_order() {
+        for len in [0usize, 1, 4095, 4096, 100_000, 256 << 10, (2 << 20) + 17] {
+            let data: Vec<u8> = (0..len).map(|i| (i * 7 % 253) as u8).collect();
+            let mut buf = crate::BlockBuf::zeroed(len);
+            buf.copy_from_slice(&data);
+            let base = buf.full_mut().as_mut_ptr();
+            // Two runs: the first 64 KiB-aligned part and the rest, at unrelated file offsets.
+            let split = (len / 2) / MIN_PIECE * MIN_PIECE;
+            let runs = [(1 << 30, split), (5 << 20, len - split)];
+            let mut r = VerifiedReads::default();
+            let b = r.add(base, len, runs.into_iter().filter(|&(_, n)| n > 0 || len == 0));
+            let ops = r.take_ops();
+            let covered: usize = r.pieces.iter().map(|p| p.valid).sum();
+            assert_eq!(covered, len);
+            assert!(ops.iter().all(|o| o.len.is_multiple_of(ALIGN) && o.addr >= base as usize));
+            assert!(ops.len() <= 2 * PIECES, "{len}: {} ops", ops.len());
+            // Pieces arrive last first: nothing is hashed until the first one arrives.
+            for i in (0..ops.len()).rev() {
+                r.completed(i, true);
+            }
+            assert_eq!(r.checksum_of(b), Some(checksum(&data)), "len {len}");
+        }
+    }
+
+    #[test]
+    fn a_failed_piece_fails_only_its_block() {
+        let mut bufs = [crate::BlockBuf::zeroed(300_000), crate::BlockBuf::zeroed(300_000)];
+        let mut r = VerifiedReads::default();
+        let a = r.add(bufs[0].full_mut().as_mut_ptr(), 300_000, [(0u64, 300_000usize)].into_iter());
+        let b = r.add(bufs[1].full_mut().as_mut_ptr(), 300_000, [(1u64 << 20, 300_000usize)].into_iter());
+        let n = r.take_ops().len();
+        let a_ops = r.pieces.iter().filter(|p| p.block == a).count();
+        for i in 0..n {
+            r.completed(i, i != 1);
+        }
+        assert!(a_ops > 1);
+        assert_eq!(r.checksum_of(a), None);
+        assert_eq!(r.checksum_of(b), Some(checksum(&bufs[1][..])));
+    }
+}
