@@ -4,7 +4,8 @@
 //! - [`tier`]: the [`Tier`] trait every tier implements (G1-G4).
 //! - [`host`]: G2, the shared-memory host pool ([`HostTier`]).
 //! - [`disk`]: G3, blocks on NVMe via O_DIRECT (io_uring or pread/pwrite on named I/O
-//!   threads) with a durable RocksDB index ([`DiskTier`]).
+//!   threads) with a durable RocksDB index ([`DiskTier`]); checksums computed while the I/O
+//!   runs (`disk/verify.rs`).
 //! - [`store`]: [`BlockStore`], G2 over the lower tiers: write-through, promotion, prefix
 //!   lookup, leases.
 //! - [`writethrough`]: the background writer that copies G2 blocks down in batches.

@@ -1,6 +1,7 @@
 //! G3: blocks on local NVMe. One preallocated data file written with O_DIRECT by the I/O
 //! threads ([`io`]), carved into pages ([`crate::pages`]); the durable index in RocksDB
-//! ([`index`]). Every read is verified against the block's checksum.
+//! ([`index`]). Every read is verified against the block's checksum, computed while the I/O
+//! runs (`verify`).
 //!
 //! Write protocol: reserve pages (invisible) -> write bytes -> fdatasync (when `fsync`) ->
 //! index entry -> visible. Eviction deletes the index entry before the pages can be reused.
