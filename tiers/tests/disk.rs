@@ -295,3 +295,58 @@ fn a_failed_op_fails_only_its_block() {
         assert_eq!(&out[..], &da[..]);
     }
 }
+
+#[derive(Default)]
+struct Record(Vec<(usize, bool)>, bool);
+
+impl IoProgress for Record {
+    fn started(&mut self) {
+        assert!(self.0.is_empty(), "started after a completion");
+        self.1 = true;
+    }
+    fn completed(&mut self, index: usize, ok: bool) {
+        assert!(self.1, "completed before started");
+        self.0.push((index, ok));
+    }
+}
+
+/// An op that fails (here: a read past the end of the file) fails alone: every other op of the
+/// batch still runs, also those beyond the ring's depth, with each engine.
+#[test]
+fn engines_run_every_op_of_a_batch_past_a_failed_one() {
+    use std::os::fd::AsRawFd;
+    let d = tempfile::tempdir().unwrap();
+    let path = d.path().join("f");
+    let data: Vec<u8> = (0..5 * 4096).map(|i| (i % 251) as u8).collect();
+    std::fs::write(&path, &data).unwrap();
+    let file = std::fs::File::open(&path).unwrap();
+    let mut engines: Vec<Box<dyn IoEngine>> = vec![Box::new(PsyncEngine)];
+    match kvtiers::disk::uring::UringEngine::new(2) {
+        Ok(u) => engines.push(Box::new(u)),
+        Err(e) => eprintln!("io_uring unavailable here ({e}); pread/pwrite only"),
+    }
+    for mut engine in engines {
+        let mut bufs: Vec<BlockBuf> = (0..6).map(|_| BlockBuf::zeroed(4096)).collect();
+        let ops: Vec<IoOp> = bufs
+            .iter_mut()
+            .enumerate()
+            .map(|(i, b)| IoOp {
+                kind: IoKind::Read,
+                // Op 1 starts past the end of the file.
+                offset: if i == 1 { 1 << 20 } else { (i.min(5) as u64 % 5) * 4096 },
+                addr: b.full_mut().as_mut_ptr() as usize,
+                len: 4096,
+            })
+            .collect();
+        let mut seen = Record::default();
+        let r = engine.run(file.as_raw_fd(), &ops, &mut seen);
+        assert!(r.is_err(), "{}: the failure is returned", engine.name());
+        seen.0.sort();
+        let want: Vec<(usize, bool)> = (0..6).map(|i| (i, i != 1)).collect();
+        assert_eq!(seen.0, want, "{}", engine.name());
+        for (i, b) in bufs.iter().enumerate().filter(|(i, _)| *i != 1) {
+            let at = (i % 5) * 4096;
+            assert_eq!(&b[..], &data[at..at + 4096], "{}: op {i}", engine.name());
+        }
+    }
+}

@@ -34,10 +34,12 @@ pub struct IoOp {
 /// Told about a batch while it runs, so that the submitter can overlap its own work (checksums)
 /// with the I/O.
 pub trait IoProgress {
-    /// The batch's first ops are in flight. Called once, before any `completed` (for reads run
-    /// on an I/O thread, as the first completion arrives).
+    /// The batch's first ops are in flight (the pread/pwrite engine: it is about to run them).
+    /// Called at most once, before any `completed`; for reads run on an I/O thread, as the first
+    /// completion arrives. An engine that fails before starting reports nothing.
     fn started(&mut self);
-    /// Op `index` of the batch finished: all its bytes moved (`ok`) or it failed.
+    /// Op `index` of the batch finished: all its bytes moved (`ok`), or it failed or could not
+    /// be queued. An op never reported did not complete either.
     fn completed(&mut self, index: usize, ok: bool);
 }
 
@@ -186,7 +188,9 @@ impl IoThreads {
             threads.push(std::thread::Builder::new().name(format!("kv-g3-io-{i}")).spawn(move || {
                 while let Some(b) = next_batch(&rx) {
                     let send_started = b.ops.iter().any(|op| op.kind == IoKind::Write);
+                    let in_flight = AbortOnUnwind;
                     let r = engine.run(b.fd, &b.ops, &mut Forward { events: &b.events, send_started });
+                    std::mem::forget(in_flight);
                     let _ = b.events.send(Event::Finished(r));
                 }
             })?);
@@ -207,8 +211,9 @@ impl IoThreads {
     }
 
     /// Runs `ops` and waits for them, calling `progress` on this thread as they go. The memory
-    /// behind each op must stay valid and (for reads) unaliased until this returns. An op that
-    /// never started is never reported as completed.
+    /// behind each op must stay valid and (for reads) unaliased until this returns. A panic
+    /// while ops are in flight aborts the process: unwinding would free buffers the kernel may
+    /// still write into.
     pub fn run(&self, fd: RawFd, ops: Vec<IoOp>, progress: &mut dyn IoProgress) -> io::Result<()> {
         if ops.is_empty() {
             return Ok(());
@@ -219,16 +224,21 @@ impl IoThreads {
                 Some(e) => e,
                 None => (self.factory)()?,
             };
+            let in_flight = AbortOnUnwind;
             let r = engine.run(fd, &ops, progress);
+            std::mem::forget(in_flight);
             self.idle.lock().push(engine);
             return r;
         }
         let (events, rx) = bounded(ops.len() + 2);
         let tx = self.tx.as_ref().ok_or_else(|| io::Error::other("G3 I/O threads stopped"))?;
         tx.send(Batch { fd, ops, events }).map_err(|_| io::Error::other("G3 I/O threads stopped"))?;
+        let in_flight = AbortOnUnwind;
         let mut started = false;
         loop {
-            let event = rx.recv().map_err(|_| io::Error::other("G3 I/O thread exited"))?;
+            // The I/O thread died mid-batch (it cannot: a panic there aborts): its ring's ops may
+            // still be in flight, so returning would free their buffers under them.
+            let Ok(event) = rx.recv() else { std::process::abort() };
             if !started {
                 started = true;
                 progress.started();
@@ -236,8 +246,23 @@ impl IoThreads {
             match event {
                 Event::Started => {}
                 Event::Completed(i, ok) => progress.completed(i, ok),
-                Event::Finished(r) => return r,
+                Event::Finished(r) => {
+                    std::mem::forget(in_flight);
+                    return r;
+                }
             }
+        }
+    }
+}
+
+/// Aborts the process if dropped during a panic: held while a batch's ops are in flight.
+struct AbortOnUnwind;
+
+impl Drop for AbortOnUnwind {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            tracing::error!("panic with G3 I/O in flight; aborting");
+            std::process::abort();
         }
     }
 }

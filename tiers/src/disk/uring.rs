@@ -49,55 +49,63 @@ impl IoEngine for UringEngine {
     fn run(&mut self, fd: RawFd, ops: &[IoOp], progress: &mut dyn IoProgress) -> io::Result<()> {
         let mut first_err: Option<io::Error> = None;
         let (mut next, mut in_flight, mut started) = (0usize, 0usize, false);
+        // Ops that could not be queued at all (over 4 GiB): reported failed once started.
+        let mut unqueued = Vec::new();
         let mut failed_enters = 0u32;
         while next < ops.len() || in_flight > 0 {
-            while next < ops.len() && in_flight < self.depth && first_err.is_none() {
+            // A failed op fails only itself: the rest of the batch keeps going.
+            while next < ops.len() && in_flight < self.depth {
                 match self.push(fd, &ops[next], next) {
-                    Ok(true) => {}
+                    Ok(true) => in_flight += 1,
                     Ok(false) => break,
                     Err(e) => {
-                        first_err = Some(e);
-                        break;
+                        unqueued.push(next);
+                        first_err.get_or_insert(e);
                     }
                 }
                 next += 1;
-                in_flight += 1;
-            }
-            if first_err.is_some() {
-                // Stop queueing; the ops never queued count as failed.
-                for i in next..ops.len() {
-                    progress.completed(i, false);
-                }
-                next = ops.len();
             }
             if !started {
-                // Submit without waiting, so the caller can work while the first ops run.
+                // Submit without waiting, so that the caller can work while the first ops run.
                 match self.ring.submit() {
-                    Ok(_) => {
-                        started = true;
-                        progress.started();
+                    Ok(_) => {}
+                    Err(e) if is_retry(&e) => {
+                        std::thread::yield_now();
+                        continue;
                     }
-                    Err(e) if is_retry(&e) => continue,
-                    Err(e) if in_flight == 0 => return Err(e),
+                    Err(e) if in_flight == 0 => {
+                        first_err.get_or_insert(e);
+                        break;
+                    }
+                    // Queued ops stay queued: the wait below submits them again.
                     Err(_) => {}
                 }
+                started = true;
+                progress.started();
+                for &i in &unqueued {
+                    progress.completed(i, false);
+                }
+                unqueued.clear();
+            }
+            for i in unqueued.drain(..) {
+                progress.completed(i, false);
             }
             if in_flight == 0 {
                 continue;
             }
             match self.ring.submit_and_wait(1) {
                 Ok(_) => failed_enters = 0,
-                Err(e) if is_retry(&e) => continue,
+                Err(e) if is_retry(&e) => std::thread::yield_now(),
                 Err(e) => {
                     // Ops are in flight with the caller's buffers: never return before they
                     // complete. A ring that keeps failing here is broken beyond recovery.
                     failed_enters += 1;
-                    if failed_enters == 1 {
-                        tracing::error!("io_uring wait failed with {in_flight} G3 ops in flight: {e}; retrying");
+                    if failed_enters.is_power_of_two() {
+                        tracing::error!(
+                            "io_uring wait failed {failed_enters} times with {in_flight} G3 ops in flight: {e}; retrying"
+                        );
                     }
                     std::thread::sleep(std::time::Duration::from_millis(1));
-                    first_err.get_or_insert(e);
-                    continue;
                 }
             }
             let done: Vec<(u64, i32)> = self.ring.completion().map(|c| (c.user_data(), c.result())).collect();
@@ -117,9 +125,6 @@ impl IoEngine for UringEngine {
                     first_err.get_or_insert(e);
                 }
             }
-        }
-        if !started {
-            progress.started();
         }
         first_err.map_or(Ok(()), Err)
     }

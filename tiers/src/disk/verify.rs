@@ -10,9 +10,10 @@ use super::io::{IoKind, IoOp, IoProgress};
 use crate::block::{StreamingChecksum, checksum};
 use crate::buf::{ALIGN, align_up};
 
-/// Reads at most this many pieces per block, of at least [`MIN_PIECE`] bytes each: on the
-/// virtual disk measured in docs/benchmarks.md the pieces of a 256 KiB read arrive together
-/// (nothing to overlap) and splitting it only made it slower.
+/// A block's read is cut into pieces of `max(len / PIECES, MIN_PIECE)` bytes (rounded up to
+/// [`ALIGN`]) within each of its page runs, so at most this many pieces per run, the last piece
+/// of a run possibly shorter. On the virtual disk measured in docs/benchmarks.md the pieces of a
+/// 256 KiB read arrive together (nothing to overlap) and splitting it only made it slower.
 const PIECES: usize = 8;
 const MIN_PIECE: usize = 256 << 10;
 
@@ -33,7 +34,8 @@ struct Piece {
 
 struct BlockRead {
     base: *const u8,
-    /// Ops `first..end` are this block's; `next` is the first not yet hashed.
+    /// The block's ops end before `end`; `next` is its first op not yet hashed (its ops are
+    /// consecutive in the batch).
     next: usize,
     end: usize,
     failed: bool,
