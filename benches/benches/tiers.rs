@@ -4,7 +4,7 @@
 //! `cargo bench -p kvbench --bench tiers` (set `KVBENCH_DIR` to put the G3 files on a
 //! particular disk, the default being the system temp dir; `KVBENCH_G3_BACKEND=psync` or
 //! `io_uring` to force a G3 I/O backend, `KVBENCH_G3_IO_THREADS=0` to run G3 I/O on the
-//! calling thread).
+//! calling thread, `KVBENCH_G3_QUEUE_DEPTH=N` for the io_uring ops in flight per thread).
 //!
 //! Two memcpy baselines for G2: `memcpy` copies into one destination that stays in cache (the
 //! limit for a get of a hot block into a reused buffer), `memcpy_pool` copies into a rotating
@@ -119,6 +119,9 @@ fn g3(c: &mut Criterion) {
     };
     if let Some(n) = std::env::var("KVBENCH_G3_IO_THREADS").ok().and_then(|v| v.parse().ok()) {
         cfg.io_threads = n;
+    }
+    if let Some(n) = std::env::var("KVBENCH_G3_QUEUE_DEPTH").ok().and_then(|v| v.parse().ok()) {
+        cfg.queue_depth = n;
     }
     cfg.fsync = false; // the raw baseline does not fsync either
     let tier = DiskTier::open(&cfg).unwrap();
