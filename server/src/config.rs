@@ -106,6 +106,9 @@ pub struct EngineConfig {
     /// Bytes of recent long prompts (tokens and keys) whose keys later requests for the same
     /// tokens reuse instead of deriving them again; 0: off.
     pub key_memo_bytes: u64,
+    /// Map a shared-memory engine region with its page tables filled at register
+    /// (`MAP_POPULATE`), so that its first saves and loads take no page faults.
+    pub prefault_memory: bool,
 }
 
 fn runtime_dir() -> PathBuf {
@@ -212,6 +215,7 @@ impl Default for EngineConfig {
             max_pending_loads: 1024,
             op_retention_ms: 60_000,
             key_memo_bytes: 32 << 20,
+            prefault_memory: true,
         }
     }
 }

@@ -64,7 +64,7 @@ fn invalid(msg: impl Into<String>) -> ServerError {
 
 impl Engine {
     /// Validates a registration and maps the engine's memory.
-    fn attach(id: u64, req: &pb::RegisterRequest) -> Result<Self, ServerError> {
+    fn attach(id: u64, req: &pb::RegisterRequest, prefault: bool) -> Result<Self, ServerError> {
         let spec = req.namespace.as_ref().ok_or_else(|| invalid("namespace is missing"))?;
         let namespace = Namespace::try_from(spec)?;
         let layout: KvLayout = namespace.layout;
@@ -122,10 +122,14 @@ impl Engine {
                 if len < size {
                     return Err(ServerError::Attach(format!("{path} has {len} bytes, the registration says {size}")));
                 }
-                let map = MmapOptions::new()
-                    .len(size as usize)
-                    .map_raw(&file)
-                    .map_err(|e| ServerError::Attach(format!("cannot map {path}: {e}")))?;
+                let mut options = MmapOptions::new();
+                options.len(size as usize);
+                if prefault {
+                    // Page tables filled now, in one pass: faulting the region in 64 KiB at a
+                    // time during the first saves cost ~80 ms per 32 MiB here.
+                    options.populate();
+                }
+                let map = options.map_raw(&file).map_err(|e| ServerError::Attach(format!("cannot map {path}: {e}")))?;
                 EngineMemory::Shm(map)
             }
             Some(pb::memory_region::Kind::CudaIpcHandle(handle)) => {
@@ -250,6 +254,7 @@ pub struct Registry {
     next_id: AtomicU64,
     max: usize,
     pub lease: Duration,
+    prefault: bool,
 }
 
 /// A first id for a counter that must not repeat the ids of a previous daemon process: the
@@ -265,7 +270,20 @@ impl Registry {
     pub fn new(max: usize, lease: Duration) -> Self {
         // Ids start from a time-derived value so a restarted daemon does not reuse the ids of
         // its previous life (a stale client then gets "not registered", not another engine).
-        Self { engines: RwLock::new(HashMap::new()), next_id: AtomicU64::new(time_seeded_id()), max, lease }
+        Self {
+            engines: RwLock::new(HashMap::new()),
+            next_id: AtomicU64::new(time_seeded_id()),
+            max,
+            lease,
+            prefault: false,
+        }
+    }
+
+    /// Whether shared-memory regions are mapped with their page tables filled at register
+    /// (`engines.prefault_memory`).
+    pub fn prefault_memory(mut self, on: bool) -> Self {
+        self.prefault = on;
+        self
     }
 
     pub fn register(&self, req: &pb::RegisterRequest) -> Result<Arc<Engine>, ServerError> {
@@ -273,7 +291,7 @@ impl Registry {
             return Err(ServerError::Exhausted(format!("{} engines attached (engines.max_engines)", self.max)));
         }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let e = Arc::new(Engine::attach(id, req)?);
+        let e = Arc::new(Engine::attach(id, req, self.prefault)?);
         self.engines.write().insert(id, Arc::clone(&e));
         tracing::info!(engine = id, name = %e.name, namespace = %e.namespace_id, "engine attached");
         Ok(e)

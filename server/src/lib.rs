@@ -117,7 +117,8 @@ pub async fn serve(
             tracing::warn!("cannot start the G2 prefault thread: {e}");
         }
     }
-    let engines = engine::Registry::new(config.engines.max_engines, Duration::from_millis(config.engines.lease_ms));
+    let engines = engine::Registry::new(config.engines.max_engines, Duration::from_millis(config.engines.lease_ms))
+        .prefault_memory(config.engines.prefault_memory);
     let http_addr = listeners.http.as_ref().and_then(|l| l.local_addr().ok());
     let recovery_url = if config.router.advertise_url.is_empty() {
         http_addr.filter(|a| !a.ip().is_unspecified()).map(|a| format!("http://{a}"))

@@ -112,6 +112,58 @@ async fn two_engines_hand_over_through_g2_byte_exact() {
     daemon.stop().await;
 }
 
+/// Resident kB of each mapping of `path` in this process (`/proc/self/smaps`).
+fn resident_kib_of(path: &Path) -> Vec<u64> {
+    let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+    let name = path.to_str().unwrap();
+    let mut out = Vec::new();
+    let mut in_map = false;
+    for line in smaps.lines() {
+        let first = line.split_whitespace().next().unwrap_or("");
+        if first.contains('-') && !first.ends_with(':') {
+            // A mapping's header: "start-end perms offset dev inode path".
+            in_map = line.ends_with(name);
+        } else if in_map && let Some(kb) = line.strip_prefix("Rss:") {
+            out.push(kb.trim().trim_end_matches("kB").trim().parse().unwrap());
+        }
+    }
+    out
+}
+
+/// With `engines.prefault_memory` (the default) the daemon maps an engine's region with its
+/// page tables filled at register, so saves and loads take no page faults; without it the
+/// region is mapped on first touch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn register_prefaults_the_engine_region_unless_told_not_to() {
+    for prefault in [true, false] {
+        let d = tempfile::tempdir().unwrap();
+        let mut c = config(d.path());
+        c.engines.prefault_memory = prefault;
+        let socket = c.socket.clone();
+        let l = Listeners::bind(&c).await.unwrap();
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(kvcached::serve(c, l, async move {
+            let _ = rx.await;
+        }));
+        let daemon = InProcess { socket, stop: Some(tx), task };
+        // Sparse and untouched by the engine itself: only the daemon's mapping can be resident.
+        let mem = kv(d.path(), "e", 16);
+        let region_kib = std::fs::metadata(mem.path()).unwrap().len() / 1024;
+        let before = resident_kib_of(mem.path());
+        let e = Client::connect(&daemon.socket).await.unwrap();
+        e.register("e", &ns("m"), &mem).await.unwrap();
+        let after = resident_kib_of(mem.path());
+        assert_eq!(after.len(), before.len() + 1, "the daemon maps the region once");
+        let daemon_rss = after.iter().copied().max().unwrap_or(0);
+        if prefault {
+            assert_eq!(daemon_rss, region_kib, "the whole region is mapped at register");
+        } else {
+            assert_eq!(daemon_rss, 0, "nothing is mapped before it is used");
+        }
+        daemon.stop().await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wrong_layout_namespace_and_requests_get_clear_errors() {
     let d = tempfile::tempdir().unwrap();
