@@ -22,6 +22,8 @@ pub struct SocketBench {
     pub dir: PathBuf,
     /// Throughput calls per block size (each moves [`CALL_BYTES`]).
     pub calls: usize,
+    /// Untimed calls per block size before those (saves of other prompts, loads).
+    pub warmup: usize,
     /// Latency samples per operation.
     pub samples: usize,
     /// The in-process daemon writes through to G3 too.
@@ -169,6 +171,10 @@ async fn throughput(
     // Each call alternates with its baseline copy, so that the machine's drifting memory
     // bandwidth weighs on both alike.
     // Saves: a fresh prompt per call (fresh keys; at steady state the pool evicts).
+    for i in 0..cfg.warmup {
+        let p = prompt(u32::MAX - 1 - i as u32, per_call, tpb);
+        c.save(&p, 0, &save_slots).await.map_err(|e| e.to_string())?;
+    }
     let (mut pool_t, mut save_t) = (Duration::ZERO, Duration::ZERO);
     for i in 0..cfg.calls {
         pool_t += base.pool();
@@ -183,6 +189,9 @@ async fn throughput(
     // Loads: one cached prompt into other slots, again and again.
     let p = prompt(u32::MAX, per_call, tpb);
     c.save(&p, 0, &save_slots).await.map_err(|e| e.to_string())?;
+    for _ in 0..cfg.warmup {
+        c.load_now(&p, 0, &load_slots).await.map_err(|e| e.to_string())?;
+    }
     let (mut hot_t, mut load_t) = (Duration::ZERO, Duration::ZERO);
     for _ in 0..cfg.calls {
         hot_t += base.hot();

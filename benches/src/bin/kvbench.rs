@@ -28,6 +28,10 @@ enum Command {
         /// Throughput calls per block size (32 MiB each).
         #[arg(long, default_value_t = 40)]
         calls: usize,
+        /// Untimed calls per block size before the timed ones (an engine's first saves map its
+        /// memory and the pool's fresh pages; docs/benchmarks.md).
+        #[arg(long, default_value_t = 4)]
+        warmup: usize,
         /// Latency samples per operation.
         #[arg(long, default_value_t = 200)]
         samples: usize,
@@ -43,7 +47,7 @@ enum Command {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let Command::Socket { socket, dir, calls, samples, g3, key_memo_bytes } = cli.command;
+    let Command::Socket { socket, dir, calls, warmup, samples, g3, key_memo_bytes } = cli.command;
     let base = dir.unwrap_or_else(|| {
         let shm = std::path::Path::new("/dev/shm");
         if shm.is_dir() { shm.to_path_buf() } else { std::env::temp_dir() }
@@ -59,6 +63,7 @@ fn main() -> ExitCode {
         socket,
         dir: tmp.path().to_path_buf(),
         calls: calls.max(1),
+        warmup,
         samples: samples.max(1),
         g3,
         key_memo_bytes,
