@@ -339,6 +339,23 @@ impl VllmExporter {
         self.encoding = e;
     }
 
+    /// One message per subscriber that connects from now on (from the socket's monitor), so
+    /// that the publisher can send a newcomer what it already holds: a PUB socket drops what
+    /// was sent before a subscriber joined.
+    pub fn subscriber_joins(&mut self) -> tokio::sync::mpsc::Receiver<()> {
+        use tokio_stream::StreamExt;
+        let mut events = self.sock.monitor();
+        let (tx, rx) = tokio::sync::mpsc::channel(16);
+        tokio::spawn(async move {
+            while let Some(ev) = events.next().await {
+                if matches!(ev, zeromq::SocketEvent::Accepted(..)) && tx.send(()).await.is_err() {
+                    break;
+                }
+            }
+        });
+        rx
+    }
+
     /// Sends one batch (sequence numbers 0, 1, 2, ...).
     pub async fn publish(&mut self, events: Vec<VllmEvent>, dp_rank: Option<i64>) -> Result<u64, RouterError> {
         let ts = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());

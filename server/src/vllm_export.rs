@@ -10,11 +10,18 @@
 //! G3 contents kept across a restart) are not exported: counted in
 //! `kvcached_vllm_export_unknown_total`.
 //!
+//! A PUB socket drops what it sent before a subscriber joined, so a router that starts (or
+//! reconnects) after blocks were stored would never see them. Each time a subscriber connects,
+//! the exporter therefore sends every block it holds a record of, parents before children
+//! (`BlockStored` per tier; counted in `kvcached_vllm_export_snapshots_total`). Subscribers that
+//! were already there receive those events again, which for a `BlockStored` changes nothing.
+//!
 //! Tier notifications arrive under a tier's lock: they only append to a bounded channel
 //! (`try_send`; a full channel drops the event and counts it in
 //! `kvcached_vllm_export_dropped_total`); a task batches and sends.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 use kvproto::{BlockKey, TierKind};
@@ -29,6 +36,12 @@ use crate::error::ServerError;
 const QUEUE: usize = 65_536;
 /// Most events per ZMQ message.
 const BATCH: usize = 512;
+/// How long after a subscriber connects its snapshot goes out: its subscription has to arrive
+/// first (a PUB socket sends a peer nothing before), and subscribers connecting together share
+/// one snapshot.
+const SNAPSHOT_DELAY: Duration = Duration::from_millis(300);
+
+type Origins = Mutex<HashMap<BlockKey, Origin, kvproto::key::BlockKeyBuildHasher>>;
 
 #[derive(Debug)]
 struct Origin {
@@ -42,7 +55,7 @@ struct Origin {
 /// The exporter's state shared with the tier listener.
 #[derive(Debug)]
 pub struct VllmExport {
-    origins: Mutex<HashMap<BlockKey, Origin, kvproto::key::BlockKeyBuildHasher>>,
+    origins: Arc<Origins>,
     tx: mpsc::Sender<VllmEvent>,
     endpoint: String,
     dropped: metrics::Counter,
@@ -58,23 +71,50 @@ impl VllmExport {
         })?;
         let bound = exporter.endpoint().to_string();
         let (tx, mut rx) = mpsc::channel::<VllmEvent>(QUEUE);
+        let origins: Arc<Origins> = Arc::default();
+        let mut joins = exporter.subscriber_joins();
+        let held = Arc::clone(&origins);
+        let snapshots = metrics::counter!("kvcached_vllm_export_snapshots_total");
         tokio::spawn(async move {
             let mut batch = Vec::with_capacity(BATCH);
-            while rx.recv_many(&mut batch, BATCH).await > 0 {
-                // A short pause gathers the rest of a save's events into the same message.
-                tokio::time::sleep(Duration::from_millis(2)).await;
-                let room = BATCH.saturating_sub(batch.len());
-                if room > 0 {
-                    let _ = rx.recv_many(&mut batch, room).await;
-                }
-                if let Err(e) = exporter.publish(std::mem::take(&mut batch), None).await {
-                    tracing::warn!("vLLM event export failed: {e}");
+            loop {
+                tokio::select! {
+                    n = rx.recv_many(&mut batch, BATCH) => {
+                        if n == 0 {
+                            break;
+                        }
+                        // A short pause gathers the rest of a save's events into the same message.
+                        tokio::time::sleep(Duration::from_millis(2)).await;
+                        let room = BATCH.saturating_sub(batch.len());
+                        if room > 0 {
+                            let _ = rx.recv_many(&mut batch, room).await;
+                        }
+                        if let Err(e) = exporter.publish(std::mem::take(&mut batch), None).await {
+                            tracing::warn!("vLLM event export failed: {e}");
+                        }
+                    }
+                    Some(()) = joins.recv() => {
+                        tokio::time::sleep(SNAPSHOT_DELAY).await;
+                        while joins.try_recv().is_ok() {}
+                        let events = snapshot(&held);
+                        let n = events.len();
+                        let mut events = events.into_iter().peekable();
+                        while events.peek().is_some() {
+                            let chunk: Vec<VllmEvent> = events.by_ref().take(BATCH).collect();
+                            if let Err(e) = exporter.publish(chunk, None).await {
+                                tracing::warn!("vLLM event export failed: {e}");
+                                break;
+                            }
+                        }
+                        snapshots.increment(1);
+                        tracing::info!(events = n, "a subscriber joined: sent it the blocks held");
+                    }
                 }
             }
         });
         tracing::info!(endpoint = %bound, "exporting tier events in vLLM's format");
         Ok(Self {
-            origins: Mutex::new(HashMap::default()),
+            origins,
             tx,
             endpoint: bound,
             dropped: metrics::counter!("kvcached_vllm_export_dropped_total"),
@@ -168,5 +208,115 @@ impl VllmExport {
     /// Blocks with a record (held by some tier, or being saved).
     pub fn records(&self) -> usize {
         self.origins.lock().len()
+    }
+}
+
+/// `BlockStored` for every block with a record and each tier holding it, parents before
+/// children (a consumer links a block to its parent by hash).
+fn snapshot(origins: &Origins) -> Vec<VllmEvent> {
+    struct Held {
+        hash: u64,
+        parent: Option<u64>,
+        tokens: Box<[u32]>,
+        tiers: u8,
+    }
+    let held: Vec<Held> = origins
+        .lock()
+        .values()
+        .filter(|o| o.tiers != 0)
+        .map(|o| Held { hash: o.hash, parent: o.parent, tokens: o.tokens.clone(), tiers: o.tiers })
+        .collect();
+    // Depth of each block along the parents that are themselves held; iterative, as chains run
+    // to thousands of blocks.
+    let parent_of: HashMap<u64, Option<u64>> = held.iter().map(|h| (h.hash, h.parent)).collect();
+    let mut depth: HashMap<u64, usize> = HashMap::with_capacity(held.len());
+    for h in &held {
+        let mut path = Vec::new();
+        let mut at = h.hash;
+        let base = loop {
+            if let Some(&d) = depth.get(&at) {
+                break d + 1;
+            }
+            path.push(at);
+            match parent_of.get(&at).copied().flatten() {
+                // The length bound stops a cycle (possible only through a hash collision).
+                Some(p) if parent_of.contains_key(&p) && path.len() <= parent_of.len() => at = p,
+                _ => break 0,
+            }
+        };
+        for (i, k) in path.iter().rev().enumerate() {
+            depth.insert(*k, base + i);
+        }
+    }
+    let mut held = held;
+    held.sort_by_key(|h| depth.get(&h.hash).copied().unwrap_or(0));
+    let mut events = Vec::with_capacity(held.len());
+    for h in held {
+        for tier in TierKind::ALL.iter().filter(|t| h.tiers & (1 << t.index()) != 0) {
+            events.push(VllmEvent::BlockStored {
+                block_hashes: vec![ExtHash::Int(i128::from(h.hash))],
+                parent_block_hash: h.parent.map(|p| ExtHash::Int(i128::from(p))),
+                token_ids: h.tokens.to_vec(),
+                block_size: h.tokens.len() as u32,
+                lora_id: None,
+                medium: Some(medium_of(*tier).to_string()),
+            });
+        }
+    }
+    events
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    fn key(i: u8) -> BlockKey {
+        BlockKey([i; 16])
+    }
+
+    #[test]
+    fn a_snapshot_sends_parents_before_children_once_per_tier() {
+        let origins: Origins = Mutex::new(HashMap::default());
+        // Chain 10 -> 11 -> ... -> 14 (hash = 10 + i), recorded children first; 11 is in G2 and
+        // G3. A second, one-block chain 50; a record no tier holds (60) is left out.
+        {
+            let mut o = origins.lock();
+            for i in (0..5u8).rev() {
+                let parent = (i > 0).then(|| 10 + u64::from(i) - 1);
+                let tiers = if i == 1 { 0b110 } else { 0b010 };
+                o.insert(
+                    key(i),
+                    Origin { hash: 10 + u64::from(i), parent, tokens: vec![u32::from(i); 16].into(), tiers },
+                );
+            }
+            o.insert(key(50), Origin { hash: 50, parent: Some(49), tokens: vec![5; 16].into(), tiers: 0b010 });
+            o.insert(key(60), Origin { hash: 60, parent: None, tokens: vec![6; 16].into(), tiers: 0 });
+        }
+        let events = snapshot(&origins);
+        let stored: Vec<(u64, Option<u64>, String)> = events
+            .iter()
+            .map(|e| match e {
+                VllmEvent::BlockStored { block_hashes, parent_block_hash, medium, .. } => {
+                    let h = |x: &ExtHash| match x {
+                        ExtHash::Int(v) => *v as u64,
+                        other => panic!("unexpected hash {other:?}"),
+                    };
+                    (h(&block_hashes[0]), parent_block_hash.as_ref().map(h), medium.clone().unwrap_or_default())
+                }
+                other => panic!("unexpected event {other:?}"),
+            })
+            .collect();
+        assert_eq!(stored.len(), 7, "{stored:?}");
+        for (at, (hash, parent, _)) in stored.iter().enumerate() {
+            if let Some(p) = parent.filter(|p| (10..15).contains(p)) {
+                let parent_at = stored.iter().position(|(h, _, _)| *h == p).unwrap();
+                assert!(parent_at < at, "{hash} before its parent {p}: {stored:?}");
+            }
+        }
+        let media: Vec<&str> = stored.iter().filter(|(h, _, _)| *h == 11).map(|(_, _, m)| m.as_str()).collect();
+        assert_eq!(media.len(), 2);
+        assert!(media.contains(&medium_of(TierKind::G2Host)) && media.contains(&medium_of(TierKind::G3Disk)));
+        assert!(!stored.iter().any(|(h, _, _)| *h == 60));
     }
 }

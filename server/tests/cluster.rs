@@ -335,6 +335,63 @@ fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
+/// A router that subscribes to the export after blocks were stored (started late, or
+/// reconnecting) is sent what the daemon holds: a PUB socket alone would never send it those.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_router_subscribing_late_to_the_vllm_export_is_sent_what_the_daemon_holds() {
+    let http = reqwest::Client::builder().pool_max_idle_per_host(0).build().unwrap();
+    let d = tempfile::tempdir().unwrap();
+    let endpoint = format!("tcp://127.0.0.1:{}", free_port());
+    let daemon = spawn_daemon_with(d.path(), &format!("vllm_export = \"{endpoint}\"\n"));
+    let (c, _mem) = engine(d.path(), "http://v:8000").await;
+    let p = prompt(9, 24);
+    assert_eq!(c.save(&p, 0, &(0..24).collect::<Vec<_>>()).await.unwrap().stored, 24);
+    // The save's events have gone out (to nobody) well before a router subscribes.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let config: RouterConfig = toml::from_str(&format!(
+        r#"
+seed = 1
+[health]
+default_report_interval_ms = 200
+[[namespaces]]
+name = "m-vllm"
+model_id = "cluster/model"
+num_layers = 2
+kv_heads = 2
+head_dim = 64
+dtype = "bf16"
+tokens_per_block = 16
+key_scheme = "dynamo-xxh3-1337"
+[[vllm_sources]]
+endpoint = "{endpoint}"
+worker = "node-v/gpu0"
+node = "node-v"
+namespace = "m-vllm"
+address = "http://v:8000"
+"#
+    ))
+    .unwrap();
+    let router = start_router_with("127.0.0.1:0", config).await;
+    let t0 = Instant::now();
+    loop {
+        let r = http
+            .post(format!("{}/route", router.base))
+            .json(&json!({"namespace": "m-vllm", "tokens": p}))
+            .send()
+            .await
+            .unwrap();
+        let v = r.json::<Value>().await.unwrap_or(Value::Null);
+        if cached(&v) == [0, 24, 0, 0] {
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(10), "the late subscriber never saw the held blocks: {v}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    drop(c);
+    signal_and_wait(daemon, libc::SIGTERM);
+    router.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_router_reading_vllm_events_sees_the_daemons_g2_through_its_export() {
     let http = reqwest::Client::builder().pool_max_idle_per_host(0).build().unwrap();
