@@ -11,6 +11,7 @@
 //! - [`http`]: `/metrics`, `/healthz`, and the event replay / snapshot routes for routers.
 //! - [`reports`]: hit reports to kvrouter (tier events, G1 from engines, load, outcomes).
 //! - [`vllm_export`]: the tiers' events in vLLM's ZMQ wire format, for routers that read those.
+//! - `vllm_origins`: the export's records of G3 blocks, kept in a file across restarts.
 //! - [`error`]: the [`ServerError`] enum.
 //! - [`demo`]: two engines handing blocks over through a running daemon.
 
@@ -24,6 +25,7 @@ pub mod key_memo;
 pub mod reports;
 pub mod service;
 pub mod vllm_export;
+mod vllm_origins;
 
 use std::future::Future;
 use std::os::unix::fs::PermissionsExt;
@@ -129,7 +131,12 @@ pub async fn serve(
         None
     } else {
         Some(Arc::new(
-            vllm_export::VllmExport::start(&config.router.vllm_export, &config.router.vllm_export_topic).await?,
+            vllm_export::VllmExport::start(
+                &config.router.vllm_export,
+                &config.router.vllm_export_topic,
+                config.g3.enabled.then(|| config.g3.dir.join("vllm-origins.log")),
+            )
+            .await?,
         ))
     };
     let reports = Arc::new(reports::Reports::start(&config.router, recovery_url, Arc::clone(&store), vllm));
@@ -137,6 +144,9 @@ pub async fn serve(
         store.set_listener(Arc::clone(&reports) as Arc<dyn kvtiers::TierListener>);
         let n = reports.announce(&store);
         tracing::info!(blocks = n, "announced the blocks kept across the restart");
+    }
+    if let Some(v) = reports.vllm() {
+        v.start_log();
     }
     let daemon = Arc::new(daemon::Daemon::new(
         Arc::clone(&store),

@@ -133,7 +133,7 @@ impl Reports {
 
     /// Announces every block the tiers below G2 kept across a restart (G2 starts empty).
     pub fn announce(&self, store: &BlockStore) -> usize {
-        if !self.enabled() {
+        if !self.listening() {
             return 0;
         }
         let mut n = 0;

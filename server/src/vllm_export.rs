@@ -6,9 +6,10 @@
 //! vLLM events carry the blocks' tokens and hashes derived from them, which our 128-bit keys do
 //! not reveal. So a save records, for each block it stores, its Dynamo hash, its parent's, and
 //! its tokens ([`VllmExport::note_save`]); the tier notifications then turn into events. The
-//! record of a block lives while some tier holds it. Blocks this daemon did not see saved (the
-//! G3 contents kept across a restart) are not exported: counted in
-//! `kvcached_vllm_export_unknown_total`.
+//! record of a block lives while some tier holds it. The records of G3's blocks are also kept in
+//! a file next to G3 ([`crate::vllm_origins`]), so the blocks G3 keeps across a restart are
+//! exported again; a block with no record (saved by a daemon without the export, or whose record
+//! a crash lost) is not exported: counted in `kvcached_vllm_export_unknown_total`.
 //!
 //! A PUB socket drops what it sent before a subscriber joined, so a router that starts (or
 //! reconnects) after blocks were stored would never see them. Each time a subscriber connects,
@@ -21,7 +22,8 @@
 //! `kvcached_vllm_export_dropped_total`); a task batches and sends.
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::path::PathBuf;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use kvproto::{BlockKey, TierKind};
@@ -31,6 +33,7 @@ use parking_lot::Mutex;
 use tokio::sync::mpsc;
 
 use crate::error::ServerError;
+use crate::vllm_origins::{self, OriginLog};
 
 /// Events waiting for the sending task.
 const QUEUE: usize = 65_536;
@@ -41,21 +44,25 @@ const BATCH: usize = 512;
 /// one snapshot.
 const SNAPSHOT_DELAY: Duration = Duration::from_millis(300);
 
-type Origins = Mutex<HashMap<BlockKey, Origin, kvproto::key::BlockKeyBuildHasher>>;
+pub(crate) type Origins = Mutex<HashMap<BlockKey, Origin, kvproto::key::BlockKeyBuildHasher>>;
 
 #[derive(Debug)]
-struct Origin {
-    hash: u64,
-    parent: Option<u64>,
-    tokens: Box<[u32]>,
+pub(crate) struct Origin {
+    pub hash: u64,
+    pub parent: Option<u64>,
+    pub tokens: Box<[u32]>,
     /// Tiers holding the block (bit per `TierKind::index`).
-    tiers: u8,
+    pub tiers: u8,
 }
 
 /// The exporter's state shared with the tier listener.
 #[derive(Debug)]
 pub struct VllmExport {
     origins: Arc<Origins>,
+    /// Where the records of G3's blocks are kept across restarts (none without G3), and its
+    /// writer once started ([`VllmExport::start_log`]).
+    log_path: Option<PathBuf>,
+    log: OnceLock<OriginLog>,
     tx: mpsc::Sender<VllmEvent>,
     endpoint: String,
     dropped: metrics::Counter,
@@ -64,14 +71,23 @@ pub struct VllmExport {
 
 impl VllmExport {
     /// Binds the PUB socket at `endpoint` (e.g. `tcp://0.0.0.0:5557`) and starts the sending
-    /// task on the current runtime.
-    pub async fn start(endpoint: &str, topic: &str) -> Result<Self, ServerError> {
+    /// task on the current runtime. With `log_path` (next to G3), the records of the blocks G3
+    /// kept across a restart are read back: those G3 still holds are exported again once it
+    /// announces them; call [`VllmExport::start_log`] after that.
+    pub async fn start(endpoint: &str, topic: &str, log_path: Option<PathBuf>) -> Result<Self, ServerError> {
         let mut exporter = VllmExporter::bind(endpoint, topic, Encoding::Tuple).await.map_err(|e| {
             ServerError::Config { field: "router.vllm_export".into(), reason: format!("cannot bind {endpoint}: {e}") }
         })?;
         let bound = exporter.endpoint().to_string();
         let (tx, mut rx) = mpsc::channel::<VllmEvent>(QUEUE);
         let origins: Arc<Origins> = Arc::default();
+        if let Some(path) = &log_path {
+            let records = vllm_origins::load(path);
+            let mut o = origins.lock();
+            for r in records {
+                o.entry(r.key).or_insert(Origin { hash: r.hash, parent: r.parent, tokens: r.tokens, tiers: 0 });
+            }
+        }
         let mut joins = exporter.subscriber_joins();
         let held = Arc::clone(&origins);
         let snapshots = metrics::counter!("kvcached_vllm_export_snapshots_total");
@@ -83,11 +99,13 @@ impl VllmExport {
                         if n == 0 {
                             break;
                         }
-                        // A short pause gathers the rest of a save's events into the same message.
+                        // A short pause gathers the rest of a save's events into the same message
+                        // (only what is there by then: waiting for more would hold this batch
+                        // until the next event, however late).
                         tokio::time::sleep(Duration::from_millis(2)).await;
-                        let room = BATCH.saturating_sub(batch.len());
-                        if room > 0 {
-                            let _ = rx.recv_many(&mut batch, room).await;
+                        while batch.len() < BATCH {
+                            let Ok(ev) = rx.try_recv() else { break };
+                            batch.push(ev);
                         }
                         if let Err(e) = exporter.publish(std::mem::take(&mut batch), None).await {
                             tracing::warn!("vLLM event export failed: {e}");
@@ -115,6 +133,8 @@ impl VllmExport {
         tracing::info!(endpoint = %bound, "exporting tier events in vLLM's format");
         Ok(Self {
             origins,
+            log_path,
+            log: OnceLock::new(),
             tx,
             endpoint: bound,
             dropped: metrics::counter!("kvcached_vllm_export_dropped_total"),
@@ -125,6 +145,23 @@ impl VllmExport {
     /// The bound endpoint.
     pub fn endpoint(&self) -> &str {
         &self.endpoint
+    }
+
+    /// Once G3's blocks are announced: forgets the records read back for blocks G3 no longer
+    /// holds, rewrites the log with the rest and starts appending to it. A log that cannot be
+    /// written is logged; the export itself goes on.
+    pub fn start_log(&self) {
+        let Some(path) = &self.log_path else { return };
+        self.origins.lock().retain(|_, o| o.tiers != 0);
+        match OriginLog::start(path.clone(), Arc::clone(&self.origins)) {
+            Ok(log) => {
+                let _ = self.log.set(log);
+            }
+            Err(e) => tracing::warn!(
+                path = %path.display(),
+                "cannot keep the vLLM export's G3 records: {e}; G3 blocks will not be exported after a restart"
+            ),
+        }
     }
 
     /// Records the Dynamo hashes and tokens of blocks `keys[first..end]` of `tokens` (whole
@@ -171,7 +208,14 @@ impl VllmExport {
             self.unknown.increment(1);
             return;
         };
-        o.tiers |= 1 << tier.index();
+        let bit = 1 << tier.index();
+        if tier == TierKind::G3Disk
+            && o.tiers & bit == 0
+            && let Some(log) = self.log.get()
+        {
+            log.append(*key, o);
+        }
+        o.tiers |= bit;
         let ev = VllmEvent::BlockStored {
             block_hashes: vec![ExtHash::Int(i128::from(o.hash))],
             parent_block_hash: o.parent.map(|p| ExtHash::Int(i128::from(p))),

@@ -392,6 +392,66 @@ address = "http://v:8000"
     router.stop().await;
 }
 
+/// The export's records of G3 blocks survive a daemon restart: a router subscribing to the
+/// restarted daemon is sent the blocks G3 kept, as the node's G3 (`DISK`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_vllm_export_still_exports_what_g3_kept_across_a_restart() {
+    let http = reqwest::Client::builder().pool_max_idle_per_host(0).build().unwrap();
+    let d = tempfile::tempdir().unwrap();
+    let endpoint = format!("tcp://127.0.0.1:{}", free_port());
+    let section = format!("vllm_export = \"{endpoint}\"\n");
+    let daemon = spawn_daemon_with(d.path(), &section);
+    let (c, _mem) = engine(d.path(), "http://v:8000").await;
+    let p = prompt(11, 24);
+    assert_eq!(c.save(&p, 0, &(0..24).collect::<Vec<_>>()).await.unwrap().stored, 24);
+    drop(c);
+    // SIGTERM drains the write-through to G3; G2 starts empty after the restart.
+    signal_and_wait(daemon, libc::SIGTERM);
+    assert!(d.path().join("g3/vllm-origins.log").is_file());
+    let daemon = spawn_daemon_with(d.path(), &section);
+    let config: RouterConfig = toml::from_str(&format!(
+        r#"
+seed = 1
+[health]
+default_report_interval_ms = 200
+[[namespaces]]
+name = "m-vllm"
+model_id = "cluster/model"
+num_layers = 2
+kv_heads = 2
+head_dim = 64
+dtype = "bf16"
+tokens_per_block = 16
+key_scheme = "dynamo-xxh3-1337"
+[[vllm_sources]]
+endpoint = "{endpoint}"
+worker = "node-v/gpu0"
+node = "node-v"
+namespace = "m-vllm"
+address = "http://v:8000"
+"#
+    ))
+    .unwrap();
+    let router = start_router_with("127.0.0.1:0", config).await;
+    let t0 = Instant::now();
+    loop {
+        let r = http
+            .post(format!("{}/route", router.base))
+            .json(&json!({"namespace": "m-vllm", "tokens": p}))
+            .send()
+            .await
+            .unwrap();
+        let v = r.json::<Value>().await.unwrap_or(Value::Null);
+        if cached(&v) == [0, 0, 24, 0] {
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(10), "G3's blocks were not exported after the restart: {v}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    signal_and_wait(daemon, libc::SIGTERM);
+    router.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_router_reading_vllm_events_sees_the_daemons_g2_through_its_export() {
     let http = reqwest::Client::builder().pool_max_idle_per_host(0).build().unwrap();

@@ -1,0 +1,218 @@
+//! The records of the blocks in G3 that the vLLM-format export needs (Dynamo hash, parent hash,
+//! tokens: nothing our 128-bit keys reveal), kept in a file next to G3 so that a restarted
+//! daemon still exports the blocks G3 kept.
+//!
+//! `<g3.dir>/vllm-origins.log` is a sequence of records, each `[body length: u32 LE]
+//! [XXH3-64 of the body: u64 LE][body]`, body = block key (16 bytes), hash (u64 LE), 1 if a
+//! parent hash follows else 0, parent hash (u64 LE), token count (u32 LE), tokens (u32 LE each).
+//! A record is appended (thread `kv-vllm-origins`, fed by a bounded channel) when G3 takes a
+//! block with a record; nothing is written when it leaves. At start the file is read up to the
+//! first record that is incomplete or fails its checksum (a crash's torn tail), and rewritten
+//! with only the blocks G3 still holds; it is rewritten the same way while running once it has
+//! grown to four times its last rewrite. No fsync: a record lost in a crash is a block that is
+//! not exported after the restart (counted in `kvcached_vllm_export_unknown_total`), never a
+//! wrong one.
+
+use std::fs::{File, OpenOptions};
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
+
+use kvproto::{BlockKey, TierKind};
+
+use crate::vllm_export::{Origin, Origins};
+
+/// Records that may wait for the writer; more are counted and not persisted.
+const QUEUE: usize = 65_536;
+/// The file is rewritten once it passes this many bytes and four times its last rewrite.
+const MIN_REWRITE_BYTES: u64 = 64 << 20;
+/// Bytes of a record besides its tokens.
+const FIXED: usize = 16 + 8 + 1 + 8 + 4;
+
+/// One record: the block and its origin.
+pub(crate) struct Record {
+    pub key: BlockKey,
+    pub hash: u64,
+    pub parent: Option<u64>,
+    pub tokens: Box<[u32]>,
+}
+
+fn encode(r: &Record, out: &mut Vec<u8>) {
+    let mut body = Vec::with_capacity(FIXED + 4 * r.tokens.len());
+    body.extend_from_slice(&r.key.0);
+    body.extend_from_slice(&r.hash.to_le_bytes());
+    body.push(u8::from(r.parent.is_some()));
+    body.extend_from_slice(&r.parent.unwrap_or(0).to_le_bytes());
+    body.extend_from_slice(&(r.tokens.len() as u32).to_le_bytes());
+    for t in r.tokens.iter() {
+        body.extend_from_slice(&t.to_le_bytes());
+    }
+    out.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    out.extend_from_slice(&xxhash_rust::xxh3::xxh3_64(&body).to_le_bytes());
+    out.extend_from_slice(&body);
+}
+
+fn u32_at(b: &[u8], at: usize) -> Option<u32> {
+    Some(u32::from_le_bytes(b.get(at..at + 4)?.try_into().ok()?))
+}
+
+fn u64_at(b: &[u8], at: usize) -> Option<u64> {
+    Some(u64::from_le_bytes(b.get(at..at + 8)?.try_into().ok()?))
+}
+
+fn decode_body(b: &[u8]) -> Option<Record> {
+    let key = BlockKey(b.get(..16)?.try_into().ok()?);
+    let hash = u64_at(b, 16)?;
+    let parent = match *b.get(24)? {
+        0 => None,
+        1 => Some(u64_at(b, 25)?),
+        _ => return None,
+    };
+    let n = u32_at(b, 33)? as usize;
+    if b.len() != FIXED + 4 * n {
+        return None;
+    }
+    let tokens = b[FIXED..].chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+    Some(Record { key, hash, parent, tokens })
+}
+
+/// The records of `data` up to the first one that is incomplete or damaged.
+pub(crate) fn decode_all(data: &[u8]) -> Vec<Record> {
+    let mut out = Vec::new();
+    let mut at = 0;
+    while let (Some(len), Some(sum)) = (u32_at(data, at), u64_at(data, at + 4)) {
+        let Some(body) = data.get(at + 12..at + 12 + len as usize) else { break };
+        if xxhash_rust::xxh3::xxh3_64(body) != sum {
+            break;
+        }
+        let Some(r) = decode_body(body) else { break };
+        out.push(r);
+        at += 12 + len as usize;
+    }
+    out
+}
+
+/// Reads the log at `path` (none: no records).
+pub(crate) fn load(path: &Path) -> Vec<Record> {
+    match std::fs::read(path) {
+        Ok(data) => decode_all(&data),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+        Err(e) => {
+            tracing::warn!(path = %path.display(), "cannot read the vLLM export's G3 records: {e}");
+            Vec::new()
+        }
+    }
+}
+
+/// The writer of the log.
+#[derive(Debug)]
+pub(crate) struct OriginLog {
+    tx: SyncSender<Record>,
+    unpersisted: metrics::Counter,
+}
+
+fn g3_bit() -> u8 {
+    1 << TierKind::G3Disk.index()
+}
+
+/// Writes the records of every block G3 holds to `path` (through a temporary file and a
+/// rename, so a crash leaves the old log or the new one). Returns the bytes written.
+fn rewrite(path: &Path, origins: &Origins) -> std::io::Result<(File, u64)> {
+    let mut data = Vec::new();
+    {
+        let origins = origins.lock();
+        for (key, o) in origins.iter().filter(|(_, o)| o.tiers & g3_bit() != 0) {
+            encode(&Record { key: *key, hash: o.hash, parent: o.parent, tokens: o.tokens.clone() }, &mut data);
+        }
+    }
+    let tmp = path.with_extension("log.tmp");
+    std::fs::write(&tmp, &data)?;
+    std::fs::rename(&tmp, path)?;
+    let file = OpenOptions::new().append(true).open(path)?;
+    Ok((file, data.len() as u64))
+}
+
+impl OriginLog {
+    /// Rewrites the log at `path` with the blocks G3 holds now and starts its writer.
+    pub(crate) fn start(path: PathBuf, origins: Arc<Origins>) -> std::io::Result<Self> {
+        let (file, written) = rewrite(&path, &origins)?;
+        let (tx, rx) = sync_channel::<Record>(QUEUE);
+        std::thread::Builder::new().name("kv-vllm-origins".into()).spawn(move || {
+            write_loop(&path, &origins, rx, file, written);
+        })?;
+        Ok(Self { tx, unpersisted: metrics::counter!("kvcached_vllm_export_unpersisted_total") })
+    }
+
+    /// Queues the record of a block G3 now holds (never blocks: a full queue is counted).
+    pub(crate) fn append(&self, key: BlockKey, o: &Origin) {
+        let r = Record { key, hash: o.hash, parent: o.parent, tokens: o.tokens.clone() };
+        if let Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) = self.tx.try_send(r) {
+            self.unpersisted.increment(1);
+        }
+    }
+}
+
+fn write_loop(path: &Path, origins: &Origins, rx: Receiver<Record>, file: File, mut rewritten: u64) {
+    let mut out = BufWriter::new(file);
+    let mut size = rewritten;
+    let mut buf = Vec::new();
+    let mut failed = false;
+    while let Ok(first) = rx.recv() {
+        buf.clear();
+        encode(&first, &mut buf);
+        while let Ok(r) = rx.try_recv() {
+            encode(&r, &mut buf);
+        }
+        let wrote = out.write_all(&buf).and_then(|_| out.flush());
+        match wrote {
+            Ok(()) => size += buf.len() as u64,
+            Err(e) => {
+                if !failed {
+                    tracing::warn!(path = %path.display(), "cannot append to the vLLM export's G3 records: {e}");
+                }
+                failed = true;
+            }
+        }
+        if size > MIN_REWRITE_BYTES && size > 4 * rewritten {
+            match rewrite(path, origins) {
+                Ok((file, n)) => {
+                    out = BufWriter::new(file);
+                    (size, rewritten, failed) = (n, n, false);
+                }
+                Err(e) => tracing::warn!(path = %path.display(), "cannot rewrite the vLLM export's G3 records: {e}"),
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn records_round_trip_and_a_damaged_tail_is_dropped() {
+        let recs = [
+            Record { key: BlockKey([1; 16]), hash: 7, parent: None, tokens: vec![1, 2, 3].into() },
+            Record { key: BlockKey([2; 16]), hash: 8, parent: Some(7), tokens: vec![u32::MAX; 16].into() },
+            Record { key: BlockKey([3; 16]), hash: 9, parent: Some(8), tokens: Vec::new().into() },
+        ];
+        let mut data = Vec::new();
+        for r in &recs {
+            encode(r, &mut data);
+        }
+        let back = decode_all(&data);
+        assert_eq!(back.len(), 3);
+        for (a, b) in recs.iter().zip(&back) {
+            assert_eq!((a.key, a.hash, a.parent, &a.tokens), (b.key, b.hash, b.parent, &b.tokens));
+        }
+        // A torn last record, then a flipped byte in the second: only what precedes survives.
+        assert_eq!(decode_all(&data[..data.len() - 1]).len(), 2);
+        let mut bad = data.clone();
+        let second = 12 + FIXED + 12 + 3 * 4 + 5;
+        bad[second] ^= 1;
+        assert_eq!(decode_all(&bad).len(), 1);
+        assert!(decode_all(&[]).is_empty());
+    }
+}
