@@ -234,6 +234,10 @@ pub async fn serve(
         if let Err(e) = d.store.flush() {
             tracing::warn!("flush at shutdown failed: {e}");
         }
+        // The write-through just stored blocks in G3: their export records go to the log too.
+        if let Some(v) = d.reports.vllm() {
+            v.flush_log(Duration::from_secs(5));
+        }
         // Unlink the pool now: a background thread (the prefault) may still hold the tier when
         // the process exits, and then its drop, which unlinks it too, never runs.
         let _ = std::fs::remove_file(d.store.g2().shm_path());

@@ -14,8 +14,9 @@
 //! A PUB socket drops what it sent before a subscriber joined, so a router that starts (or
 //! reconnects) after blocks were stored would never see them. Each time a subscriber connects,
 //! the exporter therefore sends every block it holds a record of, parents before children
-//! (`BlockStored` per tier; counted in `kvcached_vllm_export_snapshots_total`). Subscribers that
-//! were already there receive those events again, which for a `BlockStored` changes nothing.
+//! (`BlockStored` per tier; counted in `kvcached_vllm_export_snapshots_total`), paced so that the
+//! socket does not drop it. Subscribers that were already there receive those events again,
+//! which for a `BlockStored` changes nothing.
 //!
 //! Tier notifications arrive under a tier's lock: they only append to a bounded channel
 //! (`try_send`; a full channel drops the event and counts it in
@@ -43,6 +44,10 @@ const BATCH: usize = 512;
 /// first (a PUB socket sends a peer nothing before), and subscribers connecting together share
 /// one snapshot.
 const SNAPSHOT_DELAY: Duration = Duration::from_millis(300);
+/// Events per snapshot message, and the pause between two: ~64k events/s (~20 MB/s of 16-token
+/// blocks), which a subscriber's socket drains without the PUB socket dropping messages.
+const SNAPSHOT_CHUNK: usize = 64;
+const SNAPSHOT_PACE: Duration = Duration::from_millis(1);
 
 pub(crate) type Origins = Mutex<HashMap<BlockKey, Origin, kvproto::key::BlockKeyBuildHasher>>;
 
@@ -50,7 +55,8 @@ pub(crate) type Origins = Mutex<HashMap<BlockKey, Origin, kvproto::key::BlockKey
 pub(crate) struct Origin {
     pub hash: u64,
     pub parent: Option<u64>,
-    pub tokens: Box<[u32]>,
+    /// Shared, so that a snapshot or a log record takes it without copying.
+    pub tokens: Arc<[u32]>,
     /// Tiers holding the block (bit per `TierKind::index`).
     pub tiers: u8,
 }
@@ -79,7 +85,7 @@ impl VllmExport {
             ServerError::Config { field: "router.vllm_export".into(), reason: format!("cannot bind {endpoint}: {e}") }
         })?;
         let bound = exporter.endpoint().to_string();
-        let (tx, mut rx) = mpsc::channel::<VllmEvent>(QUEUE);
+        let (tx, rx) = mpsc::channel::<VllmEvent>(QUEUE);
         let origins: Arc<Origins> = Arc::default();
         if let Some(path) = &log_path {
             let records = vllm_origins::load(path);
@@ -88,48 +94,8 @@ impl VllmExport {
                 o.entry(r.key).or_insert(Origin { hash: r.hash, parent: r.parent, tokens: r.tokens, tiers: 0 });
             }
         }
-        let mut joins = exporter.subscriber_joins();
-        let held = Arc::clone(&origins);
-        let snapshots = metrics::counter!("kvcached_vllm_export_snapshots_total");
-        tokio::spawn(async move {
-            let mut batch = Vec::with_capacity(BATCH);
-            loop {
-                tokio::select! {
-                    n = rx.recv_many(&mut batch, BATCH) => {
-                        if n == 0 {
-                            break;
-                        }
-                        // A short pause gathers the rest of a save's events into the same message
-                        // (only what is there by then: waiting for more would hold this batch
-                        // until the next event, however late).
-                        tokio::time::sleep(Duration::from_millis(2)).await;
-                        while batch.len() < BATCH {
-                            let Ok(ev) = rx.try_recv() else { break };
-                            batch.push(ev);
-                        }
-                        if let Err(e) = exporter.publish(std::mem::take(&mut batch), None).await {
-                            tracing::warn!("vLLM event export failed: {e}");
-                        }
-                    }
-                    Some(()) = joins.recv() => {
-                        tokio::time::sleep(SNAPSHOT_DELAY).await;
-                        while joins.try_recv().is_ok() {}
-                        let events = snapshot(&held);
-                        let n = events.len();
-                        let mut events = events.into_iter().peekable();
-                        while events.peek().is_some() {
-                            let chunk: Vec<VllmEvent> = events.by_ref().take(BATCH).collect();
-                            if let Err(e) = exporter.publish(chunk, None).await {
-                                tracing::warn!("vLLM event export failed: {e}");
-                                break;
-                            }
-                        }
-                        snapshots.increment(1);
-                        tracing::info!(events = n, "a subscriber joined: sent it the blocks held");
-                    }
-                }
-            }
-        });
+        let joins = exporter.subscriber_joins();
+        tokio::spawn(send_loop(exporter, rx, joins, Arc::clone(&origins)));
         tracing::info!(endpoint = %bound, "exporting tier events in vLLM's format");
         Ok(Self {
             origins,
@@ -145,6 +111,16 @@ impl VllmExport {
     /// The bound endpoint.
     pub fn endpoint(&self) -> &str {
         &self.endpoint
+    }
+
+    /// Waits until the records of G3's blocks queued so far are in the log (at shutdown, after
+    /// the write-through has drained into G3).
+    pub fn flush_log(&self, timeout: Duration) {
+        if let Some(log) = self.log.get()
+            && !log.flush(timeout)
+        {
+            tracing::warn!("the vLLM export's G3 records were not all written at shutdown");
+        }
     }
 
     /// Once G3's blocks are announced: forgets the records read back for blocks G3 no longer
@@ -255,20 +231,102 @@ impl VllmExport {
     }
 }
 
+/// Sends the tiers' events as they come and, for each subscriber that joins, a snapshot of the
+/// held blocks: built on a blocking thread, sent in small chunks at a bounded pace between live
+/// batches (a PUB socket drops what a peer's queue cannot take, and a burst would crowd out the
+/// live events of the subscribers already there). One snapshot at a time: subscribers joining
+/// while one is built or sent get one more afterwards.
+async fn send_loop(
+    mut exporter: VllmExporter,
+    mut rx: mpsc::Receiver<VllmEvent>,
+    mut joins: mpsc::Receiver<()>,
+    held: Arc<Origins>,
+) {
+    let snapshots = metrics::counter!("kvcached_vllm_export_snapshots_total");
+    let mut batch = Vec::with_capacity(BATCH);
+    let mut building: Option<tokio::task::JoinHandle<Vec<VllmEvent>>> = None;
+    let mut pending: std::collections::VecDeque<Vec<VllmEvent>> = std::collections::VecDeque::new();
+    let mut again = false;
+    let mut pace = tokio::time::interval(SNAPSHOT_PACE);
+    pace.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let build = |held: &Arc<Origins>| {
+        let held = Arc::clone(held);
+        tokio::spawn(async move {
+            tokio::time::sleep(SNAPSHOT_DELAY).await;
+            tokio::task::spawn_blocking(move || snapshot(&held)).await.unwrap_or_default()
+        })
+    };
+    loop {
+        tokio::select! {
+            n = rx.recv_many(&mut batch, BATCH) => {
+                if n == 0 {
+                    break;
+                }
+                // A short pause gathers the rest of a save's events into the same message (only
+                // what is there by then: waiting for more would hold this batch until the next
+                // event, however late).
+                tokio::time::sleep(Duration::from_millis(2)).await;
+                while batch.len() < BATCH {
+                    let Ok(ev) = rx.try_recv() else { break };
+                    batch.push(ev);
+                }
+                if let Err(e) = exporter.publish(std::mem::take(&mut batch), None).await {
+                    tracing::warn!("vLLM event export failed: {e}");
+                }
+            }
+            Some(()) = joins.recv() => {
+                while joins.try_recv().is_ok() {}
+                if building.is_some() || !pending.is_empty() {
+                    again = true;
+                } else {
+                    building = Some(build(&held));
+                }
+            }
+            built = async {
+                match building.as_mut() {
+                    Some(h) => h.await.unwrap_or_default(),
+                    None => std::future::pending().await,
+                }
+            }, if building.is_some() => {
+                building = None;
+                snapshots.increment(1);
+                tracing::info!(events = built.len(), "a subscriber joined: sending it the blocks held");
+                let mut events = built.into_iter().peekable();
+                while events.peek().is_some() {
+                    pending.push_back(events.by_ref().take(SNAPSHOT_CHUNK).collect());
+                }
+                if pending.is_empty() && std::mem::take(&mut again) {
+                    building = Some(build(&held));
+                }
+            }
+            _ = pace.tick(), if !pending.is_empty() => {
+                if let Some(chunk) = pending.pop_front()
+                    && let Err(e) = exporter.publish(chunk, None).await
+                {
+                    tracing::warn!("vLLM event export failed: {e}");
+                }
+                if pending.is_empty() && std::mem::take(&mut again) {
+                    building = Some(build(&held));
+                }
+            }
+        }
+    }
+}
+
 /// `BlockStored` for every block with a record and each tier holding it, parents before
 /// children (a consumer links a block to its parent by hash).
 fn snapshot(origins: &Origins) -> Vec<VllmEvent> {
     struct Held {
         hash: u64,
         parent: Option<u64>,
-        tokens: Box<[u32]>,
+        tokens: Arc<[u32]>,
         tiers: u8,
     }
     let held: Vec<Held> = origins
         .lock()
         .values()
         .filter(|o| o.tiers != 0)
-        .map(|o| Held { hash: o.hash, parent: o.parent, tokens: o.tokens.clone(), tiers: o.tiers })
+        .map(|o| Held { hash: o.hash, parent: o.parent, tokens: Arc::clone(&o.tokens), tiers: o.tiers })
         .collect();
     // Depth of each block along the parents that are themselves held; iterative, as chains run
     // to thousands of blocks.

@@ -9,15 +9,18 @@
 //! block with a record; nothing is written when it leaves. At start the file is read up to the
 //! first record that is incomplete or fails its checksum (a crash's torn tail), and rewritten
 //! with only the blocks G3 still holds; it is rewritten the same way while running once it has
-//! grown to four times its last rewrite. No fsync: a record lost in a crash is a block that is
+//! grown to four times its last rewrite, and at once after an append failed (a short write
+//! would otherwise hide every later record). A clean shutdown waits for the queued records
+//! ([`OriginLog::flush`]). Appends are not fsynced: a record lost in a crash is a block that is
 //! not exported after the restart (counted in `kvcached_vllm_export_unknown_total`), never a
 //! wrong one.
 
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
+use std::time::Duration;
 
 use kvproto::{BlockKey, TierKind};
 
@@ -35,7 +38,14 @@ pub(crate) struct Record {
     pub key: BlockKey,
     pub hash: u64,
     pub parent: Option<u64>,
-    pub tokens: Box<[u32]>,
+    pub tokens: Arc<[u32]>,
+}
+
+/// What the writer thread is sent.
+enum Msg {
+    Record(Record),
+    /// Answer once everything sent before is written.
+    Flush(SyncSender<()>),
 }
 
 fn encode(r: &Record, out: &mut Vec<u8>) {
@@ -108,7 +118,7 @@ pub(crate) fn load(path: &Path) -> Vec<Record> {
 /// The writer of the log.
 #[derive(Debug)]
 pub(crate) struct OriginLog {
-    tx: SyncSender<Record>,
+    tx: SyncSender<Msg>,
     unpersisted: metrics::Counter,
 }
 
@@ -116,28 +126,40 @@ fn g3_bit() -> u8 {
     1 << TierKind::G3Disk.index()
 }
 
-/// Writes the records of every block G3 holds to `path` (through a temporary file and a
-/// rename, so a crash leaves the old log or the new one). Returns the bytes written.
+/// Writes the records of every block G3 holds to `path`: into a temporary file, synced, then
+/// renamed over the log, so a crash leaves the old log or the whole new one. Returns the new
+/// file, open at its end for appends, and its size.
 fn rewrite(path: &Path, origins: &Origins) -> std::io::Result<(File, u64)> {
     let mut data = Vec::new();
     {
         let origins = origins.lock();
         for (key, o) in origins.iter().filter(|(_, o)| o.tiers & g3_bit() != 0) {
-            encode(&Record { key: *key, hash: o.hash, parent: o.parent, tokens: o.tokens.clone() }, &mut data);
+            encode(&Record { key: *key, hash: o.hash, parent: o.parent, tokens: Arc::clone(&o.tokens) }, &mut data);
         }
     }
     let tmp = path.with_extension("log.tmp");
-    std::fs::write(&tmp, &data)?;
-    std::fs::rename(&tmp, path)?;
-    let file = OpenOptions::new().append(true).open(path)?;
-    Ok((file, data.len() as u64))
+    let written = (|| {
+        let mut file = File::create(&tmp)?;
+        file.write_all(&data)?;
+        file.sync_data()?;
+        std::fs::rename(&tmp, path)?;
+        Ok(file)
+    })();
+    match written {
+        // The handle was opened before the rename: appends go to the new log whatever happens.
+        Ok(file) => Ok((file, data.len() as u64)),
+        Err(e) => {
+            let _ = std::fs::remove_file(&tmp);
+            Err(e)
+        }
+    }
 }
 
 impl OriginLog {
     /// Rewrites the log at `path` with the blocks G3 holds now and starts its writer.
     pub(crate) fn start(path: PathBuf, origins: Arc<Origins>) -> std::io::Result<Self> {
         let (file, written) = rewrite(&path, &origins)?;
-        let (tx, rx) = sync_channel::<Record>(QUEUE);
+        let (tx, rx) = sync_channel::<Msg>(QUEUE);
         std::thread::Builder::new().name("kv-vllm-origins".into()).spawn(move || {
             write_loop(&path, &origins, rx, file, written);
         })?;
@@ -146,42 +168,64 @@ impl OriginLog {
 
     /// Queues the record of a block G3 now holds (never blocks: a full queue is counted).
     pub(crate) fn append(&self, key: BlockKey, o: &Origin) {
-        let r = Record { key, hash: o.hash, parent: o.parent, tokens: o.tokens.clone() };
-        if let Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) = self.tx.try_send(r) {
+        let r = Record { key, hash: o.hash, parent: o.parent, tokens: Arc::clone(&o.tokens) };
+        if let Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) = self.tx.try_send(Msg::Record(r)) {
             self.unpersisted.increment(1);
         }
     }
+
+    /// Waits (at most `timeout`) until every record queued so far is written: at shutdown, after
+    /// the write-through has drained into G3.
+    pub(crate) fn flush(&self, timeout: Duration) -> bool {
+        let (done_tx, done) = sync_channel(1);
+        self.tx.send(Msg::Flush(done_tx)).is_ok() && done.recv_timeout(timeout).is_ok()
+    }
 }
 
-fn write_loop(path: &Path, origins: &Origins, rx: Receiver<Record>, file: File, mut rewritten: u64) {
+fn write_loop(path: &Path, origins: &Origins, rx: Receiver<Msg>, file: File, mut rewritten: u64) {
     let mut out = BufWriter::new(file);
     let mut size = rewritten;
     let mut buf = Vec::new();
-    let mut failed = false;
+    let mut flushed = Vec::new();
+    let mut warned = false;
     while let Ok(first) = rx.recv() {
         buf.clear();
-        encode(&first, &mut buf);
-        while let Ok(r) = rx.try_recv() {
-            encode(&r, &mut buf);
+        let mut take = |m: Msg, buf: &mut Vec<u8>| match m {
+            Msg::Record(r) => encode(&r, buf),
+            Msg::Flush(done) => flushed.push(done),
+        };
+        take(first, &mut buf);
+        while let Ok(m) = rx.try_recv() {
+            take(m, &mut buf);
         }
-        let wrote = out.write_all(&buf).and_then(|_| out.flush());
-        match wrote {
-            Ok(()) => size += buf.len() as u64,
-            Err(e) => {
-                if !failed {
-                    tracing::warn!(path = %path.display(), "cannot append to the vLLM export's G3 records: {e}");
-                }
-                failed = true;
-            }
+        let appended = out.write_all(&buf).and_then(|_| out.flush());
+        if let Err(e) = &appended
+            && !warned
+        {
+            tracing::warn!(path = %path.display(), "cannot append to the vLLM export's G3 records: {e}; rewriting them");
+            warned = true;
         }
-        if size > MIN_REWRITE_BYTES && size > 4 * rewritten {
+        size += buf.len() as u64;
+        // A failed append may have left half a record, which would hide every later one: rewrite
+        // now. Otherwise rewrite once the log has grown fourfold.
+        if appended.is_err() || (size > MIN_REWRITE_BYTES && size > 4 * rewritten) {
             match rewrite(path, origins) {
                 Ok((file, n)) => {
                     out = BufWriter::new(file);
-                    (size, rewritten, failed) = (n, n, false);
+                    (size, rewritten, warned) = (n, n, false);
                 }
-                Err(e) => tracing::warn!(path = %path.display(), "cannot rewrite the vLLM export's G3 records: {e}"),
+                Err(e) => {
+                    // Try again only after as much growth again (a full disk stays full a while).
+                    rewritten = size;
+                    if !warned {
+                        tracing::warn!(path = %path.display(), "cannot rewrite the vLLM export's G3 records: {e}");
+                        warned = true;
+                    }
+                }
             }
+        }
+        for done in flushed.drain(..) {
+            let _ = done.send(());
         }
     }
 }
@@ -196,7 +240,7 @@ mod tests {
         let recs = [
             Record { key: BlockKey([1; 16]), hash: 7, parent: None, tokens: vec![1, 2, 3].into() },
             Record { key: BlockKey([2; 16]), hash: 8, parent: Some(7), tokens: vec![u32::MAX; 16].into() },
-            Record { key: BlockKey([3; 16]), hash: 9, parent: Some(8), tokens: Vec::new().into() },
+            Record { key: BlockKey([3; 16]), hash: 9, parent: Some(8), tokens: Vec::<u32>::new().into() },
         ];
         let mut data = Vec::new();
         for r in &recs {
