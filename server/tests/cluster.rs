@@ -335,20 +335,10 @@ fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
-/// A router that subscribes to the export after blocks were stored (started late, or
-/// reconnecting) is sent what the daemon holds: a PUB socket alone would never send it those.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_router_subscribing_late_to_the_vllm_export_is_sent_what_the_daemon_holds() {
-    let http = reqwest::Client::builder().pool_max_idle_per_host(0).build().unwrap();
-    let d = tempfile::tempdir().unwrap();
-    let endpoint = format!("tcp://127.0.0.1:{}", free_port());
-    let daemon = spawn_daemon_with(d.path(), &format!("vllm_export = \"{endpoint}\"\n"));
-    let (c, _mem) = engine(d.path(), "http://v:8000").await;
-    let p = prompt(9, 24);
-    assert_eq!(c.save(&p, 0, &(0..24).collect::<Vec<_>>()).await.unwrap().stored, 24);
-    // The save's events have gone out (to nobody) well before a router subscribes.
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    let config: RouterConfig = toml::from_str(&format!(
+/// A router that knows node `node-v` only as a vLLM event source at `endpoint` (as Dynamo or
+/// llm-d would): Dynamo XXH3-64 hashes of 16-token blocks, `medium` naming the tier.
+fn vllm_source_router(endpoint: &str) -> RouterConfig {
+    toml::from_str(&format!(
         r#"
 seed = 1
 [health]
@@ -370,23 +360,44 @@ namespace = "m-vllm"
 address = "http://v:8000"
 "#
     ))
-    .unwrap();
-    let router = start_router_with("127.0.0.1:0", config).await;
+    .unwrap()
+}
+
+/// Asks `router` to place `tokens` until it answers with cached blocks `want` per tier (10 s).
+async fn wait_until_cached(router: &RouterProc, tokens: &[u32], want: [u64; 4], what: &str) -> Value {
+    let http = reqwest::Client::builder().pool_max_idle_per_host(0).build().unwrap();
     let t0 = Instant::now();
     loop {
         let r = http
             .post(format!("{}/route", router.base))
-            .json(&json!({"namespace": "m-vllm", "tokens": p}))
+            .json(&json!({"namespace": "m-vllm", "tokens": tokens}))
             .send()
             .await
             .unwrap();
         let v = r.json::<Value>().await.unwrap_or(Value::Null);
-        if cached(&v) == [0, 24, 0, 0] {
-            break;
+        if cached(&v) == want {
+            return v;
         }
-        assert!(t0.elapsed() < Duration::from_secs(10), "the late subscriber never saw the held blocks: {v}");
+        assert!(t0.elapsed() < Duration::from_secs(10), "{what}: {v}");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// A router that subscribes to the export after blocks were stored (started late, or
+/// reconnecting) is sent what the daemon holds: a PUB socket alone would never send it those.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_router_subscribing_late_to_the_vllm_export_is_sent_what_the_daemon_holds() {
+    let d = tempfile::tempdir().unwrap();
+    let endpoint = format!("tcp://127.0.0.1:{}", free_port());
+    let daemon = spawn_daemon_with(d.path(), &format!("vllm_export = \"{endpoint}\"\n"));
+    let (c, _mem) = engine(d.path(), "http://v:8000").await;
+    let p = prompt(9, 24);
+    assert_eq!(c.save(&p, 0, &(0..24).collect::<Vec<_>>()).await.unwrap().stored, 24);
+    // The save's events have gone out (to nobody) well before a router subscribes.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let config = vllm_source_router(&endpoint);
+    let router = start_router_with("127.0.0.1:0", config).await;
+    wait_until_cached(&router, &p, [0, 24, 0, 0], "the late subscriber never saw the held blocks").await;
     drop(c);
     signal_and_wait(daemon, libc::SIGTERM);
     router.stop().await;
@@ -396,7 +407,6 @@ address = "http://v:8000"
 /// restarted daemon is sent the blocks G3 kept, as the node's G3 (`DISK`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_vllm_export_still_exports_what_g3_kept_across_a_restart() {
-    let http = reqwest::Client::builder().pool_max_idle_per_host(0).build().unwrap();
     let d = tempfile::tempdir().unwrap();
     let endpoint = format!("tcp://127.0.0.1:{}", free_port());
     let section = format!("vllm_export = \"{endpoint}\"\n");
@@ -409,45 +419,9 @@ async fn the_vllm_export_still_exports_what_g3_kept_across_a_restart() {
     signal_and_wait(daemon, libc::SIGTERM);
     assert!(d.path().join("g3/vllm-origins.log").is_file());
     let daemon = spawn_daemon_with(d.path(), &section);
-    let config: RouterConfig = toml::from_str(&format!(
-        r#"
-seed = 1
-[health]
-default_report_interval_ms = 200
-[[namespaces]]
-name = "m-vllm"
-model_id = "cluster/model"
-num_layers = 2
-kv_heads = 2
-head_dim = 64
-dtype = "bf16"
-tokens_per_block = 16
-key_scheme = "dynamo-xxh3-1337"
-[[vllm_sources]]
-endpoint = "{endpoint}"
-worker = "node-v/gpu0"
-node = "node-v"
-namespace = "m-vllm"
-address = "http://v:8000"
-"#
-    ))
-    .unwrap();
+    let config = vllm_source_router(&endpoint);
     let router = start_router_with("127.0.0.1:0", config).await;
-    let t0 = Instant::now();
-    loop {
-        let r = http
-            .post(format!("{}/route", router.base))
-            .json(&json!({"namespace": "m-vllm", "tokens": p}))
-            .send()
-            .await
-            .unwrap();
-        let v = r.json::<Value>().await.unwrap_or(Value::Null);
-        if cached(&v) == [0, 0, 24, 0] {
-            break;
-        }
-        assert!(t0.elapsed() < Duration::from_secs(10), "G3's blocks were not exported after the restart: {v}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_until_cached(&router, &p, [0, 0, 24, 0], "G3's blocks were not exported after the restart").await;
     signal_and_wait(daemon, libc::SIGTERM);
     router.stop().await;
 }
@@ -460,29 +434,7 @@ async fn a_router_reading_vllm_events_sees_the_daemons_g2_through_its_export() {
     let daemon = spawn_daemon_with(d.path(), &format!("vllm_export = \"{endpoint}\"\n"));
     // A router that knows this node only as a vLLM event source (as Dynamo or llm-d would):
     // Dynamo XXH3-64 hashes of 16-token blocks, medium CPU_PINNED = the node's G2.
-    let config: RouterConfig = toml::from_str(&format!(
-        r#"
-seed = 1
-[health]
-default_report_interval_ms = 200
-[[namespaces]]
-name = "m-vllm"
-model_id = "cluster/model"
-num_layers = 2
-kv_heads = 2
-head_dim = 64
-dtype = "bf16"
-tokens_per_block = 16
-key_scheme = "dynamo-xxh3-1337"
-[[vllm_sources]]
-endpoint = "{endpoint}"
-worker = "node-v/gpu0"
-node = "node-v"
-namespace = "m-vllm"
-address = "http://v:8000"
-"#
-    ))
-    .unwrap();
+    let config = vllm_source_router(&endpoint);
     let router = start_router_with("127.0.0.1:0", config).await;
     let (c, _mem) = engine(d.path(), "http://v:8000").await;
     let ask = |tokens: Vec<u32>| {

@@ -45,7 +45,11 @@ struct InProcess {
 }
 
 async fn start(dir: &Path) -> InProcess {
-    let c = config(dir);
+    start_with(config(dir)).await
+}
+
+/// `serve()` in this process with configuration `c`.
+async fn start_with(c: Config) -> InProcess {
     let socket = c.socket.clone();
     let l = Listeners::bind(&c).await.unwrap();
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
@@ -139,13 +143,7 @@ async fn register_prefaults_the_engine_region_unless_told_not_to() {
         let d = tempfile::tempdir().unwrap();
         let mut c = config(d.path());
         c.engines.prefault_memory = prefault;
-        let socket = c.socket.clone();
-        let l = Listeners::bind(&c).await.unwrap();
-        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-        let task = tokio::spawn(kvcached::serve(c, l, async move {
-            let _ = rx.await;
-        }));
-        let daemon = InProcess { socket, stop: Some(tx), task };
+        let daemon = start_with(c).await;
         // Sparse and untouched by the engine itself: only the daemon's mapping can be resident.
         let mem = kv(d.path(), "e", 16);
         let region_kib = std::fs::metadata(mem.path()).unwrap().len() / 1024;
@@ -225,13 +223,7 @@ async fn a_lookup_keeps_its_prefix_in_g2_under_eviction() {
     c.g3.enabled = false;
     c.g2.page_size = 16 << 10; // one page per block: the pool holds 256 blocks
     c.g2.capacity_bytes = 4 << 20;
-    let socket = c.socket.clone();
-    let l = Listeners::bind(&c).await.unwrap();
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    let task = tokio::spawn(kvcached::serve(c, l, async move {
-        let _ = rx.await;
-    }));
-    let daemon = InProcess { socket, stop: Some(tx), task };
+    let daemon = start_with(c).await;
     let mut mem = kv(d.path(), "a", 8);
     fill(&mut mem, 3, 8, 0);
     let e = Client::connect(&daemon.socket).await.unwrap();
