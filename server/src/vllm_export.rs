@@ -51,7 +51,7 @@ const SNAPSHOT_PACE: Duration = Duration::from_millis(1);
 
 pub(crate) type Origins = Mutex<HashMap<BlockKey, Origin, kvproto::key::BlockKeyBuildHasher>>;
 
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub(crate) struct Origin {
     pub hash: u64,
     pub parent: Option<u64>,
@@ -59,6 +59,20 @@ pub(crate) struct Origin {
     pub tokens: Arc<[u32]>,
     /// Tiers holding the block (bit per `TierKind::index`).
     pub tiers: u8,
+}
+
+impl Origin {
+    /// The block as a `BlockStored` of `tier`.
+    fn stored_event(&self, tier: TierKind) -> VllmEvent {
+        VllmEvent::BlockStored {
+            block_hashes: vec![ExtHash::Int(i128::from(self.hash))],
+            parent_block_hash: self.parent.map(|p| ExtHash::Int(i128::from(p))),
+            token_ids: self.tokens.to_vec(),
+            block_size: self.tokens.len() as u32,
+            lora_id: None,
+            medium: Some(medium_of(tier).to_string()),
+        }
+    }
 }
 
 /// The exporter's state shared with the tier listener.
@@ -192,14 +206,7 @@ impl VllmExport {
             log.append(*key, o);
         }
         o.tiers |= bit;
-        let ev = VllmEvent::BlockStored {
-            block_hashes: vec![ExtHash::Int(i128::from(o.hash))],
-            parent_block_hash: o.parent.map(|p| ExtHash::Int(i128::from(p))),
-            token_ids: o.tokens.to_vec(),
-            block_size: o.tokens.len() as u32,
-            lora_id: None,
-            medium: Some(medium_of(tier).to_string()),
-        };
+        let ev = o.stored_event(tier);
         drop(origins);
         self.send(ev);
     }
@@ -295,9 +302,6 @@ async fn send_loop(
                 while events.peek().is_some() {
                     pending.push_back(events.by_ref().take(SNAPSHOT_CHUNK).collect());
                 }
-                if pending.is_empty() && std::mem::take(&mut again) {
-                    building = Some(build(&held));
-                }
             }
             _ = pace.tick(), if !pending.is_empty() => {
                 if let Some(chunk) = pending.pop_front()
@@ -305,10 +309,12 @@ async fn send_loop(
                 {
                     tracing::warn!("vLLM event export failed: {e}");
                 }
-                if pending.is_empty() && std::mem::take(&mut again) {
-                    building = Some(build(&held));
-                }
             }
+        }
+        // A snapshot finished (built empty, or sent): the subscribers that joined meanwhile
+        // get theirs now.
+        if building.is_none() && pending.is_empty() && std::mem::take(&mut again) {
+            building = Some(build(&held));
         }
     }
 }
@@ -316,18 +322,8 @@ async fn send_loop(
 /// `BlockStored` for every block with a record and each tier holding it, parents before
 /// children (a consumer links a block to its parent by hash).
 fn snapshot(origins: &Origins) -> Vec<VllmEvent> {
-    struct Held {
-        hash: u64,
-        parent: Option<u64>,
-        tokens: Arc<[u32]>,
-        tiers: u8,
-    }
-    let held: Vec<Held> = origins
-        .lock()
-        .values()
-        .filter(|o| o.tiers != 0)
-        .map(|o| Held { hash: o.hash, parent: o.parent, tokens: Arc::clone(&o.tokens), tiers: o.tiers })
-        .collect();
+    // Clones are cheap (the tokens are shared): the records' lock is held for a refcount each.
+    let held: Vec<Origin> = origins.lock().values().filter(|o| o.tiers != 0).cloned().collect();
     // Depth of each block along the parents that are themselves held; iterative, as chains run
     // to thousands of blocks.
     let parent_of: HashMap<u64, Option<u64>> = held.iter().map(|h| (h.hash, h.parent)).collect();
@@ -355,14 +351,7 @@ fn snapshot(origins: &Origins) -> Vec<VllmEvent> {
     let mut events = Vec::with_capacity(held.len());
     for h in held {
         for tier in TierKind::ALL.iter().filter(|t| h.tiers & (1 << t.index()) != 0) {
-            events.push(VllmEvent::BlockStored {
-                block_hashes: vec![ExtHash::Int(i128::from(h.hash))],
-                parent_block_hash: h.parent.map(|p| ExtHash::Int(i128::from(p))),
-                token_ids: h.tokens.to_vec(),
-                block_size: h.tokens.len() as u32,
-                lora_id: None,
-                medium: Some(medium_of(*tier).to_string()),
-            });
+            events.push(h.stored_event(*tier));
         }
     }
     events

@@ -41,6 +41,12 @@ pub(crate) struct Record {
     pub tokens: Arc<[u32]>,
 }
 
+impl Record {
+    fn of(key: BlockKey, o: &Origin) -> Self {
+        Self { key, hash: o.hash, parent: o.parent, tokens: Arc::clone(&o.tokens) }
+    }
+}
+
 /// What the writer thread is sent.
 enum Msg {
     Record(Record),
@@ -134,7 +140,7 @@ fn rewrite(path: &Path, origins: &Origins) -> std::io::Result<(File, u64)> {
     {
         let origins = origins.lock();
         for (key, o) in origins.iter().filter(|(_, o)| o.tiers & g3_bit() != 0) {
-            encode(&Record { key: *key, hash: o.hash, parent: o.parent, tokens: Arc::clone(&o.tokens) }, &mut data);
+            encode(&Record::of(*key, o), &mut data);
         }
     }
     let tmp = path.with_extension("log.tmp");
@@ -168,8 +174,9 @@ impl OriginLog {
 
     /// Queues the record of a block G3 now holds (never blocks: a full queue is counted).
     pub(crate) fn append(&self, key: BlockKey, o: &Origin) {
-        let r = Record { key, hash: o.hash, parent: o.parent, tokens: Arc::clone(&o.tokens) };
-        if let Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) = self.tx.try_send(Msg::Record(r)) {
+        if let Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) =
+            self.tx.try_send(Msg::Record(Record::of(key, o)))
+        {
             self.unpersisted.increment(1);
         }
     }

@@ -188,9 +188,8 @@ impl IoThreads {
             threads.push(std::thread::Builder::new().name(format!("kv-g3-io-{i}")).spawn(move || {
                 while let Some(b) = next_batch(&rx) {
                     let send_started = b.ops.iter().any(|op| op.kind == IoKind::Write);
-                    let in_flight = AbortOnUnwind;
-                    let r = engine.run(b.fd, &b.ops, &mut Forward { events: &b.events, send_started });
-                    std::mem::forget(in_flight);
+                    let r =
+                        abort_on_unwind(|| engine.run(b.fd, &b.ops, &mut Forward { events: &b.events, send_started }));
                     let _ = b.events.send(Event::Finished(r));
                 }
             })?);
@@ -224,9 +223,7 @@ impl IoThreads {
                 Some(e) => e,
                 None => (self.factory)()?,
             };
-            let in_flight = AbortOnUnwind;
-            let r = engine.run(fd, &ops, progress);
-            std::mem::forget(in_flight);
+            let r = abort_on_unwind(|| engine.run(fd, &ops, progress));
             self.idle.lock().push(engine);
             return r;
         }
@@ -253,6 +250,15 @@ impl IoThreads {
             }
         }
     }
+}
+
+/// Runs `f` (which has ops in flight on buffers it does not own) and aborts the process if it
+/// panics.
+fn abort_on_unwind<T>(f: impl FnOnce() -> T) -> T {
+    let in_flight = AbortOnUnwind;
+    let r = f();
+    std::mem::forget(in_flight);
+    r
 }
 
 /// Aborts the process if dropped during a panic: held while a batch's ops are in flight.
