@@ -48,6 +48,18 @@ pub struct Daemon {
     /// recency update (~0.15 ms for 8192 blocks here) happens after the reply, not before.
     /// Bounded; when it is full (or the thread is gone) the lookup touches them itself.
     touch_later: Option<std::sync::mpsc::SyncSender<Vec<kvproto::BlockKey>>>,
+    /// Joined when the daemon is dropped: the thread holds the store, and a store closed on it
+    /// while the process exits raced RocksDB's teardown (a rare SIGABRT after a clean SIGTERM).
+    toucher: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        self.touch_later = None; // its loop ends once the queue is empty
+        if let Some(t) = self.toucher.take() {
+            let _ = t.join();
+        }
+    }
 }
 
 /// Lookups whose recency updates may wait for `kv-g2-touch` at once.
@@ -77,8 +89,11 @@ impl Daemon {
                 }
             })
             .map_err(|e| tracing::warn!("lookups will mark their blocks used inline: {e}"))
-            .ok()
-            .map(|_| tx);
+            .ok();
+        let (touch_later, toucher) = match touch_later {
+            Some(t) => (Some(tx), Some(t)),
+            None => (None, None),
+        };
         Self {
             store,
             engines,
@@ -95,6 +110,7 @@ impl Daemon {
             namespace_mismatch: metrics::counter!("kvcached_load_mismatch_total"),
             key_memo: KeyMemo::new(key_memo_bytes),
             touch_later,
+            toucher,
         }
     }
 

@@ -87,6 +87,7 @@ impl Reports {
         let base = base_info(&cfg.node, cfg.report_interval_ms, recovery_url.clone());
         let engines: Engines = Arc::default();
         let for_load = Arc::clone(&engines);
+        let store = Arc::downgrade(&store);
         let publisher = HttpPublisher::spawn(
             log,
             PublishConfig {
@@ -96,7 +97,9 @@ impl Reports {
                 max_batch: 4096,
                 timeout: Duration::from_millis(cfg.report_interval_ms.max(1000)),
             },
-            move || Some(load_report(&store, &for_load.lock())),
+            // Weak: the store holds these reports as its listener, and a cycle would keep the
+            // store (and G3's RocksDB) open past shutdown.
+            move || store.upgrade().map(|s| load_report(&s, &for_load.lock())),
         );
         tracing::info!(routers = ?cfg.urls, node = %cfg.node, epoch, recovery = ?recovery_url, "publishing hit reports");
         Self { node: NodeId(cfg.node.clone()), publisher: Some(publisher), base, engines, vllm }
