@@ -7,7 +7,12 @@
 //! cargo run --release -p kvrouter --example mooncake_sim -- \
 //!     --trace ../shared/traces/mooncake_conversation_trace.jsonl --workers 8 --capacity 2000
 //! cargo run --release -p kvrouter --example mooncake_sim -- --scenario two-workers
+//! cargo run --release -p kvrouter --example mooncake_sim -- \
+//!     --trace ../shared/traces/mooncake_conversation_trace.jsonl --sweep 250,500,1000,2000,4000,8000
 //! ```
+//! `--sweep` replays the trace once per capacity and policy and prints CSV
+//! (`capacity,policy,hit_rate`); `scripts/plot_hit_rate.py` draws it
+//! (`docs/img/mooncake-hit-rate.png`).
 #![allow(clippy::unwrap_used)]
 
 use std::time::Instant;
@@ -46,6 +51,10 @@ struct Args {
     decode: Option<f64>,
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// Per-worker capacities (blocks, comma-separated): one replay per capacity and policy,
+    /// printed as CSV `capacity,policy,hit_rate` instead of the table.
+    #[arg(long, value_delimiter = ',')]
+    sweep: Vec<usize>,
 }
 
 async fn run_one(trace: &[TraceRequest], cfg: &SimConfig, weights: CostWeights, seed: u64) -> (sim::SimResult, f64) {
@@ -108,6 +117,23 @@ async fn main() {
         weights.decode = d;
     }
     let prefix_only = CostWeights { decode: 0.0, active: 0.0, fill: 0.0, ..weights.clone() };
+    if !args.sweep.is_empty() {
+        println!("capacity,policy,hit_rate");
+        for &capacity in &args.sweep {
+            let cfg = SimConfig { capacity_blocks: capacity, ..cfg.clone() };
+            let (r, _) = run_one(&trace, &cfg, weights.clone(), args.seed).await;
+            println!("{capacity},kv-aware,{:.4}", r.hit_rate);
+            let (r, _) = run_one(&trace, &cfg, prefix_only.clone(), args.seed).await;
+            println!("{capacity},kv-aware pure prefix,{:.4}", r.hit_rate);
+            for (name, p) in [("round-robin", Policy::RoundRobin), ("random", Policy::Random)] {
+                let (r, _) = run_one(&trace, &SimConfig { policy: p, ..cfg.clone() }, weights.clone(), args.seed).await;
+                println!("{capacity},{name},{:.4}", r.hit_rate);
+            }
+            println!("{capacity},pooled LRU,{:.4}", sim::pooled_hit_rate(&trace, cfg.workers * capacity));
+            println!("{capacity},infinite cache,{:.4}", sim::infinite_hit_rate(&trace));
+        }
+        return;
+    }
     println!(
         "scenario {} | {} requests | {} workers x {} blocks | weights {:?}",
         args.scenario,
