@@ -4,9 +4,11 @@
 //! A slot does not hold the key: it holds 32 bits of the key's hash, the run index and the offset
 //! inside the run. A probe compares hash bits and, on a match, asks the caller whether the run's
 //! key at that offset is the key (the runs hold every key exactly once). The home slot is the
-//! hash's top bits, so growing (or dropping tombstones) re-inserts from the slots' own hash bits
-//! in nearly sequential order, without reading a key. Deleted slots become tombstones; the table
-//! is rehashed when live slots plus tombstones pass 80% of the slots.
+//! hash's top bits, so growing re-inserts from the slots' own hash bits in nearly sequential
+//! order, without reading a key. A removal leaves no tombstone: the later entries of its probe
+//! run that may move are shifted back over the hole (backward-shift deletion), so a table under
+//! churn (stores and removals at a steady size) never needs a rehash to clear tombstones. The
+//! table grows when it passes 80% full.
 //!
 //! The hash is a seeded 128-bit multiply of the key's two halves (the keys are themselves hashes;
 //! the per-instance seed keeps a publisher from aiming keys at one probe sequence).
@@ -22,12 +24,10 @@ pub struct Loc {
 
 /// `run` of an empty slot (all-zero, so a new table is a zeroed allocation).
 const EMPTY: u32 = 0;
-/// `run` of a deleted slot.
-const TOMB: u32 = u32::MAX;
-/// Largest run index (slots store `run + 1`).
+/// Largest run index (slots store `run + 1`; `u32::MAX` is left unused).
 pub const MAX_RUN: u32 = u32::MAX - 2;
 
-/// A slot: `[hash, run + 1, offset]` (`run + 1` is [`EMPTY`] or [`TOMB`] for free slots).
+/// A slot: `[hash, run + 1, offset]` (`run + 1` is [`EMPTY`] for a free slot).
 type Entry = [u32; 3];
 
 const VACANT: Entry = [0; 3];
@@ -50,20 +50,13 @@ pub struct KeyTable {
     /// `32 - log2(slots.len())`: the home slot is `hash >> shift`.
     shift: u32,
     len: usize,
-    tombs: usize,
     seed: (u64, u64),
 }
 
 impl Default for KeyTable {
     fn default() -> Self {
         let s = std::hash::BuildHasher::hash_one(&std::collections::hash_map::RandomState::new(), 0x6b74_u64);
-        Self {
-            slots: Vec::new(),
-            shift: 32,
-            len: 0,
-            tombs: 0,
-            seed: (s | 1, s.rotate_left(32) ^ 0x9e37_79b9_7f4a_7c15),
-        }
+        Self { slots: Vec::new(), shift: 32, len: 0, seed: (s | 1, s.rotate_left(32) ^ 0x9e37_79b9_7f4a_7c15) }
     }
 }
 
@@ -109,16 +102,16 @@ impl KeyTable {
         self.slots.capacity() * std::mem::size_of::<Entry>()
     }
 
-    /// Makes room for `additional` more keys (rehashing into a larger table, or in place of the
-    /// tombstones, when live slots plus tombstones would pass 80%).
+    /// Makes room for `additional` more keys (rehashing into a larger table when they would
+    /// fill more than 80% of it).
     pub fn reserve(&mut self, additional: usize) {
-        if (self.len + self.tombs + additional) * 5 > self.slots.len() * 4 {
+        if (self.len + additional) * 5 > self.slots.len() * 4 {
             self.rehash(self.len + additional);
         }
     }
 
     /// Rehashes into a table sized for `n` keys (at least those it holds; at most 70% full):
-    /// grows, shrinks, drops tombstones.
+    /// grows or shrinks.
     pub fn rehash(&mut self, n: usize) {
         let n = n.max(self.len);
         let mut want = (n * 5 / 4 + 1).max(16).next_power_of_two();
@@ -127,11 +120,10 @@ impl KeyTable {
         }
         let old = std::mem::replace(&mut self.slots, vec![VACANT; want]);
         self.shift = 32 - want.trailing_zeros();
-        self.tombs = 0;
         let mask = self.mask();
         // Old slots in order have nearly increasing home slots, so the writes are nearly
         // sequential.
-        for e in old.into_iter().filter(|e| e[1] != EMPTY && e[1] != TOMB) {
+        for e in old.into_iter().filter(|e| e[1] != EMPTY) {
             let mut i = self.home(e[0]);
             while self.slots[i][1] != EMPTY {
                 i = (i + 1) & mask;
@@ -163,7 +155,7 @@ impl KeyTable {
     /// is that key.
     #[inline]
     pub fn find(&self, h: u32, is_key: impl Fn(Loc) -> bool) -> Option<Loc> {
-        self.probe(h, |e| e[1] != TOMB && is_key(loc_of(e))).map(|i| loc_of(self.slots[i]))
+        self.probe(h, |e| is_key(loc_of(e))).map(|i| loc_of(self.slots[i]))
     }
 
     /// The first slot on `h`'s probe sequence that holds hash `h` and satisfies `hit`, up to the
@@ -193,22 +185,15 @@ impl KeyTable {
     pub fn find_or_insert(&mut self, h: u32, is_key: impl Fn(Loc) -> bool, loc: Loc) -> Option<Loc> {
         let mask = self.mask();
         let mut i = self.home(h);
-        let mut tomb = None;
         loop {
             let e = self.slots[i];
             if e[1] == EMPTY {
                 break;
             }
-            if e[1] == TOMB {
-                tomb.get_or_insert(i);
-            } else if e[0] == h && is_key(loc_of(e)) {
+            if e[0] == h && is_key(loc_of(e)) {
                 return Some(loc_of(e));
             }
             i = (i + 1) & mask;
-        }
-        if let Some(t) = tomb {
-            self.tombs -= 1;
-            i = t;
         }
         self.slots[i] = entry(h, loc);
         self.len += 1;
@@ -220,7 +205,6 @@ impl KeyTable {
     }
 
     fn slot_of_hash(&self, h: u32, loc: Loc) -> Option<usize> {
-        // A tombstone's run (`TOMB - 1`) is never a real run index, so it never matches `loc`.
         self.probe(h, |e| loc_of(e) == loc)
     }
 
@@ -254,20 +238,27 @@ impl KeyTable {
     }
 
     fn remove_hash(&mut self, h: u32, loc: Loc) {
-        if let Some(i) = self.slot_of_hash(h, loc) {
-            // A slot followed by an empty one ends every probe sequence through it: no tombstone.
-            if self.slots[(i + 1) & self.mask()][1] == EMPTY {
-                self.slots[i] = VACANT;
-            } else {
-                self.slots[i][1] = TOMB;
-                self.tombs += 1;
+        let Some(mut hole) = self.slot_of_hash(h, loc) else { return };
+        self.len -= 1;
+        // Backward shift: an entry later in the probe run moves into the hole when its home is
+        // not between the hole and itself (cyclically); otherwise a probe from its home would
+        // now stop at the hole. The run ends at the first empty slot.
+        let mask = self.mask();
+        let mut j = hole;
+        loop {
+            j = (j + 1) & mask;
+            let e = self.slots[j];
+            if e[1] == EMPTY {
+                break;
             }
-            self.len -= 1;
-            // Probes end only at an empty slot: never let tombstones fill the table.
-            if (self.len + self.tombs) * 5 > self.slots.len() * 4 {
-                self.rehash(self.len);
+            let home = self.home(e[0]);
+            let stays = if hole <= j { hole < home && home <= j } else { hole < home || home <= j };
+            if !stays {
+                self.slots[hole] = e;
+                hole = j;
             }
         }
+        self.slots[hole] = VACANT;
     }
 }
 
@@ -284,6 +275,48 @@ mod tests {
 
     fn is(keys: &[BlockKey], q: BlockKey) -> impl Fn(Loc) -> bool + '_ {
         move |l: Loc| keys[l.run as usize] == q
+    }
+
+    /// Removals shift later entries back instead of leaving tombstones: under churn at ~80%
+    /// load (long probe runs, runs that wrap past the table's end), every key stays findable
+    /// at its location and no removed key is found.
+    #[test]
+    fn churn_with_backward_shift_keeps_every_key_findable() {
+        let mut t = KeyTable::default();
+        t.reserve(40); // 64 slots: probe runs often wrap past the end
+        let slots = t.slots();
+        let keys: Vec<BlockKey> = (0..2000).map(k).collect();
+        let mut live: Vec<usize> = Vec::new();
+        let mut x = 0x2545_f491_4f6c_dd1d_u64;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        for step in 0..20_000 {
+            let fill = live.len() * 5 < slots * 4 - 5;
+            if fill && (live.is_empty() || next() % 2 == 0) {
+                let i = (next() % keys.len() as u64) as usize;
+                if live.contains(&i) {
+                    continue;
+                }
+                let loc = Loc { run: i as u32, off: 3 };
+                assert_eq!(t.find_or_insert(t.hash(&keys[i]), is(&keys, keys[i]), loc), None);
+                live.push(i);
+            } else {
+                let at = (next() % live.len() as u64) as usize;
+                let i = live.swap_remove(at);
+                t.remove(&keys[i], Loc { run: i as u32, off: 3 });
+                assert_eq!(t.find(t.hash(&keys[i]), is(&keys, keys[i])), None, "step {step}");
+            }
+            assert_eq!(t.len(), live.len());
+            assert_eq!(t.slots(), slots, "churn below 80% never rehashes");
+            for &i in &live {
+                let want = Some(Loc { run: i as u32, off: 3 });
+                assert_eq!(t.find(t.hash(&keys[i]), is(&keys, keys[i])), want, "step {step}");
+            }
+        }
     }
 
     #[test]
