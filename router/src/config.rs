@@ -348,6 +348,11 @@ pub struct VllmSource {
     pub address: String,
     #[serde(default)]
     pub role: Option<String>,
+    /// The engine's replay endpoint (`replay_endpoint` of its `--kv-events-config`, e.g.
+    /// `tcp://10.0.0.5:5558`): batches missed on the PUB socket are asked for there. Without
+    /// one a gap is only reported.
+    #[serde(default)]
+    pub replay_endpoint: Option<String>,
 }
 
 /// Everything the router is configured with.

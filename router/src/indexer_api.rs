@@ -94,7 +94,7 @@ impl SeqHash {
 pub struct RegisterRequest {
     /// The publisher's ZMQ PUB endpoint (`tcp://host:port`).
     pub endpoint: String,
-    /// Accepted and listed; replay of missed vLLM batches is not implemented (gaps are reported).
+    /// The engine's replay socket: batches missed on `endpoint` are asked for there.
     #[serde(default)]
     pub replay_endpoint: Option<String>,
     /// `vLLM` or `SGLang` (both publish vLLM's wire format). Default `vLLM`.
@@ -292,6 +292,7 @@ impl IndexerApi {
             namespace: format!("indexer:{}:{}", req.modelname, req.block_size),
             address: req.address.clone().unwrap_or_default(),
             role: req.role.clone(),
+            replay_endpoint: req.replay_endpoint.clone(),
         };
         let reg = Registration {
             instance_id: instance,

@@ -4,8 +4,9 @@
 //!   and apply as G1 (or, by `medium`, G2-G4) events of the configured worker / node.
 //! - [`VllmExporter`]: PUB our events in the same wire format (`medium` = tier).
 //!
-//! A vLLM engine sends no heartbeat, so its worker is never marked stale for silence; sequence
-//! gaps cannot be replayed and are reported as unrecovered for `gap_hold_s`.
+//! A vLLM engine sends no heartbeat, so its worker is never marked stale for silence. A sequence
+//! gap is asked for on the engine's replay socket when the source names one
+//! ([`replay_from`]); what that cannot fill is reported as unrecovered for `gap_hold_s`.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -143,6 +144,106 @@ pub fn source_name(src: &VllmSource) -> String {
     format!("vllm:{}", src.endpoint)
 }
 
+/// Most batches one replay may bring (vLLM buffers its last 10,000 by default).
+pub const MAX_REPLAY_BATCHES: usize = 100_000;
+
+/// The end-of-replay marker's sequence frame: -1 as a big-endian i64.
+const END_SEQ: u64 = u64::MAX;
+
+/// Asks a vLLM engine's replay socket (a ZMQ ROUTER, `replay_endpoint` of its
+/// `--kv-events-config`) for every batch it still buffers from sequence number `from` on:
+/// the request is `[b"", from]`, each answer `[b"", seq, payload]` (or `[b"", topic, seq,
+/// payload]`, as later vLLM versions send), the last `[b"", -1, b""]`. Returns `(seq, payload)`
+/// in the order sent; fails after `timeout` or beyond [`MAX_REPLAY_BATCHES`].
+pub async fn replay_from(endpoint: &str, from: u64, timeout: Duration) -> Result<Vec<(u64, Bytes)>, RouterError> {
+    let zmq = |e: zeromq::ZmqError| RouterError::Zmq(format!("replay from {endpoint}: {e}"));
+    let ask = async {
+        let mut sock = zeromq::DealerSocket::new();
+        sock.connect(endpoint).await.map_err(zmq)?;
+        let mut req = ZmqMessage::from(Bytes::new());
+        req.push_back(Bytes::copy_from_slice(&from.to_be_bytes()));
+        sock.send(req).await.map_err(zmq)?;
+        let mut out = Vec::new();
+        loop {
+            let m = sock.recv().await.map_err(zmq)?;
+            match replay_reply(&m)? {
+                None => return Ok(out),
+                Some(b) if out.len() < MAX_REPLAY_BATCHES => out.push(b),
+                Some(_) => {
+                    return Err(RouterError::Zmq(format!(
+                        "replay from {endpoint} sent more than {MAX_REPLAY_BATCHES} batches"
+                    )));
+                }
+            }
+        }
+    };
+    tokio::time::timeout(timeout, ask)
+        .await
+        .map_err(|_| RouterError::Zmq(format!("replay from {endpoint}: no end marker within {timeout:?}")))?
+}
+
+/// One replay answer as a DEALER receives it: `Some((seq, payload))`, or `None` for the end
+/// marker.
+pub fn replay_reply(m: &ZmqMessage) -> Result<Option<(u64, Bytes)>, RouterError> {
+    let frames: Vec<&Bytes> = m.iter().collect();
+    let (seq, payload) = match frames.as_slice() {
+        [delim, seq, payload] | [delim, _, seq, payload] if delim.is_empty() => (*seq, *payload),
+        _ => return Err(RouterError::Decode(format!("replay answer of {} frames", frames.len()))),
+    };
+    let seq: [u8; 8] =
+        seq.as_ref().try_into().map_err(|_| RouterError::Decode("replay sequence frame must be 8 bytes".into()))?;
+    Ok(match u64::from_be_bytes(seq) {
+        END_SEQ => None,
+        s => Some((s, payload.clone())),
+    })
+}
+
+/// Fills the gap between `last` and `seq` from `src`'s replay socket: applies the replayed
+/// batches in `(last, seq)` in order and counts the gap as recovered if they close it, as a
+/// failed recovery otherwise (the gap is then reported when batch `seq` is applied).
+async fn replay_gap(router: &Router, src: &VllmSource, ingest: &mut VllmIngest, seq: u64, last_seq: &mut Option<u64>) {
+    let (Some(endpoint), Some(last)) = (src.replay_endpoint.as_deref(), *last_seq) else { return };
+    let name = source_name(src);
+    let timeout = Duration::from_millis(router.config().recovery_timeout_ms.max(1));
+    let why = match replay_from(endpoint, last + 1, timeout).await {
+        Ok(batches) => {
+            for (s, payload) in batches {
+                if last_seq.is_some_and(|l| s <= l) || s >= seq {
+                    continue;
+                }
+                if last_seq.is_some_and(|l| s > l + 1) {
+                    break; // the buffer no longer reaches back to the next missing batch
+                }
+                match vllm::decode_batch(&payload) {
+                    Ok(batch) => apply_batch(router, src, ingest, s, &batch, last_seq),
+                    Err(e) => {
+                        router.with_state(|st| bump(&mut st.counters.invalid_events, name.clone()));
+                        tracing::debug!(endpoint = %src.endpoint, "undecodable replayed vLLM batch: {e}");
+                        break;
+                    }
+                }
+            }
+            match *last_seq {
+                Some(l) if l + 1 == seq => None,
+                Some(l) => Some(format!("{endpoint} no longer holds batch {}", l + 1)),
+                None => Some(format!("{endpoint} answered nothing")),
+            }
+        }
+        Err(e) => Some(e.to_string()),
+    };
+    router.with_state(|st| match &why {
+        None => {
+            bump(&mut st.counters.gaps, name.clone());
+            bump(&mut st.counters.recoveries, (name.clone(), "replay"));
+        }
+        Some(_) => bump(&mut st.counters.recovery_failures, name.clone()),
+    });
+    match why {
+        None => tracing::info!(endpoint = %src.endpoint, "replayed vLLM batches {}..{}", last + 1, seq - 1),
+        Some(w) => tracing::warn!(endpoint = %src.endpoint, "vLLM batches {}..{} not replayed: {w}", last + 1, seq - 1),
+    }
+}
+
 /// Applies one decoded batch with sequence number `seq` from `src`.
 pub fn apply_batch(
     router: &Router,
@@ -195,7 +296,16 @@ pub fn apply_batch(
                 st.health.set(
                     ConditionKind::UnrecoveredGap,
                     &name,
-                    format!("missed vLLM batches {}..{} (vLLM events cannot be replayed here)", last + 1, seq - 1),
+                    match src.replay_endpoint {
+                        Some(_) => {
+                            format!("missed vLLM batches {}..{} (replay could not fill them)", last + 1, seq - 1)
+                        }
+                        None => format!(
+                            "missed vLLM batches {}..{} (no replay_endpoint for this source)",
+                            last + 1,
+                            seq - 1
+                        ),
+                    },
                     now,
                 );
                 if let Some(p) = st.publishers.get_mut(&name) {
@@ -295,7 +405,12 @@ pub async fn run_source_in(
             };
             let decoded = split_message(&msg).and_then(|(_, seq, payload)| Ok((seq, vllm::decode_batch(&payload)?)));
             match decoded {
-                Ok((seq, batch)) => apply_batch(&router, &src, &mut ingest, seq, &batch, &mut last_seq),
+                Ok((seq, batch)) => {
+                    if last_seq.is_some_and(|l| seq > l + 1) {
+                        replay_gap(&router, &src, &mut ingest, seq, &mut last_seq).await;
+                    }
+                    apply_batch(&router, &src, &mut ingest, seq, &batch, &mut last_seq);
+                }
                 Err(e) => {
                     router.with_state(|st| bump(&mut st.counters.invalid_events, source_name(&src)));
                     tracing::debug!(endpoint = %src.endpoint, "undecodable vLLM batch: {e}");
@@ -367,5 +482,47 @@ impl VllmExporter {
         self.sock.send(m).await.map_err(|e| RouterError::Zmq(e.to_string()))?;
         self.seq += 1;
         Ok(seq)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn msg(frames: &[&[u8]]) -> ZmqMessage {
+        let mut m = ZmqMessage::from(Bytes::copy_from_slice(frames[0]));
+        for f in &frames[1..] {
+            m.push_back(Bytes::copy_from_slice(f));
+        }
+        m
+    }
+
+    #[test]
+    fn replay_answers_in_both_forms_and_the_end_marker() {
+        let seq = 7u64.to_be_bytes();
+        let end = (-1i64).to_be_bytes();
+        let batch = Some(Some((7, Bytes::from_static(b"p"))));
+        assert_eq!(replay_reply(&msg(&[b"", &seq, b"p"])).ok(), batch);
+        assert_eq!(replay_reply(&msg(&[b"", b"topic", &seq, b"p"])).ok(), batch);
+        assert_eq!(replay_reply(&msg(&[b"", &end, b""])).ok(), Some(None));
+        assert_eq!(replay_reply(&msg(&[b"", b"", &end, b""])).ok(), Some(None));
+        // No delimiter, a short sequence frame, too few or too many frames: errors, not panics.
+        let bad: [&[&[u8]]; 4] =
+            [&[b"x", &seq, b"p"], &[b"", b"\x01\x02", b"p"], &[b"", &seq], &[b"", b"", b"", &seq, b"p"]];
+        for bad in bad {
+            assert!(replay_reply(&msg(bad)).is_err(), "{bad:?}");
+        }
+    }
+
+    /// An endpoint where nobody answers fails within the timeout instead of hanging the source.
+    #[tokio::test]
+    async fn replay_from_a_silent_endpoint_times_out() -> std::io::Result<()> {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+        let endpoint = format!("tcp://{}", listener.local_addr()?);
+        let t0 = std::time::Instant::now();
+        let r = replay_from(&endpoint, 1, Duration::from_millis(300)).await;
+        assert!(r.is_err());
+        assert!(t0.elapsed() < Duration::from_secs(5));
+        Ok(())
     }
 }

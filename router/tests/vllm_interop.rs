@@ -97,6 +97,7 @@ async fn ingests_vllm_events_in_both_encodings_and_recomputes_hashes() {
         namespace: "vllm".into(),
         address: "http://v1.invalid".into(),
         role: None,
+        replay_endpoint: None,
     });
     let srv = Server::start(cfg).await;
     let batches = format!("kvrouter_vllm_batches_total{{publisher=\"vllm:{endpoint}\"}}");
@@ -127,6 +128,59 @@ async fn ingests_vllm_events_in_both_encodings_and_recomputes_hashes() {
     assert_eq!(srv.metric(&format!("kvrouter_event_gaps_total{{publisher=\"vllm:{endpoint}\"}}")).await, None);
     writeln!(py.stdin, "quit").unwrap();
     srv.stop().await;
+}
+
+/// A batch the engine's PUB socket never delivered is asked for on its replay socket (vLLM's
+/// `replay_endpoint`: a ROUTER written in Python from vLLM's publisher, in both answer forms),
+/// applied in order and counted as a recovered gap; a batch the engine no longer buffers leaves
+/// the gap loud.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vllm_gap_is_filled_from_the_engines_replay_socket() {
+    for args in [&["publish", "replay"][..], &["publish", "replay", "topic"][..]] {
+        let mut py = Py::spawn(args);
+        let ports: Vec<u16> = py.line(20).await.split_whitespace().map(|p| p.parse().unwrap()).collect();
+        let endpoint = format!("tcp://127.0.0.1:{}", ports[0]);
+        let mut cfg = config();
+        let mut ns = spec("vllm", "test/vllm", 4);
+        ns.key_scheme = KEY_SCHEME_DYNAMO_XXH3_1337.into();
+        cfg.namespaces.push(ns);
+        cfg.vllm_sources.push(VllmSource {
+            endpoint: endpoint.clone(),
+            topic: String::new(),
+            worker: "v1".into(),
+            node: "N1".into(),
+            namespace: "vllm".into(),
+            address: "http://v1.invalid".into(),
+            role: None,
+            replay_endpoint: Some(format!("tcp://127.0.0.1:{}", ports[1])),
+        });
+        let srv = Server::start(cfg).await;
+        let publisher = format!("{{publisher=\"vllm:{endpoint}\"");
+        let batches = format!("kvrouter_vllm_batches_total{publisher}}}");
+        srv.wait_for(20, "subscription", || async { srv.metric(&batches).await.unwrap_or(0.0) >= 1.0 }).await;
+
+        // Blocks 0-1 stored in a batch that only the replay socket has.
+        py.cmd("lost").await;
+        srv.wait_for(10, "replayed", || async { srv.router.index_stats().facts == 2 }).await;
+        let recovered = format!("kvrouter_gap_recoveries_total{publisher},method=\"replay\"}}");
+        assert_eq!(srv.metric(&recovered).await, Some(1.0), "{args:?}");
+        assert_eq!(srv.metric(&format!("kvrouter_event_gaps_total{publisher}}}")).await, Some(1.0));
+        assert_eq!(srv.healthz().await["status"], "ok");
+        let tokens: Vec<u32> = (1000..1012).collect();
+        let r = srv.route(serde_json::json!({"namespace": "vllm", "tokens": tokens})).await;
+        assert_eq!(r.cached_blocks, [2, 0, 0, 0]);
+
+        // A sequence number the engine neither sent nor kept: the gap stays reported.
+        py.cmd("unbuffered").await;
+        srv.wait_for(10, "unrecovered gap", || async { srv.healthz().await["status"] == "degraded" }).await;
+        let h = srv.healthz().await;
+        assert_eq!(h["conditions"][0]["kind"], "unrecovered_gap", "{h}");
+        assert!(h["conditions"][0]["reason"].as_str().unwrap().contains("replay could not fill"), "{h}");
+        assert_eq!(srv.metric(&format!("kvrouter_recovery_failures_total{publisher}}}")).await, Some(1.0));
+        assert_eq!(srv.metric(&recovered).await, Some(1.0));
+        writeln!(py.stdin, "quit").unwrap();
+        srv.stop().await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

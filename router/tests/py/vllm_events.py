@@ -6,8 +6,15 @@ with msgspec's array_like tuple encoding (what vLLM sends) and once as tagged ma
 recomputed here with the `xxhash` package (Dynamo: XXH3-64, seed 1337, chained), not with any
 kvcached code.
 
-  publish   binds a PUB socket, prints its port, sends heartbeats until told on stdin to send the
-            scenario's batches ("stored", "removed", "cleared"), exits on "quit".
+  publish [replay [topic]]
+            binds a PUB socket, prints its port, sends heartbeats until told on stdin to send the
+            scenario's batches ("stored", "removed", "cleared"), exits on "quit". With "replay" it
+            also binds a ROUTER replay socket as vLLM's ZmqEventPublisher does (`replay_endpoint`:
+            a request `[b"", start_seq]` is answered with `[b"", seq, payload]` for every buffered
+            batch from start_seq on, then `[b"", END_SEQ, b""]`; with "topic", the later vLLM form
+            with the topic frame before seq), prints both ports, and takes "lost" (a batch that is
+            buffered but never published, as a PUB socket drops it) and "unbuffered" (a sequence
+            number neither published nor buffered).
   subscribe ENDPOINT  connects a SUB socket, decodes batches until it has verified one in each
             encoding, prints one JSON line per verified batch, then "DONE".
 """
@@ -96,20 +103,46 @@ BLOCK = 4
 TOKENS = list(range(1000, 1012))  # 3 blocks of 4
 
 
-def publish():
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+def publish(replay=False, topic_frame=False):
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PUB)
     port = sock.bind_to_random_port("tcp://127.0.0.1")
-    print(port, flush=True)
+    router = None
+    if replay:
+        router = ctx.socket(zmq.ROUTER)
+        print(port, router.bind_to_random_port("tcp://127.0.0.1"), flush=True)
+    else:
+        print(port, flush=True)
     seq = 0
+    buffered = []  # (seq, payload), as vLLM's deque of the last `buffer_steps` batches
     tuple_enc = msgspec.msgpack.Encoder()
 
-    def send(batch):
+    def send(batch, publish=True, buffer=True):
         nonlocal seq
-        sock.send_multipart([b"", struct.pack(">Q", seq), tuple_enc.encode(batch)])
+        payload = tuple_enc.encode(batch)
+        if publish:
+            sock.send_multipart([b"", struct.pack(">Q", seq), payload])
+        if buffer:
+            buffered.append((seq, payload))
         seq += 1
 
+    def serve_replay():
+        while router.poll(0):
+            frame = router.recv_multipart()
+            client, _, start = frame
+            start = int.from_bytes(start, "big")
+            topic = [b""] if topic_frame else []
+            for s, payload in buffered:
+                if s >= start:
+                    router.send_multipart([client, b""] + topic + [s.to_bytes(8, "big"), payload])
+            router.send_multipart([client, b""] + topic + [END_SEQ, b""])
+
     while True:
+        if router is not None:
+            serve_replay()
         ready, _, _ = select.select([sys.stdin], [], [], 0.05)
         if not ready:
             send(KVEventBatch(ts=time.time(), events=[]))
@@ -117,7 +150,13 @@ def publish():
         cmd = sys.stdin.readline().strip()
         if cmd in ("", "quit"):
             return
-        if cmd == "stored":
+        if cmd == "lost":
+            send(KVEventBatch(ts=time.time(), events=[BlockStored(
+                block_hashes=[111, 222], parent_block_hash=None, token_ids=TOKENS[:8],
+                block_size=BLOCK, lora_id=None, medium="GPU")]), publish=False)
+        elif cmd == "unbuffered":
+            send(KVEventBatch(ts=time.time(), events=[]), publish=False, buffer=False)
+        elif cmd == "stored":
             # vLLM's own hashes (opaque ints / bytes): the router must recompute from tokens.
             send(KVEventBatch(ts=time.time(), events=[BlockStored(
                 block_hashes=[111, 222], parent_block_hash=None, token_ids=TOKENS[:8],
@@ -172,6 +211,6 @@ def subscribe(endpoint):
 
 if __name__ == "__main__":
     if sys.argv[1] == "publish":
-        publish()
+        publish(replay="replay" in sys.argv[2:], topic_frame="topic" in sys.argv[2:])
     else:
         subscribe(sys.argv[2])
