@@ -353,6 +353,18 @@ pub struct VllmSource {
     /// one a gap is only reported.
     #[serde(default)]
     pub replay_endpoint: Option<String>,
+    /// Seconds without a message after which the router connects afresh (a dropped connection
+    /// is otherwise not noticed: see `kvrouter::zmq::run_source_in`).
+    #[serde(default = "default_idle_reconnect_s")]
+    pub idle_reconnect_s: f64,
+}
+
+/// Default of [`VllmSource::idle_reconnect_s`] (also for sources registered through the
+/// indexer API).
+pub const DEFAULT_IDLE_RECONNECT_S: f64 = 5.0;
+
+fn default_idle_reconnect_s() -> f64 {
+    DEFAULT_IDLE_RECONNECT_S
 }
 
 /// Everything the router is configured with.
@@ -425,6 +437,12 @@ impl RouterConfig {
             ns.resolve().map_err(|e| RouterError::Config(e.to_string()))?;
         }
         for s in &self.vllm_sources {
+            if !(s.idle_reconnect_s.is_finite() && s.idle_reconnect_s > 0.0) {
+                return Err(RouterError::Config(format!(
+                    "vllm source {}: idle_reconnect_s must be a positive number of seconds, got {}",
+                    s.endpoint, s.idle_reconnect_s
+                )));
+            }
             let ns = self.namespaces.iter().find(|n| n.name.as_deref() == Some(&s.namespace));
             match ns {
                 Some(n) if n.key_scheme == KEY_SCHEME_DYNAMO_XXH3_1337 => {}
@@ -448,5 +466,45 @@ impl RouterConfig {
     /// The configured namespace called `name`.
     pub fn namespace(&self, name: &str) -> Option<&NamespaceSpec> {
         self.namespaces.iter().find(|n| n.name.as_deref() == Some(name))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SOURCE: &str = r#"
+[[namespaces]]
+name = "v"
+model_id = "m"
+num_layers = 2
+kv_heads = 2
+head_dim = 64
+dtype = "bf16"
+tokens_per_block = 16
+key_scheme = "dynamo-xxh3-1337"
+[[vllm_sources]]
+endpoint = "tcp://127.0.0.1:5557"
+worker = "w"
+node = "n"
+namespace = "v"
+"#;
+
+    #[test]
+    fn vllm_source_defaults_and_checks() {
+        let c = RouterConfig::from_toml(SOURCE).map_err(|e| e.to_string());
+        let s = c.as_ref().map(|c| c.vllm_sources[0].clone());
+        assert_eq!(s.as_ref().map(|s| s.idle_reconnect_s), Ok(DEFAULT_IDLE_RECONNECT_S));
+        assert_eq!(s.as_ref().map(|s| s.replay_endpoint.clone()), Ok(None));
+        let with = |extra: &str| RouterConfig::from_toml(&format!("{SOURCE}{extra}\n")).map_err(|e| e.to_string());
+        let replay = with("replay_endpoint = \"tcp://127.0.0.1:5558\"");
+        assert_eq!(replay.map(|c| c.vllm_sources[0].replay_endpoint.clone()), Ok(Some("tcp://127.0.0.1:5558".into())));
+        for bad in ["idle_reconnect_s = 0.0", "idle_reconnect_s = -1.0", "idle_reconnect_s = nan"] {
+            let e = with(bad).err().unwrap_or_default();
+            assert!(e.contains("idle_reconnect_s"), "{bad}: {e}");
+        }
+        let other_scheme = SOURCE.replace("key_scheme = \"dynamo-xxh3-1337\"", "");
+        let e = RouterConfig::from_toml(&other_scheme).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("key_scheme"), "{e}");
     }
 }

@@ -172,6 +172,7 @@ pub struct Counters {
     pub outcomes_unknown: u64,
     pub vllm_batches: BTreeMap<String, u64>,
     pub vllm_orphan_blocks: BTreeMap<String, u64>,
+    pub vllm_source_failures: BTreeMap<String, u64>,
 }
 
 /// Adds 1 to a labelled counter.

@@ -293,6 +293,7 @@ impl IndexerApi {
             address: req.address.clone().unwrap_or_default(),
             role: req.role.clone(),
             replay_endpoint: req.replay_endpoint.clone(),
+            idle_reconnect_s: crate::config::DEFAULT_IDLE_RECONNECT_S,
         };
         let reg = Registration {
             instance_id: instance,

@@ -609,6 +609,11 @@ impl Router {
             ("kvrouter_recovery_failures_total", "Failed replay / snapshot recoveries.", &c.recovery_failures),
             ("kvrouter_vllm_batches_total", "vLLM ZMQ event batches received, per source.", &c.vllm_batches),
             ("kvrouter_vllm_orphan_blocks_total", "vLLM blocks whose parent was unknown.", &c.vllm_orphan_blocks),
+            (
+                "kvrouter_vllm_source_failures_total",
+                "vLLM source connections whose reader failed inside the ZMQ library (it reconnects).",
+                &c.vllm_source_failures,
+            ),
         ] {
             let v = lab(m);
             p.labelled(name, "counter", help, "publisher", v.iter().map(|(k, v)| (k.as_str(), *v)));

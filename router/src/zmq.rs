@@ -156,10 +156,12 @@ const END_SEQ: u64 = u64::MAX;
 /// payload]`, as later vLLM versions send), the last `[b"", -1, b""]`. Returns `(seq, payload)`
 /// in the order sent; fails after `timeout` or beyond [`MAX_REPLAY_BATCHES`].
 pub async fn replay_from(endpoint: &str, from: u64, timeout: Duration) -> Result<Vec<(u64, Bytes)>, RouterError> {
-    let zmq = |e: zeromq::ZmqError| RouterError::Zmq(format!("replay from {endpoint}: {e}"));
-    let ask = async {
+    let ep = endpoint.to_string();
+    let ask = async move {
+        let endpoint = ep;
+        let zmq = |e: zeromq::ZmqError| RouterError::Zmq(format!("replay from {endpoint}: {e}"));
         let mut sock = zeromq::DealerSocket::new();
-        sock.connect(endpoint).await.map_err(zmq)?;
+        sock.connect(&endpoint).await.map_err(zmq)?;
         let mut req = ZmqMessage::from(Bytes::new());
         req.push_back(Bytes::copy_from_slice(&from.to_be_bytes()));
         sock.send(req).await.map_err(zmq)?;
@@ -177,9 +179,14 @@ pub async fn replay_from(endpoint: &str, from: u64, timeout: Duration) -> Result
             }
         }
     };
-    tokio::time::timeout(timeout, ask)
-        .await
-        .map_err(|_| RouterError::Zmq(format!("replay from {endpoint}: no end marker within {timeout:?}")))?
+    // On its own task: the `zeromq` crate's DEALER panics (`todo!`) when its peer drops the
+    // connection mid-answer, and that must be a failed replay, not a dead source.
+    let asked = tokio::spawn(tokio::time::timeout(timeout, ask));
+    match asked.await {
+        Ok(Ok(r)) => r,
+        Ok(Err(_)) => Err(RouterError::Zmq(format!("replay from {endpoint}: no end marker within {timeout:?}"))),
+        Err(e) => Err(RouterError::Zmq(format!("replay from {endpoint}: the socket failed ({e})"))),
+    }
 }
 
 /// One replay answer as a DEALER receives it: `Some((seq, payload))`, or `None` for the end
@@ -365,6 +372,16 @@ pub async fn run_source(router: Arc<Router>, _index: usize, src: VllmSource, sto
 
 /// [`run_source`] with the namespace given (sources registered through the indexer API, whose
 /// namespaces are not in the config).
+///
+/// The socket is read on a task of its own that forwards messages through a bounded channel,
+/// and a fresh socket is connected whenever that task ends. It ends on an error, on a panic
+/// inside the `zeromq` crate (which has `todo!`s on some peer behaviour: a panic must end one
+/// connection, not the source), and after `idle_reconnect_s` without a message: that crate's SUB
+/// socket neither reconnects nor reports a connection its peer dropped (an engine restarted on
+/// the same endpoint would otherwise never be heard from again), and a vLLM engine sends nothing
+/// while idle, so silence is the only sign. A batch published while the socket is replaced shows
+/// as a sequence gap (replayed, or reported). The ingest state (vLLM hash map, last sequence
+/// number) stays here across reconnections.
 pub async fn run_source_in(
     router: Arc<Router>,
     src: VllmSource,
@@ -374,35 +391,19 @@ pub async fn run_source_in(
     let mut ingest = VllmIngest::new(ns, WorkerId(src.worker.clone()), NodeId(src.node.clone()));
     let mut last_seq = None;
     loop {
-        let mut sock = zeromq::SubSocket::new();
-        let connect = async {
-            sock.connect(&src.endpoint).await?;
-            sock.subscribe(&src.topic).await
-        };
-        let connected = tokio::select! {
-            r = connect => r,
-            _ = stop.changed() => return,
-        };
-        if let Err(e) = connected {
-            tracing::warn!(endpoint = %src.endpoint, "vLLM source connect failed: {e}");
-            tokio::select! {
-                _ = tokio::time::sleep(Duration::from_millis(500)) => continue,
-                _ = stop.changed() => return,
-            }
-        }
-        tracing::info!(endpoint = %src.endpoint, worker = %src.worker, "subscribed to vLLM KV events");
+        let (tx, mut rx) = tokio::sync::mpsc::channel(READ_AHEAD);
+        let idle = Duration::from_secs_f64(src.idle_reconnect_s.max(0.05));
+        let reader = tokio::spawn(read_source(src.endpoint.clone(), src.topic.clone(), src.worker.clone(), idle, tx));
         loop {
             let msg = tokio::select! {
-                m = sock.recv() => m,
-                _ = stop.changed() => return,
-            };
-            let msg = match msg {
-                Ok(m) => m,
-                Err(e) => {
-                    tracing::warn!(endpoint = %src.endpoint, "vLLM source receive failed, reconnecting: {e}");
-                    break;
+                m = rx.recv() => m,
+                _ = stop.changed() => {
+                    reader.abort();
+                    return;
                 }
             };
+            // `None`: the reader ended (a connect or receive error, or a panic).
+            let Some(msg) = msg else { break };
             let decoded = split_message(&msg).and_then(|(_, seq, payload)| Ok((seq, vllm::decode_batch(&payload)?)));
             match decoded {
                 Ok((seq, batch)) => {
@@ -415,6 +416,67 @@ pub async fn run_source_in(
                     router.with_state(|st| bump(&mut st.counters.invalid_events, source_name(&src)));
                     tracing::debug!(endpoint = %src.endpoint, "undecodable vLLM batch: {e}");
                 }
+            }
+        }
+        match reader.await {
+            Ok(ReadEnd::Idle) => continue,
+            Ok(ReadEnd::Failed) => {}
+            Err(e) => {
+                if e.is_panic() {
+                    tracing::error!(endpoint = %src.endpoint, "vLLM source reader failed inside the ZMQ library; reconnecting");
+                    router.with_state(|st| bump(&mut st.counters.vllm_source_failures, source_name(&src)));
+                }
+            }
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_millis(500)) => {}
+            _ = stop.changed() => return,
+        }
+    }
+}
+
+/// Messages read ahead of the ingest (a replay in progress holds it up).
+const READ_AHEAD: usize = 256;
+
+/// Why a source's reader ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ReadEnd {
+    /// Nothing arrived for the idle interval: reconnect at once.
+    Idle,
+    /// Connect or receive failed (or the ingest is gone): reconnect after a pause.
+    Failed,
+}
+
+/// Connects a SUB socket to `endpoint` and forwards what it receives until an error, `idle`
+/// without a message, or the receiver is gone.
+async fn read_source(
+    endpoint: String,
+    topic: String,
+    worker: String,
+    idle: Duration,
+    tx: tokio::sync::mpsc::Sender<ZmqMessage>,
+) -> ReadEnd {
+    let mut sock = zeromq::SubSocket::new();
+    let connected = async {
+        sock.connect(&endpoint).await?;
+        sock.subscribe(&topic).await
+    };
+    if let Err(e) = connected.await {
+        tracing::warn!(endpoint = %endpoint, "vLLM source connect failed: {e}");
+        return ReadEnd::Failed;
+    }
+    tracing::debug!(endpoint = %endpoint, worker = %worker, "subscribed to vLLM KV events");
+    loop {
+        match tokio::time::timeout(idle, sock.recv()).await {
+            Err(_) => return ReadEnd::Idle,
+            Ok(Ok(m)) => {
+                if tx.send(m).await.is_err() {
+                    return ReadEnd::Failed;
+                }
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(endpoint = %endpoint, "vLLM source receive failed, reconnecting: {e}");
+                return ReadEnd::Failed;
             }
         }
     }

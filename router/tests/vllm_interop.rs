@@ -98,6 +98,7 @@ async fn ingests_vllm_events_in_both_encodings_and_recomputes_hashes() {
         address: "http://v1.invalid".into(),
         role: None,
         replay_endpoint: None,
+        idle_reconnect_s: 1.0,
     });
     let srv = Server::start(cfg).await;
     let batches = format!("kvrouter_vllm_batches_total{{publisher=\"vllm:{endpoint}\"}}");
@@ -153,6 +154,7 @@ async fn a_vllm_gap_is_filled_from_the_engines_replay_socket() {
             address: "http://v1.invalid".into(),
             role: None,
             replay_endpoint: Some(format!("tcp://127.0.0.1:{}", ports[1])),
+            idle_reconnect_s: 5.0,
         });
         let srv = Server::start(cfg).await;
         let publisher = format!("{{publisher=\"vllm:{endpoint}\"");
@@ -181,6 +183,52 @@ async fn a_vllm_gap_is_filled_from_the_engines_replay_socket() {
         writeln!(py.stdin, "quit").unwrap();
         srv.stop().await;
     }
+}
+
+/// The engine restarts on the same endpoint (a new process, a new connection) and, in the
+/// second round, sends ZMTP heartbeat commands between its messages: the source reconnects and
+/// keeps indexing what the engine reports.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vllm_source_follows_an_engine_restart_and_heartbeats() {
+    let py = Py::spawn(&["publish"]);
+    let port: u16 = py.line(20).await.trim().parse().unwrap();
+    let endpoint = format!("tcp://127.0.0.1:{port}");
+    let mut cfg = config();
+    let mut ns = spec("vllm", "test/vllm", 4);
+    ns.key_scheme = KEY_SCHEME_DYNAMO_XXH3_1337.into();
+    cfg.namespaces.push(ns);
+    cfg.vllm_sources.push(VllmSource {
+        endpoint: endpoint.clone(),
+        topic: String::new(),
+        worker: "v1".into(),
+        node: "N1".into(),
+        namespace: "vllm".into(),
+        address: "http://v1.invalid".into(),
+        role: None,
+        replay_endpoint: None,
+        idle_reconnect_s: 1.0,
+    });
+    let srv = Server::start(cfg).await;
+    let batches = format!("kvrouter_vllm_batches_total{{publisher=\"vllm:{endpoint}\"}}");
+    srv.wait_for(20, "subscription", || async { srv.metric(&batches).await.unwrap_or(0.0) >= 1.0 }).await;
+    drop(py); // killed: its connection drops
+    for (round, args) in [&["publish", "port"][..], &["publish", "heartbeat", "port"][..]].into_iter().enumerate() {
+        let p = port.to_string();
+        let mut py = Py::spawn(&[args, &[p.as_str()]].concat());
+        assert_eq!(py.line(20).await.trim(), p);
+        let before = srv.metric(&batches).await.unwrap_or(0.0);
+        // Batches keep arriving from the new process (with heartbeats, across many PINGs).
+        srv.wait_for(20, "batches after the restart", || async {
+            srv.metric(&batches).await.unwrap_or(0.0) >= before + 10.0
+        })
+        .await;
+        if round == 0 {
+            py.cmd("stored").await;
+            srv.wait_for(10, "stored after the restart", || async { srv.router.index_stats().facts == 3 }).await;
+        }
+        drop(py);
+    }
+    srv.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -48,6 +48,10 @@ const SNAPSHOT_DELAY: Duration = Duration::from_millis(300);
 /// blocks), which a subscriber's socket drains without the PUB socket dropping messages.
 const SNAPSHOT_CHUNK: usize = 64;
 const SNAPSHOT_PACE: Duration = Duration::from_millis(1);
+/// After this long without a message an empty batch goes out, so that subscribers can tell a
+/// quiet exporter from a dropped connection (kvrouter connects afresh to a source silent for
+/// its `idle_reconnect_s`, 5 s by default, and a new connection costs a snapshot here).
+const KEEPALIVE: Duration = Duration::from_secs(1);
 
 pub(crate) type Origins = Mutex<HashMap<BlockKey, Origin, kvproto::key::BlockKeyBuildHasher>>;
 
@@ -256,6 +260,8 @@ async fn send_loop(
     let mut again = false;
     let mut pace = tokio::time::interval(SNAPSHOT_PACE);
     pace.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let quiet = tokio::time::sleep(KEEPALIVE);
+    tokio::pin!(quiet);
     let build = |held: &Arc<Origins>| {
         let held = Arc::clone(held);
         tokio::spawn(async move {
@@ -280,6 +286,15 @@ async fn send_loop(
                 if let Err(e) = exporter.publish(std::mem::take(&mut batch), None).await {
                     tracing::warn!("vLLM event export failed: {e}");
                 }
+                quiet.as_mut().reset(tokio::time::Instant::now() + KEEPALIVE);
+            }
+            () = &mut quiet => {
+                // Nothing to say for a while: an empty batch tells subscribers the connection
+                // is alive (kvrouter reconnects a source that stays silent).
+                if let Err(e) = exporter.publish(Vec::new(), None).await {
+                    tracing::warn!("vLLM event export failed: {e}");
+                }
+                quiet.as_mut().reset(tokio::time::Instant::now() + KEEPALIVE);
             }
             Some(()) = joins.recv() => {
                 while joins.try_recv().is_ok() {}
@@ -309,6 +324,7 @@ async fn send_loop(
                 {
                     tracing::warn!("vLLM event export failed: {e}");
                 }
+                quiet.as_mut().reset(tokio::time::Instant::now() + KEEPALIVE);
             }
         }
         // A snapshot finished (built empty, or sent): the subscribers that joined meanwhile

@@ -6,8 +6,9 @@ with msgspec's array_like tuple encoding (what vLLM sends) and once as tagged ma
 recomputed here with the `xxhash` package (Dynamo: XXH3-64, seed 1337, chained), not with any
 kvcached code.
 
-  publish [replay [topic]]
-            binds a PUB socket, prints its port, sends heartbeats until told on stdin to send the
+  publish [replay [topic]] [port N] [heartbeat]
+            binds a PUB socket (on port N if given; with "heartbeat", libzmq's ZMTP PING commands
+            every 100 ms), prints its port, sends heartbeats until told on stdin to send the
             scenario's batches ("stored", "removed", "cleared"), exits on "quit". With "replay" it
             also binds a ROUTER replay socket as vLLM's ZmqEventPublisher does (`replay_endpoint`:
             a request `[b"", start_seq]` is answered with `[b"", seq, payload]` for every buffered
@@ -106,10 +107,16 @@ TOKENS = list(range(1000, 1012))  # 3 blocks of 4
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
-def publish(replay=False, topic_frame=False):
+def publish(replay=False, topic_frame=False, port=None, heartbeat=False):
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PUB)
-    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    if heartbeat:
+        # libzmq then sends ZMTP PING commands between messages.
+        sock.setsockopt(zmq.HEARTBEAT_IVL, 100)
+    if port is None:
+        port = sock.bind_to_random_port("tcp://127.0.0.1")
+    else:
+        sock.bind("tcp://127.0.0.1:%d" % port)
     router = None
     if replay:
         router = ctx.socket(zmq.ROUTER)
@@ -211,6 +218,8 @@ def subscribe(endpoint):
 
 if __name__ == "__main__":
     if sys.argv[1] == "publish":
-        publish(replay="replay" in sys.argv[2:], topic_frame="topic" in sys.argv[2:])
+        args = sys.argv[2:]
+        port = int(args[args.index("port") + 1]) if "port" in args else None
+        publish(replay="replay" in args, topic_frame="topic" in args, port=port, heartbeat="heartbeat" in args)
     else:
         subscribe(sys.argv[2])
