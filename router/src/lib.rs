@@ -21,7 +21,8 @@
 //! - [`split`]: the prefill/decode split decision (only when the handoff pays).
 //! - [`indexer_api`]: the Mooncake RFC #1403 indexer API (`/register`, `/query`, ...).
 //! - [`vllm`]: vLLM's KV-event wire format (msgpack, tuple and map encodings), both directions.
-//! - [`zmq`]: ZMQ SUB ingest of vLLM engines, ZMQ PUB export of our events.
+//! - [`zmq`]: ZMQ SUB ingest of vLLM engines (gaps replayed from their replay socket).
+//! - [`zmq_export`]: ZMQ PUB export of our events in vLLM's format, with a replay socket.
 //! - [`sim`]: the simulation harness (LRU workers publishing real events to a real router).
 //! - [`signals`]: SIGTERM / SIGINT handling shared by the binaries.
 //! - [`error`]: the crate's error enum.
@@ -47,6 +48,7 @@ pub mod split;
 pub mod state;
 pub mod vllm;
 pub mod zmq;
+pub mod zmq_export;
 
 pub use config::{CostWeights, HealthConfig, NamespaceSpec, RouterConfig, RoutingMode};
 pub use error::RouterError;

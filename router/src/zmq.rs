@@ -2,7 +2,8 @@
 //!
 //! - [`run_source`]: SUB to one vLLM engine, decode, recompute Dynamo hashes from `token_ids`,
 //!   and apply as G1 (or, by `medium`, G2-G4) events of the configured worker / node.
-//! - [`VllmExporter`]: PUB our events in the same wire format (`medium` = tier).
+//! - [`VllmExporter`] (in `zmq_export`): PUB our events in the same wire format (`medium` = tier),
+//!   with a replay socket like vLLM's.
 //!
 //! A vLLM engine sends no heartbeat, so its worker is never marked stale for silence. A sequence
 //! gap is asked for on the engine's replay socket when the source names one
@@ -25,7 +26,8 @@ use crate::config::{ResolvedNamespace, VllmSource};
 use crate::health::{ConditionKind, bump};
 use crate::router::Router;
 use crate::state::{GapState, PublisherKind};
-use crate::vllm::{self, Encoding, VllmBatch, VllmEvent};
+use crate::vllm::{self, VllmBatch, VllmEvent};
+pub use crate::zmq_export::VllmExporter;
 
 /// Most vLLM-hash -> Dynamo-hash mappings kept per source (they are removed with their blocks;
 /// beyond this the map is reset and counted).
@@ -148,7 +150,7 @@ pub fn source_name(src: &VllmSource) -> String {
 pub const MAX_REPLAY_BATCHES: usize = 100_000;
 
 /// The end-of-replay marker's sequence frame: -1 as a big-endian i64.
-const END_SEQ: u64 = u64::MAX;
+pub(crate) const END_SEQ: u64 = u64::MAX;
 
 /// Asks a vLLM engine's replay socket (a ZMQ ROUTER, `replay_endpoint` of its
 /// `--kv-events-config`) for every batch it still buffers from sequence number `from` on:
@@ -479,71 +481,6 @@ async fn read_source(
                 return ReadEnd::Failed;
             }
         }
-    }
-}
-
-/// Publishes events in vLLM's wire format on a ZMQ PUB socket (for routers that consume vLLM
-/// events, e.g. Dynamo or llm-d, to see our G2-G4 tiers).
-pub struct VllmExporter {
-    sock: zeromq::PubSocket,
-    topic: Bytes,
-    seq: u64,
-    encoding: Encoding,
-    endpoint: String,
-}
-
-impl std::fmt::Debug for VllmExporter {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("VllmExporter").field("endpoint", &self.endpoint).field("seq", &self.seq).finish()
-    }
-}
-
-impl VllmExporter {
-    /// Binds a PUB socket (e.g. `tcp://127.0.0.1:0`; the bound endpoint is [`Self::endpoint`]).
-    pub async fn bind(endpoint: &str, topic: &str, encoding: Encoding) -> Result<Self, RouterError> {
-        let mut sock = zeromq::PubSocket::new();
-        let ep = sock.bind(endpoint).await.map_err(|e| RouterError::Zmq(e.to_string()))?;
-        Ok(Self { sock, topic: Bytes::from(topic.as_bytes().to_vec()), seq: 0, encoding, endpoint: ep.to_string() })
-    }
-
-    /// The bound endpoint.
-    pub fn endpoint(&self) -> &str {
-        &self.endpoint
-    }
-
-    /// Sets the encoding of later batches.
-    pub fn set_encoding(&mut self, e: Encoding) {
-        self.encoding = e;
-    }
-
-    /// One message per subscriber that connects from now on (from the socket's monitor), so
-    /// that the publisher can send a newcomer what it already holds: a PUB socket drops what
-    /// was sent before a subscriber joined.
-    pub fn subscriber_joins(&mut self) -> tokio::sync::mpsc::Receiver<()> {
-        use tokio_stream::StreamExt;
-        let mut events = self.sock.monitor();
-        let (tx, rx) = tokio::sync::mpsc::channel(16);
-        tokio::spawn(async move {
-            while let Some(ev) = events.next().await {
-                if matches!(ev, zeromq::SocketEvent::Accepted(..)) && tx.send(()).await.is_err() {
-                    break;
-                }
-            }
-        });
-        rx
-    }
-
-    /// Sends one batch (sequence numbers 0, 1, 2, ...).
-    pub async fn publish(&mut self, events: Vec<VllmEvent>, dp_rank: Option<i64>) -> Result<u64, RouterError> {
-        let ts = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
-        let payload = vllm::encode_batch(&VllmBatch { ts, events, dp_rank }, self.encoding);
-        let seq = self.seq;
-        let mut m = ZmqMessage::from(self.topic.clone());
-        m.push_back(Bytes::copy_from_slice(&seq.to_be_bytes()));
-        m.push_back(Bytes::from(payload));
-        self.sock.send(m).await.map_err(|e| RouterError::Zmq(e.to_string()))?;
-        self.seq += 1;
-        Ok(seq)
     }
 }
 

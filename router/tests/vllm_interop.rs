@@ -15,7 +15,7 @@ use common::*;
 use kvproto::TierKind;
 use kvproto::events::KEY_SCHEME_DYNAMO_XXH3_1337;
 use kvrouter::config::VllmSource;
-use kvrouter::vllm::{Encoding, stored_for_export};
+use kvrouter::vllm::{self, Encoding, stored_for_export};
 use kvrouter::zmq::VllmExporter;
 
 fn python() -> String {
@@ -263,4 +263,35 @@ async fn exports_our_tiers_in_vllm_wire_format_that_python_decodes() {
     assert_eq!(m["events"][0]["medium"], "DISK");
     assert_eq!(m["events"][0]["parent"], serde_json::json!(hashes[1]));
     assert_eq!(m["events"][0]["hashes"], serde_json::json!(&hashes[2..]));
+}
+
+/// The export's replay socket answers vLLM's replay protocol: a Python DEALER (written from
+/// vLLM's publisher, not our code) asks for the batches from a sequence number on, decodes
+/// them and checks their hashes; the socket keeps only the newest batches within its byte
+/// bound, and our own `replay_from` reads the same answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_export_serves_vllms_replay_protocol() {
+    let mut exp = VllmExporter::bind("tcp://127.0.0.1:0", "", Encoding::Tuple).await.unwrap();
+    let tokens: Vec<u32> = (0..12).collect();
+    let one = |t: &[u32]| {
+        vllm::encode_batch(
+            &vllm::VllmBatch { ts: 0.0, events: vec![stored_for_export(None, t, 4, TierKind::G2Host)], dp_rank: None },
+            Encoding::Tuple,
+        )
+        .len()
+    };
+    // Room for the two newest of three batches (each holds 1, 2 and 3 blocks).
+    let bound = one(&tokens[..8]) + one(&tokens) + 8;
+    let replay = exp.serve_replay("tcp://127.0.0.1:0", bound).await.unwrap();
+    for n in [4, 8, 12] {
+        exp.publish(vec![stored_for_export(None, &tokens[..n], 4, TierKind::G2Host)], None).await.unwrap();
+    }
+    let py = Py::spawn(&["replay", &replay, "1"]);
+    let r: serde_json::Value = serde_json::from_str(&py.line(20).await).unwrap();
+    assert_eq!(r, serde_json::json!({"seqs": [1, 2], "stored": [2, 3]}));
+    let py = Py::spawn(&["replay", &replay, "0"]);
+    let r: serde_json::Value = serde_json::from_str(&py.line(20).await).unwrap();
+    assert_eq!(r["seqs"], serde_json::json!([1, 2]), "batch 0 left the bounded buffer");
+    let ours = kvrouter::zmq::replay_from(&replay, 2, Duration::from_secs(5)).await.unwrap();
+    assert_eq!(ours.iter().map(|(s, _)| *s).collect::<Vec<_>>(), vec![2]);
 }

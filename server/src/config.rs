@@ -49,6 +49,11 @@ pub struct RouterConfig {
     pub vllm_export: String,
     /// Topic of those messages.
     pub vllm_export_topic: String,
+    /// ZMQ endpoint of the export's replay socket (as vLLM's `replay_endpoint`: subscribers
+    /// that missed batches ask for them there); empty: none.
+    pub vllm_export_replay: String,
+    /// Bytes of recent export batches kept for replay.
+    pub vllm_export_replay_bytes: u64,
 }
 
 /// G2, the host pool.
@@ -191,6 +196,8 @@ impl Default for RouterConfig {
             advertise_url: String::new(),
             vllm_export: String::new(),
             vllm_export_topic: String::new(),
+            vllm_export_replay: String::new(),
+            vllm_export_replay_bytes: 64 << 20,
         }
     }
 }
@@ -304,6 +311,12 @@ impl Config {
                 "report_interval_ms, event_log and max_pending must be at least 1",
             ));
         }
+        if !self.router.vllm_export_replay.is_empty() && self.router.vllm_export.is_empty() {
+            return Err(bad("router.vllm_export_replay", "needs router.vllm_export (the stream it replays)"));
+        }
+        if !self.router.vllm_export_replay.is_empty() && self.router.vllm_export_replay_bytes == 0 {
+            return Err(bad("router.vllm_export_replay_bytes", "must be at least 1 with a replay socket"));
+        }
         if self.g3.writethrough_queue == 0 || self.g3.writethrough_batch == 0 {
             return Err(bad("g3.writethrough_queue", "queue and batch must be at least 1"));
         }
@@ -404,6 +417,18 @@ mod tests {
         c.g2.low_watermark = 0.99;
         let e = c.resolve().unwrap_err().to_string();
         assert!(e.contains("g2.low_watermark") && e.contains("0 < low <= high <= 1"), "{e}");
+    }
+
+    #[test]
+    fn the_export_replay_needs_the_export() {
+        let mut c = Config::default();
+        c.router.vllm_export_replay = "tcp://127.0.0.1:0".into();
+        assert!(c.clone().resolve().unwrap_err().to_string().contains("router.vllm_export_replay"));
+        c.router.vllm_export = "tcp://127.0.0.1:0".into();
+        c.router.vllm_export_replay_bytes = 0;
+        assert!(c.clone().resolve().unwrap_err().to_string().contains("router.vllm_export_replay_bytes"));
+        c.router.vllm_export_replay_bytes = 1 << 20;
+        assert!(c.resolve().is_ok());
     }
 
     #[test]

@@ -134,6 +134,8 @@ pub async fn serve(
             vllm_export::VllmExport::start(
                 &config.router.vllm_export,
                 &config.router.vllm_export_topic,
+                (!config.router.vllm_export_replay.is_empty())
+                    .then_some((config.router.vllm_export_replay.as_str(), config.router.vllm_export_replay_bytes)),
                 config.g3.enabled.then(|| config.g3.dir.join("vllm-origins.log")),
             )
             .await?,

@@ -89,6 +89,7 @@ pub struct VllmExport {
     log: OnceLock<OriginLog>,
     tx: mpsc::Sender<VllmEvent>,
     endpoint: String,
+    replay_endpoint: Option<String>,
     dropped: metrics::Counter,
     unknown: metrics::Counter,
 }
@@ -98,11 +99,26 @@ impl VllmExport {
     /// task on the current runtime. With `log_path` (next to G3), the records of the blocks G3
     /// kept across a restart are read back: those G3 still holds are exported again once it
     /// announces them; call [`VllmExport::start_log`] after that.
-    pub async fn start(endpoint: &str, topic: &str, log_path: Option<PathBuf>) -> Result<Self, ServerError> {
+    pub async fn start(
+        endpoint: &str,
+        topic: &str,
+        replay: Option<(&str, u64)>,
+        log_path: Option<PathBuf>,
+    ) -> Result<Self, ServerError> {
         let mut exporter = VllmExporter::bind(endpoint, topic, Encoding::Tuple).await.map_err(|e| {
             ServerError::Config { field: "router.vllm_export".into(), reason: format!("cannot bind {endpoint}: {e}") }
         })?;
         let bound = exporter.endpoint().to_string();
+        let replay_bound = match replay {
+            Some((at, bytes)) => {
+                let keep = usize::try_from(bytes).unwrap_or(usize::MAX);
+                Some(exporter.serve_replay(at, keep).await.map_err(|e| ServerError::Config {
+                    field: "router.vllm_export_replay".into(),
+                    reason: format!("cannot bind {at}: {e}"),
+                })?)
+            }
+            None => None,
+        };
         let (tx, rx) = mpsc::channel::<VllmEvent>(QUEUE);
         let origins: Arc<Origins> = Arc::default();
         if let Some(path) = &log_path {
@@ -114,13 +130,14 @@ impl VllmExport {
         }
         let joins = exporter.subscriber_joins();
         tokio::spawn(send_loop(exporter, rx, joins, Arc::clone(&origins)));
-        tracing::info!(endpoint = %bound, "exporting tier events in vLLM's format");
+        tracing::info!(endpoint = %bound, replay = ?replay_bound, "exporting tier events in vLLM's format");
         Ok(Self {
             origins,
             log_path,
             log: OnceLock::new(),
             tx,
             endpoint: bound,
+            replay_endpoint: replay_bound,
             dropped: metrics::counter!("kvcached_vllm_export_dropped_total"),
             unknown: metrics::counter!("kvcached_vllm_export_unknown_total"),
         })
@@ -129,6 +146,11 @@ impl VllmExport {
     /// The bound endpoint.
     pub fn endpoint(&self) -> &str {
         &self.endpoint
+    }
+
+    /// The replay socket's bound endpoint, if one is served.
+    pub fn replay_endpoint(&self) -> Option<&str> {
+        self.replay_endpoint.as_deref()
     }
 
     /// Waits until the records of G3's blocks queued so far are in the log (at shutdown, after

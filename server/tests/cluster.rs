@@ -389,12 +389,29 @@ async fn wait_until_cached(router: &RouterProc, tokens: &[u32], want: [u64; 4], 
 async fn a_router_subscribing_late_to_the_vllm_export_is_sent_what_the_daemon_holds() {
     let d = tempfile::tempdir().unwrap();
     let endpoint = format!("tcp://127.0.0.1:{}", free_port());
-    let daemon = spawn_daemon_with(d.path(), &format!("vllm_export = \"{endpoint}\"\n"));
+    let replay = format!("tcp://127.0.0.1:{}", free_port());
+    let daemon =
+        spawn_daemon_with(d.path(), &format!("vllm_export = \"{endpoint}\"\nvllm_export_replay = \"{replay}\"\n"));
     let (c, _mem) = engine(d.path(), "http://v:8000").await;
     let p = prompt(9, 24);
     assert_eq!(c.save(&p, 0, &(0..24).collect::<Vec<_>>()).await.unwrap().stored, 24);
     // The save's events have gone out (to nobody) well before a router subscribes.
     tokio::time::sleep(Duration::from_millis(500)).await;
+    // They are also kept on the replay socket, for subscribers that missed them.
+    let batches = kvrouter::zmq::replay_from(&replay, 0, Duration::from_secs(5)).await.unwrap();
+    let stored: usize = batches
+        .iter()
+        .flat_map(|(_, payload)| kvrouter::vllm::decode_batch(payload).unwrap().events)
+        .map(|e| match e {
+            kvrouter::vllm::VllmEvent::BlockStored { block_hashes, medium, .. }
+                if medium.as_deref() == Some("CPU_PINNED") =>
+            {
+                block_hashes.len()
+            }
+            _ => 0,
+        })
+        .sum();
+    assert_eq!(stored, 24, "G2 blocks in {} replayed batches", batches.len());
     let config = vllm_source_router(&endpoint);
     let router = start_router_with("127.0.0.1:0", config).await;
     wait_until_cached(&router, &p, [0, 24, 0, 0], "the late subscriber never saw the held blocks").await;

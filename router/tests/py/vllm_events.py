@@ -16,6 +16,9 @@ kvcached code.
             with the topic frame before seq), prints both ports, and takes "lost" (a batch that is
             buffered but never published, as a PUB socket drops it) and "unbuffered" (a sequence
             number neither published nor buffered).
+  replay ENDPOINT START  asks a replay socket (vLLM's protocol) for the batches from START on
+            with a DEALER, decodes each, prints one JSON line with their sequence numbers and
+            stored-block counts.
   subscribe ENDPOINT  connects a SUB socket, decodes batches until it has verified one in each
             encoding, prints one JSON line per verified batch, then "DONE".
 """
@@ -216,10 +219,36 @@ def subscribe(endpoint):
     print("DONE", flush=True)
 
 
+def replay(endpoint, start):
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.RCVTIMEO, 20000)
+    sock.connect(endpoint)
+    sock.send_multipart([b"", int(start).to_bytes(8, "big")])
+    tuple_dec = msgspec.msgpack.Decoder(KVEventBatch)
+    seqs, stored = [], []
+    while True:
+        frames = sock.recv_multipart()
+        assert frames[0] == b"", frames
+        seq_b, payload = frames[-2], frames[-1]
+        if seq_b == END_SEQ:
+            assert payload == b""
+            break
+        seqs.append(int.from_bytes(seq_b, "big"))
+        batch = tuple_dec.decode(payload)
+        for e in batch.events:
+            if isinstance(e, BlockStored):
+                assert list(e.block_hashes) == dynamo_hashes(e.token_ids, e.block_size, e.parent_block_hash)
+                stored.append(len(e.block_hashes))
+    print(json.dumps({"seqs": seqs, "stored": stored}), flush=True)
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "publish":
         args = sys.argv[2:]
         port = int(args[args.index("port") + 1]) if "port" in args else None
         publish(replay="replay" in args, topic_frame="topic" in args, port=port, heartbeat="heartbeat" in args)
+    elif sys.argv[1] == "replay":
+        replay(sys.argv[2], sys.argv[3])
     else:
         subscribe(sys.argv[2])

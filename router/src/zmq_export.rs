@@ -1,0 +1,224 @@
+//! Our events in vLLM's KV-event wire format: a ZMQ PUB socket ([`VllmExporter`]) and, like
+//! vLLM's own publisher, an optional replay socket (a ROUTER: a subscriber that missed batches
+//! asks `[b"", first seq]` and is sent every batch still buffered from there, `[b"", seq,
+//! payload]`, then `[b"", -1, b""]`; [`crate::zmq::replay_from`] is the asking side).
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use parking_lot::Mutex;
+use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
+
+use crate::RouterError;
+use crate::vllm::{self, Encoding, VllmBatch, VllmEvent};
+use crate::zmq::END_SEQ;
+
+/// Publishes events in vLLM's wire format on a ZMQ PUB socket (for routers that consume vLLM
+/// events, e.g. Dynamo or llm-d, to see our G2-G4 tiers).
+pub struct VllmExporter {
+    sock: zeromq::PubSocket,
+    topic: Bytes,
+    seq: u64,
+    encoding: Encoding,
+    endpoint: String,
+    replay: Option<Replay>,
+}
+
+/// The batches kept for replay and the task serving them.
+struct Replay {
+    buffer: Arc<Mutex<Buffered>>,
+    task: tokio::task::JoinHandle<()>,
+    endpoint: String,
+}
+
+/// Batches sent, oldest first, at most `max_bytes` of payload.
+#[derive(Debug, Default)]
+struct Buffered {
+    batches: VecDeque<(u64, Bytes)>,
+    bytes: usize,
+    max_bytes: usize,
+}
+
+impl Buffered {
+    fn push(&mut self, seq: u64, payload: Bytes) {
+        self.bytes += payload.len();
+        self.batches.push_back((seq, payload));
+        while self.bytes > self.max_bytes {
+            let Some((_, old)) = self.batches.pop_front() else { break };
+            self.bytes -= old.len();
+        }
+    }
+
+    fn from(&self, start: u64) -> Vec<(u64, Bytes)> {
+        self.batches.iter().filter(|(s, _)| *s >= start).cloned().collect()
+    }
+}
+
+impl Drop for VllmExporter {
+    fn drop(&mut self) {
+        if let Some(r) = &self.replay {
+            r.task.abort();
+        }
+    }
+}
+
+impl std::fmt::Debug for VllmExporter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VllmExporter")
+            .field("endpoint", &self.endpoint)
+            .field("seq", &self.seq)
+            .field("replay", &self.replay_endpoint())
+            .finish()
+    }
+}
+
+impl VllmExporter {
+    /// Binds a PUB socket (e.g. `tcp://127.0.0.1:0`; the bound endpoint is [`Self::endpoint`]).
+    pub async fn bind(endpoint: &str, topic: &str, encoding: Encoding) -> Result<Self, RouterError> {
+        let mut sock = zeromq::PubSocket::new();
+        let ep = sock.bind(endpoint).await.map_err(|e| RouterError::Zmq(e.to_string()))?;
+        Ok(Self {
+            sock,
+            topic: Bytes::from(topic.as_bytes().to_vec()),
+            seq: 0,
+            encoding,
+            endpoint: ep.to_string(),
+            replay: None,
+        })
+    }
+
+    /// Binds a replay socket at `endpoint` (a ROUTER, e.g. `tcp://0.0.0.0:5558`) that serves
+    /// the batches sent from now on, the most recent `max_bytes` of them, to subscribers that
+    /// missed some. Returns the bound endpoint.
+    pub async fn serve_replay(&mut self, endpoint: &str, max_bytes: usize) -> Result<String, RouterError> {
+        let mut sock = zeromq::RouterSocket::new();
+        let bound = sock.bind(endpoint).await.map_err(|e| RouterError::Zmq(e.to_string()))?.to_string();
+        let buffer = Arc::new(Mutex::new(Buffered { max_bytes, ..Buffered::default() }));
+        let task = tokio::spawn(serve_replays(sock, bound.clone(), Arc::clone(&buffer)));
+        self.replay = Some(Replay { buffer, task, endpoint: bound.clone() });
+        Ok(bound)
+    }
+
+    /// The replay socket's bound endpoint, if one is served.
+    pub fn replay_endpoint(&self) -> Option<&str> {
+        self.replay.as_ref().map(|r| r.endpoint.as_str())
+    }
+
+    /// The bound endpoint.
+    pub fn endpoint(&self) -> &str {
+        &self.endpoint
+    }
+
+    /// Sets the encoding of later batches.
+    pub fn set_encoding(&mut self, e: Encoding) {
+        self.encoding = e;
+    }
+
+    /// One message per subscriber that connects from now on (from the socket's monitor), so
+    /// that the publisher can send a newcomer what it already holds: a PUB socket drops what
+    /// was sent before a subscriber joined.
+    pub fn subscriber_joins(&mut self) -> tokio::sync::mpsc::Receiver<()> {
+        use tokio_stream::StreamExt;
+        let mut events = self.sock.monitor();
+        let (tx, rx) = tokio::sync::mpsc::channel(16);
+        tokio::spawn(async move {
+            while let Some(ev) = events.next().await {
+                if matches!(ev, zeromq::SocketEvent::Accepted(..)) && tx.send(()).await.is_err() {
+                    break;
+                }
+            }
+        });
+        rx
+    }
+
+    /// Sends one batch (sequence numbers 0, 1, 2, ...).
+    pub async fn publish(&mut self, events: Vec<VllmEvent>, dp_rank: Option<i64>) -> Result<u64, RouterError> {
+        let ts = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
+        let payload = vllm::encode_batch(&VllmBatch { ts, events, dp_rank }, self.encoding);
+        let seq = self.seq;
+        let mut m = ZmqMessage::from(self.topic.clone());
+        m.push_back(Bytes::copy_from_slice(&seq.to_be_bytes()));
+        let payload = Bytes::from(payload);
+        m.push_back(payload.clone());
+        self.sock.send(m).await.map_err(|e| RouterError::Zmq(e.to_string()))?;
+        if let Some(r) = &self.replay {
+            r.buffer.lock().push(seq, payload);
+        }
+        self.seq += 1;
+        Ok(seq)
+    }
+}
+
+/// Serves replay requests on `sock` (bound at `endpoint`) for as long as the exporter lives.
+/// Each connection's requests run on a task of their own: the `zeromq` crate's ROUTER panics
+/// (`todo!`) on some peer behaviour (a ZMTP command after the handshake), and a request must not
+/// take the replay socket down with it; after such a panic the socket is bound again.
+async fn serve_replays(sock: zeromq::RouterSocket, endpoint: String, buffer: Arc<Mutex<Buffered>>) {
+    let mut sock = Some(sock);
+    loop {
+        let s = match sock.take() {
+            Some(s) => s,
+            None => {
+                let mut s = zeromq::RouterSocket::new();
+                if let Err(e) = s.bind(&endpoint).await {
+                    tracing::warn!(endpoint = %endpoint, "vLLM export replay socket not bound again: {e}");
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    continue;
+                }
+                s
+            }
+        };
+        let served = tokio::spawn(answer_replays(s, Arc::clone(&buffer)));
+        match served.await {
+            Ok(()) => return,
+            Err(e) if e.is_panic() => {
+                tracing::warn!(endpoint = %endpoint, "vLLM export replay socket failed inside the ZMQ library; binding it again");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(_) => return,
+        }
+    }
+}
+
+async fn answer_replays(mut sock: zeromq::RouterSocket, buffer: Arc<Mutex<Buffered>>) {
+    loop {
+        let m = match sock.recv().await {
+            Ok(m) => m,
+            Err(e) => {
+                tracing::debug!("vLLM export replay receive failed: {e}");
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                continue;
+            }
+        };
+        let frames: Vec<Bytes> = m.into_vec();
+        // `[peer, b"", start]` from a DEALER (a REQ adds the empty frame itself).
+        let (peer, start) = match frames.as_slice() {
+            [peer, delim, start] if delim.is_empty() => match <[u8; 8]>::try_from(start.as_ref()) {
+                Ok(s) => (peer.clone(), u64::from_be_bytes(s)),
+                Err(_) => continue,
+            },
+            _ => continue,
+        };
+        let batches = buffer.lock().from(start);
+        let frame = |parts: [Bytes; 4]| {
+            let mut m = ZmqMessage::from(parts[0].clone());
+            for p in &parts[1..] {
+                m.push_back(p.clone());
+            }
+            m
+        };
+        let seq_bytes = |s: u64| Bytes::copy_from_slice(&s.to_be_bytes());
+        let mut sent = true;
+        for (s, payload) in batches {
+            if sock.send(frame([peer.clone(), Bytes::new(), seq_bytes(s), payload])).await.is_err() {
+                sent = false; // the peer left
+                break;
+            }
+        }
+        if sent {
+            let _ = sock.send(frame([peer, Bytes::new(), seq_bytes(END_SEQ), Bytes::new()])).await;
+        }
+    }
+}
