@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use futures_util::FutureExt;
 use parking_lot::Mutex;
 use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
@@ -133,7 +134,9 @@ impl VllmExporter {
         rx
     }
 
-    /// Sends one batch (sequence numbers 0, 1, 2, ...).
+    /// Sends one batch (sequence numbers 0, 1, 2, ...). A batch that fails to go out still
+    /// takes its number and its place in the replay buffer, so subscribers see a gap they can
+    /// fill rather than a number reused for other events.
     pub async fn publish(&mut self, events: Vec<VllmEvent>, dp_rank: Option<i64>) -> Result<u64, RouterError> {
         let ts = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
         let payload = vllm::encode_batch(&VllmBatch { ts, events, dp_rank }, self.encoding);
@@ -142,12 +145,21 @@ impl VllmExporter {
         m.push_back(Bytes::copy_from_slice(&seq.to_be_bytes()));
         let payload = Bytes::from(payload);
         m.push_back(payload.clone());
-        self.sock.send(m).await.map_err(|e| RouterError::Zmq(e.to_string()))?;
+        // The `zeromq` crate's PUB send has a `todo!` for peer errors it does not expect: a
+        // peer's failure must cost this batch (kept for replay, its number used, as vLLM does
+        // with a failed send), not the exporter.
+        let sent = std::panic::AssertUnwindSafe(self.sock.send(m)).catch_unwind().await;
         if let Some(r) = &self.replay {
             r.buffer.lock().push(seq, payload);
         }
         self.seq += 1;
-        Ok(seq)
+        match sent {
+            Ok(Ok(())) => Ok(seq),
+            Ok(Err(e)) => Err(RouterError::Zmq(format!("batch {seq} not sent: {e}"))),
+            Err(_) => {
+                Err(RouterError::Zmq(format!("batch {seq} not sent: the PUB socket failed inside the ZMQ library")))
+            }
+        }
     }
 }
 
