@@ -363,6 +363,9 @@ pub struct VllmSource {
 /// indexer API).
 pub const DEFAULT_IDLE_RECONNECT_S: f64 = 5.0;
 
+/// Shortest accepted [`VllmSource::idle_reconnect_s`].
+pub const MIN_IDLE_RECONNECT_S: f64 = 2.0;
+
 fn default_idle_reconnect_s() -> f64 {
     DEFAULT_IDLE_RECONNECT_S
 }
@@ -437,10 +440,24 @@ impl RouterConfig {
             ns.resolve().map_err(|e| RouterError::Config(e.to_string()))?;
         }
         for s in &self.vllm_sources {
-            if !(s.idle_reconnect_s.is_finite() && s.idle_reconnect_s > 0.0) {
+            // The `zeromq` crate is built with TCP only (it panics on other transports).
+            for (field, ep) in [("endpoint", Some(&s.endpoint)), ("replay_endpoint", s.replay_endpoint.as_ref())] {
+                if let Some(ep) = ep
+                    && !ep.starts_with("tcp://")
+                {
+                    return Err(RouterError::Config(format!(
+                        "vllm source {}: {field} {ep:?} must be tcp://host:port",
+                        s.endpoint
+                    )));
+                }
+            }
+            // Above 1 s: kvcached's export sends an empty batch after 1 s of quiet.
+            if !(MIN_IDLE_RECONNECT_S..=crate::zmq::MAX_IDLE_RECONNECT_S).contains(&s.idle_reconnect_s) {
                 return Err(RouterError::Config(format!(
-                    "vllm source {}: idle_reconnect_s must be a positive number of seconds, got {}",
-                    s.endpoint, s.idle_reconnect_s
+                    "vllm source {}: idle_reconnect_s must be between {MIN_IDLE_RECONNECT_S} and {} seconds, got {}",
+                    s.endpoint,
+                    crate::zmq::MAX_IDLE_RECONNECT_S,
+                    s.idle_reconnect_s
                 )));
             }
             let ns = self.namespaces.iter().find(|n| n.name.as_deref() == Some(&s.namespace));
@@ -499,10 +516,16 @@ namespace = "v"
         let with = |extra: &str| RouterConfig::from_toml(&format!("{SOURCE}{extra}\n")).map_err(|e| e.to_string());
         let replay = with("replay_endpoint = \"tcp://127.0.0.1:5558\"");
         assert_eq!(replay.map(|c| c.vllm_sources[0].replay_endpoint.clone()), Ok(Some("tcp://127.0.0.1:5558".into())));
-        for bad in ["idle_reconnect_s = 0.0", "idle_reconnect_s = -1.0", "idle_reconnect_s = nan"] {
+        for bad in
+            ["idle_reconnect_s = 0.0", "idle_reconnect_s = 1.0", "idle_reconnect_s = nan", "idle_reconnect_s = 1e300"]
+        {
             let e = with(bad).err().unwrap_or_default();
             assert!(e.contains("idle_reconnect_s"), "{bad}: {e}");
         }
+        let e = with("replay_endpoint = \"ipc:///tmp/x\"").err().unwrap_or_default();
+        assert!(e.contains("replay_endpoint") && e.contains("tcp://"), "{e}");
+        let e = RouterConfig::from_toml(&SOURCE.replace("tcp://127.0.0.1:5557", "ipc:///tmp/y")).err();
+        assert!(e.map(|e| e.to_string()).unwrap_or_default().contains("tcp://"));
         let other_scheme = SOURCE.replace("key_scheme = \"dynamo-xxh3-1337\"", "");
         let e = RouterConfig::from_toml(&other_scheme).err().map(|e| e.to_string()).unwrap_or_default();
         assert!(e.contains("key_scheme"), "{e}");

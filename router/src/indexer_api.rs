@@ -274,6 +274,9 @@ impl IndexerApi {
         if !req.endpoint.starts_with("tcp://") {
             return Err(bad(format!("endpoint {:?}: expected tcp://host:port", req.endpoint)));
         }
+        if let Some(r) = req.replay_endpoint.as_ref().filter(|r| !r.is_empty() && !r.starts_with("tcp://")) {
+            return Err(bad(format!("replay_endpoint {r:?}: expected tcp://host:port")));
+        }
         let lora = non_empty(&req.lora_name);
         let salt = non_empty(&req.additionalsalt);
         let ns = indexer_namespace(&self.router, &req.modelname, req.block_size, lora, salt)
@@ -292,7 +295,7 @@ impl IndexerApi {
             namespace: format!("indexer:{}:{}", req.modelname, req.block_size),
             address: req.address.clone().unwrap_or_default(),
             role: req.role.clone(),
-            replay_endpoint: req.replay_endpoint.clone(),
+            replay_endpoint: req.replay_endpoint.clone().filter(|r| !r.is_empty()),
             idle_reconnect_s: crate::config::DEFAULT_IDLE_RECONNECT_S,
         };
         let reg = Registration {

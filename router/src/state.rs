@@ -222,6 +222,19 @@ impl State {
         self.index.remove_where(|s| s.tier() != TierKind::G4Object && holders.contains(&s.holder()))
     }
 
+    /// A publisher restarted without an epoch to say so (a vLLM engine whose batch numbers
+    /// started again): drops what it reported and its gap state, keeps the publisher.
+    pub(crate) fn publisher_restarted(&mut self, publisher: &str) {
+        let n = self.drop_publisher_facts(publisher);
+        self.counters.dropped_facts += n;
+        self.health.clear(ConditionKind::UnrecoveredGap, publisher);
+        if let Some(p) = self.publishers.get_mut(publisher) {
+            p.gap = GapState::None;
+            p.gap_since = None;
+        }
+        tracing::info!(publisher, blocks = n, "kvrouter: publisher restarted, its blocks dropped");
+    }
+
     /// Forgets a publisher, its workers and its node's blocks.
     pub fn drop_publisher(&mut self, publisher: &str, why: &str) {
         let n = self.drop_publisher_facts(publisher);

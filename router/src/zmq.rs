@@ -203,25 +203,37 @@ pub fn replay_reply(m: &ZmqMessage) -> Result<Option<(u64, Bytes)>, RouterError>
         seq.as_ref().try_into().map_err(|_| RouterError::Decode("replay sequence frame must be 8 bytes".into()))?;
     Ok(match u64::from_be_bytes(seq) {
         END_SEQ => None,
+        s if s > i64::MAX as u64 => {
+            return Err(RouterError::Decode(format!("replayed sequence number {s} out of range")));
+        }
         s => Some((s, payload.clone())),
     })
 }
 
-/// Fills the gap between `last` and `seq` from `src`'s replay socket: applies the replayed
-/// batches in `(last, seq)` in order and counts the gap as recovered if they close it, as a
-/// failed recovery otherwise (the gap is then reported when batch `seq` is applied).
-async fn replay_gap(router: &Router, src: &VllmSource, ingest: &mut VllmIngest, seq: u64, last_seq: &mut Option<u64>) {
-    let (Some(endpoint), Some(last)) = (src.replay_endpoint.as_deref(), *last_seq) else { return };
+/// Fills the batches `from..seq` from `src`'s replay socket: applies the replayed ones in order
+/// (stopping at the first one missing) and counts the gap as recovered if they close it, as a
+/// failed recovery otherwise (what is still missing is reported when batch `seq` is applied).
+/// Returns whether the replay answered.
+async fn replay_gap(
+    router: &Router,
+    src: &VllmSource,
+    ingest: &mut VllmIngest,
+    from: u64,
+    seq: u64,
+    last_seq: &mut Option<u64>,
+) -> bool {
+    let Some(endpoint) = src.replay_endpoint.as_deref() else { return false };
     let name = source_name(src);
     let timeout = Duration::from_millis(router.config().recovery_timeout_ms.max(1));
-    let why = match replay_from(endpoint, last + 1, timeout).await {
+    let mut next = from;
+    let (answered, why) = match replay_from(endpoint, from, timeout).await {
         Ok(batches) => {
             for (s, payload) in batches {
-                if last_seq.is_some_and(|l| s <= l) || s >= seq {
+                if s < next || s >= seq {
                     continue;
                 }
-                if last_seq.is_some_and(|l| s > l + 1) {
-                    break; // the buffer no longer reaches back to the next missing batch
+                if s > next {
+                    break; // batch `next` is not there: nothing after it may be applied
                 }
                 match vllm::decode_batch(&payload) {
                     Ok(batch) => apply_batch(router, src, ingest, s, &batch, last_seq),
@@ -231,14 +243,18 @@ async fn replay_gap(router: &Router, src: &VllmSource, ingest: &mut VllmIngest, 
                         break;
                     }
                 }
+                next = s + 1;
             }
-            match *last_seq {
-                Some(l) if l + 1 == seq => None,
-                Some(l) => Some(format!("{endpoint} no longer holds batch {}", l + 1)),
-                None => Some(format!("{endpoint} answered nothing")),
-            }
+            let why = if next == seq {
+                None
+            } else if next == from {
+                Some(format!("{endpoint} did not send batch {from}"))
+            } else {
+                Some(format!("{endpoint} sent batches {from}..{} but not {next}", next - 1))
+            };
+            (true, why)
         }
-        Err(e) => Some(e.to_string()),
+        Err(e) => (false, Some(e.to_string())),
     };
     router.with_state(|st| match &why {
         None => {
@@ -248,9 +264,17 @@ async fn replay_gap(router: &Router, src: &VllmSource, ingest: &mut VllmIngest, 
         Some(_) => bump(&mut st.counters.recovery_failures, name.clone()),
     });
     match why {
-        None => tracing::info!(endpoint = %src.endpoint, "replayed vLLM batches {}..{}", last + 1, seq - 1),
-        Some(w) => tracing::warn!(endpoint = %src.endpoint, "vLLM batches {}..{} not replayed: {w}", last + 1, seq - 1),
+        None => tracing::info!(endpoint = %src.endpoint, "replayed vLLM batches {from}..{}", seq - 1),
+        Some(w) => tracing::warn!(endpoint = %src.endpoint, "vLLM batches {from}..{} not replayed: {w}", seq - 1),
     }
+    answered
+}
+
+/// Whether batch `seq` after batch `last` means the engine restarted (its numbers start again
+/// from 0). A restart whose numbers have already passed `last` cannot be told from a gap: vLLM's
+/// batches carry no epoch.
+fn restarted(last: u64, seq: u64) -> bool {
+    seq < last || seq == 0 && last > 0
 }
 
 /// Applies one decoded batch with sequence number `seq` from `src`.
@@ -294,10 +318,21 @@ pub fn apply_batch(
         }
         bump(&mut st.counters.vllm_batches, name.clone());
         match *last_seq {
-            Some(last) if seq < last || seq == 0 && last > 0 => {
-                // The engine restarted: what it said before is gone.
-                if let Some(w) = st.workers.get(&WorkerId(src.worker.clone())).map(|w| w.holder) {
-                    st.index.remove_where(|s| s.holder() == w);
+            Some(last) if restarted(last, seq) => {
+                // The engine restarted: what it said before is gone, in every tier it reported.
+                st.publisher_restarted(&name);
+                if seq > 0 {
+                    bump(&mut st.counters.gaps, name.clone());
+                    st.health.set(
+                        ConditionKind::UnrecoveredGap,
+                        &name,
+                        format!("missed vLLM batches 0..{} of the restarted engine", seq - 1),
+                        now,
+                    );
+                    if let Some(p) = st.publishers.get_mut(&name) {
+                        p.gap = GapState::Unrecovered { retry_at: None };
+                        p.gap_since = Some(now);
+                    }
                 }
             }
             Some(last) if seq > last + 1 => {
@@ -360,7 +395,12 @@ pub fn split_message(m: &ZmqMessage) -> Result<(Bytes, u64, Bytes), RouterError>
     };
     let seq: [u8; 8] =
         seq.as_ref().try_into().map_err(|_| RouterError::Decode("sequence frame must be 8 bytes".into()))?;
-    Ok((topic.clone(), u64::from_be_bytes(seq), payload.clone()))
+    let seq = u64::from_be_bytes(seq);
+    // vLLM numbers batches from 0 as a signed 64-bit value; -1 marks the end of a replay.
+    if seq > i64::MAX as u64 {
+        return Err(RouterError::Decode(format!("sequence number {seq} out of range")));
+    }
+    Ok((topic.clone(), seq, payload.clone()))
 }
 
 /// Subscribes to one vLLM engine until `stop` flips; reconnects after errors.
@@ -392,25 +432,44 @@ pub async fn run_source_in(
 ) {
     let mut ingest = VllmIngest::new(ns, WorkerId(src.worker.clone()), NodeId(src.node.clone()));
     let mut last_seq = None;
+    // After a replay that got no answer, gaps are only reported for a while: every replay
+    // holds the ingest up for up to `recovery_timeout_ms`, and a source whose replay socket is
+    // gone would otherwise fall further behind with each gap.
+    let mut replay_after: Option<Instant> = None;
+    let idle = Duration::from_secs_f64(src.idle_reconnect_s.clamp(0.05, MAX_IDLE_RECONNECT_S));
     loop {
         let (tx, mut rx) = tokio::sync::mpsc::channel(READ_AHEAD);
-        let idle = Duration::from_secs_f64(src.idle_reconnect_s.max(0.05));
-        let reader = tokio::spawn(read_source(src.endpoint.clone(), src.topic.clone(), src.worker.clone(), idle, tx));
+        let mut reader = AbortOnDrop(tokio::spawn(read_source(
+            src.endpoint.clone(),
+            src.topic.clone(),
+            src.worker.clone(),
+            idle,
+            tx,
+        )));
         loop {
             let msg = tokio::select! {
                 m = rx.recv() => m,
-                _ = stop.changed() => {
-                    reader.abort();
-                    return;
-                }
+                _ = stop.changed() => return,
             };
             // `None`: the reader ended (a connect or receive error, or a panic).
             let Some(msg) = msg else { break };
             let decoded = split_message(&msg).and_then(|(_, seq, payload)| Ok((seq, vllm::decode_batch(&payload)?)));
             match decoded {
                 Ok((seq, batch)) => {
-                    if last_seq.is_some_and(|l| seq > l + 1) {
-                        replay_gap(&router, &src, &mut ingest, seq, &mut last_seq).await;
+                    let missing_from = match last_seq {
+                        Some(l) if restarted(l, seq) => (seq > 0).then_some(0),
+                        Some(l) if seq > l + 1 => Some(l + 1),
+                        _ => None,
+                    };
+                    if let Some(from) = missing_from
+                        && replay_after.is_none_or(|t| Instant::now() >= t)
+                    {
+                        let replay = replay_gap(&router, &src, &mut ingest, from, seq, &mut last_seq);
+                        let answered = tokio::select! {
+                            a = replay => a,
+                            _ = stop.changed() => return,
+                        };
+                        replay_after = (!answered).then(|| Instant::now() + REPLAY_BACKOFF);
                     }
                     apply_batch(&router, &src, &mut ingest, seq, &batch, &mut last_seq);
                 }
@@ -420,7 +479,7 @@ pub async fn run_source_in(
                 }
             }
         }
-        match reader.await {
+        match (&mut reader.0).await {
             Ok(ReadEnd::Idle) => continue,
             Ok(ReadEnd::Failed) => {}
             Err(e) => {
@@ -439,6 +498,21 @@ pub async fn run_source_in(
 
 /// Messages read ahead of the ingest (a replay in progress holds it up).
 const READ_AHEAD: usize = 256;
+
+/// Longest accepted `idle_reconnect_s`.
+pub const MAX_IDLE_RECONNECT_S: f64 = 3600.0;
+
+/// How long gaps are only reported after a replay that got no answer.
+const REPLAY_BACKOFF: Duration = Duration::from_secs(30);
+
+/// A task aborted when its handle is dropped (a source's reader goes with the source).
+struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
 
 /// Why a source's reader ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -34,7 +34,19 @@ struct Replay {
     endpoint: String,
 }
 
-/// Batches sent, oldest first, at most `max_bytes` of payload.
+/// Bytes a kept batch costs beyond its payload (queue slot, shared buffer header, allocation):
+/// counted so that a long run of tiny batches (the keepalives) stays within the bound too.
+pub const REPLAY_ENTRY_OVERHEAD: usize = 96;
+
+/// Most batches kept, whatever their size (vLLM keeps 10,000 by default).
+const MAX_BATCHES: usize = 100_000;
+
+/// How long one replay answer may take before the peer is given up on (a peer that asks and
+/// does not read must not hold up the others).
+const ANSWER_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Batches sent, oldest first, at most `max_bytes` counting [`REPLAY_ENTRY_OVERHEAD`] each and at
+/// most [`MAX_BATCHES`].
 #[derive(Debug, Default)]
 struct Buffered {
     batches: VecDeque<(u64, Bytes)>,
@@ -44,11 +56,11 @@ struct Buffered {
 
 impl Buffered {
     fn push(&mut self, seq: u64, payload: Bytes) {
-        self.bytes += payload.len();
+        self.bytes += payload.len() + REPLAY_ENTRY_OVERHEAD;
         self.batches.push_back((seq, payload));
-        while self.bytes > self.max_bytes {
+        while self.bytes > self.max_bytes || self.batches.len() > MAX_BATCHES {
             let Some((_, old)) = self.batches.pop_front() else { break };
-            self.bytes -= old.len();
+            self.bytes -= old.len() + REPLAY_ENTRY_OVERHEAD;
         }
     }
 
@@ -98,7 +110,9 @@ impl VllmExporter {
         let bound = sock.bind(endpoint).await.map_err(|e| RouterError::Zmq(e.to_string()))?.to_string();
         let buffer = Arc::new(Mutex::new(Buffered { max_bytes, ..Buffered::default() }));
         let task = tokio::spawn(serve_replays(sock, bound.clone(), Arc::clone(&buffer)));
-        self.replay = Some(Replay { buffer, task, endpoint: bound.clone() });
+        if let Some(old) = self.replay.replace(Replay { buffer, task, endpoint: bound.clone() }) {
+            old.task.abort();
+        }
         Ok(bound)
     }
 
@@ -146,8 +160,8 @@ impl VllmExporter {
         let payload = Bytes::from(payload);
         m.push_back(payload.clone());
         // The `zeromq` crate's PUB send has a `todo!` for peer errors it does not expect: a
-        // peer's failure must cost this batch (kept for replay, its number used, as vLLM does
-        // with a failed send), not the exporter.
+        // peer's failure must cost this batch (its number used, as vLLM does with a failed send,
+        // and kept for replay, so subscribers can still fetch it), not the exporter.
         let sent = std::panic::AssertUnwindSafe(self.sock.send(m)).catch_unwind().await;
         if let Some(r) = &self.replay {
             r.buffer.lock().push(seq, payload);
@@ -163,10 +177,11 @@ impl VllmExporter {
     }
 }
 
-/// Serves replay requests on `sock` (bound at `endpoint`) for as long as the exporter lives.
-/// Each connection's requests run on a task of their own: the `zeromq` crate's ROUTER panics
-/// (`todo!`) on some peer behaviour (a ZMTP command after the handshake), and a request must not
-/// take the replay socket down with it; after such a panic the socket is bound again.
+/// Serves replay requests on `sock` (bound at `endpoint`) for as long as the exporter lives
+/// (aborting this task aborts the answering task with it). Requests are answered one at a time
+/// on a task of their own, each within [`ANSWER_TIMEOUT`]: the `zeromq` crate's ROUTER panics
+/// (`todo!`) on some peer behaviour (a ZMTP command after the handshake), and that must not take
+/// the replay socket down for good; after such a panic the socket is bound again.
 async fn serve_replays(sock: zeromq::RouterSocket, endpoint: String, buffer: Arc<Mutex<Buffered>>) {
     let mut sock = Some(sock);
     loop {
@@ -182,8 +197,8 @@ async fn serve_replays(sock: zeromq::RouterSocket, endpoint: String, buffer: Arc
                 s
             }
         };
-        let served = tokio::spawn(answer_replays(s, Arc::clone(&buffer)));
-        match served.await {
+        let mut served = Aborting(tokio::spawn(answer_replays(s, Arc::clone(&buffer))));
+        match (&mut served.0).await {
             Ok(()) => return,
             Err(e) if e.is_panic() => {
                 tracing::warn!(endpoint = %endpoint, "vLLM export replay socket failed inside the ZMQ library; binding it again");
@@ -191,6 +206,15 @@ async fn serve_replays(sock: zeromq::RouterSocket, endpoint: String, buffer: Arc
             }
             Err(_) => return,
         }
+    }
+}
+
+/// A task aborted when its handle is dropped.
+struct Aborting(tokio::task::JoinHandle<()>);
+
+impl Drop for Aborting {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 
@@ -222,15 +246,16 @@ async fn answer_replays(mut sock: zeromq::RouterSocket, buffer: Arc<Mutex<Buffer
             m
         };
         let seq_bytes = |s: u64| Bytes::copy_from_slice(&s.to_be_bytes());
-        let mut sent = true;
-        for (s, payload) in batches {
-            if sock.send(frame([peer.clone(), Bytes::new(), seq_bytes(s), payload])).await.is_err() {
-                sent = false; // the peer left
-                break;
+        let answer = async {
+            for (s, payload) in batches {
+                if sock.send(frame([peer.clone(), Bytes::new(), seq_bytes(s), payload])).await.is_err() {
+                    return; // the peer left
+                }
             }
-        }
-        if sent {
-            let _ = sock.send(frame([peer, Bytes::new(), seq_bytes(END_SEQ), Bytes::new()])).await;
+            let _ = sock.send(frame([peer.clone(), Bytes::new(), seq_bytes(END_SEQ), Bytes::new()])).await;
+        };
+        if tokio::time::timeout(ANSWER_TIMEOUT, answer).await.is_err() {
+            tracing::debug!("vLLM export replay: a peer did not take its answer within {ANSWER_TIMEOUT:?}");
         }
     }
 }

@@ -98,7 +98,7 @@ async fn ingests_vllm_events_in_both_encodings_and_recomputes_hashes() {
         address: "http://v1.invalid".into(),
         role: None,
         replay_endpoint: None,
-        idle_reconnect_s: 1.0,
+        idle_reconnect_s: 2.0,
     });
     let srv = Server::start(cfg).await;
     let batches = format!("kvrouter_vllm_batches_total{{publisher=\"vllm:{endpoint}\"}}");
@@ -185,13 +185,16 @@ async fn a_vllm_gap_is_filled_from_the_engines_replay_socket() {
     }
 }
 
-/// The engine restarts on the same endpoint (a new process, a new connection) and, in the
-/// second round, sends ZMTP heartbeat commands between its messages: the source reconnects and
-/// keeps indexing what the engine reports.
+/// The engine restarts on the same endpoint (a new process, a new connection). The source
+/// reconnects; the batch numbers starting again say the engine restarted, so everything it
+/// reported before is dropped (its G1 blocks and its node's CPU block alike) and the new
+/// engine's first batches, sent before the router reconnected, are replayed from 0. A third
+/// engine sends ZMTP heartbeat commands between its messages, which the source reads past.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_vllm_source_follows_an_engine_restart_and_heartbeats() {
-    let py = Py::spawn(&["publish"]);
-    let port: u16 = py.line(20).await.trim().parse().unwrap();
+    let mut py = Py::spawn(&["publish", "replay"]);
+    let ports: Vec<u16> = py.line(20).await.split_whitespace().map(|p| p.parse().unwrap()).collect();
+    let (port, rport) = (ports[0].to_string(), ports[1].to_string());
     let endpoint = format!("tcp://127.0.0.1:{port}");
     let mut cfg = config();
     let mut ns = spec("vllm", "test/vllm", 4);
@@ -205,29 +208,41 @@ async fn a_vllm_source_follows_an_engine_restart_and_heartbeats() {
         namespace: "vllm".into(),
         address: "http://v1.invalid".into(),
         role: None,
-        replay_endpoint: None,
-        idle_reconnect_s: 1.0,
+        replay_endpoint: Some(format!("tcp://127.0.0.1:{rport}")),
+        idle_reconnect_s: 2.0,
     });
     let srv = Server::start(cfg).await;
-    let batches = format!("kvrouter_vllm_batches_total{{publisher=\"vllm:{endpoint}\"}}");
+    let publisher = format!("{{publisher=\"vllm:{endpoint}\"");
+    let batches = format!("kvrouter_vllm_batches_total{publisher}}}");
     srv.wait_for(20, "subscription", || async { srv.metric(&batches).await.unwrap_or(0.0) >= 1.0 }).await;
-    drop(py); // killed: its connection drops
-    for (round, args) in [&["publish", "port"][..], &["publish", "heartbeat", "port"][..]].into_iter().enumerate() {
-        let p = port.to_string();
-        let mut py = Py::spawn(&[args, &[p.as_str()]].concat());
-        assert_eq!(py.line(20).await.trim(), p);
-        let before = srv.metric(&batches).await.unwrap_or(0.0);
-        // Batches keep arriving from the new process (with heartbeats, across many PINGs).
-        srv.wait_for(20, "batches after the restart", || async {
-            srv.metric(&batches).await.unwrap_or(0.0) >= before + 10.0
-        })
+    py.cmd("stored").await; // 2 GPU blocks and 1 CPU block
+    srv.wait_for(10, "stored", || async { srv.router.index_stats().facts == 3 }).await;
+    py.cmd("setseq 100000").await;
+    let before = srv.metric(&batches).await.unwrap_or(0.0);
+    srv.wait_for(10, "high batch numbers", || async { srv.metric(&batches).await.unwrap_or(0.0) >= before + 3.0 })
         .await;
-        if round == 0 {
-            py.cmd("stored").await;
-            srv.wait_for(10, "stored after the restart", || async { srv.router.index_stats().facts == 3 }).await;
-        }
-        drop(py);
-    }
+    drop(py); // killed: its connection drops
+
+    // The new engine stores 2 GPU blocks before the router has reconnected to it.
+    let mut py = Py::spawn(&["publish", "replay", "port", &port, "rport", &rport]);
+    assert_eq!(py.line(20).await, format!("{port} {rport}"));
+    py.cmd("lost").await;
+    srv.wait_for(20, "restart seen and replayed", || async {
+        srv.metric(&format!("kvrouter_gap_recoveries_total{publisher},method=\"replay\"}}")).await == Some(1.0)
+    })
+    .await;
+    assert_eq!(srv.router.index_stats().facts, 2, "only what the new engine stored");
+    assert_eq!(srv.healthz().await["status"], "ok");
+    drop(py);
+
+    let mut py = Py::spawn(&["publish", "heartbeat", "port", &port]);
+    assert_eq!(py.line(20).await, port);
+    let before = srv.metric(&batches).await.unwrap_or(0.0);
+    srv.wait_for(20, "batches with heartbeats", || async {
+        srv.metric(&batches).await.unwrap_or(0.0) >= before + 10.0
+    })
+    .await;
+    writeln!(py.stdin, "quit").unwrap();
     srv.stop().await;
 }
 
@@ -280,8 +295,9 @@ async fn the_export_serves_vllms_replay_protocol() {
         )
         .len()
     };
-    // Room for the two newest of three batches (each holds 1, 2 and 3 blocks).
-    let bound = one(&tokens[..8]) + one(&tokens) + 8;
+    // Room for the two newest of three batches (holding 1, 2 and 3 blocks), each kept batch
+    // also counting its bookkeeping.
+    let bound = one(&tokens[..8]) + one(&tokens) + 2 * kvrouter::zmq_export::REPLAY_ENTRY_OVERHEAD + 8;
     let replay = exp.serve_replay("tcp://127.0.0.1:0", bound).await.unwrap();
     for n in [4, 8, 12] {
         exp.publish(vec![stored_for_export(None, &tokens[..n], 4, TierKind::G2Host)], None).await.unwrap();

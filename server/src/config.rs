@@ -311,6 +311,15 @@ impl Config {
                 "report_interval_ms, event_log and max_pending must be at least 1",
             ));
         }
+        // The ZMQ library is built with TCP only (it panics on other transports).
+        for (field, ep) in [
+            ("router.vllm_export", &self.router.vllm_export),
+            ("router.vllm_export_replay", &self.router.vllm_export_replay),
+        ] {
+            if !ep.is_empty() && !ep.starts_with("tcp://") {
+                return Err(bad(field, format!("{ep:?} must be tcp://host:port (e.g. tcp://0.0.0.0:5557)")));
+            }
+        }
         if !self.router.vllm_export_replay.is_empty() && self.router.vllm_export.is_empty() {
             return Err(bad("router.vllm_export_replay", "needs router.vllm_export (the stream it replays)"));
         }
@@ -428,7 +437,9 @@ mod tests {
         c.router.vllm_export_replay_bytes = 0;
         assert!(c.clone().resolve().unwrap_err().to_string().contains("router.vllm_export_replay_bytes"));
         c.router.vllm_export_replay_bytes = 1 << 20;
-        assert!(c.resolve().is_ok());
+        assert!(c.clone().resolve().is_ok());
+        c.router.vllm_export_replay = "ipc:///tmp/kvcached-replay".into();
+        assert!(c.resolve().unwrap_err().to_string().contains("tcp://"));
     }
 
     #[test]

@@ -6,7 +6,7 @@ with msgspec's array_like tuple encoding (what vLLM sends) and once as tagged ma
 recomputed here with the `xxhash` package (Dynamo: XXH3-64, seed 1337, chained), not with any
 kvcached code.
 
-  publish [replay [topic]] [port N] [heartbeat]
+  publish [replay [topic] [rport N]] [port N] [heartbeat]
             binds a PUB socket (on port N if given; with "heartbeat", libzmq's ZMTP PING commands
             every 100 ms), prints its port, sends heartbeats until told on stdin to send the
             scenario's batches ("stored", "removed", "cleared"), exits on "quit". With "replay" it
@@ -15,7 +15,7 @@ kvcached code.
             batch from start_seq on, then `[b"", END_SEQ, b""]`; with "topic", the later vLLM form
             with the topic frame before seq), prints both ports, and takes "lost" (a batch that is
             buffered but never published, as a PUB socket drops it) and "unbuffered" (a sequence
-            number neither published nor buffered).
+            number neither published nor buffered); "setseq N" makes the next batch number N.
   replay ENDPOINT START  asks a replay socket (vLLM's protocol) for the batches from START on
             with a DEALER, decodes each, prints one JSON line with their sequence numbers and
             stored-block counts.
@@ -110,7 +110,7 @@ TOKENS = list(range(1000, 1012))  # 3 blocks of 4
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
-def publish(replay=False, topic_frame=False, port=None, heartbeat=False):
+def publish(replay=False, topic_frame=False, port=None, heartbeat=False, replay_port=None):
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PUB)
     if heartbeat:
@@ -123,7 +123,11 @@ def publish(replay=False, topic_frame=False, port=None, heartbeat=False):
     router = None
     if replay:
         router = ctx.socket(zmq.ROUTER)
-        print(port, router.bind_to_random_port("tcp://127.0.0.1"), flush=True)
+        if replay_port is None:
+            replay_port = router.bind_to_random_port("tcp://127.0.0.1")
+        else:
+            router.bind("tcp://127.0.0.1:%d" % replay_port)
+        print(port, replay_port, flush=True)
     else:
         print(port, flush=True)
     seq = 0
@@ -164,6 +168,8 @@ def publish(replay=False, topic_frame=False, port=None, heartbeat=False):
             send(KVEventBatch(ts=time.time(), events=[BlockStored(
                 block_hashes=[111, 222], parent_block_hash=None, token_ids=TOKENS[:8],
                 block_size=BLOCK, lora_id=None, medium="GPU")]), publish=False)
+        elif cmd.startswith("setseq "):
+            seq = int(cmd.split()[1])
         elif cmd == "unbuffered":
             send(KVEventBatch(ts=time.time(), events=[]), publish=False, buffer=False)
         elif cmd == "stored":
@@ -247,7 +253,9 @@ if __name__ == "__main__":
     if sys.argv[1] == "publish":
         args = sys.argv[2:]
         port = int(args[args.index("port") + 1]) if "port" in args else None
-        publish(replay="replay" in args, topic_frame="topic" in args, port=port, heartbeat="heartbeat" in args)
+        rport = int(args[args.index("rport") + 1]) if "rport" in args else None
+        publish(replay="replay" in args, topic_frame="topic" in args, port=port, heartbeat="heartbeat" in args,
+                replay_port=rport)
     elif sys.argv[1] == "replay":
         replay(sys.argv[2], sys.argv[3])
     else:
