@@ -251,10 +251,10 @@ impl IoEngine for FailSecondOp {
 }
 
 /// One block of a batch failing its I/O fails only that block, written or read, with the
-/// I/O on dedicated threads or on the caller's.
+/// I/O on dedicated threads, on the caller's, and with threads except for small reads.
 #[test]
 fn a_failed_op_fails_only_its_block() {
-    for io_threads in [2, 0] {
+    for (io_threads, inline_read_max) in [(2, 0), (0, 0), (2, kvtiers::disk::io::INLINE_READ_MAX)] {
         let d = tempfile::tempdir().unwrap();
         let armed = Arc::new(std::sync::Mutex::new(None));
         let a2 = Arc::clone(&armed);
@@ -264,6 +264,7 @@ fn a_failed_op_fails_only_its_block() {
         });
         let mut cfg = disk_cfg(d.path(), 8 << 20);
         cfg.io_threads = io_threads;
+        cfg.inline_read_max = inline_read_max;
         let t = DiskTier::open_with_engine(&cfg, factory).unwrap();
         // Under 128 KiB and unaligned: one op per block either way.
         let len = PAGE + 1000;

@@ -142,13 +142,29 @@ fn next_batch(rx: &Receiver<Batch>) -> Option<Batch> {
     }
 }
 
+/// Default of `inline_read_max` ([`IoThreads::start`]): reads of at most this many bytes in all
+/// run on the calling thread even when there are I/O threads. A single small block's read is
+/// latency-bound, and the two thread wake-ups of the hop were a quarter of a 256 KiB read here
+/// (340-367 -> 260-274 us; docs/benchmarks.md). Larger reads keep the threads, whose pieces in
+/// flight overlap their checksums.
+pub const INLINE_READ_MAX: usize = 512 << 10;
+
+/// Calling threads running reads inline at once, at most, when there are I/O threads (each
+/// holds an engine; beyond this, reads take the threads).
+const INLINE_READERS_MAX: usize = 4;
+
 /// The pool of named I/O threads, or (with zero threads) engines lent to calling threads.
 pub struct IoThreads {
     tx: Option<Sender<Batch>>,
     threads: Vec<JoinHandle<()>>,
     backend: &'static str,
-    /// Inline mode: idle engines, one taken per concurrent caller and created on demand.
+    /// Engines lent to calling threads, created on demand: every batch in inline mode, small
+    /// reads with threads.
     idle: parking_lot::Mutex<Vec<Box<dyn IoEngine>>>,
+    /// Engines lent out now, with threads (bounded by [`INLINE_READERS_MAX`]).
+    lent: std::sync::atomic::AtomicUsize,
+    /// With threads, reads of at most this many bytes run on the caller (0: none).
+    inline_read_max: usize,
     factory: EngineFactory,
 }
 
@@ -165,7 +181,10 @@ impl IoThreads {
     /// (tens of microseconds each on a virtual machine, measured in docs/benchmarks.md) at the
     /// price of blocking the caller, which the store's callers (write-through thread, blocking
     /// load tasks) do anyway.
-    pub fn start(n: usize, queue: usize, factory: &EngineFactory) -> io::Result<Self> {
+    ///
+    /// With threads, reads of at most `inline_read_max` bytes in all still run on the caller
+    /// ([`INLINE_READ_MAX`] is the default; 0 sends every batch to the threads).
+    pub fn start(n: usize, queue: usize, inline_read_max: usize, factory: &EngineFactory) -> io::Result<Self> {
         if n == 0 {
             let engine = factory()?;
             let backend = engine.name();
@@ -175,6 +194,8 @@ impl IoThreads {
                 threads: Vec::new(),
                 backend,
                 idle: parking_lot::Mutex::new(vec![engine]),
+                lent: std::sync::atomic::AtomicUsize::new(0),
+                inline_read_max,
                 factory: std::sync::Arc::clone(factory),
             });
         }
@@ -200,6 +221,8 @@ impl IoThreads {
             threads,
             backend,
             idle: parking_lot::Mutex::new(Vec::new()),
+            lent: std::sync::atomic::AtomicUsize::new(0),
+            inline_read_max,
             factory: std::sync::Arc::clone(factory),
         })
     }
@@ -207,6 +230,26 @@ impl IoThreads {
     /// The backend in use.
     pub fn backend(&self) -> &'static str {
         self.backend
+    }
+
+    /// Runs `ops` on this thread with an engine from the idle list (or a new one).
+    fn run_here(&self, fd: RawFd, ops: &[IoOp], progress: &mut dyn IoProgress) -> io::Result<()> {
+        let taken = self.idle.lock().pop();
+        let mut engine = match taken {
+            Some(e) => e,
+            None => (self.factory)()?,
+        };
+        let r = abort_on_unwind(|| engine.run(fd, ops, progress));
+        self.idle.lock().push(engine);
+        r
+    }
+
+    /// Takes one of the [`INLINE_READERS_MAX`] inline slots; false when all are taken.
+    fn lend(&self) -> bool {
+        use std::sync::atomic::Ordering;
+        self.lent
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| (n < INLINE_READERS_MAX).then_some(n + 1))
+            .is_ok()
     }
 
     /// Runs `ops` and waits for them, calling `progress` on this thread as they go. The memory
@@ -218,13 +261,11 @@ impl IoThreads {
             return Ok(());
         }
         if self.threads.is_empty() {
-            let taken = self.idle.lock().pop();
-            let mut engine = match taken {
-                Some(e) => e,
-                None => (self.factory)()?,
-            };
-            let r = abort_on_unwind(|| engine.run(fd, &ops, progress));
-            self.idle.lock().push(engine);
+            return self.run_here(fd, &ops, progress);
+        }
+        if small_read(&ops, self.inline_read_max) && self.lend() {
+            let r = self.run_here(fd, &ops, progress);
+            self.lent.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
             return r;
         }
         let (events, rx) = bounded(ops.len() + 2);
@@ -250,6 +291,11 @@ impl IoThreads {
             }
         }
     }
+}
+
+/// Reads of at most `max` bytes in all.
+fn small_read(ops: &[IoOp], max: usize) -> bool {
+    ops.iter().all(|op| op.kind == IoKind::Read) && ops.iter().map(|op| op.len).sum::<usize>() <= max
 }
 
 /// Runs `f` (which has ops in flight on buffers it does not own) and aborts the process if it

@@ -49,6 +49,9 @@ pub struct DiskTierConfig {
     /// Allocation unit; a multiple of 4096. Fixed for the life of the directory.
     pub page_size: usize,
     pub io_threads: usize,
+    /// With I/O threads, reads of at most this many bytes in all run on the calling thread
+    /// (no thread hop; [`io::INLINE_READ_MAX`] by default, 0: never).
+    pub inline_read_max: usize,
     /// io_uring entries per thread.
     pub queue_depth: u32,
     pub backend: IoBackend,
@@ -68,6 +71,7 @@ impl DiskTierConfig {
             capacity_bytes,
             page_size: 64 * 1024,
             io_threads: 2,
+            inline_read_max: io::INLINE_READ_MAX,
             queue_depth: 64,
             backend: IoBackend::Auto,
             direct_io: true,
@@ -163,7 +167,7 @@ impl DiskTier {
         let len = total as u64 * cfg.page_size as u64;
         let file = open_data_file(cfg, len)?;
         let index = DiskIndex::open(&cfg.dir.join("index"), cfg.page_size)?;
-        let io = IoThreads::start(cfg.io_threads, cfg.io_threads * 4, &factory)
+        let io = IoThreads::start(cfg.io_threads, cfg.io_threads * 4, cfg.inline_read_max, &factory)
             .map_err(|e| TierError::io(TIER, "start I/O threads", e))?;
 
         // Recovery: claim pages of valid entries in recency order.
