@@ -297,6 +297,33 @@ fn a_failed_op_fails_only_its_block() {
     }
 }
 
+/// A small read runs on the calling thread with an engine made for it; where none can be made
+/// (the factory fails, e.g. no memory for another io_uring ring) the read goes to the I/O
+/// threads and still succeeds.
+#[test]
+fn a_small_read_goes_to_the_threads_when_no_engine_can_be_made_for_the_caller() {
+    let d = tempfile::tempdir().unwrap();
+    let made = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let m = Arc::clone(&made);
+    let factory: EngineFactory = Arc::new(move || {
+        // The two I/O threads get theirs; every engine asked for after that cannot be made.
+        if m.fetch_add(1, std::sync::atomic::Ordering::SeqCst) >= 2 {
+            return Err(std::io::Error::other("no memory for another ring"));
+        }
+        kvtiers::disk::io::engine_factory(IoBackend::Auto, 32)()
+    });
+    let mut cfg = disk_cfg(d.path(), 8 << 20);
+    cfg.io_threads = 2;
+    let t = DiskTier::open_with_engine(&cfg, factory).unwrap();
+    let k = key(7, 0);
+    let data = content(&k, 64 << 10);
+    assert!(matches!(t.put_batch(&[BlockRef { key: k, meta: meta(7, 0, data.len()), data: &data }])[0], Ok(true)));
+    let mut out = BlockBuf::new();
+    assert!(t.get(&k, &mut out).unwrap().is_some());
+    assert_eq!(&out[..], &data[..]);
+    assert!(made.load(std::sync::atomic::Ordering::SeqCst) > 2, "the read tried to run on the caller first");
+}
+
 #[derive(Default)]
 struct Record(Vec<(usize, bool)>, bool);
 

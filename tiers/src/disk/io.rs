@@ -232,13 +232,23 @@ impl IoThreads {
         self.backend
     }
 
-    /// Runs `ops` on this thread with an engine from the idle list (or a new one).
-    fn run_here(&self, fd: RawFd, ops: &[IoOp], progress: &mut dyn IoProgress) -> io::Result<()> {
+    /// An engine from the idle list, or a new one.
+    fn take_engine(&self) -> io::Result<Box<dyn IoEngine>> {
         let taken = self.idle.lock().pop();
-        let mut engine = match taken {
-            Some(e) => e,
-            None => (self.factory)()?,
-        };
+        match taken {
+            Some(e) => Ok(e),
+            None => (self.factory)(),
+        }
+    }
+
+    /// Runs `ops` on this thread with `engine`, then returns it to the idle list.
+    fn run_here(
+        &self,
+        mut engine: Box<dyn IoEngine>,
+        fd: RawFd,
+        ops: &[IoOp],
+        progress: &mut dyn IoProgress,
+    ) -> io::Result<()> {
         let r = abort_on_unwind(|| engine.run(fd, ops, progress));
         self.idle.lock().push(engine);
         r
@@ -261,12 +271,23 @@ impl IoThreads {
             return Ok(());
         }
         if self.threads.is_empty() {
-            return self.run_here(fd, &ops, progress);
+            let engine = self.take_engine()?;
+            return self.run_here(engine, fd, &ops, progress);
         }
         if small_read(&ops, self.inline_read_max) && self.lend() {
-            let r = self.run_here(fd, &ops, progress);
+            // An engine that cannot be made here (e.g. no memory for another ring) leaves the
+            // read to the threads.
+            let r = match self.take_engine() {
+                Ok(engine) => Some(self.run_here(engine, fd, &ops, progress)),
+                Err(e) => {
+                    tracing::debug!("small G3 read sent to the I/O threads: {e}");
+                    None
+                }
+            };
             self.lent.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
-            return r;
+            if let Some(r) = r {
+                return r;
+            }
         }
         let (events, rx) = bounded(ops.len() + 2);
         let tx = self.tx.as_ref().ok_or_else(|| io::Error::other("G3 I/O threads stopped"))?;
