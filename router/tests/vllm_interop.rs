@@ -80,29 +80,39 @@ impl Drop for Py {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn ingests_vllm_events_in_both_encodings_and_recomputes_hashes() {
-    let mut py = Py::spawn(&["publish"]);
-    let port: u16 = py.line(20).await.trim().parse().unwrap();
-    let endpoint = format!("tcp://127.0.0.1:{port}");
+/// A router subscribed to one vLLM engine at `endpoint` (worker `v1` on node `N1`, namespace
+/// `vllm` with 4-token blocks and Dynamo hashes), asking `replay` for missed batches; returns
+/// once the first batch has arrived, with the publisher's metric label selector (without its
+/// closing brace) for the tests' own series.
+async fn subscribed(endpoint: &str, replay: Option<String>, idle_reconnect_s: f64) -> (Server, String) {
     let mut cfg = config();
     let mut ns = spec("vllm", "test/vllm", 4);
     ns.key_scheme = KEY_SCHEME_DYNAMO_XXH3_1337.into();
     cfg.namespaces.push(ns);
     cfg.vllm_sources.push(VllmSource {
-        endpoint: endpoint.clone(),
+        endpoint: endpoint.to_string(),
         topic: String::new(),
         worker: "v1".into(),
         node: "N1".into(),
         namespace: "vllm".into(),
         address: "http://v1.invalid".into(),
         role: None,
-        replay_endpoint: None,
-        idle_reconnect_s: 2.0,
+        replay_endpoint: replay,
+        idle_reconnect_s,
     });
     let srv = Server::start(cfg).await;
-    let batches = format!("kvrouter_vllm_batches_total{{publisher=\"vllm:{endpoint}\"}}");
+    let publisher = format!("{{publisher=\"vllm:{endpoint}\"");
+    let batches = format!("kvrouter_vllm_batches_total{publisher}}}");
     srv.wait_for(20, "subscription", || async { srv.metric(&batches).await.unwrap_or(0.0) >= 1.0 }).await;
+    (srv, publisher)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ingests_vllm_events_in_both_encodings_and_recomputes_hashes() {
+    let mut py = Py::spawn(&["publish"]);
+    let port: u16 = py.line(20).await.trim().parse().unwrap();
+    let endpoint = format!("tcp://127.0.0.1:{port}");
+    let (srv, _) = subscribed(&endpoint, None, 2.0).await;
     let tokens: Vec<u32> = (1000..1012).collect();
     let body = serde_json::json!({"namespace": "vllm", "tokens": tokens, "explain": true});
 
@@ -141,25 +151,7 @@ async fn a_vllm_gap_is_filled_from_the_engines_replay_socket() {
         let mut py = Py::spawn(args);
         let ports: Vec<u16> = py.line(20).await.split_whitespace().map(|p| p.parse().unwrap()).collect();
         let endpoint = format!("tcp://127.0.0.1:{}", ports[0]);
-        let mut cfg = config();
-        let mut ns = spec("vllm", "test/vllm", 4);
-        ns.key_scheme = KEY_SCHEME_DYNAMO_XXH3_1337.into();
-        cfg.namespaces.push(ns);
-        cfg.vllm_sources.push(VllmSource {
-            endpoint: endpoint.clone(),
-            topic: String::new(),
-            worker: "v1".into(),
-            node: "N1".into(),
-            namespace: "vllm".into(),
-            address: "http://v1.invalid".into(),
-            role: None,
-            replay_endpoint: Some(format!("tcp://127.0.0.1:{}", ports[1])),
-            idle_reconnect_s: 5.0,
-        });
-        let srv = Server::start(cfg).await;
-        let publisher = format!("{{publisher=\"vllm:{endpoint}\"");
-        let batches = format!("kvrouter_vllm_batches_total{publisher}}}");
-        srv.wait_for(20, "subscription", || async { srv.metric(&batches).await.unwrap_or(0.0) >= 1.0 }).await;
+        let (srv, publisher) = subscribed(&endpoint, Some(format!("tcp://127.0.0.1:{}", ports[1])), 5.0).await;
 
         // Blocks 0-1 stored in a batch that only the replay socket has.
         py.cmd("lost").await;
@@ -196,25 +188,8 @@ async fn a_vllm_source_follows_an_engine_restart_and_heartbeats() {
     let ports: Vec<u16> = py.line(20).await.split_whitespace().map(|p| p.parse().unwrap()).collect();
     let (port, rport) = (ports[0].to_string(), ports[1].to_string());
     let endpoint = format!("tcp://127.0.0.1:{port}");
-    let mut cfg = config();
-    let mut ns = spec("vllm", "test/vllm", 4);
-    ns.key_scheme = KEY_SCHEME_DYNAMO_XXH3_1337.into();
-    cfg.namespaces.push(ns);
-    cfg.vllm_sources.push(VllmSource {
-        endpoint: endpoint.clone(),
-        topic: String::new(),
-        worker: "v1".into(),
-        node: "N1".into(),
-        namespace: "vllm".into(),
-        address: "http://v1.invalid".into(),
-        role: None,
-        replay_endpoint: Some(format!("tcp://127.0.0.1:{rport}")),
-        idle_reconnect_s: 2.0,
-    });
-    let srv = Server::start(cfg).await;
-    let publisher = format!("{{publisher=\"vllm:{endpoint}\"");
+    let (srv, publisher) = subscribed(&endpoint, Some(format!("tcp://127.0.0.1:{rport}")), 2.0).await;
     let batches = format!("kvrouter_vllm_batches_total{publisher}}}");
-    srv.wait_for(20, "subscription", || async { srv.metric(&batches).await.unwrap_or(0.0) >= 1.0 }).await;
     py.cmd("stored").await; // 2 GPU blocks and 1 CPU block
     srv.wait_for(10, "stored", || async { srv.router.index_stats().facts == 3 }).await;
     py.cmd("setseq 100000").await;
