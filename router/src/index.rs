@@ -348,6 +348,16 @@ impl Space {
         }
     }
 
+    /// Gives memory back after large drops: a table (of keys or of run heads) filled to under
+    /// an eighth is rehashed to its size (removals alone never shrink a table).
+    fn shrink_if_sparse(&mut self) {
+        for t in [&mut self.table, &mut self.heads] {
+            if t.len() * 8 < t.slots() && t.slots() > 1024 {
+                t.rehash(t.len());
+            }
+        }
+    }
+
     fn bytes(&self) -> usize {
         self.table.bytes()
             + self.heads.bytes()
@@ -497,6 +507,8 @@ impl BlockIndex {
             }
             if sp.table.is_empty() {
                 self.spaces.remove(&ns);
+            } else {
+                sp.shrink_if_sparse();
             }
         }
         self.count(slot.holder(), -removed);
@@ -526,9 +538,8 @@ impl BlockIndex {
                     freed = true;
                 }
             }
-            // Give memory back after large drops.
-            if freed && sp.table.len() * 8 < sp.table.slots() && sp.table.slots() > 1024 {
-                sp.table.rehash(sp.table.len());
+            if freed {
+                sp.shrink_if_sparse();
             }
         }
         self.spaces.retain(|_, sp| !sp.table.is_empty());

@@ -302,6 +302,7 @@ mod tests {
                     continue;
                 }
                 let loc = Loc { run: i as u32, off: 3 };
+                t.reserve(1); // as the index does before each insert
                 assert_eq!(t.find_or_insert(t.hash(&keys[i]), is(&keys, keys[i]), loc), None);
                 live.push(i);
             } else {

@@ -145,7 +145,7 @@ fn next_batch(rx: &Receiver<Batch>) -> Option<Batch> {
 /// Default of `inline_read_max` ([`IoThreads::start`]): reads of at most this many bytes in all
 /// run on the calling thread even when there are I/O threads. A single small block's read is
 /// latency-bound, and the two thread wake-ups of the hop were a quarter of a 256 KiB read here
-/// (340-367 -> 260-274 us; docs/benchmarks.md). Larger reads keep the threads, whose pieces in
+/// (327-375 -> 279-291 us; docs/benchmarks.md). Larger reads keep the threads, whose pieces in
 /// flight overlap their checksums.
 pub const INLINE_READ_MAX: usize = 512 << 10;
 
@@ -161,8 +161,10 @@ pub struct IoThreads {
     /// Engines lent to calling threads, created on demand: every batch in inline mode, small
     /// reads with threads.
     idle: parking_lot::Mutex<Vec<Box<dyn IoEngine>>>,
-    /// Engines lent out now, with threads (bounded by [`INLINE_READERS_MAX`]).
+    /// Inline slots taken now, with threads (bounded by [`INLINE_READERS_MAX`]).
     lent: std::sync::atomic::AtomicUsize,
+    /// Set once no engine of the threads' backend could be made for a caller.
+    inline_off: std::sync::atomic::AtomicBool,
     /// With threads, reads of at most this many bytes run on the caller (0: none).
     inline_read_max: usize,
     factory: EngineFactory,
@@ -195,6 +197,7 @@ impl IoThreads {
                 backend,
                 idle: parking_lot::Mutex::new(vec![engine]),
                 lent: std::sync::atomic::AtomicUsize::new(0),
+                inline_off: std::sync::atomic::AtomicBool::new(false),
                 inline_read_max,
                 factory: std::sync::Arc::clone(factory),
             });
@@ -222,6 +225,7 @@ impl IoThreads {
             backend,
             idle: parking_lot::Mutex::new(Vec::new()),
             lent: std::sync::atomic::AtomicUsize::new(0),
+            inline_off: std::sync::atomic::AtomicBool::new(false),
             inline_read_max,
             factory: std::sync::Arc::clone(factory),
         })
@@ -254,12 +258,21 @@ impl IoThreads {
         r
     }
 
-    /// Takes one of the [`INLINE_READERS_MAX`] inline slots; false when all are taken.
-    fn lend(&self) -> bool {
+    /// Takes one of the [`INLINE_READERS_MAX`] inline slots (given back when the guard drops);
+    /// `None` when all are taken.
+    fn lend(&self) -> Option<LentSlot<'_>> {
         use std::sync::atomic::Ordering;
         self.lent
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| (n < INLINE_READERS_MAX).then_some(n + 1))
-            .is_ok()
+            .ok()
+            .map(|_| LentSlot(&self.lent))
+    }
+
+    /// Small reads stop running on the caller (logged once).
+    fn inline_fails(&self, why: &str) {
+        if !self.inline_off.swap(true, std::sync::atomic::Ordering::Relaxed) {
+            tracing::info!("small G3 reads go to the I/O threads from now on: {why}");
+        }
     }
 
     /// Runs `ops` and waits for them, calling `progress` on this thread as they go. The memory
@@ -274,19 +287,17 @@ impl IoThreads {
             let engine = self.take_engine()?;
             return self.run_here(engine, fd, &ops, progress);
         }
-        if small_read(&ops, self.inline_read_max) && self.lend() {
-            // An engine that cannot be made here (e.g. no memory for another ring) leaves the
-            // read to the threads.
-            let r = match self.take_engine() {
-                Ok(engine) => Some(self.run_here(engine, fd, &ops, progress)),
-                Err(e) => {
-                    tracing::debug!("small G3 read sent to the I/O threads: {e}");
-                    None
-                }
-            };
-            self.lent.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
-            if let Some(r) = r {
-                return r;
+        if small_read(&ops, self.inline_read_max)
+            && !self.inline_off.load(std::sync::atomic::Ordering::Relaxed)
+            && let Some(_slot) = self.lend()
+        {
+            // An engine that cannot be made here (e.g. no memory for another ring), or only of
+            // another backend than the threads', turns small reads on the caller off: they go
+            // to the threads from now on, rather than paying a failing setup each time.
+            match self.take_engine() {
+                Ok(engine) if engine.name() == self.backend => return self.run_here(engine, fd, &ops, progress),
+                Ok(engine) => self.inline_fails(&format!("the engine made here is {}", engine.name())),
+                Err(e) => self.inline_fails(&e.to_string()),
             }
         }
         let (events, rx) = bounded(ops.len() + 2);
@@ -298,7 +309,9 @@ impl IoThreads {
             // The I/O thread died mid-batch (it cannot: a panic there aborts): its ring's ops may
             // still be in flight, so returning would free their buffers under them.
             let Ok(event) = rx.recv() else { std::process::abort() };
-            if !started {
+            // As an engine run here would: `started` once ops are under way, never for a batch
+            // that failed before any started.
+            if !started && !matches!(event, Event::Finished(_)) {
                 started = true;
                 progress.started();
             }
@@ -311,6 +324,15 @@ impl IoThreads {
                 }
             }
         }
+    }
+}
+
+/// An inline slot, given back when dropped (on every path, a panic included).
+struct LentSlot<'a>(&'a std::sync::atomic::AtomicUsize);
+
+impl Drop for LentSlot<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
     }
 }
 
