@@ -366,6 +366,9 @@ pub const DEFAULT_IDLE_RECONNECT_S: f64 = 5.0;
 /// Shortest accepted [`VllmSource::idle_reconnect_s`].
 pub const MIN_IDLE_RECONNECT_S: f64 = 2.0;
 
+/// Longest accepted [`VllmSource::idle_reconnect_s`].
+pub const MAX_IDLE_RECONNECT_S: f64 = 3600.0;
+
 fn default_idle_reconnect_s() -> f64 {
     DEFAULT_IDLE_RECONNECT_S
 }
@@ -452,12 +455,10 @@ impl RouterConfig {
                 }
             }
             // Above 1 s: kvcached's export sends an empty batch after 1 s of quiet.
-            if !(MIN_IDLE_RECONNECT_S..=crate::zmq::MAX_IDLE_RECONNECT_S).contains(&s.idle_reconnect_s) {
+            if !(MIN_IDLE_RECONNECT_S..=MAX_IDLE_RECONNECT_S).contains(&s.idle_reconnect_s) {
                 return Err(RouterError::Config(format!(
                     "vllm source {}: idle_reconnect_s must be between {MIN_IDLE_RECONNECT_S} and {} seconds, got {}",
-                    s.endpoint,
-                    crate::zmq::MAX_IDLE_RECONNECT_S,
-                    s.idle_reconnect_s
+                    s.endpoint, MAX_IDLE_RECONNECT_S, s.idle_reconnect_s
                 )));
             }
             let ns = self.namespaces.iter().find(|n| n.name.as_deref() == Some(&s.namespace));

@@ -436,7 +436,7 @@ pub async fn run_source_in(
     // holds the ingest up for up to `recovery_timeout_ms`, and a source whose replay socket is
     // gone would otherwise fall further behind with each gap.
     let mut replay_after: Option<Instant> = None;
-    let idle = Duration::from_secs_f64(src.idle_reconnect_s.clamp(0.05, MAX_IDLE_RECONNECT_S));
+    let idle = Duration::from_secs_f64(src.idle_reconnect_s.clamp(0.05, crate::config::MAX_IDLE_RECONNECT_S));
     loop {
         let (tx, mut rx) = tokio::sync::mpsc::channel(READ_AHEAD);
         let mut reader = AbortOnDrop(tokio::spawn(read_source(
@@ -498,9 +498,6 @@ pub async fn run_source_in(
 
 /// Messages read ahead of the ingest (a replay in progress holds it up).
 const READ_AHEAD: usize = 256;
-
-/// Longest accepted `idle_reconnect_s`.
-pub const MAX_IDLE_RECONNECT_S: f64 = 3600.0;
 
 /// How long gaps are only reported after a replay that got no answer.
 const REPLAY_BACKOFF: Duration = Duration::from_secs(30);
