@@ -73,6 +73,19 @@ async fn run_one(trace: &[TraceRequest], cfg: &SimConfig, weights: CostWeights, 
     (r, secs)
 }
 
+/// The policies compared, each with its CSV name and its table name: KV-aware routing with the
+/// given weights, the same with no load terms (pure longest prefix), round-robin and random.
+fn policies(cfg: &SimConfig, weights: &CostWeights) -> [(&'static str, &'static str, SimConfig, CostWeights); 4] {
+    let prefix_only = CostWeights { decode: 0.0, active: 0.0, fill: 0.0, ..weights.clone() };
+    let with = |policy| SimConfig { policy, ..cfg.clone() };
+    [
+        ("kv-aware", "kv-aware (cost model, load terms)", cfg.clone(), weights.clone()),
+        ("kv-aware pure prefix", "kv-aware, pure longest prefix", cfg.clone(), prefix_only),
+        ("round-robin", "round-robin", with(Policy::RoundRobin), weights.clone()),
+        ("random", "random", with(Policy::Random), weights.clone()),
+    ]
+}
+
 #[tokio::main]
 async fn main() {
     let args = Args::parse();
@@ -116,17 +129,12 @@ async fn main() {
     if let Some(d) = args.decode {
         weights.decode = d;
     }
-    let prefix_only = CostWeights { decode: 0.0, active: 0.0, fill: 0.0, ..weights.clone() };
     if !args.sweep.is_empty() {
         println!("capacity,policy,hit_rate");
         for &capacity in &args.sweep {
             let cfg = SimConfig { capacity_blocks: capacity, ..cfg.clone() };
-            let (r, _) = run_one(&trace, &cfg, weights.clone(), args.seed).await;
-            println!("{capacity},kv-aware,{:.4}", r.hit_rate);
-            let (r, _) = run_one(&trace, &cfg, prefix_only.clone(), args.seed).await;
-            println!("{capacity},kv-aware pure prefix,{:.4}", r.hit_rate);
-            for (name, p) in [("round-robin", Policy::RoundRobin), ("random", Policy::Random)] {
-                let (r, _) = run_one(&trace, &SimConfig { policy: p, ..cfg.clone() }, weights.clone(), args.seed).await;
+            for (name, _, c, w) in policies(&cfg, &weights) {
+                let (r, _) = run_one(&trace, &c, w, args.seed).await;
                 println!("{capacity},{name},{:.4}", r.hit_rate);
             }
             println!("{capacity},pooled LRU,{:.4}", sim::pooled_hit_rate(&trace, cfg.workers * capacity));
@@ -147,12 +155,8 @@ async fn main() {
         let resend = if r.resends == 0 { 0.0 } else { r.resend_full_hits as f64 / r.resends as f64 };
         println!("{name:<34} {:>9.3} {:>14.3} {s:>10.1}   per worker {:?}", r.hit_rate, resend, r.per_worker);
     };
-    let (r, s) = run_one(&trace, &cfg, weights.clone(), args.seed).await;
-    show("kv-aware (cost model, load terms)", &r, s);
-    let (r, s) = run_one(&trace, &cfg, prefix_only, args.seed).await;
-    show("kv-aware, pure longest prefix", &r, s);
-    for (name, p) in [("round-robin", Policy::RoundRobin), ("random", Policy::Random)] {
-        let (r, s) = run_one(&trace, &SimConfig { policy: p, ..cfg.clone() }, weights.clone(), args.seed).await;
+    for (_, name, c, w) in policies(&cfg, &weights) {
+        let (r, s) = run_one(&trace, &c, w, args.seed).await;
         show(name, &r, s);
     }
     println!(

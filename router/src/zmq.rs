@@ -270,6 +270,17 @@ async fn replay_gap(
     answered
 }
 
+/// Counts a gap of vLLM source `name` that nothing will fill and reports it (`unrecovered_gap`
+/// with `reason`, held for `gap_hold_s` from now).
+fn unrecovered_gap(st: &mut crate::state::State, name: &str, reason: String, now: Instant) {
+    bump(&mut st.counters.gaps, name.to_string());
+    st.health.set(ConditionKind::UnrecoveredGap, name, reason, now);
+    if let Some(p) = st.publishers.get_mut(name) {
+        p.gap = GapState::Unrecovered { retry_at: None };
+        p.gap_since = Some(now);
+    }
+}
+
 /// Whether batch `seq` after batch `last` means the engine restarted (its numbers start again
 /// from 0). A restart whose numbers have already passed `last` cannot be told from a gap: vLLM's
 /// batches carry no epoch.
@@ -322,40 +333,20 @@ pub fn apply_batch(
                 // The engine restarted: what it said before is gone, in every tier it reported.
                 st.publisher_restarted(&name);
                 if seq > 0 {
-                    bump(&mut st.counters.gaps, name.clone());
-                    st.health.set(
-                        ConditionKind::UnrecoveredGap,
+                    unrecovered_gap(
+                        st,
                         &name,
                         format!("missed vLLM batches 0..{} of the restarted engine", seq - 1),
                         now,
                     );
-                    if let Some(p) = st.publishers.get_mut(&name) {
-                        p.gap = GapState::Unrecovered { retry_at: None };
-                        p.gap_since = Some(now);
-                    }
                 }
             }
             Some(last) if seq > last + 1 => {
-                bump(&mut st.counters.gaps, name.clone());
-                st.health.set(
-                    ConditionKind::UnrecoveredGap,
-                    &name,
-                    match src.replay_endpoint {
-                        Some(_) => {
-                            format!("missed vLLM batches {}..{} (replay could not fill them)", last + 1, seq - 1)
-                        }
-                        None => format!(
-                            "missed vLLM batches {}..{} (no replay_endpoint for this source)",
-                            last + 1,
-                            seq - 1
-                        ),
-                    },
-                    now,
-                );
-                if let Some(p) = st.publishers.get_mut(&name) {
-                    p.gap = GapState::Unrecovered { retry_at: None };
-                    p.gap_since = Some(now);
-                }
+                let why = match src.replay_endpoint {
+                    Some(_) => "replay could not fill them",
+                    None => "no replay_endpoint for this source",
+                };
+                unrecovered_gap(st, &name, format!("missed vLLM batches {}..{} ({why})", last + 1, seq - 1), now);
             }
             _ => {}
         }
@@ -502,8 +493,9 @@ const READ_AHEAD: usize = 256;
 /// How long gaps are only reported after a replay that got no answer.
 const REPLAY_BACKOFF: Duration = Duration::from_secs(30);
 
-/// A task aborted when its handle is dropped (a source's reader goes with the source).
-struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
+/// A task aborted when its handle is dropped (a source's reader goes with the source, the
+/// export's replay answerer with its server).
+pub(crate) struct AbortOnDrop<T>(pub(crate) tokio::task::JoinHandle<T>);
 
 impl<T> Drop for AbortOnDrop<T> {
     fn drop(&mut self) {

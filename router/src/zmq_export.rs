@@ -14,7 +14,7 @@ use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
 use crate::RouterError;
 use crate::vllm::{self, Encoding, VllmBatch, VllmEvent};
-use crate::zmq::END_SEQ;
+use crate::zmq::{AbortOnDrop, END_SEQ};
 
 /// Publishes events in vLLM's wire format on a ZMQ PUB socket (for routers that consume vLLM
 /// events, e.g. Dynamo or llm-d, to see our G2-G4 tiers).
@@ -197,7 +197,7 @@ async fn serve_replays(sock: zeromq::RouterSocket, endpoint: String, buffer: Arc
                 s
             }
         };
-        let mut served = Aborting(tokio::spawn(answer_replays(s, Arc::clone(&buffer))));
+        let mut served = AbortOnDrop(tokio::spawn(answer_replays(s, Arc::clone(&buffer))));
         match (&mut served.0).await {
             Ok(()) => return,
             Err(e) if e.is_panic() => {
@@ -206,15 +206,6 @@ async fn serve_replays(sock: zeromq::RouterSocket, endpoint: String, buffer: Arc
             }
             Err(_) => return,
         }
-    }
-}
-
-/// A task aborted when its handle is dropped.
-struct Aborting(tokio::task::JoinHandle<()>);
-
-impl Drop for Aborting {
-    fn drop(&mut self) {
-        self.0.abort();
     }
 }
 
