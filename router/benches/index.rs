@@ -10,7 +10,9 @@
 //! cd router/bench-dynamo && cargo run --release -- --bench --blocks 4000000   # another size
 //! cargo bench -p kvrouter --bench index                      # ours only
 //! ```
-//! Without `--bench` (as `cargo test --all-targets` runs it) it does a small smoke run.
+//! Without `--bench` (as `cargo test --all-targets` runs it) it does a small smoke run. Each
+//! store build prints its time and page faults to stderr; `KVBENCH_INDEX_REPS=n` sets how many
+//! builds each side makes (3 with `--bench`; the fastest counts).
 #![allow(clippy::unwrap_used)]
 
 use std::alloc::{GlobalAlloc, Layout, System};
@@ -52,6 +54,14 @@ fn live() -> isize {
     LIVE.load(Ordering::Relaxed)
 }
 
+/// Minor page faults of this process so far (field 10 of /proc/self/stat; 0 where unreadable).
+fn minflt() -> u64 {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    // The command name (field 2) may hold spaces; the fields after it are plain.
+    let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
+    rest.split_whitespace().nth(7).and_then(|v| v.parse().ok()).unwrap_or(0)
+}
+
 const WORKERS: u64 = 256;
 const SEQ_BLOCKS: usize = 64;
 const SHARED_BLOCKS: usize = 16;
@@ -91,6 +101,9 @@ fn stream(n: usize, seed: u64) -> Vec<Seq> {
 
 /// Store phases per side (fastest counts; the machine is shared and noisy): 3 with `--bench`.
 fn reps() -> usize {
+    if let Some(n) = std::env::var("KVBENCH_INDEX_REPS").ok().and_then(|v| v.parse().ok()) {
+        return n;
+    }
     if std::env::args().any(|a| a == "--bench") { 3 } else { 1 }
 }
 
@@ -123,11 +136,13 @@ fn ours(seqs: &[Seq], churn: &[Seq], queries: &[usize], distinct: usize) -> (Fig
         drop(ix);
         let before = live();
         ix = BlockIndex::new();
-        let t0 = Instant::now();
+        let (t0, f0) = (Instant::now(), minflt());
         for (s, k) in seqs.iter().zip(&keys) {
             ix.store(ns, None, k, Slot::new(s.worker as u32 + 1, TierKind::G1Gpu));
         }
-        store = store.min(t0.elapsed().as_secs_f64());
+        let t = t0.elapsed().as_secs_f64();
+        eprintln!("  ours store rep: {:.1} ms, {} page faults", t * 1e3, minflt() - f0);
+        store = store.min(t);
         bytes = (live() - before) as f64;
     }
     assert_eq!(ix.blocks(), distinct);
@@ -224,11 +239,13 @@ fn dynamo(seqs: &[Seq], churn: &[Seq], queries: &[usize], distinct: usize) -> (F
         let events = events.clone();
         let before = live();
         tree = RadixTree::new();
-        let t0 = Instant::now();
+        let (t0, f0) = (Instant::now(), minflt());
         for e in events {
             tree.apply_event(e).unwrap();
         }
-        store = store.min(t0.elapsed().as_secs_f64());
+        let t = t0.elapsed().as_secs_f64();
+        eprintln!("  dynamo store rep: {:.1} ms, {} page faults", t * 1e3, minflt() - f0);
+        store = store.min(t);
         // `apply_event` consumes the events, whose block vectors are freed inside the timed loop:
         // `live() - before` nets them out of the tree's size. Count what dropping the tree frees.
         naive = (live() - before) as f64;
