@@ -290,14 +290,14 @@ fn a_failed_op_fails_only_its_block() {
         let mut outs = [BlockBuf::new(), BlockBuf::new()];
         let got = t.get_batch(&[ka, kb], &mut outs);
         assert!(matches!(got[0], Ok(Some(_))), "io_threads {io_threads}: {got:?}");
-        assert_eq!(&outs[0][..], &da[..]);
+        assert_eq!(&outs[0][..], da);
         assert!(matches!(got[1], Ok(None)), "a block that could not be read is a miss");
         assert!(!t.contains(&kb), "and is dropped");
         assert_eq!(t.stats().checksum_failures, 1);
         *armed.lock().unwrap() = None;
         let mut out = BlockBuf::new();
         assert!(t.get(&ka, &mut out).unwrap().is_some());
-        assert_eq!(&out[..], &da[..]);
+        assert_eq!(&out[..], da);
     }
 }
 
