@@ -31,6 +31,9 @@ pub struct SocketBench {
     /// The in-process daemon's `engines.key_memo_bytes` (`None`: its default). With 0 every
     /// request derives its keys, which is what the first request for a prompt costs.
     pub key_memo_bytes: Option<u64>,
+    /// The clients' token area in bytes (`None`: the client's default); 0 sends every prompt's
+    /// tokens inline in the request.
+    pub token_area_bytes: Option<usize>,
 }
 
 /// One row of the throughput table.
@@ -142,18 +145,21 @@ impl Baselines {
 
 /// An engine attached with `layout` and `slots` block slots, filled with synthetic KV.
 async fn engine(
-    dir: &Path,
+    cfg: &SocketBench,
     socket: &Path,
     name: &str,
     layout: &KvLayout,
     slots: u32,
 ) -> Result<(Client, KvMemory), String> {
-    let mut mem = KvMemory::create_layer_separate(dir.join(name), layout, slots).map_err(|e| e.to_string())?;
+    let mut mem = KvMemory::create_layer_separate(cfg.dir.join(name), layout, slots).map_err(|e| e.to_string())?;
     let len = layout.block_bytes() as usize;
     for b in 0..slots {
         mem.write_block(b, &synthetic_block(u64::from(b), b, len));
     }
-    let c = Client::connect(socket).await.map_err(|e| e.to_string())?;
+    let mut c = Client::connect(socket).await.map_err(|e| e.to_string())?;
+    if let Some(b) = cfg.token_area_bytes {
+        c.set_token_area_bytes(b);
+    }
     c.register(name, &Namespace::new(format!("kvbench/{name}"), *layout), &mem).await.map_err(|e| e.to_string())?;
     Ok((c, mem))
 }
@@ -166,7 +172,7 @@ async fn throughput(
 ) -> Result<Throughput, String> {
     let bytes = layout.block_bytes();
     let per_call = (CALL_BYTES / bytes).max(1) as u32;
-    let (c, _mem) = engine(&cfg.dir, socket, name, &layout, per_call * 2).await?;
+    let (c, _mem) = engine(cfg, socket, name, &layout, per_call * 2).await?;
     let tpb = layout.tokens_per_block;
     let save_slots: Vec<u32> = (0..per_call).collect();
     let load_slots: Vec<u32> = (per_call..per_call * 2).collect();
@@ -215,7 +221,7 @@ async fn throughput(
 async fn latencies(cfg: &SocketBench, socket: &Path, report: &mut Report) -> Result<(), String> {
     // A 128k-token prompt: 8192 blocks of 16 tokens (blocks of one layer, 64 KiB).
     let big = layout(1, 16);
-    let (c, _mem) = engine(&cfg.dir, socket, "lookup128k", &big, 512).await?;
+    let (c, _mem) = engine(cfg, socket, "lookup128k", &big, 512).await?;
     let p = prompt(7, 8192, 16);
     let slots: Vec<u32> = (0..512).collect();
     for chunk in 0..16u32 {
@@ -234,7 +240,7 @@ async fn latencies(cfg: &SocketBench, socket: &Path, report: &mut Report) -> Res
 
     // A small batch: 4 blocks of 2 MiB (16 tokens, 32 layers x 8 KV heads x 128 dims, bf16).
     let small = layout(32, 16);
-    let (c, _mem) = engine(&cfg.dir, socket, "small", &small, 8).await?;
+    let (c, _mem) = engine(cfg, socket, "small", &small, 8).await?;
     let (mut save, mut lookup, mut load) = (Vec::new(), Vec::new(), Vec::new());
     for i in 0..cfg.samples {
         let p = prompt(1_000 + i as u32, 4, 16);

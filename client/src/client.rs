@@ -12,6 +12,7 @@ use tonic::transport::{Channel, Endpoint};
 
 use crate::error::ClientError;
 use crate::memory::KvMemory;
+use crate::token_area::{Staged, TokenArea};
 
 /// A load started with [`Client::load`]; wait for it with [`Client::wait`] or [`Client::poll`].
 ///
@@ -41,6 +42,8 @@ impl LoadOp {
 struct Registration {
     request: pb::RegisterRequest,
     engine_id: u64,
+    /// Whether the daemon mapped the token area (`RegisterResponse::token_area_mapped`).
+    area_mapped: bool,
 }
 
 #[derive(Debug)]
@@ -50,6 +53,9 @@ struct Inner {
     reg: Mutex<Option<Registration>>,
     /// How long a call keeps retrying while the daemon is away (restart).
     reconnect_for: Duration,
+    /// Bytes of the token area created at the first registration (0: none).
+    token_area_bytes: usize,
+    token_area: Mutex<Option<Arc<TokenArea>>>,
 }
 
 /// A connection to the node's kvcached. Cheap to clone.
@@ -94,6 +100,8 @@ impl Client {
                 rpc: Mutex::new(rpc),
                 reg: Mutex::new(None),
                 reconnect_for: Duration::from_secs(30),
+                token_area_bytes: crate::token_area::DEFAULT_BYTES,
+                token_area: Mutex::new(None),
             }),
             heartbeat: Arc::new(Mutex::new(None)),
         })
@@ -104,6 +112,50 @@ impl Client {
         if let Some(inner) = Arc::get_mut(&mut self.inner) {
             inner.reconnect_for = d;
         }
+    }
+
+    /// Size of the shared-memory token area the first registration creates (default 4 MiB:
+    /// four concurrent prompts of up to 256k tokens); 0 sends every prompt inline. Set it before
+    /// cloning the client.
+    pub fn set_token_area_bytes(&mut self, bytes: usize) {
+        if let Some(inner) = Arc::get_mut(&mut self.inner) {
+            inner.token_area_bytes = bytes;
+        }
+    }
+
+    /// The token area, created on first use; None when disabled or when it cannot be created
+    /// (prompts then go inline).
+    fn token_area(&self) -> Option<Arc<TokenArea>> {
+        if self.inner.token_area_bytes == 0 {
+            return None;
+        }
+        let mut area = self.inner.token_area.lock();
+        if area.is_none() {
+            match TokenArea::create(&crate::token_area::default_dir(), self.inner.token_area_bytes) {
+                Ok(a) => *area = Some(Arc::new(a)),
+                Err(e) => tracing::warn!("cannot create a token area ({e}); long prompts go inline"),
+            }
+        }
+        area.clone()
+    }
+
+    /// `tokens` written into the token area, when the daemon mapped it and they are worth it.
+    fn stage(&self, tokens: &[u32]) -> Option<Staged> {
+        if !self.area_mapped() {
+            return None;
+        }
+        self.inner.token_area.lock().clone()?.stage(tokens)
+    }
+
+    /// Whether long prompts' tokens go through the shared-memory token area (the daemon the
+    /// engine is registered with now mapped it) rather than inline in requests.
+    pub fn token_area_active(&self) -> bool {
+        self.area_mapped()
+    }
+
+    /// Whether the daemon the engine is registered with now has the token area mapped.
+    fn area_mapped(&self) -> bool {
+        self.inner.reg.lock().as_ref().is_some_and(|r| r.area_mapped)
     }
 
     fn rpc(&self) -> KvcachedClient<Channel> {
@@ -126,6 +178,7 @@ impl Client {
                     let resp = rpc.register(req).await?.into_inner();
                     if let Some(r) = self.inner.reg.lock().as_mut() {
                         r.engine_id = resp.engine_id;
+                        r.area_mapped = resp.token_area_mapped;
                     }
                     tracing::info!(engine = resp.engine_id, "re-registered with kvcached");
                 }
@@ -218,9 +271,14 @@ impl Client {
     ) -> Result<pb::RegisterResponse, ClientError> {
         request.worker_address = address.to_string();
         request.role = role.to_string();
+        request.token_area = self.token_area().map(|a| a.request());
         let resp = self.rpc().register(request.clone()).await?.into_inner();
         let heartbeat = Duration::from_millis(u64::from(resp.heartbeat_ms.max(100)));
-        *self.inner.reg.lock() = Some(Registration { request, engine_id: resp.engine_id });
+        if request.token_area.is_some() && !resp.token_area_mapped {
+            tracing::warn!("kvcached did not map the token area (its log says why); long prompts go inline");
+        }
+        let area_mapped = resp.token_area_mapped;
+        *self.inner.reg.lock() = Some(Registration { request, engine_id: resp.engine_id, area_mapped });
         self.start_heartbeat(heartbeat);
         Ok(resp)
     }
@@ -261,9 +319,25 @@ impl Client {
 
     /// How many leading blocks of `tokens` are cached, and in which tier.
     pub async fn lookup(&self, tokens: &[u32]) -> Result<pb::LookupResponse, ClientError> {
-        let le = kvproto::tokens_to_le(tokens);
+        self.lookup_as(tokens, None, 0).await
+    }
+
+    /// A lookup whose tokens go through the token area when they can (see [`TokenArea`]).
+    async fn lookup_as(
+        &self,
+        tokens: &[u32],
+        route_id: Option<u64>,
+        g1_blocks: u32,
+    ) -> Result<pb::LookupResponse, ClientError> {
+        let staged = self.stage(tokens);
+        let inline = std::sync::OnceLock::new();
         self.with_retry(|mut rpc, engine_id| {
-            let req = pb::LookupRequest { engine_id, tokens: le.clone(), route_id: None, g1_blocks: 0 };
+            // A retry after a daemon restart goes inline if the new daemon did not map the area.
+            let (le, tokens_at) = match &staged {
+                Some(s) if self.area_mapped() => (bytes::Bytes::new(), Some(s.span)),
+                _ => (inline.get_or_init(|| kvproto::tokens_to_le(tokens)).clone(), None),
+            };
+            let req = pb::LookupRequest { engine_id, tokens: le, route_id, g1_blocks, tokens_at };
             async move { rpc.lookup(req).await }
         })
         .await
@@ -278,12 +352,7 @@ impl Client {
         route_id: u64,
         g1_blocks: u32,
     ) -> Result<pb::LookupResponse, ClientError> {
-        let le = kvproto::tokens_to_le(tokens);
-        self.with_retry(|mut rpc, engine_id| {
-            let req = pb::LookupRequest { engine_id, tokens: le.clone(), route_id: Some(route_id), g1_blocks };
-            async move { rpc.lookup(req).await }
-        })
-        .await
+        self.lookup_as(tokens, Some(route_id), g1_blocks).await
     }
 
     /// Reports that blocks `[first_block, ..)` of `tokens` are now in the engine's GPU memory

@@ -35,12 +35,14 @@
 //! - [`blocking`]: [`BlockingClient`], the same API for engines without an async runtime.
 //! - [`memory`]: [`KvMemory`], a shared-memory KV region and its segment layout;
 //!   [`GpuKvMemory`], KV in GPU memory shared through a CUDA IPC handle.
+//! - [`token_area`]: the shared-memory file long prompts' tokens travel through to the daemon.
 //! - [`error`]: the [`ClientError`] enum.
 
 pub mod blocking;
 pub mod client;
 pub mod error;
 pub mod memory;
+pub mod token_area;
 
 pub use blocking::BlockingClient;
 pub use client::{Client, LoadOp};

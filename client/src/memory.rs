@@ -126,6 +126,7 @@ fn register_request(
         num_blocks,
         worker_address: String::new(),
         role: String::new(),
+        token_area: None,
     }
 }
 

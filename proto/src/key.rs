@@ -141,6 +141,9 @@ pub fn chain_keys_le(
     }
     let block_bytes = 4 * tokens_per_block;
     let mut keys = Vec::with_capacity(le.len() / block_bytes);
+    if crate::key_chain::chain(&fp.0, parent, block_bytes, le, &mut keys) {
+        return keys;
+    }
     let mut parent = parent.copied();
     for block in le.chunks_exact(block_bytes) {
         let k = next_block_key_le(fp, parent.as_ref(), block);

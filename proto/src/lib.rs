@@ -6,6 +6,7 @@
 //! - [`events`]: hit reports a daemon publishes (stored / removed / cleared per tier and
 //!   holder, load reports) and the bounded event log routers replay from.
 //! - [`key`]: 128-bit chained block keys (BLAKE3 keyed by the namespace fingerprint).
+//! - [`key_chain`]: a prompt's key chain with BLAKE3's compression inlined (x86-64 fast path).
 //! - [`convert`]: validated conversions between [`pb`] messages and the typed vocabulary.
 //! - [`dynamo`]: the Dynamo / RFC-1527 compatible XXH3-64 chained hash, for event interop.
 //! - [`tier`]: the tiers G1-G4.
@@ -21,6 +22,7 @@ pub mod dynamo;
 pub mod error;
 pub mod events;
 pub mod key;
+pub mod key_chain;
 pub mod namespace;
 pub mod tier;
 

@@ -177,18 +177,20 @@ impl Daemon {
 
     pub fn lookup(&self, req: &pb::LookupRequest) -> Result<pb::LookupResponse, ServerError> {
         let engine = self.engines.get(req.engine_id)?;
+        let tokens = engine.request_tokens(&req.tokens, req.tokens_at.as_ref())?;
+        let tokens: &[u8] = &tokens;
         let (keys, m) = if req.route_id.is_some() {
             // The outcome report needs the keys past the engine's own G1 blocks: all of them.
-            let keys = self.keys(&engine, &req.tokens)?;
+            let keys = self.keys(&engine, tokens)?;
             let m = BlockStore::count_prefix(&self.store.held_prefix(&keys));
             (keys, m)
         } else {
             // Keys only as far as the cached prefix reaches: a prompt whose first blocks are not
             // cached derives one chunk, not its whole chain.
-            kvproto::check_tokens_le(&req.tokens)?;
+            kvproto::check_tokens_le(tokens)?;
             let (mut held, mut missed) = (Vec::<u8>::new(), false);
             let tpb = engine.namespace.layout.tokens_per_block as usize;
-            let keys = self.key_memo.keys_while(&engine.fingerprint, tpb, &req.tokens, |keys| {
+            let keys = self.key_memo.keys_while(&engine.fingerprint, tpb, tokens, |keys| {
                 let fresh = &keys[held.len()..];
                 let h = self.store.held_prefix(fresh);
                 missed = h.len() < fresh.len();

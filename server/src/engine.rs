@@ -55,6 +55,9 @@ pub struct Engine {
     /// Where routers send this engine's requests, and its role (published with hit reports).
     pub address: String,
     pub role: String,
+    /// Where the engine writes long prompts' tokens, when it registered one and the daemon could
+    /// map it.
+    pub(crate) token_area: Option<crate::token_area::TokenArea>,
     last_seen: Mutex<Instant>,
 }
 
@@ -145,6 +148,13 @@ impl Engine {
             }
             None => return Err(invalid("region has neither shm_path nor cuda_ipc_handle")),
         };
+        // A token area that cannot be mapped costs speed, not the registration: the engine is
+        // told (`token_area_mapped`) and sends its tokens inline.
+        let token_area = req.token_area.as_ref().and_then(|a| {
+            crate::token_area::TokenArea::open(a)
+                .inspect_err(|why| tracing::warn!(engine = id, "{why}; its requests carry their tokens inline"))
+                .ok()
+        });
         Ok(Self {
             id,
             name: req.engine_name.clone(),
@@ -157,8 +167,25 @@ impl Engine {
             num_blocks: req.num_blocks,
             address: req.worker_address.clone(),
             role: req.role.clone(),
+            token_area,
             last_seen: Mutex::new(Instant::now()),
         })
+    }
+
+    /// The tokens of a request: inline, or copied from the engine's token area.
+    pub fn request_tokens<'a>(
+        &self,
+        inline: &'a [u8],
+        at: Option<&pb::TokenSpan>,
+    ) -> Result<std::borrow::Cow<'a, [u8]>, ServerError> {
+        match (at, &self.token_area) {
+            (None, _) => Ok(std::borrow::Cow::Borrowed(inline)),
+            (Some(_), _) if !inline.is_empty() => {
+                Err(invalid("a request carries either tokens or tokens_at, not both"))
+            }
+            (Some(span), Some(area)) => Ok(std::borrow::Cow::Owned(area.tokens(span)?)),
+            (Some(_), None) => Err(invalid("tokens_at names a token area, but this engine has none mapped")),
+        }
     }
 
     /// Bytes of one block.

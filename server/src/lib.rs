@@ -8,6 +8,7 @@
 //! - [`daemon`]: request logic: save (gather into G2), lookup, load (scatter from G2/G3).
 //! - [`key_memo`]: key chains of recent prompts, reused by later requests for the same tokens.
 //! - [`engine`]: attached engines, their memory mappings and heartbeat leases.
+//! - [`token_area`]: an engine's shared-memory file of long prompts' tokens (read-only here).
 //! - [`http`]: `/metrics`, `/healthz`, and the event replay / snapshot routes for routers.
 //! - [`reports`]: hit reports to kvrouter (tier events, G1 from engines, load, outcomes).
 //! - [`vllm_export`]: the tiers' events in vLLM's ZMQ wire format, for routers that read those.
@@ -24,6 +25,7 @@ pub mod http;
 pub mod key_memo;
 pub mod reports;
 pub mod service;
+pub mod token_area;
 pub mod vllm_export;
 mod vllm_origins;
 

@@ -351,6 +351,102 @@ async fn token_bytes_that_are_not_whole_tokens_are_rejected() {
     daemon.stop().await;
 }
 
+/// Long prompts' tokens go through the engine's shared-memory token area: the same answers as
+/// inline, and requests that name a span badly are refused with a clear error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn long_prompts_travel_through_the_token_area() {
+    use kvclient::token_area::TokenArea;
+    use kvproto::pb;
+    let d = tempfile::tempdir().unwrap();
+    let mut c = config(d.path());
+    c.tcp = Some("127.0.0.1:0".parse().unwrap());
+    let l = Listeners::bind(&c).await.unwrap();
+    let addr = l.tcp.as_ref().unwrap().local_addr().unwrap();
+    let daemon = {
+        let socket = c.socket.clone();
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(kvcached::serve(c, l, async move {
+            let _ = rx.await;
+        }));
+        InProcess { socket, stop: Some(tx), task }
+    };
+    let mut mem = kv(d.path(), "a", 8);
+    fill(&mut mem, 4, 8, 0);
+    let staged = Client::connect(&daemon.socket).await.unwrap();
+    staged.register("a", &ns("m"), &mem).await.unwrap();
+    assert!(staged.token_area_active());
+    let mut inline = Client::connect(&daemon.socket).await.unwrap();
+    inline.set_token_area_bytes(0);
+    let other_mem = kv(d.path(), "b", 8);
+    inline.register("b", &ns("m"), &other_mem).await.unwrap();
+    assert!(!inline.token_area_active());
+    // 1100 blocks: 70,400 bytes of tokens, past the client's 64 KiB staging threshold.
+    let tokens = prompt(31, 1100);
+    for first in (0..600).step_by(8) {
+        assert_eq!(staged.save(&tokens, first, &(0..8).collect::<Vec<_>>()).await.unwrap().failed, 0);
+    }
+    for changed in [None, Some(450usize), Some(0), Some(599)] {
+        let mut t = tokens.clone();
+        if let Some(b) = changed {
+            t[b * 16 + 3] ^= 1;
+        }
+        let want = changed.unwrap_or(600) as u32;
+        assert_eq!(staged.lookup(&t).await.unwrap().matched_blocks, want, "staged, block {changed:?} changed");
+        assert_eq!(inline.lookup(&t).await.unwrap().matched_blocks, want, "inline, block {changed:?} changed");
+    }
+
+    // The daemon's side, driven by hand over TCP: an area registered by a raw client.
+    let mut raw = pb::kvcached_client::KvcachedClient::connect(format!("http://{addr}")).await.unwrap();
+    let area = std::sync::Arc::new(TokenArea::create(d.path(), 1 << 20).unwrap());
+    let seg = layout(LayoutKind::LayerSeparate).segment_bytes();
+    let mut reg = pb::RegisterRequest {
+        engine_name: "raw".into(),
+        namespace: Some(pb::NamespaceSpec::from(&ns("m"))),
+        region: Some(pb::MemoryRegion {
+            kind: Some(pb::memory_region::Kind::ShmPath(d.path().join("a").display().to_string())),
+            size_bytes: mem.bytes().len() as u64,
+            cuda_device: 0,
+        }),
+        segments: (0..4).map(|i| pb::Segment { offset: i * 8 * seg, block_stride: seg }).collect(),
+        segment_bytes: seg,
+        num_blocks: 8,
+        token_area: Some(area.request()),
+        ..Default::default()
+    };
+    let r = raw.register(reg.clone()).await.unwrap().into_inner();
+    assert!(r.token_area_mapped);
+    let s = area.stage(&tokens).unwrap();
+    let lookup = |tokens: bytes::Bytes, tokens_at: Option<pb::TokenSpan>, engine_id: u64| pb::LookupRequest {
+        engine_id,
+        tokens,
+        tokens_at,
+        ..Default::default()
+    };
+    let hit = raw.lookup(lookup(bytes::Bytes::new(), Some(s.span), r.engine_id)).await.unwrap().into_inner();
+    assert_eq!(hit.matched_blocks, 600);
+    let bad = [
+        (
+            lookup(bytes::Bytes::new(), Some(pb::TokenSpan { offset: (1 << 20) - 4, len: 8 }), r.engine_id),
+            "does not lie inside",
+        ),
+        (lookup(bytes::Bytes::new(), Some(pb::TokenSpan { offset: 0, len: 6 }), r.engine_id), "not a whole number"),
+        (lookup(kvproto::tokens_to_le(&tokens), Some(s.span), r.engine_id), "either tokens or tokens_at"),
+    ];
+    for (req, why) in bad {
+        let e = raw.lookup(req).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+        assert!(e.message().contains(why), "{}", e.message());
+    }
+    // An area the daemon cannot map costs speed, not the registration.
+    reg.token_area = Some(pb::TokenArea { shm_path: d.path().join("missing").display().to_string(), size_bytes: 4096 });
+    let unmapped = raw.register(reg).await.unwrap().into_inner();
+    assert!(!unmapped.token_area_mapped);
+    let e = raw.lookup(lookup(bytes::Bytes::new(), Some(s.span), unmapped.engine_id)).await.unwrap_err();
+    assert!(e.message().contains("has none mapped"), "{}", e.message());
+    drop(s);
+    daemon.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn eight_engines_share_overlapping_prefixes_and_see_only_correct_bytes() {
     let d = tempfile::tempdir().unwrap();

@@ -47,12 +47,16 @@ enum Command {
         /// every request derive its keys, as the first request for a prompt does.
         #[arg(long)]
         key_memo_bytes: Option<u64>,
+        /// The clients' shared-memory token area in bytes (default: the client's default, 4
+        /// MiB); 0 sends every prompt's tokens inline in its request.
+        #[arg(long)]
+        token_area_bytes: Option<usize>,
     },
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let Command::Socket { socket, dir, calls, warmup, samples, g3, key_memo_bytes } = cli.command;
+    let Command::Socket { socket, dir, calls, warmup, samples, g3, key_memo_bytes, token_area_bytes } = cli.command;
     let base = dir.unwrap_or_else(|| {
         let shm = std::path::Path::new("/dev/shm");
         if shm.is_dir() { shm.to_path_buf() } else { std::env::temp_dir() }
@@ -72,6 +76,7 @@ fn main() -> ExitCode {
         samples: samples.max(1),
         g3,
         key_memo_bytes,
+        token_area_bytes,
     };
     let rt = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
         Ok(rt) => rt,

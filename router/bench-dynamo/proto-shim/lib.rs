@@ -7,6 +7,8 @@ pub mod error;
 pub mod events;
 #[path = "../../../proto/src/key.rs"]
 pub mod key;
+#[path = "../../../proto/src/key_chain.rs"]
+pub mod key_chain;
 #[path = "../../../proto/src/namespace.rs"]
 pub mod namespace;
 #[path = "../../../proto/src/tier.rs"]
