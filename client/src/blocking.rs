@@ -24,6 +24,16 @@ impl BlockingClient {
         Ok(Self { rt, client })
     }
 
+    /// See [`Client::set_token_area_bytes`] (before registering).
+    pub fn set_token_area_bytes(&mut self, bytes: usize) -> bool {
+        self.client.set_token_area_bytes(bytes)
+    }
+
+    /// See [`Client::token_area_active`].
+    pub fn token_area_active(&self) -> bool {
+        self.client.token_area_active()
+    }
+
     pub fn register(
         &self,
         engine_name: &str,

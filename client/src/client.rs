@@ -42,8 +42,8 @@ impl LoadOp {
 struct Registration {
     request: pb::RegisterRequest,
     engine_id: u64,
-    /// Whether the daemon mapped the token area (`RegisterResponse::token_area_mapped`).
-    area_mapped: bool,
+    /// Whether the daemon opened the token area (`RegisterResponse::token_area_accepted`).
+    area_accepted: bool,
 }
 
 #[derive(Debug)]
@@ -115,11 +115,15 @@ impl Client {
     }
 
     /// Size of the shared-memory token area the first registration creates (default 4 MiB:
-    /// four concurrent prompts of up to 256k tokens); 0 sends every prompt inline. Set it before
-    /// cloning the client.
-    pub fn set_token_area_bytes(&mut self, bytes: usize) {
-        if let Some(inner) = Arc::get_mut(&mut self.inner) {
-            inner.token_area_bytes = bytes;
+    /// four concurrent prompts of up to 256k tokens); 0 sends every prompt inline. Returns false
+    /// (and changes nothing) once the client has been cloned or has registered.
+    pub fn set_token_area_bytes(&mut self, bytes: usize) -> bool {
+        match Arc::get_mut(&mut self.inner) {
+            Some(inner) if inner.reg.lock().is_none() => {
+                inner.token_area_bytes = bytes;
+                true
+            }
+            _ => false,
         }
     }
 
@@ -139,9 +143,9 @@ impl Client {
         area.clone()
     }
 
-    /// `tokens` written into the token area, when the daemon mapped it and they are worth it.
+    /// `tokens` written into the token area, when the daemon opened it and they are worth it.
     fn stage(&self, tokens: &[u32]) -> Option<Staged> {
-        if !self.area_mapped() {
+        if !self.area_accepted() {
             return None;
         }
         self.inner.token_area.lock().clone()?.stage(tokens)
@@ -150,12 +154,12 @@ impl Client {
     /// Whether long prompts' tokens go through the shared-memory token area (the daemon the
     /// engine is registered with now mapped it) rather than inline in requests.
     pub fn token_area_active(&self) -> bool {
-        self.area_mapped()
+        self.area_accepted()
     }
 
-    /// Whether the daemon the engine is registered with now has the token area mapped.
-    fn area_mapped(&self) -> bool {
-        self.inner.reg.lock().as_ref().is_some_and(|r| r.area_mapped)
+    /// Whether the daemon the engine is registered with now has the token area open.
+    fn area_accepted(&self) -> bool {
+        self.inner.reg.lock().as_ref().is_some_and(|r| r.area_accepted)
     }
 
     fn rpc(&self) -> KvcachedClient<Channel> {
@@ -178,7 +182,7 @@ impl Client {
                     let resp = rpc.register(req).await?.into_inner();
                     if let Some(r) = self.inner.reg.lock().as_mut() {
                         r.engine_id = resp.engine_id;
-                        r.area_mapped = resp.token_area_mapped;
+                        r.area_accepted = resp.token_area_accepted;
                     }
                     tracing::info!(engine = resp.engine_id, "re-registered with kvcached");
                 }
@@ -274,20 +278,26 @@ impl Client {
         request.token_area = self.token_area().map(|a| a.request());
         let resp = self.rpc().register(request.clone()).await?.into_inner();
         let heartbeat = Duration::from_millis(u64::from(resp.heartbeat_ms.max(100)));
-        if request.token_area.is_some() && !resp.token_area_mapped {
-            tracing::warn!("kvcached did not map the token area (its log says why); long prompts go inline");
+        if request.token_area.is_some() && !resp.token_area_accepted {
+            tracing::warn!("kvcached did not open the token area (its log says why); long prompts go inline");
         }
-        let area_mapped = resp.token_area_mapped;
-        *self.inner.reg.lock() = Some(Registration { request, engine_id: resp.engine_id, area_mapped });
+        let area_accepted = resp.token_area_accepted;
+        *self.inner.reg.lock() = Some(Registration { request, engine_id: resp.engine_id, area_accepted });
         self.start_heartbeat(heartbeat);
         Ok(resp)
     }
 
     fn start_heartbeat(&self, every: Duration) {
-        let me = self.clone();
+        // The task holds the client weakly: a client dropped without unregistering stops its
+        // heartbeats (the daemon then detaches it when the lease runs out) and frees its token
+        // area, instead of living on inside this task.
+        let inner = Arc::downgrade(&self.inner);
+        let heartbeat = Arc::clone(&self.heartbeat);
         let task = tokio::spawn(async move {
             loop {
                 tokio::time::sleep(every).await;
+                let Some(inner) = inner.upgrade() else { return };
+                let me = Client { inner, heartbeat: Arc::clone(&heartbeat) };
                 let Ok(id) = me.engine_id() else { return };
                 if let Err(s) = me.rpc().heartbeat(pb::EngineRef { engine_id: id }).await
                     && needs_reconnect(&s)
@@ -334,7 +344,7 @@ impl Client {
         self.with_retry(|mut rpc, engine_id| {
             // A retry after a daemon restart goes inline if the new daemon did not map the area.
             let (le, tokens_at) = match &staged {
-                Some(s) if self.area_mapped() => (bytes::Bytes::new(), Some(s.span)),
+                Some(s) if self.area_accepted() => (bytes::Bytes::new(), Some(s.span)),
                 _ => (inline.get_or_init(|| kvproto::tokens_to_le(tokens)).clone(), None),
             };
             let req = pb::LookupRequest { engine_id, tokens: le, route_id, g1_blocks, tokens_at };

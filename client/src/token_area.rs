@@ -5,7 +5,13 @@
 //!
 //! The area is cut into [`SLOTS`] equal slots so that concurrent requests of one client do not
 //! wait for each other: a request takes a free slot (an atomic bit), and a prompt that finds
-//! none free, or is longer than a slot, goes inline as before.
+//! none free, or is longer than a slot, goes inline as before. A request that is cancelled (its
+//! future dropped) frees its slot at once, while the daemon may still be reading it: that
+//! request's answer, which nobody waits for, may then be for a prompt torn by the next one.
+//!
+//! The file is removed when the client is dropped. A client process that dies leaves it behind;
+//! the next area created on the node removes the areas of processes that no longer exist
+//! (`kvcached-tokens-<pid>-<time>-<n>`).
 
 use std::fs::OpenOptions;
 use std::os::unix::fs::OpenOptionsExt;
@@ -36,12 +42,6 @@ pub struct TokenArea {
     used: AtomicU32,
 }
 
-// SAFETY: the mapping is written only through `Staged`, which owns its slot exclusively (the
-// `used` bit), and read by the daemon in another process.
-unsafe impl Send for TokenArea {}
-// SAFETY: as above.
-unsafe impl Sync for TokenArea {}
-
 /// A prompt's tokens written into a slot; the slot is free again on drop (after the request).
 #[derive(Debug)]
 pub struct Staged {
@@ -64,9 +64,12 @@ impl TokenArea {
         if slot_bytes == 0 {
             return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, "token area too small"));
         }
+        remove_stale(dir);
+        static NEXT: AtomicU32 = AtomicU32::new(0);
         let nonce =
             std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
-        let path = dir.join(format!("kvcached-tokens-{}-{nonce:x}", std::process::id()));
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let path = dir.join(format!("{PREFIX}{}-{nonce:x}-{n}", std::process::id()));
         let file = OpenOptions::new().read(true).write(true).create_new(true).mode(0o660).open(&path)?;
         let created = (|| {
             file.set_len((slot_bytes * SLOTS) as u64)?;
@@ -122,6 +125,25 @@ impl Drop for TokenArea {
     }
 }
 
+/// File names: `kvcached-tokens-<pid>-<time>-<n>`.
+const PREFIX: &str = "kvcached-tokens-";
+
+/// Removes the areas in `dir` of processes that no longer exist (best effort: a pid that has
+/// been reused keeps its file until that process is gone too).
+fn remove_stale(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(pid) = name.to_str().and_then(|n| n.strip_prefix(PREFIX)).and_then(|r| r.split('-').next()) else {
+            continue;
+        };
+        let Ok(pid) = pid.parse::<u32>() else { continue };
+        if pid != std::process::id() && !Path::new("/proc").join(pid.to_string()).exists() {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
+}
+
 /// Where areas go: `/dev/shm` where it exists (memory, like the KV regions), else the
 /// temporary directory.
 pub fn default_dir() -> PathBuf {
@@ -162,5 +184,22 @@ mod tests {
         assert!(area.stage(&tokens).is_some());
         drop(area);
         assert!(!path.exists(), "the file goes with the area");
+    }
+
+    #[test]
+    fn a_new_area_removes_those_of_dead_processes() {
+        let dir = tempfile::tempdir().unwrap();
+        // A pid above the kernel's limit (pid_max is at most 2^22) never belongs to a live
+        // process; this process's own areas and unrelated files stay.
+        let dead = dir.path().join(format!("{PREFIX}{}-1f-0", 1u32 << 23));
+        let unrelated = dir.path().join("kvcached-tokens-notapid");
+        std::fs::write(&dead, b"x").unwrap();
+        std::fs::write(&unrelated, b"x").unwrap();
+        let first = TokenArea::create(dir.path(), 1 << 20).unwrap();
+        let second = TokenArea::create(dir.path(), 1 << 20).unwrap();
+        assert!(!dead.exists());
+        assert!(unrelated.exists());
+        assert_ne!(first.request().shm_path, second.request().shm_path, "two areas of one process at once");
+        assert!(Path::new(&first.request().shm_path).exists());
     }
 }

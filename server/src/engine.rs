@@ -56,9 +56,27 @@ pub struct Engine {
     pub address: String,
     pub role: String,
     /// Where the engine writes long prompts' tokens, when it registered one and the daemon could
-    /// map it.
+    /// open it.
     pub(crate) token_area: Option<crate::token_area::TokenArea>,
     last_seen: Mutex<Instant>,
+}
+
+/// Opens a file an engine names (its KV memory, its token area) without ever blocking, and only
+/// if it is a regular file: a FIFO's open would wait for a peer forever, a device file's could
+/// have side effects. The error names the path.
+pub(crate) fn open_client_file(path: &str, write: bool) -> Result<std::fs::File, String> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = OpenOptions::new()
+        .read(true)
+        .write(write)
+        .custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(path)
+        .map_err(|e| format!("cannot open {path}: {e}"))?;
+    match file.metadata() {
+        Ok(m) if m.is_file() => Ok(file),
+        Ok(_) => Err(format!("{path} is not a regular file")),
+        Err(e) => Err(format!("{path}: {e}")),
+    }
 }
 
 fn invalid(msg: impl Into<String>) -> ServerError {
@@ -116,11 +134,7 @@ impl Engine {
         }
         let memory = match &region.kind {
             Some(pb::memory_region::Kind::ShmPath(path)) => {
-                let file = OpenOptions::new()
-                    .read(true)
-                    .write(true)
-                    .open(path)
-                    .map_err(|e| ServerError::Attach(format!("cannot open {path}: {e}")))?;
+                let file = open_client_file(path, true).map_err(ServerError::Attach)?;
                 let len = file.metadata().map_err(|e| ServerError::Attach(format!("{path}: {e}")))?.len();
                 if len < size {
                     return Err(ServerError::Attach(format!("{path} has {len} bytes, the registration says {size}")));
@@ -148,8 +162,8 @@ impl Engine {
             }
             None => return Err(invalid("region has neither shm_path nor cuda_ipc_handle")),
         };
-        // A token area that cannot be mapped costs speed, not the registration: the engine is
-        // told (`token_area_mapped`) and sends its tokens inline.
+        // A token area that cannot be opened costs speed, not the registration: the engine is
+        // told (`token_area_accepted`) and sends its tokens inline.
         let token_area = req.token_area.as_ref().and_then(|a| {
             crate::token_area::TokenArea::open(a)
                 .inspect_err(|why| tracing::warn!(engine = id, "{why}; its requests carry their tokens inline"))
@@ -184,7 +198,9 @@ impl Engine {
                 Err(invalid("a request carries either tokens or tokens_at, not both"))
             }
             (Some(span), Some(area)) => Ok(std::borrow::Cow::Owned(area.tokens(span)?)),
-            (Some(_), None) => Err(invalid("tokens_at names a token area, but this engine has none mapped")),
+            (Some(_), None) => Err(invalid(
+                "tokens_at names a token area, but this engine has none open (see the daemon's log at its registration)",
+            )),
         }
     }
 

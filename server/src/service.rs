@@ -45,7 +45,7 @@ impl pb::kvcached_server::Kvcached for KvcachedService {
             block_bytes: e.block_bytes(),
             heartbeat_ms: lease / 3,
             lease_ms: lease,
-            token_area_mapped: e.token_area.is_some(),
+            token_area_accepted: e.token_area.is_some(),
         }))
     }
 

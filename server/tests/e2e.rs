@@ -376,7 +376,7 @@ async fn long_prompts_travel_through_the_token_area() {
     staged.register("a", &ns("m"), &mem).await.unwrap();
     assert!(staged.token_area_active());
     let mut inline = Client::connect(&daemon.socket).await.unwrap();
-    inline.set_token_area_bytes(0);
+    assert!(inline.set_token_area_bytes(0));
     let other_mem = kv(d.path(), "b", 8);
     inline.register("b", &ns("m"), &other_mem).await.unwrap();
     assert!(!inline.token_area_active());
@@ -414,7 +414,7 @@ async fn long_prompts_travel_through_the_token_area() {
         ..Default::default()
     };
     let r = raw.register(reg.clone()).await.unwrap().into_inner();
-    assert!(r.token_area_mapped);
+    assert!(r.token_area_accepted);
     let s = area.stage(&tokens).unwrap();
     let lookup = |tokens: bytes::Bytes, tokens_at: Option<pb::TokenSpan>, engine_id: u64| pb::LookupRequest {
         engine_id,
@@ -440,9 +440,9 @@ async fn long_prompts_travel_through_the_token_area() {
     // An area the daemon cannot map costs speed, not the registration.
     reg.token_area = Some(pb::TokenArea { shm_path: d.path().join("missing").display().to_string(), size_bytes: 4096 });
     let unmapped = raw.register(reg).await.unwrap().into_inner();
-    assert!(!unmapped.token_area_mapped);
+    assert!(!unmapped.token_area_accepted);
     let e = raw.lookup(lookup(bytes::Bytes::new(), Some(s.span), unmapped.engine_id)).await.unwrap_err();
-    assert!(e.message().contains("has none mapped"), "{}", e.message());
+    assert!(e.message().contains("has none open"), "{}", e.message());
     drop(s);
     daemon.stop().await;
 }
