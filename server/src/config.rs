@@ -294,8 +294,14 @@ impl Config {
         if !matches!(self.g3.io_backend.as_str(), "auto" | "io_uring" | "psync") {
             return Err(bad("g3.io_backend", format!("{:?}: use auto, io_uring or psync", self.g3.io_backend)));
         }
-        if self.engines.max_engines == 0 {
-            return Err(bad("engines.max_engines", "must be at least 1"));
+        if self.engines.max_engines == 0 || self.engines.max_engines > crate::fault_guard::MAX_WATCHED {
+            return Err(bad(
+                "engines.max_engines",
+                format!(
+                    "must be in 1..={} (the engine memory mappings the daemon guards)",
+                    crate::fault_guard::MAX_WATCHED
+                ),
+            ));
         }
         if self.engines.lease_ms < 1000 {
             return Err(bad("engines.lease_ms", "must be at least 1000 (heartbeats are sent every third of it)"));

@@ -17,12 +17,27 @@ use memmap2::{MmapOptions, MmapRaw};
 use parking_lot::{Mutex, RwLock};
 
 use crate::error::ServerError;
+use crate::fault_guard::FaultGuard;
 
 /// The KV memory of one engine, mapped into the daemon.
 #[derive(Debug)]
 enum EngineMemory {
-    Shm(MmapRaw),
+    /// A shared-memory file; `guard` (dropped before `map`, fields drop in order) turns a
+    /// SIGBUS from a file the engine truncated into an error (`fault_guard`).
+    Shm {
+        guard: FaultGuard,
+        map: MmapRaw,
+        path: String,
+    },
     Cuda(kvtiers::cuda::DeviceRegion),
+}
+
+/// The error of a copy whose engine memory shrank under it.
+fn shrank(path: &str) -> ServerError {
+    ServerError::Attach(format!(
+        "the engine's KV memory file {path} shrank under the daemon (truncated by the engine?): \
+         its saves and loads fail until it registers again"
+    ))
 }
 
 /// [`kvtiers::pieces::zip_pieces`] over a block's pieces and a slot's segments, which add up to
@@ -147,7 +162,8 @@ impl Engine {
                     options.populate();
                 }
                 let map = options.map_raw(&file).map_err(|e| ServerError::Attach(format!("cannot map {path}: {e}")))?;
-                EngineMemory::Shm(map)
+                let guard = FaultGuard::watch(map.as_ptr() as usize, map.len()).map_err(ServerError::Attach)?;
+                EngineMemory::Shm { guard, map, path: path.clone() }
             }
             Some(pb::memory_region::Kind::CudaIpcHandle(handle)) => {
                 let len = usize::try_from(size).map_err(|_| invalid("region size exceeds the address space"))?;
@@ -231,14 +247,19 @@ impl Engine {
     pub fn read_slot_into(&self, block: u32, dst: &[(*mut u8, usize)]) -> Result<(), ServerError> {
         let dst: Vec<(usize, usize)> = dst.iter().map(|&(p, n)| (p as usize, n)).collect();
         match &self.memory {
-            EngineMemory::Shm(map) => {
+            EngineMemory::Shm { guard, map, path } => {
+                if guard.faulted() {
+                    return Err(shrank(path));
+                }
                 let base = map.as_ptr();
                 let src = self.segment_ranges(block).into_iter().map(|(o, n)| (base.wrapping_add(o), n));
                 // SAFETY: sources are this engine's mapped segments (range-checked at attach; the
-                // engine does not write a slot it asked to save until the call returns),
-                // destinations the caller's pieces; both add up to one block.
+                // engine does not write a slot it asked to save until the call returns; a page
+                // the engine truncated away reads as zeros, see `fault_guard`), destinations the
+                // caller's pieces; both add up to one block.
                 unsafe { kvtiers::pieces::copy_pieces(src, dst.iter().map(|&(p, n)| (p as *mut u8, n))) };
-                Ok(())
+                // What a faulted copy read is not the block: fail, so it is never stored.
+                if guard.faulted() { Err(shrank(path)) } else { Ok(()) }
             }
             EngineMemory::Cuda(region) => zip_pieces(&self.segment_ranges(block), &dst, |off, d, n| {
                 // SAFETY: `d` is inside the caller's piece for `n` bytes.
@@ -250,7 +271,10 @@ impl Engine {
     /// Copies a block given as pieces (in order) into engine block `block`.
     pub fn write_slot_from(&self, block: u32, pieces: &[&[u8]]) -> Result<(), ServerError> {
         match &self.memory {
-            EngineMemory::Shm(map) => {
+            EngineMemory::Shm { guard, map, path } => {
+                if guard.faulted() {
+                    return Err(shrank(path));
+                }
                 let total: usize = pieces.iter().map(|p| p.len()).sum();
                 if total != self.segments.len() * self.segment_bytes as usize {
                     return Err(ServerError::Invalid("block pieces and slot segments differ in length".into()));
@@ -263,7 +287,7 @@ impl Engine {
                 // SAFETY: destinations are this engine's mapped segments (checked against the
                 // region at attach), sources the caller's pieces; they do not overlap.
                 unsafe { kvtiers::pieces::copy_pieces(pieces.iter().map(|p| (p.as_ptr(), p.len())), dst) };
-                Ok(())
+                if guard.faulted() { Err(shrank(path)) } else { Ok(()) }
             }
             EngineMemory::Cuda(region) => {
                 let src: Vec<(usize, usize)> = pieces.iter().map(|p| (p.as_ptr() as usize, p.len())).collect();

@@ -8,6 +8,8 @@
 //! - [`daemon`]: request logic: save (gather into G2), lookup, load (scatter from G2/G3).
 //! - [`key_memo`]: key chains of recent prompts, reused by later requests for the same tokens.
 //! - [`engine`]: attached engines, their memory mappings and heartbeat leases.
+//! - [`fault_guard`]: a SIGBUS in an engine's mapping (the engine truncated its file) becomes
+//!   that engine's error instead of the daemon's death.
 //! - [`token_area`]: an engine's shared-memory file of long prompts' tokens (read-only here).
 //! - [`http`]: `/metrics`, `/healthz`, and the event replay / snapshot routes for routers.
 //! - [`reports`]: hit reports to kvrouter (tier events, G1 from engines, load, outcomes).
@@ -21,6 +23,7 @@ pub mod daemon;
 pub mod demo;
 pub mod engine;
 pub mod error;
+pub mod fault_guard;
 pub mod http;
 pub mod key_memo;
 pub mod reports;

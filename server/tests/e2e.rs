@@ -351,6 +351,39 @@ async fn token_bytes_that_are_not_whole_tokens_are_rejected() {
     daemon.stop().await;
 }
 
+/// An engine that truncates its KV memory file under the daemon gets errors for its own saves
+/// and loads; the daemon survives (a SIGBUS would have killed it), stores nothing the faulted
+/// copy read, and keeps serving the other engines.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_that_truncates_its_memory_fails_alone() {
+    let d = tempfile::tempdir().unwrap();
+    let daemon = start(d.path()).await;
+    let mut bad_mem = kv(d.path(), "bad", 8);
+    fill(&mut bad_mem, 3, 8, 0);
+    let bad = Client::connect(&daemon.socket).await.unwrap();
+    bad.register("bad", &ns("m"), &bad_mem).await.unwrap();
+    let mut good_mem = kv(d.path(), "good", 8);
+    fill(&mut good_mem, 4, 8, 0);
+    let good = Client::connect(&daemon.socket).await.unwrap();
+    good.register("good", &ns("m"), &good_mem).await.unwrap();
+    let (t3, t4) = (prompt(3, 8), prompt(4, 8));
+    assert_eq!(bad.save(&t3, 0, &[0, 1]).await.unwrap().stored, 2);
+
+    std::fs::OpenOptions::new().write(true).open(d.path().join("bad")).unwrap().set_len(0).unwrap();
+    let r = bad.save(&t3, 2, &[2, 3]).await.unwrap();
+    assert_eq!((r.stored, r.failed), (0, 2), "{r:?}");
+    assert!(r.error.contains("shrank under the daemon"), "{}", r.error);
+    let e = bad.load_now(&t3, 0, &[4, 5]).await;
+    assert!(format!("{e:?}").contains("shrank under the daemon"), "{e:?}");
+    assert_eq!(bad.lookup(&t3).await.unwrap().matched_blocks, 2, "only the blocks saved before");
+
+    assert_eq!(good.save(&t4, 0, &(0..8).collect::<Vec<_>>()).await.unwrap().stored, 8);
+    let got = good.load_now(&t3, 0, &[6, 7]).await.unwrap();
+    assert_eq!(got.loaded_blocks, 2);
+    check(&good_mem, 3, 2, 6);
+    daemon.stop().await;
+}
+
 /// Long prompts' tokens go through the engine's shared-memory token area: the same answers as
 /// inline, and requests that name a span badly are refused with a clear error.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
