@@ -214,6 +214,10 @@ pub fn replay_reply(m: &ZmqMessage) -> Result<Option<(u64, Bytes)>, RouterError>
 /// (stopping at the first one missing) and counts the gap as recovered if they close it, as a
 /// failed recovery otherwise (what is still missing is reported when batch `seq` is applied).
 /// Returns whether the replay answered.
+///
+/// For the first batches a router hears (`last_seq` None), the replay may start later than
+/// `from`: vLLM keeps only its last batches, and the ones it still has are true facts (what came
+/// before them is reported as missed when the first of them is applied).
 async fn replay_gap(
     router: &Router,
     src: &VllmSource,
@@ -222,15 +226,19 @@ async fn replay_gap(
     seq: u64,
     last_seq: &mut Option<u64>,
 ) -> bool {
+    let late_start_ok = last_seq.is_none();
     let Some(endpoint) = src.replay_endpoint.as_deref() else { return false };
     let name = source_name(src);
     let timeout = Duration::from_millis(router.config().recovery_timeout_ms.max(1));
-    let mut next = from;
+    let (mut next, mut first) = (from, None);
     let (answered, why) = match replay_from(endpoint, from, timeout).await {
         Ok(batches) => {
             for (s, payload) in batches {
                 if s < next || s >= seq {
                     continue;
+                }
+                if s > next && late_start_ok && first.is_none() {
+                    next = s; // the oldest batch the engine still has
                 }
                 if s > next {
                     break; // batch `next` is not there: nothing after it may be applied
@@ -243,14 +251,16 @@ async fn replay_gap(
                         break;
                     }
                 }
+                first.get_or_insert(s);
                 next = s + 1;
             }
-            let why = if next == seq {
-                None
-            } else if next == from {
-                Some(format!("{endpoint} did not send batch {from}"))
-            } else {
-                Some(format!("{endpoint} sent batches {from}..{} but not {next}", next - 1))
+            let why = match first {
+                Some(f) if f == from && next == seq => None,
+                Some(f) if f > from && next == seq => {
+                    Some(format!("{endpoint} no longer has batches {from}..{}", f - 1))
+                }
+                Some(f) => Some(format!("{endpoint} sent batches {f}..{} but not {next}", next - 1)),
+                None => Some(format!("{endpoint} did not send batch {from}")),
             };
             (true, why)
         }
@@ -347,6 +357,20 @@ pub fn apply_batch(
                     None => "no replay_endpoint for this source",
                 };
                 unrecovered_gap(st, &name, format!("missed vLLM batches {}..{} ({why})", last + 1, seq - 1), now);
+            }
+            // What the engine reported before this router subscribed (a router started after
+            // the engine, or restarted) is unknown: its cached blocks are not in the index.
+            None if seq > 0 => {
+                let why = match src.replay_endpoint {
+                    Some(_) => "the engine no longer buffers them",
+                    None => "no replay_endpoint for this source",
+                };
+                unrecovered_gap(
+                    st,
+                    &name,
+                    format!("missed vLLM batches 0..{}, sent before this router subscribed ({why})", seq - 1),
+                    now,
+                );
             }
             _ => {}
         }
@@ -450,7 +474,10 @@ pub async fn run_source_in(
                     let missing_from = match last_seq {
                         Some(l) if restarted(l, seq) => (seq > 0).then_some(0),
                         Some(l) if seq > l + 1 => Some(l + 1),
-                        _ => None,
+                        Some(_) => None,
+                        // The first batch this router hears: the engine may have sent (and cached)
+                        // a lot before it subscribed.
+                        None => (seq > 0).then_some(0),
                     };
                     if let Some(from) = missing_from
                         && replay_after.is_none_or(|t| Instant::now() >= t)

@@ -177,6 +177,55 @@ async fn a_vllm_gap_is_filled_from_the_engines_replay_socket() {
     }
 }
 
+/// A router that subscribes after the engine has already sent batches asks the replay socket
+/// for them from 0 and indexes what the engine still buffers; what it no longer buffers, or all
+/// of it when the source has no replay socket, is a loud gap (the engine's cache is partly
+/// unknown), not a silent one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_router_that_subscribes_late_replays_what_the_engine_still_buffers() {
+    let tokens: Vec<u32> = (1000..1012).collect();
+    // (publisher arguments, commands before the router subscribes, replay socket used, gap left)
+    let cases: [(&[&str], &[&str], bool, Option<&str>); 3] = [
+        (&["publish", "replay"], &["lost"], true, None),
+        (
+            &["publish", "replay"],
+            &["unbuffered", "lost"],
+            true,
+            Some("missed vLLM batches 0..0, sent before this router subscribed (the engine no longer buffers them)"),
+        ),
+        (
+            &["publish"],
+            &["lost"],
+            false,
+            Some("missed vLLM batches 0..0, sent before this router subscribed (no replay_endpoint"),
+        ),
+    ];
+    for (args, before, replay, gap) in cases {
+        let mut py = Py::spawn(args);
+        let ports: Vec<u16> = py.line(20).await.split_whitespace().map(|p| p.parse().unwrap()).collect();
+        for cmd in before {
+            py.cmd(cmd).await;
+        }
+        let endpoint = format!("tcp://127.0.0.1:{}", ports[0]);
+        let replay_endpoint = replay.then(|| format!("tcp://127.0.0.1:{}", ports[1]));
+        let (srv, _) = subscribed(&endpoint, replay_endpoint, 5.0).await;
+        let want_facts = if replay { 2 } else { 0 };
+        srv.wait_for(10, "replayed", || async { srv.router.index_stats().facts == want_facts }).await;
+        let r = srv.route(serde_json::json!({"namespace": "vllm", "tokens": tokens})).await;
+        assert_eq!(r.cached_blocks, [want_facts as u32, 0, 0, 0], "{args:?} {before:?}");
+        let h = srv.healthz().await;
+        match gap {
+            None => assert_eq!(h["status"], "ok", "{h}"),
+            Some(reason) => {
+                assert_eq!(h["conditions"][0]["kind"], "unrecovered_gap", "{h}");
+                assert!(h["conditions"][0]["reason"].as_str().unwrap().contains(reason), "{h}");
+            }
+        }
+        writeln!(py.stdin, "quit").unwrap();
+        srv.stop().await;
+    }
+}
+
 /// The engine restarts on the same endpoint (a new process, a new connection). The source
 /// reconnects; the batch numbers starting again say the engine restarted, so everything it
 /// reported before is dropped (its G1 blocks and its node's CPU block alike) and the new

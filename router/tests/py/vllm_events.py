@@ -8,8 +8,10 @@ kvcached code.
 
   publish [replay [topic] [rport N]] [port N] [heartbeat]
             binds a PUB socket (on port N if given; with "heartbeat", libzmq's ZMTP PING commands
-            every 100 ms), prints its port, sends heartbeats until told on stdin to send the
-            scenario's batches ("stored", "removed", "cleared"), exits on "quit". With "replay" it
+            every 100 ms), prints its port, and once a subscriber is there (an XPUB socket, which
+            sends like vLLM's PUB but sees subscriptions, so that tests know which batches a router
+            heard) sends an empty batch every 50 ms until told on stdin to send the scenario's
+            batches ("stored", "removed", "cleared"), exits on "quit". With "replay" it
             also binds a ROUTER replay socket as vLLM's ZmqEventPublisher does (`replay_endpoint`:
             a request `[b"", start_seq]` is answered with `[b"", seq, payload]` for every buffered
             batch from start_seq on, then `[b"", END_SEQ, b""]`; with "topic", the later vLLM form
@@ -112,7 +114,8 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 def publish(replay=False, topic_frame=False, port=None, heartbeat=False, replay_port=None):
     ctx = zmq.Context()
-    sock = ctx.socket(zmq.PUB)
+    sock = ctx.socket(zmq.XPUB)
+    sock.setsockopt(zmq.XPUB_VERBOSE, 1)
     if heartbeat:
         # libzmq then sends ZMTP PING commands between messages.
         sock.setsockopt(zmq.HEARTBEAT_IVL, 100)
@@ -154,12 +157,17 @@ def publish(replay=False, topic_frame=False, port=None, heartbeat=False, replay_
                     router.send_multipart([client, b""] + topic + [s.to_bytes(8, "big"), payload])
             router.send_multipart([client, b""] + topic + [END_SEQ, b""])
 
+    subscribed = False
     while True:
         if router is not None:
             serve_replay()
+        while sock.poll(0):
+            if sock.recv()[:1] == b"\x01":
+                subscribed = True
         ready, _, _ = select.select([sys.stdin], [], [], 0.05)
         if not ready:
-            send(KVEventBatch(ts=time.time(), events=[]))
+            if subscribed:
+                send(KVEventBatch(ts=time.time(), events=[]))
             continue
         cmd = sys.stdin.readline().strip()
         if cmd in ("", "quit"):
