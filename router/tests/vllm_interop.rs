@@ -184,23 +184,34 @@ async fn a_vllm_gap_is_filled_from_the_engines_replay_socket() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_router_that_subscribes_late_replays_what_the_engine_still_buffers() {
     let tokens: Vec<u32> = (1000..1012).collect();
-    // (publisher arguments, commands before the router subscribes, replay socket used, gap left)
-    let cases: [(&[&str], &[&str], bool, Option<&str>); 3] = [
-        (&["publish", "replay"], &["lost"], true, None),
-        (
-            &["publish", "replay"],
-            &["unbuffered", "lost"],
-            true,
-            Some("missed vLLM batches 0..0, sent before this router subscribed (the engine no longer buffers them)"),
-        ),
-        (
-            &["publish"],
-            &["lost"],
-            false,
-            Some("missed vLLM batches 0..0, sent before this router subscribed (no replay_endpoint"),
-        ),
+    struct Case {
+        /// Publisher arguments.
+        args: &'static [&'static str],
+        /// Commands before the router subscribes.
+        before: &'static [&'static str],
+        /// Whether the source names the replay socket.
+        replay: bool,
+        /// The gap left reported, if any.
+        gap: Option<&'static str>,
+    }
+    let cases = [
+        Case { args: &["publish", "replay"], before: &["lost"], replay: true, gap: None },
+        Case {
+            args: &["publish", "replay"],
+            before: &["unbuffered", "lost"],
+            replay: true,
+            gap: Some(
+                "missed vLLM batches 0..0, sent before this router subscribed (the engine no longer buffers them)",
+            ),
+        },
+        Case {
+            args: &["publish"],
+            before: &["lost"],
+            replay: false,
+            gap: Some("missed vLLM batches 0..0, sent before this router subscribed (no replay_endpoint"),
+        },
     ];
-    for (args, before, replay, gap) in cases {
+    for Case { args, before, replay, gap } in cases {
         let mut py = Py::spawn(args);
         let ports: Vec<u16> = py.line(20).await.split_whitespace().map(|p| p.parse().unwrap()).collect();
         for cmd in before {
