@@ -48,15 +48,29 @@ async fn start(dir: &Path) -> InProcess {
     start_with(config(dir)).await
 }
 
-/// `serve()` in this process with configuration `c`.
-async fn start_with(c: Config) -> InProcess {
-    let socket = c.socket.clone();
+/// `serve()` in this process, also listening on a loopback TCP port (for the raw generated
+/// client, which can send what the client crate never would); returns that port's address.
+async fn start_tcp(dir: &Path) -> (InProcess, std::net::SocketAddr) {
+    let mut c = config(dir);
+    c.tcp = Some("127.0.0.1:0".parse().unwrap());
     let l = Listeners::bind(&c).await.unwrap();
+    let addr = l.tcp.as_ref().unwrap().local_addr().unwrap();
+    (serve_on(c, l), addr)
+}
+
+fn serve_on(c: Config, l: Listeners) -> InProcess {
+    let socket = c.socket.clone();
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     let task = tokio::spawn(kvcached::serve(c, l, async move {
         let _ = rx.await;
     }));
     InProcess { socket, stop: Some(tx), task }
+}
+
+/// `serve()` in this process with configuration `c`.
+async fn start_with(c: Config) -> InProcess {
+    let l = Listeners::bind(&c).await.unwrap();
+    serve_on(c, l)
 }
 
 impl InProcess {
@@ -300,16 +314,7 @@ async fn long_prompts_match_exactly_their_cached_prefix() {
 async fn token_bytes_that_are_not_whole_tokens_are_rejected() {
     use kvproto::pb;
     let d = tempfile::tempdir().unwrap();
-    let mut c = config(d.path());
-    c.tcp = Some("127.0.0.1:0".parse().unwrap());
-    let l = Listeners::bind(&c).await.unwrap();
-    let addr = l.tcp.as_ref().unwrap().local_addr().unwrap();
-    let socket = c.socket.clone();
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    let task = tokio::spawn(kvcached::serve(c, l, async move {
-        let _ = rx.await;
-    }));
-    let daemon = InProcess { socket, stop: Some(tx), task };
+    let (daemon, addr) = start_tcp(d.path()).await;
 
     let mut mem = kv(d.path(), "a", 8);
     fill(&mut mem, 9, 2, 0);
@@ -391,18 +396,7 @@ async fn long_prompts_travel_through_the_token_area() {
     use kvclient::token_area::TokenArea;
     use kvproto::pb;
     let d = tempfile::tempdir().unwrap();
-    let mut c = config(d.path());
-    c.tcp = Some("127.0.0.1:0".parse().unwrap());
-    let l = Listeners::bind(&c).await.unwrap();
-    let addr = l.tcp.as_ref().unwrap().local_addr().unwrap();
-    let daemon = {
-        let socket = c.socket.clone();
-        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-        let task = tokio::spawn(kvcached::serve(c, l, async move {
-            let _ = rx.await;
-        }));
-        InProcess { socket, stop: Some(tx), task }
-    };
+    let (daemon, addr) = start_tcp(d.path()).await;
     let mut mem = kv(d.path(), "a", 8);
     fill(&mut mem, 4, 8, 0);
     let staged = Client::connect(&daemon.socket).await.unwrap();
