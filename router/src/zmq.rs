@@ -45,11 +45,23 @@ pub struct VllmIngest {
     pub invalid: u64,
     /// Last block size seen that differs from the namespace's.
     pub block_size_mismatch: Option<u32>,
+    /// Why the batches before the first one heard could not be replayed (set by a replay that
+    /// applied none of them; reported with the first batch applied).
+    startup_replay_failed: Option<String>,
 }
 
 impl VllmIngest {
     pub fn new(ns: ResolvedNamespace, worker: WorkerId, node: NodeId) -> Self {
-        Self { ns, worker, node, map: HashMap::new(), orphans: 0, invalid: 0, block_size_mismatch: None }
+        Self {
+            ns,
+            worker,
+            node,
+            map: HashMap::new(),
+            orphans: 0,
+            invalid: 0,
+            block_size_mismatch: None,
+            startup_replay_failed: None,
+        }
     }
 
     fn holder(&self, tier: TierKind) -> Holder {
@@ -266,6 +278,9 @@ async fn replay_gap(
         }
         Err(e) => (false, Some(e.to_string())),
     };
+    if late_start_ok && first.is_none() {
+        ingest.startup_replay_failed = why.clone();
+    }
     router.with_state(|st| match &why {
         None => {
             bump(&mut st.counters.gaps, name.clone());
@@ -361,9 +376,10 @@ pub fn apply_batch(
             // What the engine reported before this router subscribed (a router started after
             // the engine, or restarted) is unknown: its cached blocks are not in the index.
             None if seq > 0 => {
-                let why = match src.replay_endpoint {
-                    Some(_) => "the engine no longer buffers them",
-                    None => "no replay_endpoint for this source",
+                let why = match (&src.replay_endpoint, ingest.startup_replay_failed.take()) {
+                    (None, _) => "no replay_endpoint for this source".to_string(),
+                    (Some(_), Some(failed)) => format!("replay failed: {failed}"),
+                    (Some(_), None) => "the engine no longer buffers them".to_string(),
                 };
                 unrecovered_gap(
                     st,

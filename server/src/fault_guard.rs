@@ -19,6 +19,10 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 pub const MAX_WATCHED: usize = 1024;
 
 struct Watched {
+    /// Even while the entry is stable, odd while it is being written (a sequence lock: the
+    /// handler, which may run in the middle of an update, uses an entry only if it read the
+    /// same even generation before and after reading the range).
+    generation: AtomicUsize,
     /// `[start, end)`; `end == 0`: a free entry.
     start: AtomicUsize,
     end: AtomicUsize,
@@ -26,13 +30,20 @@ struct Watched {
 }
 
 #[allow(clippy::declare_interior_mutable_const)]
-const FREE: Watched = Watched { start: AtomicUsize::new(0), end: AtomicUsize::new(0), faulted: AtomicBool::new(false) };
+const FREE: Watched = Watched {
+    generation: AtomicUsize::new(0),
+    start: AtomicUsize::new(0),
+    end: AtomicUsize::new(0),
+    faulted: AtomicBool::new(false),
+};
 static WATCHED: [Watched; MAX_WATCHED] = [FREE; MAX_WATCHED];
-/// Serialises the claiming of entries (the handler only reads).
+/// Serialises the writers of entries (the handler only reads).
 static CLAIM: parking_lot::Mutex<()> = parking_lot::Mutex::new(());
 
 static INSTALL: Once = Once::new();
 static INSTALLED: AtomicBool = AtomicBool::new(false);
+/// The page size, read before the handler is installed (sysconf is not async-signal-safe).
+static PAGE: AtomicUsize = AtomicUsize::new(4096);
 /// The disposition before ours, put back for a SIGBUS that is not ours.
 static mut PREVIOUS: std::mem::MaybeUninit<libc::sigaction> = std::mem::MaybeUninit::uninit();
 
@@ -42,50 +53,95 @@ fn page_size() -> usize {
     if p > 0 { p as usize } else { 4096 }
 }
 
+impl Watched {
+    /// The range, if the entry is in use and was not being written while it was read.
+    fn range(&self) -> Option<(usize, usize)> {
+        let g = self.generation.load(Ordering::Acquire);
+        let (start, end) = (self.start.load(Ordering::Acquire), self.end.load(Ordering::Acquire));
+        std::sync::atomic::fence(Ordering::Acquire);
+        (g.is_multiple_of(2) && self.generation.load(Ordering::Relaxed) == g && end != 0).then_some((start, end))
+    }
+
+    fn write(&self, start: usize, end: usize) {
+        self.generation.fetch_add(1, Ordering::AcqRel);
+        self.start.store(start, Ordering::Release);
+        self.end.store(end, Ordering::Release);
+        self.generation.fetch_add(1, Ordering::AcqRel);
+    }
+}
+
+/// Maps anonymous pages over `[from, end)`; false if the kernel refused.
+fn replace(from: usize, end: usize) -> bool {
+    // SAFETY: the caller passes a range inside a live engine mapping (see `on_sigbus`); the
+    // mapping's readers and writers expect it to turn into anonymous pages after a fault.
+    // mmap is a plain system call, safe to make from a signal handler.
+    let p = unsafe {
+        libc::mmap(
+            from as *mut libc::c_void,
+            end - from,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_FIXED | libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+            0,
+        )
+    };
+    p != libc::MAP_FAILED
+}
+
 extern "C" fn on_sigbus(_sig: libc::c_int, info: *mut libc::siginfo_t, _ctx: *mut libc::c_void) {
     // SAFETY: the kernel passes a valid siginfo for an SA_SIGINFO handler.
-    let addr = unsafe { (*info).si_addr() } as usize;
-    for w in &WATCHED {
-        let (start, end) = (w.start.load(Ordering::Acquire), w.end.load(Ordering::Acquire));
-        if end == 0 || addr < start || addr >= end {
-            continue;
-        }
-        let from = addr & !(page_size() - 1);
-        // SAFETY: `[from, end)` lies inside a mapping this process made and still holds (an
-        // entry is freed before its mapping is unmapped); replacing it with anonymous pages is
-        // what the engine memory's readers and writers expect after a fault (see the module
-        // documentation). mmap is a plain system call, safe to make from a signal handler.
-        let p = unsafe {
-            libc::mmap(
-                from as *mut libc::c_void,
-                end - from,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_FIXED | libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        if p != libc::MAP_FAILED {
-            w.faulted.store(true, Ordering::Release);
-            return;
+    let (code, addr) = unsafe { ((*info).si_code, (*info).si_addr() as usize) };
+    // Only a fault the kernel raised has an address; a SIGBUS sent with kill() gets the
+    // default action, as it would without this handler.
+    if code > 0 {
+        for w in &WATCHED {
+            let Some((start, end)) = w.range() else { continue };
+            if addr < start || addr >= end {
+                continue;
+            }
+            // Marked before the pages are replaced: a copy on another thread that reads the
+            // new zero pages without faulting must see the mark when it checks after copying.
+            w.faulted.store(true, Ordering::SeqCst);
+            // The engine's pages are 4 KiB, or huge pages (a huge mapping cannot be split).
+            for align in [PAGE.load(Ordering::Relaxed), 2 << 20, 1 << 30] {
+                let from = (addr & !(align - 1)).max(start);
+                if replace(from, end) {
+                    return;
+                }
+            }
         }
     }
-    // Not ours (or the remap failed): the previous disposition handles the repeated fault.
-    // SAFETY: PREVIOUS was written before this handler was installed.
-    unsafe { libc::sigaction(libc::SIGBUS, std::ptr::addr_of!(PREVIOUS).cast(), std::ptr::null_mut()) };
+    // Not ours (or the replacement failed): the previous disposition handles the fault, which
+    // repeats when this returns; a sent signal is raised again with the default action.
+    // SAFETY: PREVIOUS was written before this handler was installed; sigaction and raise are
+    // async-signal-safe.
+    unsafe {
+        if code > 0 {
+            libc::sigaction(libc::SIGBUS, std::ptr::addr_of!(PREVIOUS).cast(), std::ptr::null_mut());
+        } else {
+            let mut dfl: libc::sigaction = std::mem::zeroed();
+            dfl.sa_sigaction = libc::SIG_DFL;
+            libc::sigaction(libc::SIGBUS, &dfl, std::ptr::null_mut());
+            libc::raise(libc::SIGBUS);
+        }
+    }
 }
 
 fn install() -> bool {
     INSTALL.call_once(|| {
-        // SAFETY: sigaction with a zeroed, then filled, struct; PREVIOUS is written once, here,
-        // before the handler that reads it can run.
+        PAGE.store(page_size(), Ordering::Relaxed);
+        // SAFETY: sigaction with a zeroed, then filled, struct. PREVIOUS is read out before
+        // the handler that uses it is installed.
         unsafe {
+            let previous = std::ptr::addr_of_mut!(PREVIOUS).cast::<libc::sigaction>();
+            if libc::sigaction(libc::SIGBUS, std::ptr::null(), previous) != 0 {
+                return;
+            }
             let mut sa: libc::sigaction = std::mem::zeroed();
             sa.sa_sigaction = on_sigbus as *const () as usize;
             sa.sa_flags = libc::SA_SIGINFO | libc::SA_ONSTACK;
             libc::sigemptyset(&mut sa.sa_mask);
-            let previous = std::ptr::addr_of_mut!(PREVIOUS).cast::<libc::sigaction>();
-            if libc::sigaction(libc::SIGBUS, &sa, previous) == 0 {
+            if libc::sigaction(libc::SIGBUS, &sa, std::ptr::null_mut()) == 0 {
                 INSTALLED.store(true, Ordering::Release);
             }
         }
@@ -113,23 +169,23 @@ impl FaultGuard {
             .ok_or_else(|| format!("more than {MAX_WATCHED} engine memory mappings"))?;
         let w = &WATCHED[index];
         w.faulted.store(false, Ordering::Release);
-        w.start.store(start, Ordering::Release);
-        w.end.store(start.saturating_add(len), Ordering::Release);
+        w.write(start, start.saturating_add(len).max(1));
         Ok(Self { index })
     }
 
     /// Whether an access to the range has faulted (sticky: the range is anonymous memory now).
+    /// Call it after a copy to know whether the copy saw the file: the fence keeps the check
+    /// from being ordered before the copy's own accesses.
     pub fn faulted(&self) -> bool {
-        WATCHED[self.index].faulted.load(Ordering::Acquire)
+        std::sync::atomic::fence(Ordering::SeqCst);
+        WATCHED[self.index].faulted.load(Ordering::SeqCst)
     }
 }
 
 impl Drop for FaultGuard {
     fn drop(&mut self) {
         let _claim = CLAIM.lock();
-        let w = &WATCHED[self.index];
-        w.end.store(0, Ordering::Release);
-        w.start.store(0, Ordering::Release);
+        WATCHED[self.index].write(0, 0);
     }
 }
 
