@@ -3,8 +3,9 @@
 //!
 //! `cargo bench -p kvbench --bench tiers` (set `KVBENCH_DIR` to put the G3 files on a
 //! particular disk, the default being the system temp dir; `KVBENCH_G3_BACKEND=psync` or
-//! `io_uring` to force a G3 I/O backend, `KVBENCH_G3_INLINE_READ_MAX=0` to send every read to the
-//! I/O threads, `KVBENCH_G3_IO_THREADS=0` to run G3 I/O on the
+//! `io_uring` to force a G3 I/O backend, `KVBENCH_G3_INLINE_READ_MAX=0` /
+//! `KVBENCH_G3_INLINE_WRITE_MAX=0` to send every read / write batch to the I/O threads (by
+//! default batches of up to 32 MiB run on the caller), `KVBENCH_G3_IO_THREADS=0` to run G3 I/O on the
 //! calling thread, `KVBENCH_G3_QUEUE_DEPTH=N` for the io_uring ops in flight per thread).
 //!
 //! Two memcpy baselines for G2: `memcpy` copies into one destination that stays in cache (the
@@ -126,6 +127,9 @@ fn g3(c: &mut Criterion) {
     }
     if let Some(n) = std::env::var("KVBENCH_G3_INLINE_READ_MAX").ok().and_then(|v| v.parse().ok()) {
         cfg.inline_read_max = n;
+    }
+    if let Some(n) = std::env::var("KVBENCH_G3_INLINE_WRITE_MAX").ok().and_then(|v| v.parse().ok()) {
+        cfg.inline_write_max = n;
     }
     cfg.fsync = false; // the raw baseline does not fsync either
     let tier = DiskTier::open(&cfg).unwrap();

@@ -89,8 +89,10 @@ pub struct G3Config {
     /// "auto", "io_uring" or "psync".
     pub io_backend: String,
     pub io_threads: usize,
-    /// With I/O threads, G3 reads of at most this many bytes run on the calling thread.
+    /// With I/O threads, G3 read (write) batches of at most this many bytes run on the calling
+    /// thread.
     pub inline_read_max: usize,
+    pub inline_write_max: usize,
     pub fsync: bool,
     pub writethrough_queue: usize,
     pub writethrough_batch: usize,
@@ -178,7 +180,8 @@ impl Default for G3Config {
             page_size: 64 * 1024,
             io_backend: "auto".into(),
             io_threads: 2,
-            inline_read_max: 512 << 10,
+            inline_read_max: kvtiers::disk::io::INLINE_MAX,
+            inline_write_max: kvtiers::disk::io::INLINE_MAX,
             fsync: true,
             writethrough_queue: 4096,
             writethrough_batch: 32,
@@ -380,6 +383,7 @@ impl Config {
             c.page_size = self.g3.page_size;
             c.io_threads = self.g3.io_threads;
             c.inline_read_max = self.g3.inline_read_max;
+            c.inline_write_max = self.g3.inline_write_max;
             c.fsync = self.g3.fsync;
             c.high_watermark = self.g3.high_watermark;
             c.low_watermark = self.g3.low_watermark;

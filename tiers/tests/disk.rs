@@ -251,10 +251,10 @@ impl IoEngine for FailSecondOp {
 }
 
 /// One block of a batch failing its I/O fails only that block, written or read, with the
-/// I/O on dedicated threads, on the caller's, and with threads except for small reads.
+/// I/O on dedicated threads, on the caller's, and with threads except for small batches.
 #[test]
 fn a_failed_op_fails_only_its_block() {
-    for (io_threads, inline_read_max) in [(2, 0), (0, 0), (2, kvtiers::disk::io::INLINE_READ_MAX)] {
+    for (io_threads, inline_max) in [(2, 0), (0, 0), (2, kvtiers::disk::io::INLINE_MAX)] {
         let d = tempfile::tempdir().unwrap();
         let armed = Arc::new(std::sync::Mutex::new(None));
         let a2 = Arc::clone(&armed);
@@ -264,7 +264,8 @@ fn a_failed_op_fails_only_its_block() {
         });
         let mut cfg = disk_cfg(d.path(), 8 << 20);
         cfg.io_threads = io_threads;
-        cfg.inline_read_max = inline_read_max;
+        cfg.inline_read_max = inline_max;
+        cfg.inline_write_max = inline_max;
         let t = DiskTier::open_with_engine(&cfg, factory).unwrap();
         // Under 128 KiB and unaligned: one op per block either way. (The data must not start on
         // a 4 KiB boundary, which a plain Vec sometimes does: the aligned part of a block is
@@ -301,11 +302,12 @@ fn a_failed_op_fails_only_its_block() {
     }
 }
 
-/// A small read runs on the calling thread with an engine made for it; where none can be made
-/// (the factory fails, e.g. no memory for another io_uring ring) the read goes to the I/O
-/// threads and still succeeds.
+/// A small batch runs on the calling thread with an engine made for it; where none can be made
+/// (the factory fails, e.g. no memory for another io_uring ring) the batch goes to the I/O
+/// threads and still succeeds (the write tries first, and its failure turns running on the
+/// caller off for the read too).
 #[test]
-fn a_small_read_goes_to_the_threads_when_no_engine_can_be_made_for_the_caller() {
+fn a_small_batch_goes_to_the_threads_when_no_engine_can_be_made_for_the_caller() {
     let d = tempfile::tempdir().unwrap();
     let made = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let m = Arc::clone(&made);
@@ -325,7 +327,7 @@ fn a_small_read_goes_to_the_threads_when_no_engine_can_be_made_for_the_caller() 
     let mut out = BlockBuf::new();
     assert!(t.get(&k, &mut out).unwrap().is_some());
     assert_eq!(&out[..], &data[..]);
-    assert!(made.load(std::sync::atomic::Ordering::SeqCst) > 2, "the read tried to run on the caller first");
+    assert!(made.load(std::sync::atomic::Ordering::SeqCst) > 2, "the write tried to run on the caller first");
 }
 
 #[derive(Default)]

@@ -142,16 +142,17 @@ fn next_batch(rx: &Receiver<Batch>) -> Option<Batch> {
     }
 }
 
-/// Default of `inline_read_max` ([`IoThreads::start`]): reads of at most this many bytes in all
-/// run on the calling thread even when there are I/O threads. A single small block's read is
-/// latency-bound, and the two thread wake-ups of the hop were a quarter of a 256 KiB read here
-/// (327-375 -> 279-291 us; docs/benchmarks.md). Larger reads keep the threads, whose pieces in
-/// flight overlap their checksums.
-pub const INLINE_READ_MAX: usize = 512 << 10;
+/// Default of `inline_read_max` and `inline_write_max` ([`IoThreads::start`]): batches of reads
+/// (or of writes) of at most this many bytes in all run on the calling thread even when there
+/// are I/O threads. The caller waits for its batch either way, and the two thread wake-ups of
+/// the hop cost tens of microseconds each on a virtual machine: a quarter of a 256 KiB read and
+/// a third of a 256 KiB write here (docs/benchmarks.md). An engine run on the caller reports
+/// each completion to it as the threads' do, so checksums still overlap the I/O.
+pub const INLINE_MAX: usize = 32 << 20;
 
-/// Calling threads running reads inline at once, at most, when there are I/O threads (each
-/// holds an engine; beyond this, reads take the threads).
-const INLINE_READERS_MAX: usize = 4;
+/// Calling threads running batches inline at once, at most, when there are I/O threads (each
+/// holds an engine; beyond this, batches take the threads).
+const INLINE_CALLERS_MAX: usize = 4;
 
 /// The pool of named I/O threads, or (with zero threads) engines lent to calling threads.
 pub struct IoThreads {
@@ -161,12 +162,13 @@ pub struct IoThreads {
     /// Engines lent to calling threads, created on demand: every batch in inline mode, small
     /// reads with threads.
     idle: parking_lot::Mutex<Vec<Box<dyn IoEngine>>>,
-    /// Inline slots taken now, with threads (bounded by [`INLINE_READERS_MAX`]).
+    /// Inline slots taken now, with threads (bounded by [`INLINE_CALLERS_MAX`]).
     lent: std::sync::atomic::AtomicUsize,
     /// Set once no engine of the threads' backend could be made for a caller.
     inline_off: std::sync::atomic::AtomicBool,
-    /// With threads, reads of at most this many bytes run on the caller (0: none).
+    /// With threads, read (write) batches of at most this many bytes run on the caller (0: none).
     inline_read_max: usize,
+    inline_write_max: usize,
     factory: EngineFactory,
 }
 
@@ -184,9 +186,15 @@ impl IoThreads {
     /// price of blocking the caller, which the store's callers (write-through thread, blocking
     /// load tasks) do anyway.
     ///
-    /// With threads, reads of at most `inline_read_max` bytes in all still run on the caller
-    /// ([`INLINE_READ_MAX`] is the default; 0 sends every batch to the threads).
-    pub fn start(n: usize, queue: usize, inline_read_max: usize, factory: &EngineFactory) -> io::Result<Self> {
+    /// With threads, batches of reads of at most `inline_read_max` bytes in all, and of writes
+    /// of at most `inline_write_max`, still run on the caller ([`INLINE_MAX`] is the default; 0
+    /// sends every such batch to the threads).
+    pub fn start(
+        n: usize,
+        queue: usize,
+        (inline_read_max, inline_write_max): (usize, usize),
+        factory: &EngineFactory,
+    ) -> io::Result<Self> {
         if n == 0 {
             let engine = factory()?;
             let backend = engine.name();
@@ -199,6 +207,7 @@ impl IoThreads {
                 lent: std::sync::atomic::AtomicUsize::new(0),
                 inline_off: std::sync::atomic::AtomicBool::new(false),
                 inline_read_max,
+                inline_write_max,
                 factory: std::sync::Arc::clone(factory),
             });
         }
@@ -227,6 +236,7 @@ impl IoThreads {
             lent: std::sync::atomic::AtomicUsize::new(0),
             inline_off: std::sync::atomic::AtomicBool::new(false),
             inline_read_max,
+            inline_write_max,
             factory: std::sync::Arc::clone(factory),
         })
     }
@@ -258,20 +268,20 @@ impl IoThreads {
         r
     }
 
-    /// Takes one of the [`INLINE_READERS_MAX`] inline slots (given back when the guard drops);
+    /// Takes one of the [`INLINE_CALLERS_MAX`] inline slots (given back when the guard drops);
     /// `None` when all are taken.
     fn lend(&self) -> Option<LentSlot<'_>> {
         use std::sync::atomic::Ordering;
         self.lent
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| (n < INLINE_READERS_MAX).then_some(n + 1))
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| (n < INLINE_CALLERS_MAX).then_some(n + 1))
             .ok()
             .map(|_| LentSlot(&self.lent))
     }
 
-    /// Small reads stop running on the caller (logged once).
+    /// Small batches stop running on the caller (logged once).
     fn inline_fails(&self, why: &str) {
         if !self.inline_off.swap(true, std::sync::atomic::Ordering::Relaxed) {
-            tracing::info!("small G3 reads go to the I/O threads from now on: {why}");
+            tracing::info!("small G3 batches go to the I/O threads from now on: {why}");
         }
     }
 
@@ -287,12 +297,12 @@ impl IoThreads {
             let engine = self.take_engine()?;
             return self.run_here(engine, fd, &ops, progress);
         }
-        if small_read(&ops, self.inline_read_max)
+        if small_batch(&ops, self.inline_read_max, self.inline_write_max)
             && !self.inline_off.load(std::sync::atomic::Ordering::Relaxed)
             && let Some(_slot) = self.lend()
         {
             // An engine that cannot be made here (e.g. no memory for another ring), or only of
-            // another backend than the threads', turns small reads on the caller off: they go
+            // another backend than the threads', turns small batches on the caller off: they go
             // to the threads from now on, rather than paying a failing setup each time.
             match self.take_engine() {
                 Ok(engine) if engine.name() == self.backend => return self.run_here(engine, fd, &ops, progress),
@@ -337,8 +347,15 @@ impl Drop for LentSlot<'_> {
 }
 
 /// Reads of at most `max` bytes in all.
-fn small_read(ops: &[IoOp], max: usize) -> bool {
-    ops.iter().all(|op| op.kind == IoKind::Read) && ops.iter().map(|op| op.len).sum::<usize>() <= max
+/// Whether a batch runs on the caller: all reads within `read_max` bytes, or all writes within
+/// `write_max`.
+fn small_batch(ops: &[IoOp], read_max: usize, write_max: usize) -> bool {
+    let bytes: usize = ops.iter().map(|op| op.len).sum();
+    if ops.iter().all(|op| op.kind == IoKind::Read) {
+        bytes <= read_max
+    } else {
+        ops.iter().all(|op| op.kind == IoKind::Write) && bytes <= write_max
+    }
 }
 
 /// Runs `f` (which has ops in flight on buffers it does not own) and aborts the process if it

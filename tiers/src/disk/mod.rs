@@ -49,9 +49,11 @@ pub struct DiskTierConfig {
     /// Allocation unit; a multiple of 4096. Fixed for the life of the directory.
     pub page_size: usize,
     pub io_threads: usize,
-    /// With I/O threads, reads of at most this many bytes in all run on the calling thread
-    /// (no thread hop; [`io::INLINE_READ_MAX`] by default, 0: never).
+    /// With I/O threads, batches of reads of at most this many bytes in all run on the calling
+    /// thread (no thread hop; [`io::INLINE_MAX`] by default, 0: never).
     pub inline_read_max: usize,
+    /// The same for batches of writes.
+    pub inline_write_max: usize,
     /// io_uring entries per thread.
     pub queue_depth: u32,
     pub backend: IoBackend,
@@ -71,7 +73,8 @@ impl DiskTierConfig {
             capacity_bytes,
             page_size: 64 * 1024,
             io_threads: 2,
-            inline_read_max: io::INLINE_READ_MAX,
+            inline_read_max: io::INLINE_MAX,
+            inline_write_max: io::INLINE_MAX,
             queue_depth: 64,
             backend: IoBackend::Auto,
             direct_io: true,
@@ -167,8 +170,9 @@ impl DiskTier {
         let len = total as u64 * cfg.page_size as u64;
         let file = open_data_file(cfg, len)?;
         let index = DiskIndex::open(&cfg.dir.join("index"), cfg.page_size)?;
-        let io = IoThreads::start(cfg.io_threads, cfg.io_threads * 4, cfg.inline_read_max, &factory)
-            .map_err(|e| TierError::io(TIER, "start I/O threads", e))?;
+        let io =
+            IoThreads::start(cfg.io_threads, cfg.io_threads * 4, (cfg.inline_read_max, cfg.inline_write_max), &factory)
+                .map_err(|e| TierError::io(TIER, "start I/O threads", e))?;
 
         // Recovery: claim pages of valid entries in recency order.
         let mut bad_raw = Vec::new();
