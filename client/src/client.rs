@@ -145,20 +145,15 @@ impl Client {
 
     /// `tokens` written into the token area, when the daemon opened it and they are worth it.
     fn stage(&self, tokens: &[u32]) -> Option<Staged> {
-        if !self.area_accepted() {
+        if !self.token_area_active() {
             return None;
         }
         self.inner.token_area.lock().clone()?.stage(tokens)
     }
 
     /// Whether long prompts' tokens go through the shared-memory token area (the daemon the
-    /// engine is registered with now mapped it) rather than inline in requests.
+    /// engine is registered with now has it open) rather than inline in requests.
     pub fn token_area_active(&self) -> bool {
-        self.area_accepted()
-    }
-
-    /// Whether the daemon the engine is registered with now has the token area open.
-    fn area_accepted(&self) -> bool {
         self.inner.reg.lock().as_ref().is_some_and(|r| r.area_accepted)
     }
 
@@ -344,7 +339,7 @@ impl Client {
         self.with_retry(|mut rpc, engine_id| {
             // A retry after a daemon restart goes inline if the new daemon did not map the area.
             let (le, tokens_at) = match &staged {
-                Some(s) if self.area_accepted() => (bytes::Bytes::new(), Some(s.span)),
+                Some(s) if self.token_area_active() => (bytes::Bytes::new(), Some(s.span)),
                 _ => (inline.get_or_init(|| kvproto::tokens_to_le(tokens)).clone(), None),
             };
             let req = pb::LookupRequest { engine_id, tokens: le, route_id, g1_blocks, tokens_at };
