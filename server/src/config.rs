@@ -440,6 +440,23 @@ mod tests {
         c.g2.low_watermark = 0.99;
         let e = c.resolve().unwrap_err().to_string();
         assert!(e.contains("g2.low_watermark") && e.contains("0 < low <= high <= 1"), "{e}");
+        for n in [0, crate::fault_guard::MAX_WATCHED + 1] {
+            let mut c = Config::default();
+            c.engines.max_engines = n;
+            let e = c.resolve().unwrap_err().to_string();
+            assert!(e.contains("engines.max_engines") && e.contains("1..=1024"), "{e}");
+        }
+    }
+
+    #[test]
+    fn inline_io_bounds_reach_the_disk_tier() {
+        let mut c = Config::default();
+        c.g3.dir = std::env::temp_dir().join("kvcached-inline-test");
+        c.g3.capacity_bytes = 1 << 30;
+        c.g2.capacity_bytes = 64 << 20;
+        (c.g3.inline_read_max, c.g3.inline_write_max) = (1 << 20, 0);
+        let g3 = c.resolve().unwrap().store_config().g3.unwrap();
+        assert_eq!((g3.inline_read_max, g3.inline_write_max), (1 << 20, 0));
     }
 
     #[test]
