@@ -122,7 +122,9 @@ struct Figures {
     bytes_per_block: f64,
 }
 
-fn ours(seqs: &[Seq], churn: &[Seq], queries: &[usize], distinct: usize) -> (Figures, Vec<u32>) {
+/// Our index built from empty; with `sized`, its namespace reserved for the blocks to come first
+/// (a router configured with `expected_blocks`).
+fn ours(seqs: &[Seq], churn: &[Seq], queries: &[usize], distinct: usize, sized: bool) -> (Figures, Vec<u32>) {
     let ns = NamespaceId([9; 16]);
     let to_keys = |v: &[Seq]| -> Vec<Vec<BlockKey>> {
         v.iter().map(|s| s.seq.iter().map(|h| key_from_u64(*h)).collect()).collect()
@@ -136,12 +138,20 @@ fn ours(seqs: &[Seq], churn: &[Seq], queries: &[usize], distinct: usize) -> (Fig
         drop(ix);
         let before = live();
         ix = BlockIndex::new();
+        if sized {
+            ix.reserve(ns, distinct);
+        }
         let (t0, f0) = (Instant::now(), minflt());
         for (s, k) in seqs.iter().zip(&keys) {
             ix.store(ns, None, k, Slot::new(s.worker as u32 + 1, TierKind::G1Gpu));
         }
         let t = t0.elapsed().as_secs_f64();
-        eprintln!("  ours store rep: {:.1} ms, {} page faults", t * 1e3, minflt() - f0);
+        eprintln!(
+            "  ours{} store rep: {:.1} ms, {} page faults",
+            if sized { " (sized)" } else { "" },
+            t * 1e3,
+            minflt() - f0
+        );
         store = store.min(t);
         bytes = (live() - before) as f64;
     }
@@ -366,8 +376,11 @@ fn main() {
         "{:<28} {:>14} {:>14} {:>12} {:>12} {:>14}",
         "index", "store blk/s", "churn blk/s", "lookup p50us", "lookup p99us", "bytes/block"
     );
-    let (a, sums_a) = ours(seqs, churn, &queries, distinct);
+    let (a, sums_a) = ours(seqs, churn, &queries, distinct, false);
     print("kvrouter BlockIndex", &a);
+    let (sized, sums_sized) = ours(seqs, churn, &queries, distinct, true);
+    print("  ..with expected_blocks", &sized);
+    assert_eq!(sums_a, sums_sized, "a sized index answers as the grown one");
     #[cfg(feature = "bench-dynamo")]
     {
         let (b, sums_b) = dynamo(seqs, churn, &queries, distinct);
@@ -388,6 +401,14 @@ fn main() {
             a.lookup_p50_us / b.lookup_p50_us,
             a.lookup_p99_us / b.lookup_p99_us,
             a.bytes_per_block / b.bytes_per_block
+        );
+        println!(
+            "  with expected_blocks: store {:.2}x, churn {:.2}x, p50 {:.2}, p99 {:.2}, bytes/block {:.2}",
+            sized.store_blocks_per_s / b.store_blocks_per_s,
+            sized.churn_blocks_per_s / b.churn_blocks_per_s,
+            sized.lookup_p50_us / b.lookup_p50_us,
+            sized.lookup_p99_us / b.lookup_p99_us,
+            sized.bytes_per_block / b.bytes_per_block
         );
     }
     #[cfg(not(feature = "bench-dynamo"))]

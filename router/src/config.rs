@@ -224,7 +224,19 @@ pub struct NamespaceSpec {
     /// `kvcached-blake3-v2` (default) or `dynamo-xxh3-1337` (vLLM engines ingested over ZMQ).
     #[serde(default = "default_scheme")]
     pub key_scheme: String,
+    /// Blocks the router's index is sized for at start (0: grow as blocks come): about the
+    /// blocks the cluster's engines and nodes can hold in this namespace. Costs ~30 bytes per
+    /// expected block up front; saves the index's growth while it fills.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub expected_blocks: u64,
 }
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
+}
+
+/// Largest `expected_blocks` (2^31: ~64 GB of key table).
+pub const MAX_EXPECTED_BLOCKS: u64 = 1 << 31;
 
 fn default_layout_kind() -> String {
     "layer_separate".into()
@@ -441,6 +453,13 @@ impl RouterConfig {
                 return Err(RouterError::Config(format!("namespace for model {:?} has no name", ns.model_id)));
             }
             ns.resolve().map_err(|e| RouterError::Config(e.to_string()))?;
+            if ns.expected_blocks > MAX_EXPECTED_BLOCKS {
+                return Err(RouterError::Config(format!(
+                    "namespaces.expected_blocks of {:?}: {} is above {MAX_EXPECTED_BLOCKS}",
+                    ns.name.as_deref().unwrap_or(""),
+                    ns.expected_blocks
+                )));
+            }
         }
         for s in &self.vllm_sources {
             // The `zeromq` crate is built with TCP only (it panics on other transports).
@@ -530,5 +549,23 @@ namespace = "v"
         let other_scheme = SOURCE.replace("key_scheme = \"dynamo-xxh3-1337\"", "");
         let e = RouterConfig::from_toml(&other_scheme).err().map(|e| e.to_string()).unwrap_or_default();
         assert!(e.contains("key_scheme"), "{e}");
+    }
+
+    /// `expected_blocks` sizes the namespace's index at start (its bytes are there before any
+    /// block), and an impossible size is refused with the field's name.
+    #[test]
+    fn expected_blocks_size_the_index_at_start() {
+        let with =
+            |n: u64| SOURCE.replace("tokens_per_block = 16", &format!("tokens_per_block = 16\nexpected_blocks = {n}"));
+        let c = RouterConfig::from_toml(&with(100_000)).map_err(|e| e.to_string());
+        assert_eq!(c.as_ref().map(|c| c.namespaces[0].expected_blocks), Ok(100_000));
+        let Ok(c) = c else { return };
+        let router = crate::router::Router::new(c).map_err(|e| e.to_string());
+        let stats = router.as_ref().map(|r| r.index_stats());
+        assert!(stats.as_ref().is_ok_and(|s| s.blocks == 0 && s.approx_bytes >= 100_000 * 12), "{stats:?}");
+        let e =
+            RouterConfig::from_toml(&with(MAX_EXPECTED_BLOCKS + 1)).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("expected_blocks"), "{e}");
+        assert!(RouterConfig::from_toml(SOURCE).is_ok_and(|c| c.namespaces[0].expected_blocks == 0));
     }
 }

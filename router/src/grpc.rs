@@ -70,6 +70,7 @@ pub fn from_proto(req: pb::RouteRequest) -> RouteRequest {
             adapter_id: s.adapter_id,
             extra_hex: s.extra_hex,
             key_scheme: s.key_scheme.unwrap_or_else(|| kvproto::events::KEY_SCHEME_KVCACHED.into()),
+            expected_blocks: 0,
         })),
     });
     let by_keys = req.namespace_id.is_some() || !req.keys.is_empty();

@@ -225,6 +225,9 @@ struct Space {
     heads: KeyTable,
     runs: Vec<Run>,
     free: Vec<u32>,
+    /// Blocks the key table was sized for up front ([`BlockIndex::reserve`]): it never shrinks
+    /// below that, and the namespace stays even when empty.
+    reserved: usize,
 }
 
 impl Space {
@@ -351,11 +354,17 @@ impl Space {
     /// Gives memory back after large drops: a table (of keys or of run heads) filled to under
     /// an eighth is rehashed to its size (removals alone never shrink a table).
     fn shrink_if_sparse(&mut self) {
-        for t in [&mut self.table, &mut self.heads] {
-            if t.len() * 8 < t.slots() && t.slots() > 1024 {
-                t.rehash(t.len());
+        for (t, floor) in [(&mut self.table, self.reserved), (&mut self.heads, 0)] {
+            let keep = t.len().max(floor);
+            if keep * 8 < t.slots() && t.slots() > 1024 {
+                t.rehash(keep);
             }
         }
+    }
+
+    /// Whether the namespace can be dropped: nothing in it, nothing reserved.
+    fn is_unused(&self) -> bool {
+        self.table.is_empty() && self.reserved == 0
     }
 
     fn bytes(&self) -> usize {
@@ -391,6 +400,16 @@ impl BlockIndex {
         }
         self.per_holder[h] = self.per_holder[h].saturating_add_signed(delta);
         self.facts = self.facts.saturating_add_signed(delta);
+    }
+
+    /// Sizes namespace `ns`'s key table for `blocks` blocks up front (a router configured with
+    /// the cluster's expected index size, `[[namespaces]] expected_blocks`): building the index
+    /// then never grows the table, whose rehashes and fresh pages were half the time of a build
+    /// from empty (docs/router.md, section 10). The table never shrinks below it.
+    pub fn reserve(&mut self, ns: NamespaceId, blocks: usize) {
+        let sp = self.spaces.entry(ns).or_default();
+        sp.reserved = sp.reserved.max(blocks);
+        sp.table.reserve(blocks.saturating_sub(sp.table.len()));
     }
 
     /// Records that `slot` holds every key of `keys` (a chain: each key's parent is the one
@@ -505,7 +524,7 @@ impl BlockIndex {
                 }
                 i += m;
             }
-            if sp.table.is_empty() {
+            if sp.is_unused() {
                 self.spaces.remove(&ns);
             } else {
                 sp.shrink_if_sparse();
@@ -542,7 +561,7 @@ impl BlockIndex {
                 sp.shrink_if_sparse();
             }
         }
-        self.spaces.retain(|_, sp| !sp.table.is_empty());
+        self.spaces.retain(|_, sp| !sp.is_unused());
         let mut total = 0;
         for (h, n) in removed_per {
             self.count(h, -n);
@@ -735,6 +754,39 @@ mod tests {
         assert_eq!((ix.blocks(), ix.facts()), (2, 2));
         ix.remove(None, &[k(1), k(3)], a);
         assert_eq!((ix.blocks(), ix.facts(), ix.approx_bytes()), (0, 0, 0));
+    }
+
+    /// A namespace sized up front keeps its key table through a fill and a drain: no growth
+    /// while it fills to the expected size, no shrink when it empties.
+    #[test]
+    fn a_reserved_namespace_never_grows_to_its_size_nor_shrinks_below_it() {
+        let ns = NamespaceId([3; 16]);
+        let mut ix = BlockIndex::new();
+        ix.reserve(ns, 10_000);
+        let slots = ix.spaces[&ns].table.slots();
+        assert!(slots >= 12_500, "{slots}");
+        let a = Slot::new(1, TierKind::G1Gpu);
+        let chains: Vec<Vec<BlockKey>> =
+            (0..100u64).map(|c| (0..100).map(|i| kvproto::events::key_from_u64(c * 1000 + i)).collect()).collect();
+        for chain in &chains {
+            ix.store(ns, None, chain, a);
+        }
+        assert_eq!((ix.blocks(), ix.spaces[&ns].table.slots()), (10_000, slots));
+        for chain in &chains {
+            ix.remove(Some(ns), chain, a);
+        }
+        assert_eq!((ix.blocks(), ix.facts()), (0, 0));
+        assert_eq!(ix.spaces[&ns].table.slots(), slots, "kept through the drain");
+        // An unreserved namespace grows and, emptied, goes.
+        let other = NamespaceId([4; 16]);
+        for chain in &chains {
+            ix.store(other, None, chain, a);
+        }
+        assert!(ix.spaces[&other].table.slots() >= 12_500);
+        for chain in &chains {
+            ix.remove(Some(other), chain, a);
+        }
+        assert!(!ix.spaces.contains_key(&other));
     }
 
     #[test]

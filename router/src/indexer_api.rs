@@ -247,6 +247,7 @@ pub fn indexer_namespace(
         adapter_id: lora.map(str::to_string),
         extra_hex: Some(hex::encode(INDEXER_EXTRA)),
         key_scheme: KEY_SCHEME_DYNAMO_XXH3_1337.into(),
+        expected_blocks: 0,
     }
     .resolve()
 }

@@ -133,8 +133,14 @@ pub struct State {
 
 impl State {
     pub fn new(config: &RouterConfig, rng: StdRng) -> Self {
+        let mut index = BlockIndex::new();
+        for ns in config.namespaces.iter().filter(|ns| ns.expected_blocks > 0) {
+            if let Ok(r) = ns.resolve() {
+                index.reserve(r.id, usize::try_from(ns.expected_blocks).unwrap_or(usize::MAX));
+            }
+        }
         Self {
-            index: BlockIndex::new(),
+            index,
             holders: HolderTable::default(),
             approx: ApproxIndex::new((config.approx_ttl_s * 1000.0) as u64, config.approx_max_blocks),
             workers: BTreeMap::new(),

@@ -44,6 +44,7 @@ fn router_config() -> RouterConfig {
             adapter_id: None,
             extra_hex: None,
             key_scheme: KEY_SCHEME_KVCACHED.into(),
+            expected_blocks: 0,
         }],
         seed: Some(1),
         ..RouterConfig::default()

@@ -110,6 +110,7 @@ pub fn spec(name: &str, model: &str, tokens_per_block: u32) -> NamespaceSpec {
         adapter_id: None,
         extra_hex: None,
         key_scheme: KEY_SCHEME_KVCACHED.into(),
+        expected_blocks: 0,
     }
 }
 
