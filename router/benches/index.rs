@@ -394,22 +394,16 @@ fn main() {
                 truth.len()
             );
         }
-        println!(
-            "ratios (ours / dynamo): store {:.2}x, churn {:.2}x, p50 {:.2}, p99 {:.2}, bytes/block {:.2}",
-            a.store_blocks_per_s / b.store_blocks_per_s,
-            a.churn_blocks_per_s / b.churn_blocks_per_s,
-            a.lookup_p50_us / b.lookup_p50_us,
-            a.lookup_p99_us / b.lookup_p99_us,
-            a.bytes_per_block / b.bytes_per_block
-        );
-        println!(
-            "  with expected_blocks: store {:.2}x, churn {:.2}x, p50 {:.2}, p99 {:.2}, bytes/block {:.2}",
-            sized.store_blocks_per_s / b.store_blocks_per_s,
-            sized.churn_blocks_per_s / b.churn_blocks_per_s,
-            sized.lookup_p50_us / b.lookup_p50_us,
-            sized.lookup_p99_us / b.lookup_p99_us,
-            sized.bytes_per_block / b.bytes_per_block
-        );
+        for (label, ours) in [("ratios (ours / dynamo)", &a), ("  with expected_blocks", &sized)] {
+            println!(
+                "{label}: store {:.2}x, churn {:.2}x, p50 {:.2}, p99 {:.2}, bytes/block {:.2}",
+                ours.store_blocks_per_s / b.store_blocks_per_s,
+                ours.churn_blocks_per_s / b.churn_blocks_per_s,
+                ours.lookup_p50_us / b.lookup_p50_us,
+                ours.lookup_p99_us / b.lookup_p99_us,
+                ours.bytes_per_block / b.bytes_per_block
+            );
+        }
     }
     #[cfg(not(feature = "bench-dynamo"))]
     {
