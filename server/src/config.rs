@@ -449,17 +449,6 @@ mod tests {
     }
 
     #[test]
-    fn inline_io_bounds_reach_the_disk_tier() {
-        let mut c = Config::default();
-        c.g3.dir = std::env::temp_dir().join("kvcached-inline-test");
-        c.g3.capacity_bytes = 1 << 30;
-        c.g2.capacity_bytes = 64 << 20;
-        (c.g3.inline_read_max, c.g3.inline_write_max) = (1 << 20, 0);
-        let g3 = c.resolve().unwrap().store_config().g3.unwrap();
-        assert_eq!((g3.inline_read_max, g3.inline_write_max), (1 << 20, 0));
-    }
-
-    #[test]
     fn the_export_replay_needs_the_export() {
         let mut c = Config::default();
         c.router.vllm_export_replay = "tcp://127.0.0.1:0".into();
@@ -474,16 +463,18 @@ mod tests {
     }
 
     #[test]
-    fn watermarks_reach_the_tiers() {
+    fn watermarks_and_inline_io_bounds_reach_the_tiers() {
         let mut c = Config::default();
         c.g3.dir = std::env::temp_dir().join("kvcached-watermark-test");
         c.g3.capacity_bytes = 1 << 30;
         c.g2.capacity_bytes = 64 << 20;
         (c.g2.high_watermark, c.g2.low_watermark) = (0.9, 0.8);
         (c.g3.high_watermark, c.g3.low_watermark) = (0.7, 0.6);
+        (c.g3.inline_read_max, c.g3.inline_write_max) = (1 << 20, 0);
         let s = c.resolve().unwrap().store_config();
         assert_eq!((s.g2.high_watermark, s.g2.low_watermark), (0.9, 0.8));
         let g3 = s.g3.unwrap();
         assert_eq!((g3.high_watermark, g3.low_watermark), (0.7, 0.6));
+        assert_eq!((g3.inline_read_max, g3.inline_write_max), (1 << 20, 0));
     }
 }
