@@ -91,6 +91,16 @@ fn fill(mem: &mut KvMemory, seed: u64, blocks: u32, first_slot: u32) {
     }
 }
 
+/// An engine `name` registered in namespace `m` with 8 block slots, the first `blocks` of them
+/// filled with KV of `seed`.
+async fn attached(daemon: &InProcess, dir: &Path, name: &str, seed: u64, blocks: u32) -> (Client, KvMemory) {
+    let mut mem = kv(dir, name, 8);
+    fill(&mut mem, seed, blocks, 0);
+    let c = Client::connect(&daemon.socket).await.unwrap();
+    c.register(name, &ns("m"), &mem).await.unwrap();
+    (c, mem)
+}
+
 fn check(mem: &KvMemory, seed: u64, blocks: u32, first_slot: u32) {
     let len = layout(LayoutKind::LayerSeparate).block_bytes() as usize;
     for b in 0..blocks {
@@ -238,10 +248,7 @@ async fn a_lookup_keeps_its_prefix_in_g2_under_eviction() {
     c.g2.page_size = 16 << 10; // one page per block: the pool holds 256 blocks
     c.g2.capacity_bytes = 4 << 20;
     let daemon = start_with(c).await;
-    let mut mem = kv(d.path(), "a", 8);
-    fill(&mut mem, 3, 8, 0);
-    let e = Client::connect(&daemon.socket).await.unwrap();
-    e.register("a", &ns("m"), &mem).await.unwrap();
+    let (e, _mem) = attached(&daemon, d.path(), "a", 3, 8).await;
     let save_all = |t: Vec<u32>| {
         let e = e.clone();
         async move {
@@ -274,10 +281,7 @@ async fn a_lookup_keeps_its_prefix_in_g2_under_eviction() {
 async fn long_prompts_match_exactly_their_cached_prefix() {
     let d = tempfile::tempdir().unwrap();
     let daemon = start(d.path()).await;
-    let mut mem = kv(d.path(), "a", 8);
-    fill(&mut mem, 4, 8, 0);
-    let c = Client::connect(&daemon.socket).await.unwrap();
-    c.register("a", &ns("m"), &mem).await.unwrap();
+    let (c, _mem) = attached(&daemon, d.path(), "a", 4, 8).await;
     let tokens = prompt(21, 1000);
     for first in (0..600).step_by(8) {
         let r = c.save(&tokens, first, &(0..8).collect::<Vec<_>>()).await.unwrap();
@@ -297,10 +301,7 @@ async fn long_prompts_match_exactly_their_cached_prefix() {
         assert_eq!(matched(t).await, changed as u32, "block {changed} changed");
     }
     // A fresh engine of the same namespace (its own requests, the same memo) agrees.
-    let mut other_mem = kv(d.path(), "b", 8);
-    fill(&mut other_mem, 5, 8, 0);
-    let o = Client::connect(&daemon.socket).await.unwrap();
-    o.register("b", &ns("m"), &other_mem).await.unwrap();
+    let (o, _other_mem) = attached(&daemon, d.path(), "b", 5, 8).await;
     assert_eq!(o.lookup(&tokens).await.unwrap().matched_blocks, 600);
     let got = o.load_now(&tokens, 596, &[0, 1, 2, 3, 4, 5, 6, 7]).await.unwrap();
     assert_eq!(got.loaded_blocks, 4, "a load stops at the first block not cached");
@@ -316,10 +317,7 @@ async fn token_bytes_that_are_not_whole_tokens_are_rejected() {
     let d = tempfile::tempdir().unwrap();
     let (daemon, addr) = start_tcp(d.path()).await;
 
-    let mut mem = kv(d.path(), "a", 8);
-    fill(&mut mem, 9, 2, 0);
-    let engine = Client::connect(&daemon.socket).await.unwrap();
-    engine.register("a", &ns("m"), &mem).await.unwrap();
+    let (engine, _mem) = attached(&daemon, d.path(), "a", 9, 2).await;
     engine.save(&prompt(9, 2), 0, &[0, 1]).await.unwrap();
     let engine_id = engine.engine_id_now().unwrap();
 
@@ -363,14 +361,8 @@ async fn token_bytes_that_are_not_whole_tokens_are_rejected() {
 async fn an_engine_that_truncates_its_memory_fails_alone() {
     let d = tempfile::tempdir().unwrap();
     let daemon = start(d.path()).await;
-    let mut bad_mem = kv(d.path(), "bad", 8);
-    fill(&mut bad_mem, 3, 8, 0);
-    let bad = Client::connect(&daemon.socket).await.unwrap();
-    bad.register("bad", &ns("m"), &bad_mem).await.unwrap();
-    let mut good_mem = kv(d.path(), "good", 8);
-    fill(&mut good_mem, 4, 8, 0);
-    let good = Client::connect(&daemon.socket).await.unwrap();
-    good.register("good", &ns("m"), &good_mem).await.unwrap();
+    let (bad, _bad_mem) = attached(&daemon, d.path(), "bad", 3, 8).await;
+    let (good, good_mem) = attached(&daemon, d.path(), "good", 4, 8).await;
     let (t3, t4) = (prompt(3, 8), prompt(4, 8));
     assert_eq!(bad.save(&t3, 0, &[0, 1]).await.unwrap().stored, 2);
 
@@ -397,10 +389,7 @@ async fn long_prompts_travel_through_the_token_area() {
     use kvproto::pb;
     let d = tempfile::tempdir().unwrap();
     let (daemon, addr) = start_tcp(d.path()).await;
-    let mut mem = kv(d.path(), "a", 8);
-    fill(&mut mem, 4, 8, 0);
-    let staged = Client::connect(&daemon.socket).await.unwrap();
-    staged.register("a", &ns("m"), &mem).await.unwrap();
+    let (staged, mem) = attached(&daemon, d.path(), "a", 4, 8).await;
     assert!(staged.token_area_active());
     let mut inline = Client::connect(&daemon.socket).await.unwrap();
     assert!(inline.set_token_area_bytes(0));
