@@ -14,6 +14,7 @@ use tokio::sync::watch;
 use crate::engine::{Engine, Registry};
 use crate::error::ServerError;
 use crate::key_memo::KeyMemo;
+use crate::prefix_probe::{PrefixProber, Probing};
 use crate::reports::{GpuChange, Reports};
 
 /// How long blocks being loaded stay pinned at most (a crashed load releases them after this).
@@ -44,6 +45,8 @@ pub struct Daemon {
     pub loads: AtomicU64,
     namespace_mismatch: metrics::Counter,
     key_memo: KeyMemo,
+    /// Probes long prompts' keys while lookups derive them (thread `kv-probe`).
+    prober: PrefixProber,
     /// Matched prefixes whose G2 blocks a lookup marks used, for thread `kv-g2-touch`: the
     /// recency update (~0.15 ms for 8192 blocks here) happens after the reply, not before.
     /// Bounded; when it is full (or the thread is gone) the lookup touches them itself.
@@ -90,6 +93,7 @@ impl Daemon {
             })
             .map_err(|e| tracing::warn!("lookups will mark their blocks used inline: {e}"))
             .ok();
+        let prober = PrefixProber::start(Arc::clone(&store));
         let (touch_later, toucher) = match touch_later {
             Some(t) => (Some(tx), Some(t)),
             None => (None, None),
@@ -109,6 +113,7 @@ impl Daemon {
             loads: AtomicU64::new(0),
             namespace_mismatch: metrics::counter!("kvcached_load_mismatch_total"),
             key_memo: KeyMemo::new(key_memo_bytes),
+            prober,
             touch_later,
             toucher,
         }
@@ -190,13 +195,28 @@ impl Daemon {
             kvproto::check_tokens_le(tokens)?;
             let (mut held, mut missed) = (Vec::<u8>::new(), false);
             let tpb = engine.namespace.layout.tokens_per_block as usize;
+            let blocks = tokens.len() / (4 * tpb);
+            // The first chunk is probed here (a prompt not cached at all stops after it); the
+            // chunks after it by `kv-probe` while the chain goes on, where it is free.
+            let mut shared: Option<Probing<'_>> = None;
             let keys = self.key_memo.keys_while(&engine.fingerprint, tpb, tokens, |keys| {
+                if let Some(p) = shared.as_mut() {
+                    return p.publish(keys);
+                }
                 let fresh = &keys[held.len()..];
                 let h = self.store.held_prefix(fresh);
                 missed = h.len() < fresh.len();
                 held.extend(h);
+                if !missed {
+                    shared = self.prober.begin(&self.store, keys.len(), blocks);
+                }
                 !missed
             });
+            if let Some(p) = shared {
+                let h = p.finish(&keys);
+                missed = held.len() + h.len() < keys.len();
+                held.extend(h);
+            }
             // Keys derived (or reused) after the last question: the prompt's tail.
             if !missed && held.len() < keys.len() {
                 let h = self.store.held_prefix(&keys[held.len()..]);

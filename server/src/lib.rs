@@ -7,6 +7,7 @@
 //! - [`service`]: the gRPC edge (tonic), errors mapped to `Status` here only.
 //! - [`daemon`]: request logic: save (gather into G2), lookup, load (scatter from G2/G3).
 //! - [`key_memo`]: key chains of recent prompts, reused by later requests for the same tokens.
+//! - [`prefix_probe`]: thread `kv-probe`, probing a long prompt's keys while they are derived.
 //! - [`engine`]: attached engines, their memory mappings and heartbeat leases.
 //! - [`fault_guard`]: a SIGBUS in an engine's mapping (the engine truncated its file) becomes
 //!   that engine's error instead of the daemon's death.
@@ -26,6 +27,7 @@ pub mod error;
 pub mod fault_guard;
 pub mod http;
 pub mod key_memo;
+pub mod prefix_probe;
 pub mod reports;
 pub mod service;
 pub mod token_area;
