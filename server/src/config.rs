@@ -297,12 +297,12 @@ impl Config {
         if !matches!(self.g3.io_backend.as_str(), "auto" | "io_uring" | "psync") {
             return Err(bad("g3.io_backend", format!("{:?}: use auto, io_uring or psync", self.g3.io_backend)));
         }
-        if self.engines.max_engines == 0 || self.engines.max_engines > crate::fault_guard::MAX_WATCHED {
+        if self.engines.max_engines == 0 || self.engines.max_engines > crate::fault_guard::MAX_ENGINES {
             return Err(bad(
                 "engines.max_engines",
                 format!(
-                    "must be in 1..={} (the engine memory mappings the daemon guards)",
-                    crate::fault_guard::MAX_WATCHED
+                    "must be in 1..={} (each engine's KV memory and token area are mappings the daemon guards)",
+                    crate::fault_guard::MAX_ENGINES
                 ),
             ));
         }
@@ -440,7 +440,7 @@ mod tests {
         c.g2.low_watermark = 0.99;
         let e = c.resolve().unwrap_err().to_string();
         assert!(e.contains("g2.low_watermark") && e.contains("0 < low <= high <= 1"), "{e}");
-        for n in [0, crate::fault_guard::MAX_WATCHED + 1] {
+        for n in [0, crate::fault_guard::MAX_ENGINES + 1] {
             let mut c = Config::default();
             c.engines.max_engines = n;
             let e = c.resolve().unwrap_err().to_string();

@@ -182,24 +182,25 @@ impl Daemon {
 
     pub fn lookup(&self, req: &pb::LookupRequest) -> Result<pb::LookupResponse, ServerError> {
         let engine = self.engines.get(req.engine_id)?;
-        let tokens = engine.request_tokens(&req.tokens, req.tokens_at.as_ref())?;
-        let tokens: &[u8] = &tokens;
+        let mut tokens = engine.request_tokens(&req.tokens, req.tokens_at.as_ref())?;
+        if !tokens.len().is_multiple_of(4) {
+            return Err(kvproto::ProtoError::TokenBytes(tokens.len()).into());
+        }
         let (keys, m) = if req.route_id.is_some() {
             // The outcome report needs the keys past the engine's own G1 blocks: all of them.
-            let keys = self.keys(&engine, tokens)?;
+            let keys = self.keys(&engine, tokens.all())?;
             let m = BlockStore::count_prefix(&self.store.held_prefix(&keys));
             (keys, m)
         } else {
             // Keys only as far as the cached prefix reaches: a prompt whose first blocks are not
             // cached derives one chunk, not its whole chain.
-            kvproto::check_tokens_le(tokens)?;
             let (mut held, mut missed) = (Vec::<u8>::new(), false);
             let tpb = engine.namespace.layout.tokens_per_block as usize;
             let blocks = tokens.len() / (4 * tpb);
             // The first chunk is probed here (a prompt not cached at all stops after it); the
             // chunks after it by `kv-probe` while the chain goes on, where it is free.
             let mut shared: Option<Probing<'_>> = None;
-            let keys = self.key_memo.keys_while(&engine.fingerprint, tpb, tokens, |keys| {
+            let keys = self.key_memo.keys_while(&engine.fingerprint, tpb, &mut tokens, |keys| {
                 if let Some(p) = shared.as_mut() {
                     return p.publish(keys);
                 }
@@ -224,6 +225,8 @@ impl Daemon {
             }
             (keys, BlockStore::count_prefix(&held))
         };
+        // Keys derived from a copy that faulted are not the engine's prompt's: no answer.
+        tokens.check()?;
         if let Some(route_id) = req.route_id {
             let found = self.found_blocks(&keys, req.g1_blocks as usize);
             self.reports.outcome(&engine, route_id, found);

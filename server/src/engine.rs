@@ -18,6 +18,7 @@ use parking_lot::{Mutex, RwLock};
 
 use crate::error::ServerError;
 use crate::fault_guard::FaultGuard;
+use crate::token_area::PromptTokens;
 
 /// The KV memory of one engine, mapped into the daemon.
 #[derive(Debug)]
@@ -202,18 +203,18 @@ impl Engine {
         })
     }
 
-    /// The tokens of a request: inline, or copied from the engine's token area.
+    /// The tokens of a request: inline, or a span of the engine's token area (copied in as used).
     pub fn request_tokens<'a>(
-        &self,
+        &'a self,
         inline: &'a [u8],
         at: Option<&pb::TokenSpan>,
-    ) -> Result<std::borrow::Cow<'a, [u8]>, ServerError> {
+    ) -> Result<PromptTokens<'a>, ServerError> {
         match (at, &self.token_area) {
-            (None, _) => Ok(std::borrow::Cow::Borrowed(inline)),
+            (None, _) => Ok(PromptTokens::inline(inline)),
             (Some(_), _) if !inline.is_empty() => {
                 Err(invalid("a request carries either tokens or tokens_at, not both"))
             }
-            (Some(span), Some(area)) => Ok(std::borrow::Cow::Owned(area.tokens(span)?)),
+            (Some(span), Some(area)) => area.tokens(span),
             (Some(_), None) => Err(invalid(
                 "tokens_at names a token area, but this engine has none open (see the daemon's log at its registration)",
             )),

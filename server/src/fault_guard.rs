@@ -1,6 +1,7 @@
 //! Engine memory that shrinks under the daemon: a SIGBUS guard.
 //!
-//! The daemon maps each CPU engine's KV memory file and copies to and from it. If the engine (a
+//! The daemon maps each CPU engine's KV memory file and copies to and from it, and maps each
+//! engine's token area and copies prompts out of it. If the engine (a
 //! bug, or a hostile client) truncates the file, the next access to a page past its new end
 //! raises SIGBUS, which would kill the daemon and every engine's service with it. Instead, the
 //! daemon watches the address range of every engine mapping: a SIGBUS inside one is answered by
@@ -15,8 +16,11 @@
 use std::sync::Once;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
-/// Ranges watched at once; `engines.max_engines` is capped to this.
-pub const MAX_WATCHED: usize = 1024;
+/// Ranges watched at once.
+pub const MAX_WATCHED: usize = 2048;
+/// Engines attached at once at most (`engines.max_engines`): each maps its KV memory and its
+/// token area.
+pub const MAX_ENGINES: usize = MAX_WATCHED / 2;
 
 struct Watched {
     /// Even while the entry is stable, odd while it is being written (a sequence lock: the
@@ -166,7 +170,7 @@ impl FaultGuard {
         let index = WATCHED
             .iter()
             .position(|w| w.end.load(Ordering::Acquire) == 0)
-            .ok_or_else(|| format!("more than {MAX_WATCHED} engine memory mappings"))?;
+            .ok_or_else(|| format!("more than {MAX_WATCHED} engine mappings"))?;
         let w = &WATCHED[index];
         w.faulted.store(false, Ordering::Release);
         w.write(start, start.saturating_add(len).max(1));

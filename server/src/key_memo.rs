@@ -19,6 +19,8 @@ use kvproto::{BlockKey, NamespaceFingerprint};
 use lru::LruCache;
 use parking_lot::Mutex;
 
+use crate::token_area::PromptTokens;
+
 /// Prompts shorter than this many full blocks are derived directly: cheaper than the memo.
 const MIN_BLOCKS: usize = 64;
 /// Remembered prompts per first block (namespace, block size and first block's tokens), all
@@ -89,44 +91,45 @@ impl KeyMemo {
     /// Keys of every full block of `tokens` (little-endian u32 bytes, whole tokens: checked by
     /// the caller) in the namespace `fp` with `tokens_per_block`.
     pub fn keys(&self, fp: &NamespaceFingerprint, tokens_per_block: usize, tokens: &[u8]) -> Vec<BlockKey> {
-        self.keys_while(fp, tokens_per_block, tokens, |_| true)
+        self.keys_while(fp, tokens_per_block, &mut PromptTokens::inline(tokens), |_| true)
     }
 
     /// The keys of the leading full blocks of `tokens`, derived only as far as `go_on` wants:
     /// it sees the keys so far after the reused ones and after each derived chunk of
     /// [`LAZY_CHUNK`] blocks, and derivation stops when it says no. A lookup passes "every block
     /// so far is cached", so a prompt whose first blocks are not cached costs one chunk, not the
-    /// whole chain. What was derived is remembered; a later request derives the rest.
+    /// whole chain. What was derived is remembered; a later request derives the rest. Tokens
+    /// from a token area are copied in a chunk at a time, as the chain reaches them.
     pub fn keys_while(
         &self,
         fp: &NamespaceFingerprint,
         tokens_per_block: usize,
-        tokens: &[u8],
+        tokens: &mut PromptTokens<'_>,
         mut go_on: impl FnMut(&[BlockKey]) -> bool,
     ) -> Vec<BlockKey> {
         let block_bytes = 4 * tokens_per_block;
         let blocks = tokens.len().checked_div(block_bytes).unwrap_or(0);
-        let tokens = &tokens[..blocks * block_bytes];
-        let derive_on = |keys: &mut Vec<BlockKey>, go_on: &mut dyn FnMut(&[BlockKey]) -> bool| {
-            while keys.len() < blocks && (keys.is_empty() || go_on(keys)) {
-                let from = keys.len();
-                let to = (from + LAZY_CHUNK).min(blocks);
-                let more = kvproto::chain_keys_le(
-                    fp,
-                    keys.last(),
-                    tokens_per_block,
-                    &tokens[from * block_bytes..to * block_bytes],
-                );
-                keys.extend(more);
-            }
-        };
+        let derive_on =
+            |keys: &mut Vec<BlockKey>, tokens: &mut PromptTokens<'_>, go_on: &mut dyn FnMut(&[BlockKey]) -> bool| {
+                while keys.len() < blocks && (keys.is_empty() || go_on(keys)) {
+                    let from = keys.len();
+                    let to = (from + LAZY_CHUNK).min(blocks);
+                    let more = kvproto::chain_keys_le(
+                        fp,
+                        keys.last(),
+                        tokens_per_block,
+                        &tokens.upto(to * block_bytes)[from * block_bytes..],
+                    );
+                    keys.extend(more);
+                }
+            };
         if self.capacity_bytes == 0 || blocks < MIN_BLOCKS {
             let mut keys = Vec::with_capacity(blocks);
-            derive_on(&mut keys, &mut go_on);
+            derive_on(&mut keys, tokens, &mut go_on);
             self.derived.increment(keys.len() as u64);
             return keys;
         }
-        let bucket = bucket_of(fp, block_bytes, tokens);
+        let bucket = bucket_of(fp, block_bytes, tokens.upto(block_bytes));
 
         // The candidates leave the lock as Arcs: comparing and deriving happen without it.
         let candidates: Vec<(u64, Arc<Prompt>)> = {
@@ -134,11 +137,16 @@ impl KeyMemo {
             let ids: Vec<u64> = st.by_first_block.get(&bucket).map(|v| v.to_vec()).unwrap_or_default();
             ids.iter().rev().filter_map(|id| st.prompts.get(id).map(|p| (*id, Arc::clone(p)))).collect()
         };
-        let best = candidates
-            .iter()
-            .filter(|(_, p)| p.fingerprint == fp.0 && p.block_bytes == block_bytes)
-            .map(|(id, p)| (*id, p, common_blocks(&p.tokens, tokens, block_bytes)))
-            .max_by_key(|&(_, _, n)| n);
+        let best = if candidates.is_empty() {
+            None
+        } else {
+            let all = &tokens.upto(blocks * block_bytes);
+            candidates
+                .iter()
+                .filter(|(_, p)| p.fingerprint == fp.0 && p.block_bytes == block_bytes)
+                .map(|(id, p)| (*id, p, common_blocks(&p.tokens, all, block_bytes)))
+                .max_by_key(|&(_, _, n)| n)
+        };
 
         let (mut keys, reused_from) = match best {
             Some((id, p, n)) if n > 0 => (p.keys[..n].to_vec(), Some((id, p.keys.len(), n))),
@@ -146,12 +154,12 @@ impl KeyMemo {
         };
         let have = keys.len();
         if have < blocks && (have == 0 || go_on(&keys)) {
-            derive_on(&mut keys, &mut go_on);
+            derive_on(&mut keys, tokens, &mut go_on);
         }
         self.reused.increment(have as u64);
         self.derived.increment((keys.len() - have) as u64);
 
-        let known = &tokens[..keys.len() * block_bytes];
+        let known = tokens.upto(keys.len() * block_bytes);
         match reused_from {
             // Nothing new to remember: what was used is a prefix of a remembered prompt.
             Some((_, _, n)) if n == keys.len() => {}
@@ -291,7 +299,7 @@ mod tests {
         let all = kvproto::block_keys(&fp, 16, &t);
         let mut asked = Vec::new();
         // "Only the first 300 blocks are cached": stop once past them.
-        let got = memo.keys_while(&fp, 16, &le(&t), |k| {
+        let got = memo.keys_while(&fp, 16, &mut PromptTokens::inline(&le(&t)), |k| {
             asked.push(k.len());
             k.len() < 300
         });
@@ -305,7 +313,7 @@ mod tests {
         drop(st);
         // A short prompt without the memo, and a memo that is off, stop the same way.
         for m in [KeyMemo::new(0), KeyMemo::new(1 << 22)] {
-            let got = m.keys_while(&fp, 16, &le(&t), |_| false);
+            let got = m.keys_while(&fp, 16, &mut PromptTokens::inline(&le(&t)), |_| false);
             assert_eq!(got, all[..LAZY_CHUNK]);
         }
     }

@@ -453,6 +453,16 @@ async fn long_prompts_travel_through_the_token_area() {
         assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
         assert!(e.message().contains(why), "{}", e.message());
     }
+    // An engine that truncates its area gets a clear error, and the daemon (SIGBUS caught)
+    // goes on serving the others.
+    let area_path = area.request().shm_path;
+    std::fs::OpenOptions::new().write(true).open(&area_path).unwrap().set_len(0).unwrap();
+    for _ in 0..2 {
+        let e = raw.lookup(lookup(bytes::Bytes::new(), Some(s.span), r.engine_id)).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+        assert!(e.message().contains("shrank under the daemon"), "{}", e.message());
+    }
+    assert_eq!(staged.lookup(&tokens).await.unwrap().matched_blocks, 600);
     // An area the daemon cannot map costs speed, not the registration.
     reg.token_area = Some(pb::TokenArea { shm_path: d.path().join("missing").display().to_string(), size_bytes: 4096 });
     let unmapped = raw.register(reg).await.unwrap().into_inner();
