@@ -17,7 +17,7 @@ import subprocess
 import sys
 
 SIZES = [125_000, 250_000, 500_000, 1_000_000, 2_000_000, 4_000_000]
-ROW = re.compile(r"^(kvrouter BlockIndex|dynamo-kv-router RadixTree)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$")
+ROW = re.compile(r"^(kvrouter BlockIndex|dynamo-kv-router RadixTree)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)(?:\s+[\d.]+)*$")
 
 
 RUNS = 3

@@ -120,6 +120,33 @@ struct Figures {
     lookup_p50_us: f64,
     lookup_p99_us: f64,
     bytes_per_block: f64,
+    /// p50 / p99 over the queries of each query's best time over [`passes`] passes: the
+    /// lookup's own cost. The slowest 1% of a single pass are other queries in each pass (the
+    /// machine's interruptions, not the queries), so a single pass's p99 is mostly the machine's.
+    lookup_best_p50_us: f64,
+    lookup_best_p99_us: f64,
+}
+
+/// Lookup passes over the query set: 5 with `--bench`, 1 otherwise.
+fn passes() -> usize {
+    if std::env::args().any(|a| a == "--bench") { 5 } else { 1 }
+}
+
+/// Asks every query `passes()` times; `ask(query, first)` answers it and returns the time it
+/// took in us. Returns the first pass's times and each query's best.
+fn time_queries(n: usize, mut ask: impl FnMut(usize, bool) -> f64) -> (Vec<f64>, Vec<f64>) {
+    let mut first = Vec::with_capacity(n);
+    let mut best = vec![f64::INFINITY; n];
+    for pass in 0..passes() {
+        for (q, b) in best.iter_mut().enumerate() {
+            let us = ask(q, pass == 0);
+            if pass == 0 {
+                first.push(us);
+            }
+            *b = b.min(us);
+        }
+    }
+    (first, best)
 }
 
 /// Our index built from empty; with `sized`, its namespace reserved for the blocks to come first
@@ -171,17 +198,19 @@ fn ours(seqs: &[Seq], churn: &[Seq], queries: &[usize], distinct: usize, sized: 
             fill: 0.0,
         })
         .collect();
-    let mut scratch = vec![];
-    let mut lat = vec![];
+    let mut scratch = cost::MatchScratch::default();
     let mut sums = vec![];
-    for q in queries {
+    let (mut lat, mut best) = time_queries(queries.len(), |i, first| {
         let t = Instant::now();
         let m = cost::match_candidates(&cands, &mut scratch, |visit| {
-            ix.walk(ns, &keys[*q], |_, len, slots| visit(len as u32, &mut slots.iter()));
+            ix.walk(ns, &keys[queries[i]], |_, len, slots| visit(len as u32, slots));
         });
-        lat.push(t.elapsed().as_secs_f64() * 1e6);
-        sums.push(m.iter().map(|m| m.prefix()).sum());
-    }
+        let us = t.elapsed().as_secs_f64() * 1e6;
+        if first {
+            sums.push(m.iter().map(|m| m.prefix()).sum());
+        }
+        us
+    });
     let slot = |s: &Seq| Slot::new(s.worker as u32 + 1, TierKind::G1Gpu);
     let t0 = Instant::now();
     for (i, (s, k)) in churn.iter().zip(&churn_keys).enumerate() {
@@ -192,7 +221,7 @@ fn ours(seqs: &[Seq], churn: &[Seq], queries: &[usize], distinct: usize, sized: 
     let all: Vec<&Vec<BlockKey>> = keys.iter().chain(&churn_keys).collect();
     for q in queries {
         let m = cost::match_candidates(&cands, &mut scratch, |visit| {
-            ix.walk(ns, all[*q + churn.len()], |_, len, slots| visit(len as u32, &mut slots.iter()));
+            ix.walk(ns, all[*q + churn.len()], |_, len, slots| visit(len as u32, slots));
         });
         sums.push(m.iter().map(|m| m.prefix()).sum());
     }
@@ -201,9 +230,11 @@ fn ours(seqs: &[Seq], churn: &[Seq], queries: &[usize], distinct: usize, sized: 
         Figures {
             store_blocks_per_s: n_blocks / store,
             churn_blocks_per_s: (2 * churn.len() * SEQ_BLOCKS) as f64 / churned,
-            lookup_p50_us: pct(&mut lat.clone(), 0.5),
+            lookup_p50_us: pct(&mut lat, 0.5),
             lookup_p99_us: pct(&mut lat, 0.99),
             bytes_per_block: bytes / distinct as f64,
+            lookup_best_p50_us: pct(&mut best, 0.5),
+            lookup_best_p99_us: pct(&mut best, 0.99),
         },
         sums,
     )
@@ -260,14 +291,17 @@ fn dynamo(seqs: &[Seq], churn: &[Seq], queries: &[usize], distinct: usize) -> (F
         // `live() - before` nets them out of the tree's size. Count what dropping the tree frees.
         naive = (live() - before) as f64;
     }
-    let mut lat = vec![];
     let mut sums = vec![];
-    for q in queries_local {
+    let (mut lat, mut best) = time_queries(queries_local.len(), |i, first| {
+        let q = queries_local[i].clone(); // find_matches takes the query by value
         let t = Instant::now();
         let m = tree.find_matches(q, false);
-        lat.push(t.elapsed().as_secs_f64() * 1e6);
-        sums.push(m.scores.values().sum());
-    }
+        let us = t.elapsed().as_secs_f64() * 1e6;
+        if first {
+            sums.push(m.scores.values().sum());
+        }
+        us
+    });
     let with_tree = live();
     let mut churn_events = Vec::with_capacity(2 * churn.len());
     for (i, (new, old)) in stored(churn, seqs.len()).into_iter().zip(seqs).enumerate() {
@@ -301,9 +335,11 @@ fn dynamo(seqs: &[Seq], churn: &[Seq], queries: &[usize], distinct: usize) -> (F
         Figures {
             store_blocks_per_s: n_blocks / store,
             churn_blocks_per_s: (2 * churn.len() * SEQ_BLOCKS) as f64 / churned,
-            lookup_p50_us: pct(&mut lat.clone(), 0.5),
+            lookup_p50_us: pct(&mut lat, 0.5),
             lookup_p99_us: pct(&mut lat, 0.99),
             bytes_per_block: bytes / distinct as f64,
+            lookup_best_p50_us: pct(&mut best, 0.5),
+            lookup_best_p99_us: pct(&mut best, 0.99),
         },
         sums,
     )
@@ -340,8 +376,14 @@ fn check_overlaps(ours: &[u32], seqs: &[Seq], churn: &[Seq], queries: &[usize]) 
 
 fn print(name: &str, f: &Figures) {
     println!(
-        "{name:<28} {:>14.0} {:>14.0} {:>12.2} {:>12.2} {:>14.1}",
-        f.store_blocks_per_s, f.churn_blocks_per_s, f.lookup_p50_us, f.lookup_p99_us, f.bytes_per_block
+        "{name:<28} {:>14.0} {:>14.0} {:>12.2} {:>12.2} {:>14.1} {:>12.2} {:>12.2}",
+        f.store_blocks_per_s,
+        f.churn_blocks_per_s,
+        f.lookup_p50_us,
+        f.lookup_p99_us,
+        f.bytes_per_block,
+        f.lookup_best_p50_us,
+        f.lookup_best_p99_us
     );
 }
 
@@ -373,8 +415,15 @@ fn main() {
         queries.len()
     );
     println!(
-        "{:<28} {:>14} {:>14} {:>12} {:>12} {:>14}",
-        "index", "store blk/s", "churn blk/s", "lookup p50us", "lookup p99us", "bytes/block"
+        "{:<28} {:>14} {:>14} {:>12} {:>12} {:>14} {:>12} {:>12}",
+        "index",
+        "store blk/s",
+        "churn blk/s",
+        "lookup p50us",
+        "lookup p99us",
+        "bytes/block",
+        "best p50us",
+        "best p99us"
     );
     let (a, sums_a) = ours(seqs, churn, &queries, distinct, false);
     print("kvrouter BlockIndex", &a);
@@ -396,12 +445,14 @@ fn main() {
         }
         for (label, ours) in [("ratios (ours / dynamo)", &a), ("  with expected_blocks", &sized)] {
             println!(
-                "{label}: store {:.2}x, churn {:.2}x, p50 {:.2}, p99 {:.2}, bytes/block {:.2}",
+                "{label}: store {:.2}x, churn {:.2}x, p50 {:.2}, p99 {:.2}, bytes/block {:.2}, best p50 {:.2}, best p99 {:.2}",
                 ours.store_blocks_per_s / b.store_blocks_per_s,
                 ours.churn_blocks_per_s / b.churn_blocks_per_s,
                 ours.lookup_p50_us / b.lookup_p50_us,
                 ours.lookup_p99_us / b.lookup_p99_us,
-                ours.bytes_per_block / b.bytes_per_block
+                ours.bytes_per_block / b.bytes_per_block,
+                ours.lookup_best_p50_us / b.lookup_best_p50_us,
+                ours.lookup_best_p99_us / b.lookup_best_p99_us
             );
         }
     }

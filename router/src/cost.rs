@@ -22,7 +22,7 @@ use rand::Rng;
 use serde::{Deserialize, Serialize};
 
 use crate::config::CostWeights;
-use crate::index::Slot;
+use crate::index::Slots;
 
 /// One candidate's holders and load, as the cost model needs them.
 #[derive(Debug, Clone, Copy)]
@@ -72,67 +72,130 @@ pub struct CostBreakdown {
 /// Best tier index by `g1 | g2 << 1 | g3 << 2 | g4 << 3` (which tiers offer the block); 4: none.
 const BEST_TIER: [usize; 16] = [4, 0, 1, 0, 2, 0, 1, 0, 3, 0, 1, 0, 2, 0, 1, 0];
 
+/// What [`match_candidates`] keeps between calls: its mark buffer, and the candidates indexed by
+/// holder, rebuilt only when the candidates' holders change (a router asks for the same workers
+/// request after request), so that a lookup visits the candidates that hold the prompt's first
+/// blocks instead of all of them.
+#[derive(Debug, Default)]
+pub struct MatchScratch {
+    /// Tier bits per holder index for the stretch being visited (all zero between calls).
+    marks: Vec<u8>,
+    /// The `(worker, node)` holders of the candidates the index below was built for.
+    holders: Vec<(u32, u32)>,
+    /// Candidates of holder `h` (as their worker or their node): `by_holder[start[h]..start[h + 1]]`.
+    start: Vec<u32>,
+    by_holder: Vec<u32>,
+}
+
+impl MatchScratch {
+    /// Indexes `cands` by holder unless they are the candidates of the last call.
+    fn index(&mut self, cands: &[CandidateIn]) {
+        let same = self.holders.len() == cands.len()
+            && self.holders.iter().zip(cands).all(|(&(w, n), c)| w == c.worker_holder && n == c.node_holder);
+        if same {
+            return;
+        }
+        self.holders.clear();
+        self.holders.extend(cands.iter().map(|c| (c.worker_holder, c.node_holder)));
+        let top = self.holders.iter().map(|&(w, n)| w.max(n) as usize).max().map_or(0, |m| m + 1);
+        self.start.clear();
+        self.start.resize(top + 1, 0);
+        for &(w, n) in &self.holders {
+            self.start[w as usize + 1] += 1;
+            if n != w {
+                self.start[n as usize + 1] += 1;
+            }
+        }
+        for h in 1..self.start.len() {
+            self.start[h] += self.start[h - 1];
+        }
+        let mut next: Vec<u32> = self.start.clone();
+        self.by_holder.clear();
+        self.by_holder.resize(next[top] as usize, 0);
+        for (c, &(w, n)) in self.holders.iter().enumerate() {
+            for h in if n != w { [Some(w), Some(n)] } else { [Some(w), None] }.into_iter().flatten() {
+                self.by_holder[next[h as usize] as usize] = c as u32;
+                next[h as usize] += 1;
+            }
+        }
+    }
+
+    /// The candidates of holder `h`.
+    fn candidates_of(&self, h: u32) -> &[u32] {
+        match (self.start.get(h as usize), self.start.get(h as usize + 1)) {
+            (Some(&a), Some(&b)) => &self.by_holder[a as usize..b as usize],
+            _ => &[],
+        }
+    }
+}
+
 /// Computes, for each candidate, the blocks it can get per tier. `positions` is called with a
 /// callback `visit(len, slots) -> bool`; it must call it for the prompt's blocks in order, once
 /// per stretch of `len` consecutive blocks that have the same holders, and stop when it returns
 /// false (nothing more can match) or at the first block nobody holds.
-///
-/// `scratch` is a per-holder-index mark buffer (cleared on return).
 pub fn match_candidates(
     cands: &[CandidateIn],
-    scratch: &mut Vec<u8>,
-    positions: impl FnOnce(&mut dyn FnMut(u32, &mut dyn Iterator<Item = Slot>) -> bool),
+    scratch: &mut MatchScratch,
+    positions: impl FnOnce(&mut dyn FnMut(u32, &Slots) -> bool),
 ) -> Vec<TierMatch> {
     let mut out = vec![TierMatch::default(); cands.len()];
-    // Candidates still matching; filled by the first stretch (which every candidate sees).
+    scratch.index(cands);
+    let MatchScratch { marks, .. } = &mut *scratch;
+    let mut marks = std::mem::take(marks);
+    // Candidates still matching; filled by the first stretch.
     let mut alive: Vec<u32> = Vec::new();
     let mut first = true;
     let mut touched: Vec<u32> = Vec::with_capacity(16);
-    let mut visit = |len: u32, slots: &mut dyn Iterator<Item = Slot>| -> bool {
+    let index = &*scratch;
+    let mut visit = |len: u32, slots: &Slots| -> bool {
         let mut g4 = 0u8;
-        for s in slots {
+        for s in slots.iter() {
             let h = s.holder() as usize;
             if s.tier() == TierKind::G4Object {
                 g4 = 8;
                 continue;
             }
-            if scratch.len() <= h {
-                scratch.resize(h + 1, 0);
+            if marks.len() <= h {
+                marks.resize(h + 1, 0);
             }
-            if scratch[h] == 0 {
+            if marks[h] == 0 {
                 touched.push(h as u32);
             }
-            scratch[h] |= 1 << s.tier().index();
+            marks[h] |= 1 << s.tier().index();
         }
         // The tier a candidate gets a block from: its own G1, else its node's G2, G3, else G4.
         let tier_of = |c: &CandidateIn| -> usize {
-            let own = scratch.get(c.worker_holder as usize).copied().unwrap_or(0) & 1;
-            let node = scratch.get(c.node_holder as usize).copied().unwrap_or(0) & 6;
+            let own = marks.get(c.worker_holder as usize).copied().unwrap_or(0) & 1;
+            let node = marks.get(c.node_holder as usize).copied().unwrap_or(0) & 6;
             BEST_TIER[usize::from(own | node | g4)]
         };
         if std::mem::take(&mut first) {
-            for (c, cand) in cands.iter().enumerate() {
-                let t = tier_of(cand);
-                if t < 4 {
-                    out[c].blocks[t] += len;
-                    alive.push(c as u32);
+            if g4 != 0 {
+                // Every candidate can get the block from G4.
+                alive.extend(0..cands.len() as u32);
+            } else {
+                // Only candidates whose worker or node holds the block.
+                for &h in &touched {
+                    alive.extend_from_slice(index.candidates_of(h));
                 }
+                alive.sort_unstable();
+                alive.dedup();
             }
-        } else {
-            alive.retain(|&c| {
-                let t = tier_of(&cands[c as usize]);
-                if t < 4 {
-                    out[c as usize].blocks[t] += len;
-                }
-                t < 4
-            });
         }
+        alive.retain(|&c| {
+            let t = tier_of(&cands[c as usize]);
+            if t < 4 {
+                out[c as usize].blocks[t] += len;
+            }
+            t < 4
+        });
         for h in touched.drain(..) {
-            scratch[h as usize] = 0;
+            marks[h as usize] = 0;
         }
         !alive.is_empty()
     };
     positions(&mut visit);
+    scratch.marks = marks;
     out
 }
 
@@ -189,6 +252,7 @@ mod tests {
     use rand::SeedableRng;
 
     use super::*;
+    use crate::index::Slot;
 
     fn cand(w: u32, n: u32) -> CandidateIn {
         CandidateIn { worker_holder: w, node_holder: n, kv_utilisation: 0.0, active: 0.0, fill: 0.0 }
@@ -196,15 +260,15 @@ mod tests {
 
     /// Runs the matcher over positions given as lists of slots.
     fn run(cands: &[CandidateIn], positions: &[Vec<Slot>]) -> Vec<TierMatch> {
-        let mut scratch = vec![];
+        let mut scratch = MatchScratch::default();
         let m = match_candidates(cands, &mut scratch, |visit| {
             for p in positions {
-                if p.is_empty() || !visit(1, &mut p.iter().copied()) {
+                if p.is_empty() || !visit(1, &p.iter().copied().collect()) {
                     break;
                 }
             }
         });
-        assert!(scratch.iter().all(|x| *x == 0));
+        assert!(scratch.marks.iter().all(|x| *x == 0));
         m
     }
 
@@ -224,6 +288,66 @@ mod tests {
         assert_eq!(m[2].blocks, [0, 0, 0, 2]); // G4, G4, then stops
         let w = CostWeights::default();
         assert!((m[1].credit(&w) - (0.75 + 0.5)).abs() < 1e-12);
+    }
+
+    /// One scratch kept across calls whose candidates change (its holder index rebuilt, or
+    /// reused when they are the same) answers as a per-candidate model does.
+    #[test]
+    fn a_kept_scratch_matches_a_per_candidate_model() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+        let mut kept = MatchScratch::default();
+        let tiers = [TierKind::G1Gpu, TierKind::G2Host, TierKind::G3Disk, TierKind::G4Object];
+        let mut cands: Vec<CandidateIn> = Vec::new();
+        for round in 0..300 {
+            if round % 3 == 0 {
+                // Workers 1..=12, nodes 100..=103 (several workers per node).
+                let n = rng.random_range(1..10);
+                cands = (0..n).map(|_| cand(rng.random_range(1..=12), rng.random_range(100..=103))).collect();
+            }
+            let positions: Vec<Vec<Slot>> = (0..rng.random_range(1..8))
+                .map(|_| {
+                    (0..rng.random_range(1..6))
+                        .map(|_| {
+                            let kinds = if rng.random_bool(0.1) { 4 } else { 3 };
+                            let t = tiers[rng.random_range(0..kinds)];
+                            let h = if t == TierKind::G1Gpu {
+                                rng.random_range(1..=12)
+                            } else {
+                                rng.random_range(100..=103)
+                            };
+                            Slot::new(h, t)
+                        })
+                        .collect()
+                })
+                .collect();
+            let got = match_candidates(&cands, &mut kept, |visit| {
+                for p in &positions {
+                    if !visit(1, &p.iter().copied().collect()) {
+                        break;
+                    }
+                }
+            });
+            assert!(kept.marks.iter().all(|x| *x == 0));
+            for (c, m) in cands.iter().zip(&got) {
+                let mut want = [0u32; 4];
+                for p in &positions {
+                    let has = |h: u32, t: TierKind| p.contains(&Slot::new(h, t));
+                    let t = if has(c.worker_holder, TierKind::G1Gpu) {
+                        0
+                    } else if has(c.node_holder, TierKind::G2Host) {
+                        1
+                    } else if has(c.node_holder, TierKind::G3Disk) {
+                        2
+                    } else if p.iter().any(|s| s.tier() == TierKind::G4Object) {
+                        3
+                    } else {
+                        break;
+                    };
+                    want[t] += 1;
+                }
+                assert_eq!(m.blocks, want, "round {round}: {c:?} over {positions:?}");
+            }
+        }
     }
 
     #[test]

@@ -158,6 +158,16 @@ impl Slots {
     }
 }
 
+impl FromIterator<Slot> for Slots {
+    fn from_iter<I: IntoIterator<Item = Slot>>(iter: I) -> Self {
+        let mut slots = Slots::default();
+        for s in iter {
+            slots.insert(s);
+        }
+        slots
+    }
+}
+
 /// Absolute offsets inside a run fit the key table's 16 bits.
 const RUN_MAX: usize = 1 << 16;
 

@@ -786,14 +786,14 @@ fn match_all(st: &mut State, mode: RoutingMode, r: &Resolved, cands: &[Candidate
         RoutingMode::Events => {
             let index = &st.index;
             cost::match_candidates(cands, &mut scratch, |visit| {
-                index.walk(r.id, &r.keys, |_, len, slots| visit(len as u32, &mut slots.iter()));
+                index.walk(r.id, &r.keys, |_, len, slots| visit(len as u32, slots));
             })
         }
         RoutingMode::Approximate => {
             let approx = &st.approx;
             cost::match_candidates(cands, &mut scratch, |visit| {
                 approx.walk(r.id, &r.keys, |_, v| {
-                    visit(1, &mut v.iter().map(|(h, _)| crate::index::Slot::new(*h, TierKind::G1Gpu)))
+                    visit(1, &v.iter().map(|(h, _)| crate::index::Slot::new(*h, TierKind::G1Gpu)).collect())
                 });
             })
         }

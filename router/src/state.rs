@@ -126,7 +126,7 @@ pub struct State {
     pub prediction_order: VecDeque<u64>,
     pub next_route_id: u64,
     pub rng: StdRng,
-    pub scratch: Vec<u8>,
+    pub scratch: crate::cost::MatchScratch,
     /// Recovery sources attached in-process (by publisher name).
     pub has_attached_source: BTreeSet<String>,
 }
@@ -151,7 +151,7 @@ impl State {
             prediction_order: VecDeque::new(),
             next_route_id: 1,
             rng,
-            scratch: Vec::new(),
+            scratch: crate::cost::MatchScratch::default(),
             has_attached_source: BTreeSet::new(),
         }
     }
