@@ -85,7 +85,15 @@ pub struct MatchScratch {
     /// Candidates of holder `h` (as their worker or their node): `by_holder[start[h]..start[h + 1]]`.
     start: Vec<u32>,
     by_holder: Vec<u32>,
+    /// False when a holder index was too large to index by ([`MAX_INDEXED_HOLDER`]): every
+    /// candidate is then visited, as without the index.
+    indexed: bool,
 }
+
+/// Largest holder index the candidate index is built for (its arrays have one entry per index
+/// up to the largest; holder indices are dense, reused after release, so a real cluster stays
+/// far below this).
+const MAX_INDEXED_HOLDER: usize = 1 << 20;
 
 impl MatchScratch {
     /// Indexes `cands` by holder unless they are the candidates of the last call.
@@ -99,6 +107,11 @@ impl MatchScratch {
         self.holders.extend(cands.iter().map(|c| (c.worker_holder, c.node_holder)));
         let top = self.holders.iter().map(|&(w, n)| w.max(n) as usize).max().map_or(0, |m| m + 1);
         self.start.clear();
+        self.by_holder.clear();
+        self.indexed = top <= MAX_INDEXED_HOLDER;
+        if !self.indexed {
+            return;
+        }
         self.start.resize(top + 1, 0);
         for &(w, n) in &self.holders {
             self.start[w as usize + 1] += 1;
@@ -110,7 +123,6 @@ impl MatchScratch {
             self.start[h] += self.start[h - 1];
         }
         let mut next: Vec<u32> = self.start.clone();
-        self.by_holder.clear();
         self.by_holder.resize(next[top] as usize, 0);
         for (c, &(w, n)) in self.holders.iter().enumerate() {
             for h in if n != w { [Some(w), Some(n)] } else { [Some(w), None] }.into_iter().flatten() {
@@ -170,8 +182,8 @@ pub fn match_candidates(
             BEST_TIER[usize::from(own | node | g4)]
         };
         if std::mem::take(&mut first) {
-            if g4 != 0 {
-                // Every candidate can get the block from G4.
+            if g4 != 0 || !index.indexed {
+                // Every candidate can get the block from G4 (or there is no index to ask).
                 alive.extend(0..cands.len() as u32);
             } else {
                 // Only candidates whose worker or node holds the block.
@@ -348,6 +360,22 @@ mod tests {
                 assert_eq!(m.blocks, want, "round {round}: {c:?} over {positions:?}");
             }
         }
+    }
+
+    /// Holder indices past what the candidate index is built for: every candidate is visited,
+    /// with the same answers.
+    #[test]
+    fn candidates_with_holders_too_large_to_index_are_all_visited() {
+        let big = MAX_INDEXED_HOLDER as u32 + 5;
+        let cands = [cand(1, 10), cand(big, 11), cand(3, big + 1)];
+        let positions = vec![
+            vec![Slot::new(big, TierKind::G1Gpu), Slot::new(big + 1, TierKind::G2Host), Slot::new(1, TierKind::G1Gpu)],
+            vec![Slot::new(big + 1, TierKind::G3Disk)],
+        ];
+        let m = run(&cands, &positions);
+        assert_eq!(m[0].blocks, [1, 0, 0, 0]);
+        assert_eq!(m[1].blocks, [1, 0, 0, 0]);
+        assert_eq!(m[2].blocks, [0, 1, 1, 0]);
     }
 
     #[test]

@@ -158,6 +158,33 @@ impl Slots {
     }
 }
 
+impl Slots {
+    /// Replaces the slots with `distinct` (slots the caller knows are distinct), keeping a heap
+    /// allocation for the next time: a buffer refilled block after block.
+    pub fn refill(&mut self, distinct: impl Iterator<Item = Slot>) {
+        if let Slots::Heap(v) = self {
+            v.clear();
+            v.extend(distinct.map(|s| s.0));
+            return;
+        }
+        let mut a = [EMPTY; 3];
+        let mut n = 0;
+        let mut distinct = distinct.peekable();
+        while n < 3 {
+            match distinct.next() {
+                Some(s) => a[n] = s.0,
+                None => break,
+            }
+            n += 1;
+        }
+        *self = if distinct.peek().is_some() {
+            Slots::Heap(Box::new(a.iter().copied().chain(distinct.map(|s| s.0)).collect()))
+        } else {
+            Slots::Inline(a)
+        };
+    }
+}
+
 impl FromIterator<Slot> for Slots {
     fn from_iter<I: IntoIterator<Item = Slot>>(iter: I) -> Self {
         let mut slots = Slots::default();
@@ -719,6 +746,16 @@ mod tests {
         assert!(matches!(s, Slots::Inline(_)));
         assert_eq!(s.iter().count(), 2);
         assert_eq!(std::mem::size_of::<Slots>(), 16);
+    }
+
+    #[test]
+    fn refilled_slots_hold_exactly_the_new_ones() {
+        let s = |h: u32| Slot::new(h, TierKind::G1Gpu);
+        let mut buf = Slots::default();
+        for n in [2usize, 5, 1, 0, 3, 7, 3] {
+            buf.refill((0..n as u32).map(s));
+            assert_eq!(buf.iter().collect::<Vec<_>>(), (0..n as u32).map(s).collect::<Vec<_>>(), "{n}");
+        }
     }
 
     #[test]

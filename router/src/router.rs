@@ -791,9 +791,12 @@ fn match_all(st: &mut State, mode: RoutingMode, r: &Resolved, cands: &[Candidate
         }
         RoutingMode::Approximate => {
             let approx = &st.approx;
+            let mut slots = crate::index::Slots::default();
             cost::match_candidates(cands, &mut scratch, |visit| {
                 approx.walk(r.id, &r.keys, |_, v| {
-                    visit(1, &v.iter().map(|(h, _)| crate::index::Slot::new(*h, TierKind::G1Gpu)).collect())
+                    // A block's remembered workers are distinct.
+                    slots.refill(v.iter().map(|(h, _)| crate::index::Slot::new(*h, TierKind::G1Gpu)));
+                    visit(1, &slots)
                 });
             })
         }

@@ -140,7 +140,9 @@ impl KeyMemo {
         let best = if candidates.is_empty() {
             None
         } else {
-            let all = &tokens.upto(blocks * block_bytes);
+            // As far as the longest candidate reaches: comparing needs no more of the prompt.
+            let longest = candidates.iter().map(|(_, p)| p.tokens.len()).max().unwrap_or(0);
+            let all = &tokens.upto(longest.min(blocks * block_bytes));
             candidates
                 .iter()
                 .filter(|(_, p)| p.fingerprint == fp.0 && p.block_bytes == block_bytes)
@@ -159,6 +161,9 @@ impl KeyMemo {
         self.reused.increment(have as u64);
         self.derived.increment((keys.len() - have) as u64);
 
+        if tokens.check().is_err() {
+            return keys; // a copy that faulted is not the prompt: the request fails, nothing is kept
+        }
         let known = tokens.upto(keys.len() * block_bytes);
         match reused_from {
             // Nothing new to remember: what was used is a prefix of a remembered prompt.
@@ -266,6 +271,28 @@ mod tests {
 
     fn prompt(seed: u32, blocks: usize) -> Vec<u32> {
         (0..blocks as u32 * 16).map(|i| seed.wrapping_mul(7919).wrapping_add(i.wrapping_mul(2_654_435_761))).collect()
+    }
+
+    /// Tokens copied from a token area that faulted (the engine truncated it) are not the
+    /// prompt: the memo keeps nothing of them.
+    #[test]
+    fn a_faulted_copy_is_not_remembered() {
+        let dir = tempfile::tempdir().unwrap();
+        let fp = NamespaceFingerprint([8; 32]);
+        for truncate in [false, true] {
+            let path = dir.path().join(format!("tokens-{truncate}"));
+            std::fs::write(&path, le(&prompt(3, 256))).unwrap();
+            let req = kvproto::pb::TokenArea { shm_path: path.display().to_string(), size_bytes: 16 << 10 };
+            let area = crate::token_area::TokenArea::open(&req).unwrap();
+            if truncate {
+                std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(8 << 10).unwrap();
+            }
+            let memo = KeyMemo::new(1 << 22);
+            let mut tokens = area.tokens(&kvproto::pb::TokenSpan { offset: 0, len: 16 << 10 }).unwrap();
+            assert_eq!(memo.keys_while(&fp, 16, &mut tokens, |_| true).len(), 256);
+            assert_eq!(tokens.check().is_err(), truncate);
+            assert_eq!(memo.state.lock().prompts.len(), usize::from(!truncate), "truncated: {truncate}");
+        }
     }
 
     #[test]

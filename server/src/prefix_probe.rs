@@ -78,7 +78,7 @@ impl Job {
             let start = self.base + c * CHUNK;
             let end = (start + CHUNK).min(self.base + self.keys.len());
             let ready = if finished { start < derived } else { end <= derived };
-            if !ready || start >= self.miss.load(Ordering::Acquire) {
+            if !ready || start >= end || start >= self.miss.load(Ordering::Acquire) {
                 return None;
             }
             if self.taken.compare_exchange(c, c + 1, Ordering::AcqRel, Ordering::Acquire).is_ok() {
@@ -89,6 +89,9 @@ impl Job {
 
     /// Probes keys `start..end` (taken with [`Job::take`]) and records what it found.
     fn probe(&self, store: &BlockStore, (start, end): (usize, usize)) {
+        // Counted as probed however it ends: a probe that panics leaves a miss at its first key
+        // (fewer blocks matched, never more), and the lookup waiting for it goes on.
+        let done = ProbeDone { job: self, start, finished: false };
         let keys: Vec<BlockKey> = (start..end)
             .map(|i| {
                 let [lo, hi] = &self.keys[i - self.base];
@@ -105,7 +108,7 @@ impl Job {
         if held.len() < keys.len() {
             self.miss.fetch_min(start + held.len(), Ordering::AcqRel);
         }
-        self.probed.fetch_add(1, Ordering::Release);
+        done.finish();
     }
 
     /// Probes chunks until none is ready; whether any was.
@@ -116,6 +119,28 @@ impl Job {
             any = true;
         }
         any
+    }
+}
+
+/// Marks a chunk probed when dropped; unless [`ProbeDone::finish`]ed, as a miss at its start.
+struct ProbeDone<'a> {
+    job: &'a Job,
+    start: usize,
+    finished: bool,
+}
+
+impl ProbeDone<'_> {
+    fn finish(mut self) {
+        self.finished = true;
+    }
+}
+
+impl Drop for ProbeDone<'_> {
+    fn drop(&mut self) {
+        if !self.finished {
+            self.job.miss.fetch_min(self.start, Ordering::AcqRel);
+        }
+        self.job.probed.fetch_add(1, Ordering::Release);
     }
 }
 
@@ -269,6 +294,14 @@ mod tests {
         store
     }
 
+    /// A chain of `n` keys, all cached, and a helper on that store.
+    fn cached_chain(n: usize) -> (Vec<BlockKey>, Arc<BlockStore>, PrefixProber) {
+        let keys = chain(n);
+        let store = store_with(&keys);
+        let prober = PrefixProber::start(Arc::clone(&store));
+        (keys, store, prober)
+    }
+
     /// The helper takes a job only while it waits for one: right after its start it may not.
     fn begin_soon<'a>(prober: &PrefixProber, store: &'a BlockStore, blocks: usize) -> Probing<'a> {
         for _ in 0..1000 {
@@ -327,9 +360,7 @@ mod tests {
 
     #[test]
     fn a_busy_helper_leaves_the_lookup_to_probe_alone() {
-        let keys = chain(4 * CHUNK);
-        let store = store_with(&keys);
-        let prober = PrefixProber::start(Arc::clone(&store));
+        let (keys, store, prober) = cached_chain(4 * CHUNK);
         let mut p = begin_soon(&prober, &store, keys.len());
         // The helper works on that job until it is finished: a second lookup probes alone.
         assert!(prober.begin(&store, CHUNK, keys.len()).is_none());
@@ -341,9 +372,7 @@ mod tests {
 
     #[test]
     fn a_lookup_dropped_midway_releases_the_helper() {
-        let keys = chain(8 * CHUNK);
-        let store = store_with(&keys);
-        let prober = PrefixProber::start(Arc::clone(&store));
+        let (keys, store, prober) = cached_chain(8 * CHUNK);
         let mut p = begin_soon(&prober, &store, keys.len());
         assert!(p.publish(&keys[..3 * CHUNK]));
         drop(p);

@@ -86,12 +86,21 @@ impl TokenArea {
 }
 
 /// A request's tokens (little-endian u32s), in the daemon's own memory as far as they are used.
-#[derive(Debug)]
 pub struct PromptTokens<'a> {
     kind: Kind<'a>,
 }
 
-#[derive(Debug)]
+/// Sizes only: a prompt's tokens are the user's text and stay out of logs.
+impl std::fmt::Debug for PromptTokens<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let copied = match &self.kind {
+            Kind::Inline(b) => b.len(),
+            Kind::Area { copy, .. } => copy.len(),
+        };
+        f.debug_struct("PromptTokens").field("len", &self.len()).field("copied", &copied).finish()
+    }
+}
+
 enum Kind<'a> {
     /// Carried in the request.
     Inline(&'a [u8]),
@@ -130,7 +139,9 @@ impl<'a> PromptTokens<'a> {
                     // SAFETY: `src..src + len` lies inside the mapping, which outlives `self`
                     // (it borrows the area); the spare capacity holds `len - have` bytes. A
                     // page the engine truncated away reads as zeros (the fault guard), which
-                    // `check` reports.
+                    // `check` reports. The engine may write the span meanwhile (a plain copy
+                    // of shared memory, as for its KV memory): whatever bytes land in `copy`
+                    // are the ones everything after reads.
                     unsafe {
                         std::ptr::copy_nonoverlapping(src.add(have), copy.as_mut_ptr().add(have), end - have);
                         copy.set_len(end);
