@@ -190,6 +190,11 @@ mod tests {
         TokenArea::open(&pb::TokenArea { shm_path: path.display().to_string(), size_bytes: declared })
     }
 
+    /// The error a request for `len` bytes at `offset` gets.
+    fn refusal(a: &TokenArea, offset: u64, len: u64) -> String {
+        a.tokens(&pb::TokenSpan { offset, len }).unwrap_err().to_string()
+    }
+
     #[test]
     fn spans_inside_the_area_are_copied_and_others_are_refused() {
         let dir = tempfile::tempdir().unwrap();
@@ -198,10 +203,10 @@ mod tests {
         assert_eq!(a.tokens(&pb::TokenSpan { offset: 8, len: 16 }).unwrap().all(), &bytes[8..24]);
         assert_eq!(a.tokens(&pb::TokenSpan { offset: 64, len: 0 }).unwrap().all(), &[] as &[u8]);
         for (offset, len) in [(60, 8), (u64::MAX, 4), (4, u64::MAX), (65, 0)] {
-            let e = a.tokens(&pb::TokenSpan { offset, len }).unwrap_err().to_string();
+            let e = refusal(&a, offset, len);
             assert!(e.contains("does not lie inside"), "{e}");
         }
-        let e = a.tokens(&pb::TokenSpan { offset: 0, len: 6 }).unwrap_err().to_string();
+        let e = refusal(&a, 0, 6);
         assert!(e.contains("not a whole number of 4-byte"), "{e}");
     }
 
@@ -238,7 +243,7 @@ mod tests {
         let e = t.check().unwrap_err().to_string();
         assert!(e.contains("shrank under the daemon"), "{e}");
         // And every later request of the engine is refused.
-        let e = a.tokens(&pb::TokenSpan { offset: 0, len: 16 }).unwrap_err().to_string();
+        let e = refusal(&a, 0, 16);
         assert!(e.contains("shrank under the daemon"), "{e}");
     }
 
