@@ -152,8 +152,7 @@ pub fn match_candidates(
 ) -> Vec<TierMatch> {
     let mut out = vec![TierMatch::default(); cands.len()];
     scratch.index(cands);
-    let MatchScratch { marks, .. } = &mut *scratch;
-    let mut marks = std::mem::take(marks);
+    let mut marks = std::mem::take(&mut scratch.marks);
     // Candidates still matching; filled by the first stretch.
     let mut alive: Vec<u32> = Vec::new();
     let mut first = true;
