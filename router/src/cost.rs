@@ -114,9 +114,8 @@ impl MatchScratch {
         }
         self.start.resize(top + 1, 0);
         for &(w, n) in &self.holders {
-            self.start[w as usize + 1] += 1;
-            if n != w {
-                self.start[n as usize + 1] += 1;
+            for h in holders_of(w, n) {
+                self.start[h as usize + 1] += 1;
             }
         }
         for h in 1..self.start.len() {
@@ -125,7 +124,7 @@ impl MatchScratch {
         let mut next: Vec<u32> = self.start.clone();
         self.by_holder.resize(next[top] as usize, 0);
         for (c, &(w, n)) in self.holders.iter().enumerate() {
-            for h in if n != w { [Some(w), Some(n)] } else { [Some(w), None] }.into_iter().flatten() {
+            for h in holders_of(w, n) {
                 self.by_holder[next[h as usize] as usize] = c as u32;
                 next[h as usize] += 1;
             }
@@ -139,6 +138,11 @@ impl MatchScratch {
             _ => &[],
         }
     }
+}
+
+/// The holders a candidate with worker holder `w` on node holder `n` is indexed under (each once).
+fn holders_of(w: u32, n: u32) -> impl Iterator<Item = u32> {
+    std::iter::once(w).chain((n != w).then_some(n))
 }
 
 /// Computes, for each candidate, the blocks it can get per tier. `positions` is called with a

@@ -189,9 +189,7 @@ impl Daemon {
         let (keys, m) = if req.route_id.is_some() {
             // The outcome report needs the keys past the engine's own G1 blocks: all of them.
             // A copy that faulted is not remembered by the key memo either: checked first.
-            tokens.all();
-            tokens.check()?;
-            let keys = self.keys(&engine, tokens.all())?;
+            let keys = self.keys(&engine, tokens.all_checked()?)?;
             let m = BlockStore::count_prefix(&self.store.held_prefix(&keys));
             (keys, m)
         } else {

@@ -67,6 +67,23 @@ impl Job {
         }
     }
 
+    /// Key `i` (valid once `derived > i`).
+    fn key(&self, i: usize) -> BlockKey {
+        let [lo, hi] = &self.keys[i - self.base];
+        let mut k = [0u8; 16];
+        k[..8].copy_from_slice(&lo.load(Ordering::Relaxed).to_le_bytes());
+        k[8..].copy_from_slice(&hi.load(Ordering::Relaxed).to_le_bytes());
+        BlockKey(k)
+    }
+
+    /// Writes key `i` (published to the other thread by the next store of `derived`).
+    fn set_key(&self, i: usize, k: &BlockKey) {
+        let [lo, hi] = &self.keys[i - self.base];
+        let (a, b) = k.0.split_at(8);
+        lo.store(u64::from_le_bytes(a.try_into().unwrap_or_default()), Ordering::Relaxed);
+        hi.store(u64::from_le_bytes(b.try_into().unwrap_or_default()), Ordering::Relaxed);
+    }
+
     /// Takes the next chunk whose keys are all derived (or, once the lookup is finished, whose
     /// first key is) and lies before any known miss. Returns its key range.
     fn take(&self) -> Option<(usize, usize)> {
@@ -92,15 +109,7 @@ impl Job {
         // Counted as probed however it ends: a probe that panics leaves a miss at its first key
         // (fewer blocks matched, never more), and the lookup waiting for it goes on.
         let done = ProbeDone { job: self, start, finished: false };
-        let keys: Vec<BlockKey> = (start..end)
-            .map(|i| {
-                let [lo, hi] = &self.keys[i - self.base];
-                let mut k = [0u8; 16];
-                k[..8].copy_from_slice(&lo.load(Ordering::Relaxed).to_le_bytes());
-                k[8..].copy_from_slice(&hi.load(Ordering::Relaxed).to_le_bytes());
-                BlockKey(k)
-            })
-            .collect();
+        let keys: Vec<BlockKey> = (start..end).map(|i| self.key(i)).collect();
         let held = store.held_prefix(&keys);
         for (i, &h) in held.iter().enumerate() {
             self.held[start - self.base + i].store(h, Ordering::Relaxed);
@@ -185,21 +194,34 @@ impl Drop for PrefixProber {
 
 fn help(store: &BlockStore, jobs: &Receiver<Arc<Job>>) {
     while let Ok(job) = jobs.recv() {
-        let mut idle = 0u32;
+        let mut idle = Backoff::default();
         loop {
             if job.probe_ready(store) {
-                idle = 0;
+                idle = Backoff::default();
                 continue;
             }
             if job.finished.load(Ordering::Acquire) {
                 break;
             }
-            idle = idle.saturating_add(1);
-            if idle < SPINS_BEFORE_YIELD {
-                std::hint::spin_loop();
-            } else {
-                std::thread::yield_now();
-            }
+            idle.snooze();
+        }
+    }
+}
+
+/// Waiting for the other thread of a job: spins a while, then yields the CPU between polls
+/// (the thread waited for may need it).
+#[derive(Default)]
+struct Backoff {
+    polls: u32,
+}
+
+impl Backoff {
+    fn snooze(&mut self) {
+        self.polls = self.polls.saturating_add(1);
+        if self.polls < SPINS_BEFORE_YIELD {
+            std::hint::spin_loop();
+        } else {
+            std::thread::yield_now();
         }
     }
 }
@@ -218,10 +240,7 @@ impl Probing<'_> {
     pub fn publish(&mut self, keys: &[BlockKey]) -> bool {
         let end = keys.len().min(self.job.base + self.job.keys.len());
         for (i, k) in keys.iter().enumerate().take(end).skip(self.published) {
-            let [lo, hi] = &self.job.keys[i - self.job.base];
-            let (a, b) = k.0.split_at(8);
-            lo.store(u64::from_le_bytes(a.try_into().unwrap_or_default()), Ordering::Relaxed);
-            hi.store(u64::from_le_bytes(b.try_into().unwrap_or_default()), Ordering::Relaxed);
+            self.job.set_key(i, k);
         }
         self.published = self.published.max(end);
         self.job.derived.store(self.published, Ordering::Release);
@@ -238,14 +257,9 @@ impl Probing<'_> {
         this.job.probe_ready(this.store);
         // What is taken now is final: wait for the helper's chunk in progress, if any.
         let taken = this.job.taken.load(Ordering::Acquire);
-        let mut polls = 0u32;
+        let mut wait = Backoff::default();
         while this.job.probed.load(Ordering::Acquire) < taken {
-            polls = polls.saturating_add(1);
-            if polls < SPINS_BEFORE_YIELD {
-                std::hint::spin_loop();
-            } else {
-                std::thread::yield_now();
-            }
+            wait.snooze();
         }
         let job = &this.job;
         let end = job.miss.load(Ordering::Acquire).min(this.published);

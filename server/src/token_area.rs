@@ -158,6 +158,13 @@ impl<'a> PromptTokens<'a> {
         self.upto(usize::MAX)
     }
 
+    /// All the tokens, or the error of a copy that faulted.
+    pub fn all_checked(&mut self) -> Result<&[u8], ServerError> {
+        self.all();
+        self.check()?;
+        Ok(self.all())
+    }
+
     /// An error when a copy out of the token area faulted: what was copied is not the
     /// engine's tokens, so nothing derived from it may be answered.
     pub fn check(&self) -> Result<(), ServerError> {
