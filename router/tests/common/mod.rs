@@ -71,6 +71,13 @@ impl Server {
         self.http.get(format!("{}/healthz", self.base)).send().await.unwrap().json().await.unwrap()
     }
 
+    /// The `/healthz` condition of `kind`; fails the test, printing the answer, where none is.
+    pub async fn condition(&self, kind: &str) -> Value {
+        let h = self.healthz().await;
+        let found = h["conditions"].as_array().and_then(|cs| cs.iter().find(|c| c["kind"] == kind)).cloned();
+        found.unwrap_or_else(|| panic!("no {kind} condition in {h}"))
+    }
+
     pub async fn metrics(&self) -> String {
         self.http.get(format!("{}/metrics", self.base)).send().await.unwrap().text().await.unwrap()
     }
