@@ -143,6 +143,15 @@ fn g3(c: &mut Criterion) {
         g.bench_function(BenchmarkId::new("raw_odirect_write", name), |b| b.iter(|| raw.write_next(&src).unwrap()));
         let mut out = BlockBuf::zeroed(len);
         g.bench_function(BenchmarkId::new("raw_odirect_read", name), |b| b.iter(|| raw.read_next(&mut out).unwrap()));
+        // The limit of a read that must verify (every G3 read checks the block's checksum):
+        // the same raw read, then the XXH3-64 of what arrived. The block has just arrived by
+        // DMA and its first reading by the CPU, not the hash's arithmetic, is what this adds.
+        g.bench_function(BenchmarkId::new("raw_odirect_read_verify", name), |b| {
+            b.iter(|| {
+                raw.read_next(&mut out).unwrap();
+                black_box(kvtiers::checksum(&out))
+            })
+        });
         g.bench_function(BenchmarkId::new("write", name), |b| {
             b.iter(|| tier.put(BlockRef { key: fresh_key(), meta: meta(len), data: black_box(&src) }).unwrap())
         });
@@ -166,6 +175,16 @@ fn g3(c: &mut Criterion) {
         let mut outs: Vec<BlockBuf> = (0..16).map(|_| BlockBuf::zeroed(len)).collect();
         let mut at = 0;
         g.throughput(Throughput::Bytes(16 * len as u64));
+        // Its limit: 16 raw O_DIRECT reads in flight at once through one ring (the raw file
+        // still holds what `raw_odirect_write` wrote).
+        match io_uring::IoUring::new(16) {
+            Ok(mut ring) => {
+                g.bench_function(BenchmarkId::new("raw_odirect_read_batch16", name), |b| {
+                    b.iter(|| raw.read_batch(&mut ring, &mut outs).unwrap())
+                });
+            }
+            Err(e) => eprintln!("g3/raw_odirect_read_batch16 skipped: io_uring unavailable here ({e})"),
+        }
         g.bench_function(BenchmarkId::new("read_batch16", name), |b| {
             b.iter(|| {
                 at = (at + 16) % (keys.len() - 15);

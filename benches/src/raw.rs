@@ -53,6 +53,40 @@ impl RawDirectFile {
         self.io(buf.as_mut_ptr(), off, false)
     }
 
+    /// Reads the next `bufs.len()` slots into `bufs` with every read in flight at once through
+    /// `ring` (io_uring, as the tier's batched reads): the device's limit at that queue depth.
+    pub fn read_batch(&mut self, ring: &mut io_uring::IoUring, bufs: &mut [BlockBuf]) -> io::Result<()> {
+        use io_uring::{opcode, types};
+        let len = u32::try_from(self.block).map_err(|_| io::Error::other("block over 4 GiB"))?;
+        if bufs.len() > ring.params().sq_entries() as usize {
+            return Err(io::Error::other("io_uring submission queue smaller than the batch"));
+        }
+        for (i, buf) in bufs.iter_mut().enumerate() {
+            let off = self.slot();
+            let sqe = opcode::Read::new(types::Fd(self.file.as_raw_fd()), buf.as_mut_ptr(), len)
+                .offset(off)
+                .build()
+                .user_data(i as u64);
+            // SAFETY: `buf` outlives the read: this function reaps every completion before it
+            // returns. The queue has room (checked above, and it is empty between calls).
+            unsafe { ring.submission().push(&sqe) }.map_err(|_| io::Error::other("io_uring submission queue full"))?;
+        }
+        let (mut left, mut short) = (bufs.len(), None);
+        while left > 0 {
+            ring.submit_and_wait(1)?;
+            for cqe in ring.completion() {
+                left -= 1;
+                if usize::try_from(cqe.result()).ok() != Some(self.block) {
+                    short = Some(cqe.result());
+                }
+            }
+        }
+        match short {
+            Some(r) => Err(io::Error::other(format!("raw batched read returned {r}"))),
+            None => Ok(()),
+        }
+    }
+
     fn io(&self, p: *mut u8, off: u64, write: bool) -> io::Result<()> {
         let mut done = 0usize;
         while done < self.block {
