@@ -86,6 +86,11 @@ impl<S: SlotBytes> Residency<S> {
         true
     }
 
+    /// Whether `slot`'s reservation of `key` is still in place (not removed, not committed).
+    pub fn is_writing(&self, key: &BlockKey, slot: &Arc<S>) -> bool {
+        self.entries.get(key).is_some_and(|e| e.state == State::Writing && Arc::ptr_eq(&e.slot, slot))
+    }
+
     /// Makes a reserved block visible. False if the reservation is gone (removed meanwhile).
     pub fn commit(&mut self, key: &BlockKey, slot: &Arc<S>) -> bool {
         let parent = match self.entries.get_mut(key) {

@@ -384,3 +384,176 @@ fn engines_run_every_op_of_a_batch_past_a_failed_one() {
         }
     }
 }
+
+/// Blocks read lately wait for their recency tick to be written in a batch; waiting there must
+/// not keep them from eviction (a full G3 of such blocks refused every put).
+#[test]
+fn blocks_read_lately_stay_evictable() {
+    let d = tempfile::tempdir().unwrap();
+    let t = disk(d.path(), 4 * PAGE as u64, IoBackend::Psync);
+    for c in 1..=4 {
+        put(&*t, c, 0, PAGE);
+    }
+    let mut out = BlockBuf::new();
+    for c in 1..=4 {
+        assert!(t.get(&key(c, 0), &mut out).unwrap().is_some());
+    }
+    // Full, nothing pinned: the least recently used block goes.
+    put(&*t, 5, 0, PAGE);
+    assert!(t.get(&key(1, 0), &mut out).unwrap().is_none(), "block 1 was the least recently used");
+    assert!(t.get(&key(5, 0), &mut out).unwrap().is_some());
+    assert_eq!(&out[..], &content(&key(5, 0), PAGE)[..]);
+}
+
+/// Index records a restart must not trust: one naming ~2^32 pages (dropped before its page
+/// list is built), one naming a page twice, and a stale record naming the pages of a block
+/// written after it (the later write wins: it overwrote the earlier block's data).
+#[test]
+fn restart_drops_huge_duplicated_and_stale_records_and_keeps_the_newer_block() {
+    use kvtiers::disk::index::{DiskIndex, IndexEntry};
+    let d = tempfile::tempdir().unwrap();
+    {
+        let t = disk(d.path(), 16 * PAGE as u64, IoBackend::Psync);
+        put(&*t, 1, 0, PAGE); // page 0
+        put(&*t, 1, 1, 2 * PAGE); // pages 1-2
+        t.flush().unwrap();
+    }
+    {
+        let index = DiskIndex::open(&d.path().join("index"), PAGE).unwrap();
+        let record = |len: u64, runs: Vec<(u32, u32)>| IndexEntry {
+            meta: kvtiers::BlockMeta { namespace: NS, parent: None, len },
+            checksum: 1,
+            tick: 0, // older than every block put above
+            runs,
+        };
+        let puts = [
+            (key(8, 0), record(u64::from(u32::MAX) * PAGE as u64, vec![(0, u32::MAX)])),
+            (key(8, 1), record(2 * PAGE as u64, vec![(5, 1), (5, 1)])),
+            (key(9, 0), record(2 * PAGE as u64, vec![(0, 2)])),
+        ];
+        index.write(&puts, &[], true).unwrap();
+    }
+    let t = disk(d.path(), 16 * PAGE as u64, IoBackend::Psync);
+    assert_eq!(t.usage().blocks, 2, "only the two real blocks come back");
+    let mut out = BlockBuf::new();
+    for (i, len) in [(0, PAGE), (1, 2 * PAGE)] {
+        assert!(t.get(&key(1, i), &mut out).unwrap().is_some(), "block {i} was dropped");
+        assert_eq!(&out[..], &content(&key(1, i), len)[..]);
+    }
+    for k in [key(8, 0), key(8, 1), key(9, 0)] {
+        assert!(t.get(&k, &mut out).unwrap().is_none());
+    }
+    // Pages of dropped records are free again: 13 more pages fit.
+    for i in 0..13 {
+        put(&*t, 2, i, PAGE);
+    }
+    assert_eq!(t.usage().blocks, 15);
+    assert_eq!(t.stats().checksum_failures, 0);
+}
+
+/// An engine that fails whole batches before running any op while `broken` is set.
+#[derive(Debug)]
+struct Breakable {
+    inner: Box<dyn IoEngine>,
+    broken: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl IoEngine for Breakable {
+    fn name(&self) -> &'static str {
+        "breakable"
+    }
+    fn run(&mut self, fd: std::os::fd::RawFd, ops: &[IoOp], progress: &mut dyn IoProgress) -> std::io::Result<()> {
+        if self.broken.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(std::io::Error::other("engine unavailable"));
+        }
+        self.inner.run(fd, ops, progress)
+    }
+}
+
+/// A read whose batch fails before any op runs is an error of the call: the block stays and is
+/// served once reads run again (it used to be dropped as corrupt).
+#[test]
+fn a_read_that_never_ran_keeps_the_block() {
+    let d = tempfile::tempdir().unwrap();
+    let broken = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let b = Arc::clone(&broken);
+    let factory: EngineFactory = Arc::new(move || {
+        let inner: Box<dyn IoEngine> = Box::new(PsyncEngine);
+        Ok(Box::new(Breakable { inner, broken: Arc::clone(&b) }) as Box<dyn IoEngine>)
+    });
+    let mut cfg = disk_cfg(d.path(), 8 << 20);
+    cfg.io_threads = 0;
+    let t = DiskTier::open_with_engine(&cfg, factory).unwrap();
+    put(&t, 3, 0, PAGE + 5);
+    broken.store(true, std::sync::atomic::Ordering::SeqCst);
+    let mut out = BlockBuf::new();
+    assert!(t.get(&key(3, 0), &mut out).is_err(), "a read that did not run is an error, not a miss");
+    broken.store(false, std::sync::atomic::Ordering::SeqCst);
+    assert!(t.get(&key(3, 0), &mut out).unwrap().is_some(), "the block was dropped");
+    assert_eq!(&out[..], &content(&key(3, 0), PAGE + 5)[..]);
+    assert_eq!(t.stats().checksum_failures, 0);
+}
+
+/// The gate's two ends: "arrived" (sent by the engine) and "go through" (received by it).
+type Gate = Option<(std::sync::mpsc::Sender<()>, std::sync::mpsc::Receiver<()>)>;
+
+/// An engine whose first write batch waits at a gate: it says it arrived, then waits to be let
+/// through.
+#[derive(Debug)]
+struct Gated {
+    inner: PsyncEngine,
+    gate: Arc<std::sync::Mutex<Gate>>,
+}
+
+impl IoEngine for Gated {
+    fn name(&self) -> &'static str {
+        "gated"
+    }
+    fn run(&mut self, fd: std::os::fd::RawFd, ops: &[IoOp], progress: &mut dyn IoProgress) -> std::io::Result<()> {
+        let gate =
+            if ops.first().is_some_and(|o| o.kind == IoKind::Write) { self.gate.lock().unwrap().take() } else { None };
+        if let Some((arrived, through)) = gate {
+            arrived.send(()).unwrap();
+            through.recv().unwrap();
+        }
+        self.inner.run(fd, ops, progress)
+    }
+}
+
+/// A block removed while its bytes are on their way to disk never reaches the index: the
+/// index is written only for reservations still in place, under the lock the removal's delete
+/// takes (a record written after the delete would name pages another block may own later).
+#[test]
+fn a_block_removed_mid_write_is_not_indexed() {
+    let d = tempfile::tempdir().unwrap();
+    let (arrived_tx, arrived_rx) = std::sync::mpsc::channel();
+    let (through_tx, through_rx) = std::sync::mpsc::channel();
+    let gate = Arc::new(std::sync::Mutex::new(Some((arrived_tx, through_rx))));
+    let g = Arc::clone(&gate);
+    let factory: EngineFactory =
+        Arc::new(move || Ok(Box::new(Gated { inner: PsyncEngine, gate: Arc::clone(&g) }) as Box<dyn IoEngine>));
+    let mut cfg = disk_cfg(d.path(), 8 * PAGE as u64);
+    cfg.io_threads = 0;
+    let t = Arc::new(DiskTier::open_with_engine(&cfg, factory).unwrap());
+    let writer = {
+        let t = Arc::clone(&t);
+        std::thread::spawn(move || {
+            let k = key(4, 0);
+            let data = content(&k, PAGE);
+            t.put(BlockRef { key: k, meta: meta(4, 0, PAGE), data: &data })
+        })
+    };
+    arrived_rx.recv().unwrap();
+    assert!(t.remove(&key(4, 0)).unwrap(), "the reservation was there to remove");
+    through_tx.send(()).unwrap();
+    assert!(!writer.join().unwrap().unwrap(), "the put reports that it stored nothing");
+    let mut out = BlockBuf::new();
+    assert!(t.get(&key(4, 0), &mut out).unwrap().is_none());
+    put(&*t, 5, 0, PAGE);
+    t.flush().unwrap();
+    drop(t);
+    let index = kvtiers::disk::index::DiskIndex::open(&d.path().join("index"), PAGE).unwrap();
+    let keys: Vec<kvproto::BlockKey> =
+        index.scan().unwrap().into_iter().filter_map(|r| r.ok().map(|(k, _)| k)).collect();
+    assert_eq!(keys, vec![key(5, 0)], "only the block that stayed is indexed");
+}

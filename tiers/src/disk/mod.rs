@@ -16,8 +16,8 @@ use std::fs::{File, OpenOptions};
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
 use std::time::Instant;
 
 use kvproto::{BlockKey, TierKind};
@@ -116,7 +116,10 @@ pub struct DiskTier {
     listener: ListenerSlot,
     /// Recency ticks not yet in the index, written in one batch per `TOUCH_BATCH` reads (and at
     /// flush): a RocksDB write per read would cost more than the checksum.
-    touched: Mutex<Vec<(BlockKey, Arc<DiskSlot>, IndexEntry)>>,
+    /// Weak: a block waiting here must stay evictable (eviction takes only blocks nobody holds),
+    /// and its pages must be freed when it is removed; the weak reference also keeps the slot's
+    /// address from being reused, so `ptr_eq` below cannot match a newer slot.
+    touched: Mutex<Vec<(BlockKey, Weak<DiskSlot>, IndexEntry)>>,
 }
 
 /// Reads whose recency ticks are written to the index together.
@@ -174,7 +177,7 @@ impl DiskTier {
             IoThreads::start(cfg.io_threads, cfg.io_threads * 4, (cfg.inline_read_max, cfg.inline_write_max), &factory)
                 .map_err(|e| TierError::io(TIER, "start I/O threads", e))?;
 
-        // Recovery: claim pages of valid entries in recency order.
+        // Recovery: claim the pages of valid entries.
         let mut bad_raw = Vec::new();
         let mut bad_keys = Vec::new();
         let mut entries = Vec::new();
@@ -184,20 +187,32 @@ impl DiskTier {
                 Err(raw) => bad_raw.push(raw),
             }
         }
-        entries.sort_by_key(|(_, e)| e.tick);
+        // Most recent first: where two records name one page, the later one was written over
+        // the earlier one's data (an index entry is written only once its data is on disk), so
+        // the earlier record is the stale one and is dropped.
+        entries.sort_by_key(|(_, e)| std::cmp::Reverse(e.tick));
         let mut claimed = vec![false; total as usize];
         let mut good = Vec::new();
         for (key, e) in entries {
-            let pages: Vec<u32> = e.runs.iter().flat_map(|&(f, n)| f..f.saturating_add(n)).collect();
             let need = (e.meta.len.div_ceil(cfg.page_size as u64) as usize).max(1);
-            let valid =
-                pages.len() == need && pages.iter().all(|&p| (p as usize) < claimed.len() && !claimed[p as usize]);
-            if !valid {
+            // The runs are checked before they are expanded: a record read from disk may name
+            // any run (up to 2^32 pages each), and its page list must not be allocated first.
+            let in_range = e.runs.iter().all(|&(f, n)| u64::from(f) + u64::from(n) <= u64::from(total));
+            let named: u64 = e.runs.iter().map(|&(_, n)| u64::from(n)).sum();
+            if !in_range || named != need as u64 || named > u64::from(total) {
                 bad_keys.push(key);
                 continue;
             }
-            for &p in &pages {
-                claimed[p as usize] = true;
+            let pages: Vec<u32> = e.runs.iter().flat_map(|&(f, n)| f..f + n).collect();
+            // Claimed by a more recent block, or named twice in this record: invalid, and this
+            // record's own claims are undone.
+            let taken = pages.iter().position(|&p| std::mem::replace(&mut claimed[p as usize], true));
+            if let Some(at) = taken {
+                for &p in &pages[..at] {
+                    claimed[p as usize] = false;
+                }
+                bad_keys.push(key);
+                continue;
             }
             good.push((key, e, pages));
         }
@@ -215,7 +230,8 @@ impl DiskTier {
         let mut st = Residency::new(Box::new(LruPolicy::new()));
         let mut max_tick = 0;
         let recovered = good.len();
-        for (key, e, pages) in good {
+        // Oldest first into the LRU order.
+        for (key, e, pages) in good.into_iter().rev() {
             max_tick = max_tick.max(e.tick);
             let slot = Arc::new(DiskSlot {
                 pages: pool.adopt(pages),
@@ -333,11 +349,11 @@ impl DiskTier {
 
     /// Writes recency ticks of blocks that are still resident. Runs under the state lock, like
     /// eviction's index deletes, so that a tick never resurrects an entry evicted meanwhile.
-    fn write_touches(&self, batch: Vec<(BlockKey, Arc<DiskSlot>, IndexEntry)>) {
+    fn write_touches(&self, batch: Vec<(BlockKey, Weak<DiskSlot>, IndexEntry)>) {
         let mut st = self.state.lock();
         let live: Vec<(BlockKey, IndexEntry)> = batch
             .into_iter()
-            .filter(|(k, slot, _)| st.get(k, false).is_some_and(|(s, _)| Arc::ptr_eq(&s, slot)))
+            .filter(|(k, slot, _)| st.get(k, false).is_some_and(|(s, _)| std::ptr::eq(Arc::as_ptr(&s), slot.as_ptr())))
             .map(|(k, _, e)| (k, e))
             .collect();
         if let Err(e) = self.index.touch(&live) {
@@ -430,11 +446,19 @@ impl Tier for DiskTier {
         // batch failed; an fdatasync failure fails them all.
         let mut good = vec![false; reserved.len()];
         let mut puts: Vec<(BlockKey, IndexEntry)> = Vec::with_capacity(reserved.len());
+        // The index is written under the state lock, and only for reservations still in place:
+        // a block removed while its bytes went out must not reach the index after the removal's
+        // delete did, or a restart would find a record naming pages that another block may own
+        // by then (every index write happens under this lock, so the two are ordered).
+        let mut st = self.state.lock();
         for (n, (i, slot)) in reserved.iter().enumerate() {
             let Some(sum) = sums.result(n).filter(|_| synced.is_ok()) else { continue };
             slot.checksum.store(sum, Ordering::Relaxed);
             good[n] = true;
             let b = &blocks[*i];
+            if !st.is_writing(&b.key, slot) {
+                continue;
+            }
             puts.push((
                 b.key,
                 IndexEntry {
@@ -446,7 +470,6 @@ impl Tier for DiskTier {
             ));
         }
         let indexed = self.index.write(&puts, &[], false);
-        let mut st = self.state.lock();
         let failure = match (&indexed, &synced, &written) {
             (Err(e), _, _) | (_, Err(e), _) | (_, _, Err(e)) => e.to_string(),
             _ => "write failed".to_string(),
@@ -515,6 +538,16 @@ impl Tier for DiskTier {
             };
             let expected = slot.checksum.load(Ordering::Relaxed);
             let got = reads.checksum_of(read);
+            if got.is_none() && !reads.failed(read) {
+                // The batch failed before this block's reads ran (no engine, threads stopped):
+                // an error of this call, not of the block, which stays.
+                let why = match &io {
+                    Err(e) => e.to_string(),
+                    Ok(()) => "its reads did not run".to_string(),
+                };
+                results.push(Err(TierError::io(TIER, "read", std::io::Error::other(why))));
+                continue;
+            }
             if got != Some(expected) {
                 let why = match (&io, got) {
                     (Err(e), None) => format!("read failed: {e}"),
@@ -530,7 +563,7 @@ impl Tier for DiskTier {
             let entry = IndexEntry { meta, checksum: expected, tick, runs: slot.pages.runs() };
             let batch = {
                 let mut t = self.touched.lock();
-                t.push((*key, Arc::clone(&slot), entry));
+                t.push((*key, Arc::downgrade(&slot), entry));
                 (t.len() >= TOUCH_BATCH).then(|| std::mem::take(&mut *t))
             };
             if let Some(batch) = batch {

@@ -99,6 +99,12 @@ impl VerifiedReads {
         std::mem::take(&mut self.ops)
     }
 
+    /// Whether a read op of block `block` completed with an error (as opposed to not having
+    /// run at all, when the batch failed before its ops went out).
+    pub(super) fn failed(&self, block: usize) -> bool {
+        self.blocks[block].failed
+    }
+
     /// The checksum of block `block`'s bytes, or None when a piece of it failed to arrive.
     pub(super) fn checksum_of(&self, block: usize) -> Option<u64> {
         let b = &self.blocks[block];
