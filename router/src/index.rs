@@ -198,32 +198,69 @@ impl FromIterator<Slot> for Slots {
 /// Absolute offsets inside a run fit the key table's 16 bits.
 const RUN_MAX: usize = 1 << 16;
 
+/// A freed run keeps its key vector for the next run made at its index up to this capacity.
+const KEEP_FREED_KEYS: usize = 256;
+
 /// How many keys ahead a store prefetches key-table slots.
 const PREFETCH: usize = 8;
 
 /// A run: consecutive blocks of one chain (each key's parent is the key before it) held by the
-/// same holder set. `start` is the absolute offset of `keys[0]` (the key table stores absolute
-/// offsets, so dropping a run's first keys moves nothing else).
+/// same holder set. `start` is the absolute offset of its first live key (the key table stores
+/// absolute offsets, so dropping a run's first keys moves nothing else).
 #[derive(Debug, Default)]
 struct Run {
+    /// The run's keys after the first `skip`, which are dead: keys dropped from the front are
+    /// only counted, and compacted away once they outnumber the live ones, so a run eaten from
+    /// the front one block at a time does not copy its rest each time.
     keys: Vec<BlockKey>,
+    skip: u32,
     start: u32,
     holders: Slots,
 }
 
 impl Run {
+    /// The run's keys (offsets `start..end()`).
+    fn live(&self) -> &[BlockKey] {
+        self.keys.get(self.skip as usize..).unwrap_or(&[])
+    }
+
     fn end(&self) -> usize {
-        self.start as usize + self.keys.len()
+        self.start as usize + self.live().len()
     }
 
     fn key(&self, off: u16) -> Option<&BlockKey> {
-        self.keys.get((off as usize).wrapping_sub(self.start as usize))
+        self.live().get((off as usize).wrapping_sub(self.start as usize))
+    }
+
+    /// Drops the first `n` live keys (amortised O(1) a key).
+    fn drop_front(&mut self, n: usize) {
+        self.skip += n as u32;
+        self.start += n as u32;
+        if self.skip as usize * 2 > self.keys.len() {
+            self.keys.drain(..self.skip as usize);
+            self.skip = 0;
+        }
+    }
+
+    /// Drops every live key from absolute offset `off` on.
+    fn truncate(&mut self, off: usize) {
+        self.keys.truncate(self.skip as usize + off - self.start as usize);
+    }
+
+    /// Gives back spare capacity when there is much of it (dead keys included).
+    fn trim(&mut self, slack: usize) {
+        let live = self.live().len();
+        if self.keys.capacity() > live + slack {
+            self.keys.drain(..self.skip as usize);
+            self.skip = 0;
+            self.keys.shrink_to_fit();
+        }
     }
 
     /// How many of `keys` equal this run's keys from absolute offset `off` on.
     fn matching(&self, off: u16, keys: &[BlockKey]) -> usize {
         let base = (off as usize).saturating_sub(self.start as usize);
-        keys.iter().zip(self.keys.get(base..).unwrap_or(&[])).take_while(|(a, b)| a == b).count()
+        keys.iter().zip(self.live().get(base..).unwrap_or(&[])).take_while(|(a, b)| a == b).count()
     }
 
     /// [`Run::matching`] for a lookup, reading few keys: as a key names its whole prefix, if the
@@ -231,7 +268,7 @@ impl Run {
     /// last candidate pair, then by bisection.
     fn matching_chain(&self, off: u16, keys: &[BlockKey]) -> usize {
         let base = (off as usize).saturating_sub(self.start as usize);
-        let mine = self.keys.get(base..).unwrap_or(&[]);
+        let mine = self.live().get(base..).unwrap_or(&[]);
         let n = keys.len().min(mine.len());
         if n == 0 || keys[n - 1] == mine[n - 1] {
             return n;
@@ -287,7 +324,7 @@ impl Space {
     fn add_head(&mut self, r: u32) {
         let Space { heads, runs, .. } = self;
         let run = &runs[r as usize];
-        let Some(k) = run.keys.first() else { return };
+        let Some(k) = run.live().first() else { return };
         heads.reserve(1);
         let is_key = |l: Loc| runs.get(l.run as usize).and_then(|r| r.key(l.off)) == Some(k);
         heads.find_or_insert(heads.hash(k), is_key, Loc { run: r, off: run.start as u16 });
@@ -296,7 +333,7 @@ impl Space {
     /// Removes run `r`'s first key from the heads table.
     fn drop_head(&mut self, r: u32) {
         let run = &self.runs[r as usize];
-        if let Some(k) = run.keys.first() {
+        if let Some(k) = run.live().first() {
             self.heads.remove(k, Loc { run: r, off: run.start as u16 });
         }
     }
@@ -306,13 +343,13 @@ impl Space {
             Some(r) => {
                 // The freed run's key vector, empty, keeps its capacity for the new run.
                 let keys = std::mem::take(&mut self.runs[r as usize].keys);
-                self.runs[r as usize] = Run { keys, start: 0, holders };
+                self.runs[r as usize] = Run { keys, skip: 0, start: 0, holders };
                 r
             }
             None => {
                 // Never more than `MAX_RUN` runs: 2^32 runs would need 200 GB for the runs alone.
                 debug_assert!(self.runs.len() < crate::keytable::MAX_RUN as usize);
-                self.runs.push(Run { keys: Vec::new(), start: 0, holders });
+                self.runs.push(Run { keys: Vec::new(), skip: 0, start: 0, holders });
                 (self.runs.len() - 1) as u32
             }
         }
@@ -322,11 +359,14 @@ impl Space {
     fn free_run(&mut self, r: u32) {
         self.drop_head(r);
         let mut run = std::mem::take(&mut self.runs[r as usize]);
-        self.table.remove_run(&run.keys, r, run.start as usize);
-        // Keep the allocation for the run that reuses this index (churn frees and makes runs of
-        // the same sizes over and over).
-        run.keys.clear();
-        self.runs[r as usize].keys = run.keys;
+        self.table.remove_run(run.live(), r, run.start as usize);
+        // Keep a small allocation for the run that reuses this index (churn frees and makes
+        // runs of the same sizes over and over); a large one goes back (a dropped holder's
+        // long runs must not stay allocated until their indices are reused).
+        if run.keys.capacity() <= KEEP_FREED_KEYS {
+            run.keys.clear();
+            self.runs[r as usize].keys = run.keys;
+        }
         self.free.push(r);
     }
 
@@ -337,7 +377,7 @@ impl Space {
             let run = &self.runs[r as usize];
             (run.start as usize, run.holders.clone())
         };
-        let keys: Vec<BlockKey> = self.runs[r as usize].keys[a - start..b - start].to_vec();
+        let keys: Vec<BlockKey> = self.runs[r as usize].live()[a - start..b - start].to_vec();
         self.drop_head(r);
         let n = self.new_run(holders);
         for (j, k) in keys.iter().enumerate() {
@@ -346,14 +386,12 @@ impl Space {
         self.runs[n as usize].keys = keys;
         let run = &mut self.runs[r as usize];
         if a == start {
-            run.keys.drain(..b - a);
-            run.start = b as u32;
+            run.drop_front(b - a);
         } else {
-            run.keys.truncate(a - start);
+            run.truncate(a);
         }
-        if run.keys.capacity() > 2 * run.keys.len() + 8 {
-            run.keys.shrink_to_fit();
-        }
+        let slack = run.live().len() + 8;
+        run.trim(slack);
         self.add_head(r);
         self.add_head(n);
         n
@@ -452,6 +490,10 @@ impl BlockIndex {
     /// Records that `slot` holds every key of `keys` (a chain: each key's parent is the one
     /// before it, the first one's is `parent`) in `ns`.
     pub fn store(&mut self, ns: NamespaceId, parent: Option<&BlockKey>, keys: &[BlockKey], slot: Slot) {
+        if keys.is_empty() {
+            // Nothing to record, and no namespace to make for it.
+            return;
+        }
         let sp = self.spaces.entry(ns).or_default();
         sp.table.reserve(keys.len());
         let mut hashes = std::mem::take(&mut self.hashes);
@@ -517,13 +559,12 @@ impl BlockIndex {
                 i += 1;
             }
             let run = &mut runs[r as usize];
-            if run.keys.is_empty() {
+            if run.live().is_empty() {
                 sp.free_run(r);
                 continue;
             }
-            if run.keys.capacity() > run.keys.len() + run.keys.len() / 8 + 4 {
-                run.keys.shrink_to_fit();
-            }
+            let slack = run.live().len() / 8 + 4;
+            run.trim(slack);
             if fresh {
                 sp.add_head(r);
             }
@@ -578,10 +619,10 @@ impl BlockIndex {
             let mut freed = false;
             for r in 0..sp.runs.len() {
                 let run = &mut sp.runs[r];
-                if run.keys.is_empty() {
+                if run.live().is_empty() {
                     continue;
                 }
-                let len = run.keys.len() as i64;
+                let len = run.live().len() as i64;
                 run.holders.remove_where(|s| {
                     let hit = pred(s);
                     if hit {
@@ -729,6 +770,75 @@ impl HolderTable {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn chain(base: u64, n: u64) -> Vec<BlockKey> {
+        (0..n).map(|i| kvproto::events::key_from_u64(base + i)).collect()
+    }
+
+    /// A run eaten from the front one block at a time (a second holder storing a shared prefix
+    /// one block per event, or removals in chain order): every block is still found where it
+    /// is, the counts stay right, and the dead keys are compacted away as they go.
+    #[test]
+    fn a_run_eaten_from_the_front_stays_right_and_compact() {
+        let ns = NamespaceId([5; 16]);
+        let mut ix = BlockIndex::new();
+        let a = Slot::new(1, TierKind::G2Host);
+        let b = Slot::new(2, TierKind::G2Host);
+        let keys = chain(0, 4096);
+        ix.store(ns, None, &keys, a);
+        for (i, k) in keys.iter().enumerate() {
+            ix.store(ns, (i > 0).then(|| &keys[i - 1]), std::slice::from_ref(k), b);
+            if i % 512 == 0 || i == keys.len() - 1 {
+                let mut seen = Vec::new();
+                ix.walk(ns, &keys, |_, len, slots| {
+                    seen.push((len, slots.iter().count()));
+                    true
+                });
+                assert_eq!(seen.iter().map(|s| s.0).sum::<usize>(), keys.len(), "after {i}");
+                let both: usize = seen.iter().filter(|s| s.1 == 2).map(|s| s.0).sum();
+                assert_eq!(both, i + 1, "after {i}: the shared prefix is held by both");
+            }
+            let sp = &ix.spaces[&ns];
+            let live: usize = sp.runs.iter().map(|r| r.live().len()).sum();
+            let stored: usize = sp.runs.iter().map(|r| r.keys.len()).sum();
+            assert!(stored <= 2 * live + 2, "after {i}: {stored} keys kept for {live}");
+        }
+        assert_eq!(ix.blocks(), keys.len());
+        assert_eq!(ix.facts(), 2 * keys.len() as u64);
+        for k in &keys {
+            ix.remove(Some(ns), std::slice::from_ref(k), a);
+        }
+        assert_eq!(ix.facts(), keys.len() as u64);
+        let mut seen = Vec::new();
+        ix.walk(ns, &keys, |_, len, slots| {
+            seen.push((len, slots.iter().count()));
+            true
+        });
+        assert!(seen.iter().all(|s| s.1 == 1), "only b holds them now");
+        assert_eq!(seen.iter().map(|s| s.0).sum::<usize>(), keys.len());
+    }
+
+    /// A holder dropped from long runs gives their keys' memory back, in a namespace that stays.
+    #[test]
+    fn a_dropped_holder_gives_its_keys_back() {
+        let ns = NamespaceId([6; 16]);
+        let mut ix = BlockIndex::new();
+        ix.reserve(ns, 200_000);
+        let a = Slot::new(1, TierKind::G1Gpu);
+        for c in 0..100u64 {
+            ix.store(ns, None, &chain(c * 10_000, 1000), a);
+        }
+        ix.remove_where(|s| s == a);
+        let runs: usize = ix.spaces[&ns].runs.iter().map(Run::bytes).sum();
+        assert!(runs < 100_000, "{runs} bytes of run keys kept");
+    }
+
+    #[test]
+    fn an_empty_store_makes_no_namespace() {
+        let mut ix = BlockIndex::new();
+        ix.store(NamespaceId([7; 16]), None, &[], Slot::new(1, TierKind::G1Gpu));
+        assert!(ix.spaces.is_empty());
+    }
 
     fn k(i: u8) -> BlockKey {
         BlockKey([i; 16])
