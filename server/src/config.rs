@@ -118,6 +118,9 @@ pub struct EngineConfig {
     /// Map a shared-memory engine region with its page tables filled at register
     /// (`MAP_POPULATE`), so that its first saves and loads take no page faults.
     pub prefault_memory: bool,
+    /// At shutdown, the longest the daemon waits for open requests and connections to finish
+    /// (ms) before it closes them and flushes anyway.
+    pub drain_ms: u64,
 }
 
 fn runtime_dir() -> PathBuf {
@@ -229,6 +232,7 @@ impl Default for EngineConfig {
             op_retention_ms: 60_000,
             key_memo_bytes: 32 << 20,
             prefault_memory: true,
+            drain_ms: 20_000,
         }
     }
 }

@@ -95,13 +95,50 @@ pub(crate) fn open_client_file(path: &str, write: bool) -> Result<std::fs::File,
     }
 }
 
+/// Who may name a file as KV memory: the daemon maps it and both reads it (saves) and writes it
+/// (loads), so a client must not name the daemon's own storage, nor a file it does not own.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct KvFileRules {
+    /// Canonical paths of the daemon's own storage (the G2 pool file, the G3 directory).
+    pub forbidden: Vec<std::path::PathBuf>,
+    /// The registering process's uid, where the transport tells it (Unix socket peer
+    /// credentials); a process running as root may name any file.
+    pub peer_uid: Option<u32>,
+}
+
+impl KvFileRules {
+    fn check(&self, file: &std::fs::File, path: &str) -> Result<(), ServerError> {
+        use std::os::fd::AsRawFd;
+        use std::os::unix::fs::MetadataExt;
+        // The opened file's own path (no race with a symlink swapped after the open).
+        let real = std::fs::read_link(format!("/proc/self/fd/{}", file.as_raw_fd()))
+            .or_else(|_| std::fs::canonicalize(path))
+            .map_err(|e| ServerError::Attach(format!("{path}: {e}")))?;
+        if let Some(own) = self.forbidden.iter().find(|f| real.starts_with(f)) {
+            return Err(ServerError::Attach(format!(
+                "{path} is kvcached's own storage ({}): an engine registers its own KV memory",
+                own.display()
+            )));
+        }
+        if let Some(uid) = self.peer_uid.filter(|&u| u != 0) {
+            let owner = file.metadata().map_err(|e| ServerError::Attach(format!("{path}: {e}")))?.uid();
+            if owner != uid {
+                return Err(ServerError::Attach(format!(
+                    "{path} belongs to uid {owner}, not to the registering process (uid {uid})"
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
 fn invalid(msg: impl Into<String>) -> ServerError {
     ServerError::Invalid(msg.into())
 }
 
 impl Engine {
     /// Validates a registration and maps the engine's memory.
-    fn attach(id: u64, req: &pb::RegisterRequest, prefault: bool) -> Result<Self, ServerError> {
+    fn attach(id: u64, req: &pb::RegisterRequest, prefault: bool, rules: &KvFileRules) -> Result<Self, ServerError> {
         let spec = req.namespace.as_ref().ok_or_else(|| invalid("namespace is missing"))?;
         let namespace = Namespace::try_from(spec)?;
         let layout: KvLayout = namespace.layout;
@@ -151,6 +188,7 @@ impl Engine {
         let memory = match &region.kind {
             Some(pb::memory_region::Kind::ShmPath(path)) => {
                 let file = open_client_file(path, true).map_err(ServerError::Attach)?;
+                rules.check(&file, path)?;
                 let len = file.metadata().map_err(|e| ServerError::Attach(format!("{path}: {e}")))?.len();
                 if len < size {
                     return Err(ServerError::Attach(format!("{path} has {len} bytes, the registration says {size}")));
@@ -319,7 +357,12 @@ unsafe impl Sync for Engine {}
 #[derive(Debug)]
 pub struct Registry {
     engines: RwLock<HashMap<u64, Arc<Engine>>>,
+    /// Keys the random engine ids (an id is what every later request presents, so another
+    /// client must not be able to guess it).
+    ids: std::collections::hash_map::RandomState,
     next_id: AtomicU64,
+    /// Canonical paths of the daemon's own storage, which no engine may register.
+    forbidden: Vec<std::path::PathBuf>,
     max: usize,
     pub lease: Duration,
     prefault: bool,
@@ -340,7 +383,9 @@ impl Registry {
         // its previous life (a stale client then gets "not registered", not another engine).
         Self {
             engines: RwLock::new(HashMap::new()),
+            ids: std::collections::hash_map::RandomState::new(),
             next_id: AtomicU64::new(time_seeded_id()),
+            forbidden: Vec::new(),
             max,
             lease,
             prefault: false,
@@ -354,12 +399,30 @@ impl Registry {
         self
     }
 
-    pub fn register(&self, req: &pb::RegisterRequest) -> Result<Arc<Engine>, ServerError> {
+    /// Files no engine may register as KV memory (the daemon's own storage; made canonical
+    /// here, those that do not exist are skipped).
+    pub fn forbid(mut self, paths: impl IntoIterator<Item = std::path::PathBuf>) -> Self {
+        self.forbidden.extend(paths.into_iter().filter_map(|p| std::fs::canonicalize(p).ok()));
+        self
+    }
+
+    /// Attaches an engine; `peer_uid` is the registering process's uid where the transport
+    /// tells it.
+    pub fn register(&self, req: &pb::RegisterRequest, peer_uid: Option<u32>) -> Result<Arc<Engine>, ServerError> {
         if self.engines.read().len() >= self.max {
             return Err(ServerError::Exhausted(format!("{} engines attached (engines.max_engines)", self.max)));
         }
-        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let e = Arc::new(Engine::attach(id, req, self.prefault)?);
+        let rules = KvFileRules { forbidden: self.forbidden.clone(), peer_uid };
+        // Random, unguessable (an id is what every later request presents) and never 0; not
+        // derived from the time, so a restarted daemon does not hand out its previous life's
+        // ids either. Distinct counters give distinct ids but for a 2^-64 hash collision.
+        let id = loop {
+            let id = std::hash::BuildHasher::hash_one(&self.ids, self.next_id.fetch_add(1, Ordering::Relaxed));
+            if id != 0 && !self.engines.read().contains_key(&id) {
+                break id;
+            }
+        };
+        let e = Arc::new(Engine::attach(id, req, self.prefault, &rules)?);
         self.engines.write().insert(id, Arc::clone(&e));
         tracing::info!(engine = id, name = %e.name, namespace = %e.namespace_id, "engine attached");
         Ok(e)
@@ -411,5 +474,34 @@ impl Registry {
 
     pub fn clear(&self) {
         self.engines.write().clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    /// A KV memory file must belong to the uid that registers it (root may name any), and may
+    /// not lie in the daemon's own storage.
+    #[test]
+    fn a_kv_file_must_be_the_registering_uids_and_not_the_daemons() {
+        use std::os::unix::fs::MetadataExt;
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("kv");
+        std::fs::write(&p, [0u8; 64]).unwrap();
+        let f = std::fs::File::open(&p).unwrap();
+        let path = p.display().to_string();
+        let owner = f.metadata().unwrap().uid();
+        let rules = |peer_uid: Option<u32>| KvFileRules { forbidden: Vec::new(), peer_uid };
+        assert!(rules(Some(owner)).check(&f, &path).is_ok());
+        assert!(rules(None).check(&f, &path).is_ok(), "no peer credentials (TCP): not checked");
+        assert!(rules(Some(0)).check(&f, &path).is_ok(), "root may name any file");
+        let other = if owner == 1 { 2 } else { 1 };
+        let e = rules(Some(other)).check(&f, &path).unwrap_err().to_string();
+        assert!(e.contains(&format!("belongs to uid {owner}")), "{e}");
+        let own = KvFileRules { forbidden: vec![std::fs::canonicalize(d.path()).unwrap()], peer_uid: None };
+        let e = own.check(&f, &path).unwrap_err().to_string();
+        assert!(e.contains("kvcached's own storage"), "{e}");
     }
 }

@@ -127,7 +127,11 @@ pub async fn serve(
         }
     }
     let engines = engine::Registry::new(config.engines.max_engines, Duration::from_millis(config.engines.lease_ms))
-        .prefault_memory(config.engines.prefault_memory);
+        .prefault_memory(config.engines.prefault_memory)
+        .forbid(
+            std::iter::once(store.g2().shm_path().to_path_buf())
+                .chain(config.g3.enabled.then(|| config.g3.dir.clone())),
+        );
     let http_addr = listeners.http.as_ref().and_then(|l| l.local_addr().ok());
     let recovery_url = if config.router.advertise_url.is_empty() {
         http_addr.filter(|a| !a.ip().is_unspecified()).map(|a| format!("http://{a}"))
@@ -168,6 +172,9 @@ pub async fn serve(
     let queue = if config.g3.enabled { config.g3.writethrough_queue } else { 0 };
     let svc = service::KvcachedService { daemon: Arc::clone(&daemon), queue_capacity: queue };
     let socket_path = listeners.unix.local_addr().ok().and_then(|a| a.as_pathname().map(Path::to_path_buf));
+    // The socket file this daemon bound: at the end it is unlinked only if it is still that
+    // file (a daemon started while this one flushed has bound a new one at the same path).
+    let socket_file = socket_path.as_deref().and_then(file_id);
 
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
@@ -228,13 +235,31 @@ pub async fn serve(
     }
     tracing::info!("kvcached shutting down: draining requests");
     let _ = stop_tx.send(true);
-    while let Some(r) = tasks.join_next().await {
-        if let Ok(Err(e)) = r {
-            first_error.get_or_insert(e);
+    // Bounded: a client that keeps a request open (stopped mid-request, wedged) must not keep
+    // the daemon from flushing its write-through queue and releasing its memory.
+    let deadline = tokio::time::Instant::now() + Duration::from_millis(config.engines.drain_ms);
+    loop {
+        match tokio::time::timeout_at(deadline, tasks.join_next()).await {
+            Ok(Some(r)) => {
+                if let Ok(Err(e)) = r {
+                    first_error.get_or_insert(e);
+                }
+            }
+            Ok(None) => break,
+            Err(_) => {
+                tracing::warn!(
+                    drain_ms = config.engines.drain_ms,
+                    "requests still open at the drain deadline (engines.drain_ms); closing them"
+                );
+                tasks.abort_all();
+                while tasks.join_next().await.is_some() {}
+                break;
+            }
         }
     }
-    // Loads already handed to blocking threads finish before the store closes.
-    while daemon.pending_loads() > 0 {
+    // Loads already handed to blocking threads finish before the store closes (they copy
+    // between memory the daemon holds; the same deadline bounds the wait).
+    while daemon.pending_loads() > 0 && tokio::time::Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let d = Arc::clone(&daemon);
@@ -253,9 +278,15 @@ pub async fn serve(
     })
     .await
     .map_err(|e| ServerError::Io(std::io::Error::other(e)))?;
-    if let Some(p) = socket_path {
+    if let Some(p) = socket_path.filter(|p| socket_file.is_some() && file_id(p) == socket_file) {
         let _ = std::fs::remove_file(p);
     }
     tracing::info!("kvcached stopped");
     first_error.map_or(Ok(()), Err)
+}
+
+/// A file's identity (device, inode), to tell it from a file later created at the same path.
+fn file_id(path: &Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::symlink_metadata(path).ok().map(|m| (m.dev(), m.ino()))
 }

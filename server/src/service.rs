@@ -35,8 +35,15 @@ async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T, ServerError> 
 impl pb::kvcached_server::Kvcached for KvcachedService {
     async fn register(&self, req: Request<pb::RegisterRequest>) -> Result<Response<pb::RegisterResponse>, Status> {
         let d = Arc::clone(&self.daemon);
+        // Over the Unix socket the kernel tells who is registering: its KV memory file must be
+        // its own (over TCP nothing is known, and the network is trusted).
+        let peer_uid = req
+            .extensions()
+            .get::<tonic::transport::server::UdsConnectInfo>()
+            .and_then(|i| i.peer_cred)
+            .map(|c| c.uid());
         let req = req.into_inner();
-        let e = blocking(move || d.engines.register(&req)).await?;
+        let e = blocking(move || d.engines.register(&req, peer_uid)).await?;
         self.daemon.reports.attached(&e);
         let lease = self.daemon.engines.lease.as_millis() as u32;
         Ok(Response::new(pb::RegisterResponse {

@@ -738,3 +738,100 @@ fn cli_help_config_and_invalid_configuration() {
     let out = Command::new(bin).env("KVCACHED_G3_IO_BACKEND", "spdk").arg("config").output().unwrap();
     assert!(String::from_utf8_lossy(&out.stderr).contains("g3.io_backend"));
 }
+
+/// The daemon maps an engine's KV memory and writes into it on every load: naming the daemon's
+/// own G2 pool or a G3 file as one's KV memory (to corrupt other engines' blocks or read them)
+/// is refused, whatever the file's size and name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_cannot_register_the_daemons_own_storage() {
+    use kvproto::pb;
+    let d = tempfile::tempdir().unwrap();
+    let (daemon, addr) = start_tcp(d.path()).await;
+    // Registered first: the daemon is serving, so its pool file exists.
+    let (a, _ma) = attached(&daemon, d.path(), "a", 1, 2).await;
+    let pool = std::fs::read_dir(d.path())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.file_name().unwrap().to_string_lossy().starts_with("kvcached-g2-"))
+        .expect("the G2 pool file");
+    let blocks = d.path().join("g3").join("blocks.dat");
+    // Through a symlink too: what counts is the file opened.
+    let link = d.path().join("innocent");
+    std::os::unix::fs::symlink(&pool, &link).unwrap();
+    let mut raw = pb::kvcached_client::KvcachedClient::connect(format!("http://{addr}")).await.unwrap();
+    let seg = layout(LayoutKind::LayerSeparate).segment_bytes();
+    for path in [&pool, &blocks, &link] {
+        let reg = pb::RegisterRequest {
+            engine_name: "intruder".into(),
+            namespace: Some(pb::NamespaceSpec::from(&ns("m"))),
+            region: Some(pb::MemoryRegion {
+                kind: Some(pb::memory_region::Kind::ShmPath(path.display().to_string())),
+                size_bytes: 4 * 8 * seg,
+                cuda_device: 0,
+            }),
+            segments: (0..4).map(|i| pb::Segment { offset: i * 8 * seg, block_stride: seg }).collect(),
+            segment_bytes: seg,
+            num_blocks: 8,
+            ..Default::default()
+        };
+        let e = raw.register(reg).await.unwrap_err();
+        assert!(e.message().contains("kvcached's own storage"), "{}: {}", path.display(), e.message());
+    }
+    // An engine's own file still registers, and two engines get ids nobody can count on.
+    let (b, _mb) = attached(&daemon, d.path(), "b", 2, 2).await;
+    let (ia, ib) = (a.engine_id_now().unwrap(), b.engine_id_now().unwrap());
+    assert!(ia.abs_diff(ib) > 1 << 20, "ids {ia} and {ib} follow one another");
+    daemon.stop().await;
+}
+
+/// A client that opens a request and never finishes it (stopped, wedged) cannot hold shutdown
+/// forever: after `engines.drain_ms` its connection is closed, the store is flushed, and the
+/// socket file, still the daemon's own, is removed; a socket file that another daemon bound at
+/// the same path meanwhile is left alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_drains_within_its_deadline_and_leaves_a_newer_socket() {
+    use tokio::io::AsyncWriteExt;
+    let d = tempfile::tempdir().unwrap();
+    let mut c = config(d.path());
+    c.engines.drain_ms = 300;
+    let daemon = start_with(c).await;
+    let (_a, _m) = attached(&daemon, d.path(), "a", 1, 2).await;
+    // HTTP/2 by hand: the preface, empty SETTINGS, then the HEADERS of a Save request that
+    // never ends (no END_STREAM, no body).
+    let mut stalled = tokio::net::UnixStream::connect(&daemon.socket).await.unwrap();
+    let mut block = Vec::new();
+    block.extend_from_slice(&[0x83, 0x86]); // :method POST, :scheme http
+    let path = b"/kvcached.v1.Kvcached/Save";
+    block.push(0x44); // :path, literal value
+    block.push(path.len() as u8);
+    block.extend_from_slice(path);
+    block.push(0x41); // :authority, literal value
+    block.push(9);
+    block.extend_from_slice(b"localhost");
+    block.push(0x5f); // content-type, literal value
+    block.push(16);
+    block.extend_from_slice(b"application/grpc");
+    let mut frames = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    frames.extend_from_slice(&[0, 0, 0, 4, 0, 0, 0, 0, 0]); // SETTINGS, empty
+    let len = block.len();
+    frames.extend_from_slice(&[(len >> 16) as u8, (len >> 8) as u8, len as u8, 1, 0x4, 0, 0, 0, 1]);
+    frames.extend_from_slice(&block);
+    stalled.write_all(&frames).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let sock = daemon.socket.clone();
+    tokio::time::timeout(Duration::from_secs(10), daemon.stop())
+        .await
+        .expect("shutdown waited for the stalled request past its deadline");
+    assert!(!sock.exists(), "the daemon's own socket is removed");
+
+    // A socket file bound by someone else at the path while the daemon ran stays.
+    let d2 = tempfile::tempdir().unwrap();
+    let daemon = start(d2.path()).await;
+    let (_b, _m) = attached(&daemon, d2.path(), "b", 2, 2).await;
+    std::fs::remove_file(&daemon.socket).unwrap();
+    let newer = std::os::unix::net::UnixListener::bind(&daemon.socket).unwrap();
+    let sock = daemon.socket.clone();
+    daemon.stop().await;
+    assert!(sock.exists(), "the newer daemon's socket was removed");
+    drop(newer);
+}
