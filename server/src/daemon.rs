@@ -28,7 +28,58 @@ const LOAD_CHUNK: usize = 16;
 struct Op {
     engine: u64,
     status: watch::Receiver<pb::LoadStatus>,
-    finished_at: Option<Instant>,
+}
+
+/// One engine's loads: how many are pending, and its finished ones oldest first (each with the
+/// time it finished), kept for `Wait` up to the retention and at most `max_pending` of them.
+#[derive(Debug, Default)]
+struct EngineOps {
+    pending: usize,
+    finished: std::collections::VecDeque<(u64, Instant)>,
+}
+
+/// Every engine's loads, bounded per engine: at most `max_pending` pending and `max_pending`
+/// finished (so a client that loads fast cannot grow them for the retention's length), counted
+/// per engine so that starting a load does not scan them.
+#[derive(Debug, Default)]
+struct Ops {
+    by_id: HashMap<u64, Op>,
+    per_engine: HashMap<u64, EngineOps>,
+    pending: usize,
+}
+
+impl Ops {
+    fn start(&mut self, op: u64, engine: u64, status: watch::Receiver<pb::LoadStatus>) {
+        self.by_id.insert(op, Op { engine, status });
+        self.per_engine.entry(engine).or_default().pending += 1;
+        self.pending += 1;
+    }
+
+    fn finish(&mut self, op: u64, keep: usize) {
+        let Some(engine) = self.by_id.get(&op).map(|o| o.engine) else { return };
+        let e = self.per_engine.entry(engine).or_default();
+        e.pending = e.pending.saturating_sub(1);
+        self.pending = self.pending.saturating_sub(1);
+        e.finished.push_back((op, Instant::now()));
+        while e.finished.len() > keep {
+            if let Some((old, _)) = e.finished.pop_front() {
+                self.by_id.remove(&old);
+            }
+        }
+    }
+
+    /// Forgets finished loads older than `retention`, and engines with no load left.
+    fn expire(&mut self, now: Instant, retention: Duration) {
+        let by_id = &mut self.by_id;
+        self.per_engine.retain(|_, e| {
+            while e.finished.front().is_some_and(|(_, t)| now.duration_since(*t) >= retention) {
+                if let Some((old, _)) = e.finished.pop_front() {
+                    by_id.remove(&old);
+                }
+            }
+            e.pending > 0 || !e.finished.is_empty()
+        });
+    }
 }
 
 /// Shared state of one daemon.
@@ -37,7 +88,7 @@ pub struct Daemon {
     pub store: Arc<BlockStore>,
     pub engines: Registry,
     pub reports: Arc<Reports>,
-    ops: Mutex<HashMap<u64, Op>>,
+    ops: Mutex<Ops>,
     next_op: AtomicU64,
     max_pending: usize,
     retention: Duration,
@@ -102,7 +153,7 @@ impl Daemon {
             store,
             engines,
             reports,
-            ops: Mutex::new(HashMap::new()),
+            ops: Mutex::new(Ops::default()),
             // Like engine ids, op ids start from a time-derived value: a client that asks a
             // restarted daemon about a load of its previous life gets "unknown load", never the
             // status of another load that happens to have the same number.
@@ -323,7 +374,7 @@ impl Daemon {
         let engine = self.engines.get(req.engine_id)?;
         kvproto::check_tokens_le(&req.tokens)?;
         let mut ops = self.ops.lock();
-        let pending = ops.values().filter(|o| o.engine == engine.id && o.finished_at.is_none()).count();
+        let pending = ops.per_engine.get(&engine.id).map_or(0, |e| e.pending);
         if pending >= self.max_pending {
             return Err(ServerError::Exhausted(format!(
                 "{pending} loads pending for engine {} (engines.max_pending_loads)",
@@ -332,13 +383,20 @@ impl Daemon {
         }
         let id = self.next_op.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = watch::channel(pb::LoadStatus { op_id: id, ..Default::default() });
-        ops.insert(id, Op { engine: engine.id, status: rx, finished_at: None });
+        ops.start(id, engine.id, rx);
+        drop(ops);
         Ok((id, engine, tx))
     }
 
     /// Runs a load to completion (on a blocking thread) and publishes its status.
     pub fn run_load(&self, op: u64, engine: &Engine, req: &pb::LoadRequest, tx: &watch::Sender<pb::LoadStatus>) {
-        let status = match self.load_blocks(op, engine, req) {
+        // A load that panicked still finishes (failed): its engine's pending count, and the
+        // wait at shutdown, must not count it for ever.
+        let loaded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.load_blocks(op, engine, req)))
+            .unwrap_or_else(|_| {
+                Err(ServerError::Io(std::io::Error::other("the load failed inside kvcached (see its log)")))
+            });
+        let status = match loaded {
             Ok(s) => s,
             Err(e) => pb::LoadStatus {
                 op_id: op,
@@ -347,9 +405,7 @@ impl Daemon {
                 ..Default::default()
             },
         };
-        if let Some(o) = self.ops.lock().get_mut(&op) {
-            o.finished_at = Some(Instant::now());
-        }
+        self.ops.lock().finish(op, self.max_pending);
         self.loads.fetch_add(1, Ordering::Relaxed);
         let _ = tx.send(status);
     }
@@ -415,7 +471,7 @@ impl Daemon {
     /// The status of a load, waiting up to `timeout` for it to finish.
     pub async fn wait(&self, engine: u64, op: u64, timeout: Duration) -> Result<pb::LoadStatus, ServerError> {
         self.engines.get(engine)?;
-        let mut rx = match self.ops.lock().get(&op) {
+        let mut rx = match self.ops.lock().by_id.get(&op) {
             Some(o) if o.engine == engine => o.status.clone(),
             _ => return Err(ServerError::UnknownOp(op)),
         };
@@ -430,7 +486,7 @@ impl Daemon {
     /// Forgets finished loads past their retention and drops engines past their lease.
     pub fn housekeeping(&self) {
         let now = Instant::now();
-        self.ops.lock().retain(|_, o| o.finished_at.is_none_or(|t| now.duration_since(t) < self.retention));
+        self.ops.lock().expire(now, self.retention);
         for e in self.engines.reap() {
             self.reports.detached(&e);
         }
@@ -438,7 +494,7 @@ impl Daemon {
 
     /// Loads not yet finished.
     pub fn pending_loads(&self) -> usize {
-        self.ops.lock().values().filter(|o| o.finished_at.is_none()).count()
+        self.ops.lock().pending
     }
 
     pub fn stats(&self) -> pb::StatsResponse {
@@ -476,5 +532,36 @@ impl Daemon {
             ));
         }
         pb::HealthResponse { ok: reasons.is_empty(), reasons }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A client that loads fast keeps at most `keep` finished statuses per engine (the oldest
+    /// go first), pending loads are counted per engine, and the retention forgets the rest and
+    /// the engines with nothing left.
+    #[test]
+    fn load_statuses_stay_bounded_per_engine() {
+        let mut ops = Ops::default();
+        let keep = 8;
+        let (_tx, rx) = watch::channel(pb::LoadStatus::default());
+        for op in 0..100_000u64 {
+            ops.start(op, 1, rx.clone());
+            ops.finish(op, keep);
+        }
+        assert_eq!(ops.by_id.len(), keep);
+        assert!(ops.by_id.contains_key(&99_999) && !ops.by_id.contains_key(&99_991));
+        ops.start(200_000, 1, rx.clone());
+        ops.start(200_001, 2, rx.clone());
+        assert_eq!((ops.pending, ops.per_engine[&1].pending, ops.per_engine[&2].pending), (2, 1, 1));
+        ops.expire(Instant::now() + Duration::from_secs(61), Duration::from_secs(60));
+        assert_eq!(ops.by_id.len(), 2, "only the pending loads stay");
+        ops.finish(200_000, keep);
+        ops.finish(200_001, keep);
+        assert_eq!(ops.pending, 0);
+        ops.expire(Instant::now() + Duration::from_secs(61), Duration::from_secs(60));
+        assert!(ops.by_id.is_empty() && ops.per_engine.is_empty());
     }
 }
