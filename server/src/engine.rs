@@ -101,6 +101,9 @@ pub(crate) fn open_client_file(path: &str, write: bool) -> Result<std::fs::File,
 pub(crate) struct KvFileRules {
     /// Canonical paths of the daemon's own storage (the G2 pool file, the G3 directory).
     pub forbidden: Vec<std::path::PathBuf>,
+    /// (device, inode) of its files (the pool, the G3 data file): a hard link elsewhere is the
+    /// same file.
+    pub forbidden_files: Vec<(u64, u64)>,
     /// The registering process's uid, where the transport tells it (Unix socket peer
     /// credentials); a process running as root may name any file.
     pub peer_uid: Option<u32>,
@@ -114,14 +117,17 @@ impl KvFileRules {
         let real = std::fs::read_link(format!("/proc/self/fd/{}", file.as_raw_fd()))
             .or_else(|_| std::fs::canonicalize(path))
             .map_err(|e| ServerError::Attach(format!("{path}: {e}")))?;
-        if let Some(own) = self.forbidden.iter().find(|f| real.starts_with(f)) {
+        let meta = file.metadata().map_err(|e| ServerError::Attach(format!("{path}: {e}")))?;
+        let own = self.forbidden.iter().find(|f| real.starts_with(f)).map(|f| f.display().to_string()).or_else(|| {
+            self.forbidden_files.contains(&(meta.dev(), meta.ino())).then(|| "a link to one of its files".to_string())
+        });
+        if let Some(own) = own {
             return Err(ServerError::Attach(format!(
-                "{path} is kvcached's own storage ({}): an engine registers its own KV memory",
-                own.display()
+                "{path} is kvcached's own storage ({own}): an engine registers its own KV memory"
             )));
         }
         if let Some(uid) = self.peer_uid.filter(|&u| u != 0) {
-            let owner = file.metadata().map_err(|e| ServerError::Attach(format!("{path}: {e}")))?.uid();
+            let owner = meta.uid();
             if owner != uid {
                 return Err(ServerError::Attach(format!(
                     "{path} belongs to uid {owner}, not to the registering process (uid {uid})"
@@ -361,8 +367,9 @@ pub struct Registry {
     /// client must not be able to guess it).
     ids: std::collections::hash_map::RandomState,
     next_id: AtomicU64,
-    /// Canonical paths of the daemon's own storage, which no engine may register.
+    /// The daemon's own storage, which no engine may register (see [`KvFileRules`]).
     forbidden: Vec<std::path::PathBuf>,
+    forbidden_files: Vec<(u64, u64)>,
     max: usize,
     pub lease: Duration,
     prefault: bool,
@@ -386,6 +393,7 @@ impl Registry {
             ids: std::collections::hash_map::RandomState::new(),
             next_id: AtomicU64::new(time_seeded_id()),
             forbidden: Vec::new(),
+            forbidden_files: Vec::new(),
             max,
             lease,
             prefault: false,
@@ -402,7 +410,22 @@ impl Registry {
     /// Files no engine may register as KV memory (the daemon's own storage; made canonical
     /// here, those that do not exist are skipped).
     pub fn forbid(mut self, paths: impl IntoIterator<Item = std::path::PathBuf>) -> Self {
-        self.forbidden.extend(paths.into_iter().filter_map(|p| std::fs::canonicalize(p).ok()));
+        use std::os::unix::fs::MetadataExt;
+        for p in paths.into_iter().filter_map(|p| std::fs::canonicalize(p).ok()) {
+            // The files themselves too, by identity: the pool, and the files directly in a
+            // directory (G3's data file).
+            let files: Vec<std::path::PathBuf> = if p.is_dir() {
+                std::fs::read_dir(&p).into_iter().flatten().flatten().map(|e| e.path()).collect()
+            } else {
+                vec![p.clone()]
+            };
+            for f in files {
+                if let Some(m) = std::fs::metadata(&f).ok().filter(|m| m.is_file()) {
+                    self.forbidden_files.push((m.dev(), m.ino()));
+                }
+            }
+            self.forbidden.push(p);
+        }
         self
     }
 
@@ -412,7 +435,8 @@ impl Registry {
         if self.engines.read().len() >= self.max {
             return Err(ServerError::Exhausted(format!("{} engines attached (engines.max_engines)", self.max)));
         }
-        let rules = KvFileRules { forbidden: self.forbidden.clone(), peer_uid };
+        let rules =
+            KvFileRules { forbidden: self.forbidden.clone(), forbidden_files: self.forbidden_files.clone(), peer_uid };
         // Random, unguessable (an id is what every later request presents) and never 0; not
         // derived from the time, so a restarted daemon does not hand out its previous life's
         // ids either. Distinct counters give distinct ids but for a 2^-64 hash collision.
@@ -493,15 +517,24 @@ mod tests {
         let f = std::fs::File::open(&p).unwrap();
         let path = p.display().to_string();
         let owner = f.metadata().unwrap().uid();
-        let rules = |peer_uid: Option<u32>| KvFileRules { forbidden: Vec::new(), peer_uid };
+        let rules = |peer_uid: Option<u32>| KvFileRules { peer_uid, ..Default::default() };
         assert!(rules(Some(owner)).check(&f, &path).is_ok());
         assert!(rules(None).check(&f, &path).is_ok(), "no peer credentials (TCP): not checked");
         assert!(rules(Some(0)).check(&f, &path).is_ok(), "root may name any file");
         let other = if owner == 1 { 2 } else { 1 };
         let e = rules(Some(other)).check(&f, &path).unwrap_err().to_string();
         assert!(e.contains(&format!("belongs to uid {owner}")), "{e}");
-        let own = KvFileRules { forbidden: vec![std::fs::canonicalize(d.path()).unwrap()], peer_uid: None };
+        let own = KvFileRules { forbidden: vec![std::fs::canonicalize(d.path()).unwrap()], ..Default::default() };
         let e = own.check(&f, &path).unwrap_err().to_string();
         assert!(e.contains("kvcached's own storage"), "{e}");
+        // A hard link elsewhere to a file of the daemon's is that file.
+        let elsewhere = tempfile::tempdir_in(d.path().parent().unwrap()).unwrap();
+        let link = elsewhere.path().join("innocent");
+        std::fs::hard_link(&p, &link).unwrap();
+        let by_id = Registry::new(1, std::time::Duration::from_secs(1)).forbid([p.clone()]);
+        let rules = KvFileRules { forbidden_files: by_id.forbidden_files.clone(), ..Default::default() };
+        let linked = std::fs::File::open(&link).unwrap();
+        let e = rules.check(&linked, &link.display().to_string()).unwrap_err().to_string();
+        assert!(e.contains("a link to one of its files"), "{e}");
     }
 }
