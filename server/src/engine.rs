@@ -429,11 +429,15 @@ impl Registry {
         self
     }
 
+    fn full(&self) -> ServerError {
+        ServerError::Exhausted(format!("{} engines attached (engines.max_engines)", self.max))
+    }
+
     /// Attaches an engine; `peer_uid` is the registering process's uid where the transport
     /// tells it.
     pub fn register(&self, req: &pb::RegisterRequest, peer_uid: Option<u32>) -> Result<Arc<Engine>, ServerError> {
         if self.engines.read().len() >= self.max {
-            return Err(ServerError::Exhausted(format!("{} engines attached (engines.max_engines)", self.max)));
+            return Err(self.full());
         }
         let rules =
             KvFileRules { forbidden: self.forbidden.clone(), forbidden_files: self.forbidden_files.clone(), peer_uid };
@@ -447,7 +451,14 @@ impl Registry {
             }
         };
         let e = Arc::new(Engine::attach(id, req, self.prefault, &rules)?);
-        self.engines.write().insert(id, Arc::clone(&e));
+        let mut engines = self.engines.write();
+        // Checked again where the engine is added: registrations attaching at the same time
+        // all passed the first check (the mapping is released when `e` drops).
+        if engines.len() >= self.max {
+            return Err(self.full());
+        }
+        engines.insert(id, Arc::clone(&e));
+        drop(engines);
         tracing::info!(engine = id, name = %e.name, namespace = %e.namespace_id, "engine attached");
         Ok(e)
     }
