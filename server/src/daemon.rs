@@ -45,27 +45,29 @@ struct EngineOps {
 struct Ops {
     by_id: HashMap<u64, Op>,
     per_engine: HashMap<u64, EngineOps>,
-    pending: usize,
 }
 
 impl Ops {
     fn start(&mut self, op: u64, engine: u64, status: watch::Receiver<pb::LoadStatus>) {
         self.by_id.insert(op, Op { engine, status });
         self.per_engine.entry(engine).or_default().pending += 1;
-        self.pending += 1;
     }
 
     fn finish(&mut self, op: u64, keep: usize) {
         let Some(engine) = self.by_id.get(&op).map(|o| o.engine) else { return };
         let e = self.per_engine.entry(engine).or_default();
         e.pending = e.pending.saturating_sub(1);
-        self.pending = self.pending.saturating_sub(1);
         e.finished.push_back((op, Instant::now()));
         while e.finished.len() > keep {
             if let Some((old, _)) = e.finished.pop_front() {
                 self.by_id.remove(&old);
             }
         }
+    }
+
+    /// Loads not yet finished, over every engine.
+    fn pending(&self) -> usize {
+        self.per_engine.values().map(|e| e.pending).sum()
     }
 
     /// Forgets finished loads older than `retention`, and engines with no load left.
@@ -494,7 +496,7 @@ impl Daemon {
 
     /// Loads not yet finished.
     pub fn pending_loads(&self) -> usize {
-        self.ops.lock().pending
+        self.ops.lock().pending()
     }
 
     pub fn stats(&self) -> pb::StatsResponse {
@@ -555,12 +557,12 @@ mod tests {
         assert!(ops.by_id.contains_key(&99_999) && !ops.by_id.contains_key(&99_991));
         ops.start(200_000, 1, rx.clone());
         ops.start(200_001, 2, rx.clone());
-        assert_eq!((ops.pending, ops.per_engine[&1].pending, ops.per_engine[&2].pending), (2, 1, 1));
+        assert_eq!((ops.pending(), ops.per_engine[&1].pending, ops.per_engine[&2].pending), (2, 1, 1));
         ops.expire(Instant::now() + Duration::from_secs(61), Duration::from_secs(60));
         assert_eq!(ops.by_id.len(), 2, "only the pending loads stay");
         ops.finish(200_000, keep);
         ops.finish(200_001, keep);
-        assert_eq!(ops.pending, 0);
+        assert_eq!(ops.pending(), 0);
         ops.expire(Instant::now() + Duration::from_secs(61), Duration::from_secs(60));
         assert!(ops.by_id.is_empty() && ops.per_engine.is_empty());
     }

@@ -367,9 +367,9 @@ pub struct Registry {
     /// client must not be able to guess it).
     ids: std::collections::hash_map::RandomState,
     next_id: AtomicU64,
-    /// The daemon's own storage, which no engine may register (see [`KvFileRules`]).
-    forbidden: Vec<std::path::PathBuf>,
-    forbidden_files: Vec<(u64, u64)>,
+    /// The daemon's own storage, which no engine may register (the rules every registration
+    /// starts from; its peer's uid is added per registration).
+    own_storage: KvFileRules,
     max: usize,
     pub lease: Duration,
     prefault: bool,
@@ -392,8 +392,7 @@ impl Registry {
             engines: RwLock::new(HashMap::new()),
             ids: std::collections::hash_map::RandomState::new(),
             next_id: AtomicU64::new(time_seeded_id()),
-            forbidden: Vec::new(),
-            forbidden_files: Vec::new(),
+            own_storage: KvFileRules::default(),
             max,
             lease,
             prefault: false,
@@ -421,10 +420,10 @@ impl Registry {
             };
             for f in files {
                 if let Some(m) = std::fs::metadata(&f).ok().filter(|m| m.is_file()) {
-                    self.forbidden_files.push((m.dev(), m.ino()));
+                    self.own_storage.forbidden_files.push((m.dev(), m.ino()));
                 }
             }
-            self.forbidden.push(p);
+            self.own_storage.forbidden.push(p);
         }
         self
     }
@@ -439,8 +438,7 @@ impl Registry {
         if self.engines.read().len() >= self.max {
             return Err(self.full());
         }
-        let rules =
-            KvFileRules { forbidden: self.forbidden.clone(), forbidden_files: self.forbidden_files.clone(), peer_uid };
+        let rules = KvFileRules { peer_uid, ..self.own_storage.clone() };
         // Random, unguessable (an id is what every later request presents) and never 0; not
         // derived from the time, so a restarted daemon does not hand out its previous life's
         // ids either. Distinct counters give distinct ids but for a 2^-64 hash collision.
@@ -543,7 +541,7 @@ mod tests {
         let link = elsewhere.path().join("innocent");
         std::fs::hard_link(&p, &link).unwrap();
         let by_id = Registry::new(1, std::time::Duration::from_secs(1)).forbid([p.clone()]);
-        let rules = KvFileRules { forbidden_files: by_id.forbidden_files.clone(), ..Default::default() };
+        let rules = KvFileRules { forbidden_files: by_id.own_storage.forbidden_files.clone(), ..Default::default() };
         let linked = std::fs::File::open(&link).unwrap();
         let e = rules.check(&linked, &link.display().to_string()).unwrap_err().to_string();
         assert!(e.contains("a link to one of its files"), "{e}");
