@@ -116,11 +116,12 @@ impl IoEngine for NoSpace {
     fn name(&self) -> &'static str {
         "nospace"
     }
-    fn run(&mut self, fd: i32, ops: &[IoOp], progress: &mut dyn IoProgress) -> std::io::Result<()> {
+    unsafe fn run(&mut self, fd: i32, ops: &[IoOp], progress: &mut dyn IoProgress) -> std::io::Result<()> {
         if ops.iter().any(|o| o.kind == IoKind::Write) {
             return Err(std::io::Error::from_raw_os_error(libc::ENOSPC));
         }
-        self.0.run(fd, ops, progress)
+        // SAFETY: the caller of `run` vouches for the ops' memory.
+        unsafe { self.0.run(fd, ops, progress) }
     }
 }
 
@@ -229,10 +230,11 @@ impl IoEngine for FailSecondOp {
     fn name(&self) -> &'static str {
         "fail-second-op"
     }
-    fn run(&mut self, fd: i32, ops: &[IoOp], progress: &mut dyn IoProgress) -> std::io::Result<()> {
+    unsafe fn run(&mut self, fd: i32, ops: &[IoOp], progress: &mut dyn IoProgress) -> std::io::Result<()> {
         let armed = *self.armed.lock().unwrap();
         if ops.len() < 2 || armed != Some(ops[1].kind) {
-            return self.inner.run(fd, ops, progress);
+            // SAFETY: as above.
+            return unsafe { self.inner.run(fd, ops, progress) };
         }
         struct Skip<'a>(&'a mut dyn IoProgress);
         impl IoProgress for Skip<'_> {
@@ -244,7 +246,8 @@ impl IoEngine for FailSecondOp {
             }
         }
         let rest: Vec<IoOp> = ops.iter().enumerate().filter(|(i, _)| *i != 1).map(|(_, o)| *o).collect();
-        let r = self.inner.run(fd, &rest, &mut Skip(progress));
+        // SAFETY: `rest` is a subset of the caller's ops.
+        let r = unsafe { self.inner.run(fd, &rest, &mut Skip(progress)) };
         progress.completed(1, false);
         r.and(Err(std::io::Error::from_raw_os_error(libc::EIO)))
     }
@@ -373,7 +376,8 @@ fn engines_run_every_op_of_a_batch_past_a_failed_one() {
             })
             .collect();
         let mut seen = Record::default();
-        let r = engine.run(file.as_raw_fd(), &ops, &mut seen);
+        // SAFETY: every op reads into one of `bufs`, alive and untouched until `run` returns.
+        let r = unsafe { engine.run(file.as_raw_fd(), &ops, &mut seen) };
         assert!(r.is_err(), "{}: the failure is returned", engine.name());
         seen.0.sort();
         let want: Vec<(usize, bool)> = (0..6).map(|i| (i, i != 1)).collect();
@@ -462,11 +466,17 @@ impl IoEngine for Breakable {
     fn name(&self) -> &'static str {
         "breakable"
     }
-    fn run(&mut self, fd: std::os::fd::RawFd, ops: &[IoOp], progress: &mut dyn IoProgress) -> std::io::Result<()> {
+    unsafe fn run(
+        &mut self,
+        fd: std::os::fd::RawFd,
+        ops: &[IoOp],
+        progress: &mut dyn IoProgress,
+    ) -> std::io::Result<()> {
         if self.broken.load(std::sync::atomic::Ordering::SeqCst) {
             return Err(std::io::Error::other("engine unavailable"));
         }
-        self.inner.run(fd, ops, progress)
+        // SAFETY: the caller of `run` vouches for the ops' memory.
+        unsafe { self.inner.run(fd, ops, progress) }
     }
 }
 
@@ -509,14 +519,20 @@ impl IoEngine for Gated {
     fn name(&self) -> &'static str {
         "gated"
     }
-    fn run(&mut self, fd: std::os::fd::RawFd, ops: &[IoOp], progress: &mut dyn IoProgress) -> std::io::Result<()> {
+    unsafe fn run(
+        &mut self,
+        fd: std::os::fd::RawFd,
+        ops: &[IoOp],
+        progress: &mut dyn IoProgress,
+    ) -> std::io::Result<()> {
         let gate =
             if ops.first().is_some_and(|o| o.kind == IoKind::Write) { self.gate.lock().unwrap().take() } else { None };
         if let Some((arrived, through)) = gate {
             arrived.send(()).unwrap();
             through.recv().unwrap();
         }
-        self.inner.run(fd, ops, progress)
+        // SAFETY: the caller of `run` vouches for the ops' memory.
+        unsafe { self.inner.run(fd, ops, progress) }
     }
 }
 

@@ -11,55 +11,9 @@ use std::thread::JoinHandle;
 
 use crossbeam_channel::{Receiver, Sender, bounded};
 
+pub use super::op::{IoEngine, IoKind, IoOp, IoProgress, NoProgress};
 use super::psync::PsyncEngine;
 use super::uring::UringEngine;
-
-/// Read or write.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum IoKind {
-    Read,
-    Write,
-}
-
-/// One aligned transfer between memory at `addr` and the file at `offset`.
-#[derive(Debug, Clone, Copy)]
-pub struct IoOp {
-    pub kind: IoKind,
-    pub offset: u64,
-    /// Memory address (a raw pointer as an integer so ops can cross threads).
-    pub addr: usize,
-    pub len: usize,
-}
-
-/// Told about a batch while it runs, so that the submitter can overlap its own work (checksums)
-/// with the I/O.
-pub trait IoProgress {
-    /// The batch's first ops are in flight (the pread/pwrite engine: it is about to run them).
-    /// Called at most once, before any `completed`; for reads run on an I/O thread, as the first
-    /// completion arrives. An engine that fails before starting reports nothing.
-    fn started(&mut self);
-    /// Op `index` of the batch finished: all its bytes moved (`ok`), or it failed or could not
-    /// be queued. An op never reported did not complete either.
-    fn completed(&mut self, index: usize, ok: bool);
-}
-
-/// Progress nobody listens to.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct NoProgress;
-
-impl IoProgress for NoProgress {
-    fn started(&mut self) {}
-    fn completed(&mut self, _index: usize, _ok: bool) {}
-}
-
-/// Executes batches of I/O on one file descriptor.
-pub trait IoEngine: Send + std::fmt::Debug {
-    /// Short name for logs and metrics (`io_uring`, `psync`).
-    fn name(&self) -> &'static str;
-    /// Runs every op to completion, reporting each to `progress`; the first failure is
-    /// returned. When it returns, no op is in flight any more.
-    fn run(&mut self, fd: RawFd, ops: &[IoOp], progress: &mut dyn IoProgress) -> io::Result<()>;
-}
 
 /// Which engine to use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -222,7 +176,11 @@ impl IoThreads {
                 while let Some(b) = next_batch(&rx) {
                     let send_started = b.ops.iter().any(|op| op.kind == IoKind::Write);
                     let r =
-                        abort_on_unwind(|| engine.run(b.fd, &b.ops, &mut Forward { events: &b.events, send_started }));
+                        // SAFETY: the submitter (`run`, whose caller vouches for the ops' memory)
+                        // waits for `Finished` before it returns.
+                        abort_on_unwind(|| unsafe {
+                            engine.run(b.fd, &b.ops, &mut Forward { events: &b.events, send_started })
+                        });
                     let _ = b.events.send(Event::Finished(r));
                 }
             })?);
@@ -263,7 +221,8 @@ impl IoThreads {
         ops: &[IoOp],
         progress: &mut dyn IoProgress,
     ) -> io::Result<()> {
-        let r = abort_on_unwind(|| engine.run(fd, ops, progress));
+        // SAFETY: `run`'s caller vouches for the ops' memory.
+        let r = abort_on_unwind(|| unsafe { engine.run(fd, ops, progress) });
         self.idle.lock().push(engine);
         r
     }
@@ -285,11 +244,14 @@ impl IoThreads {
         }
     }
 
-    /// Runs `ops` and waits for them, calling `progress` on this thread as they go. The memory
-    /// behind each op must stay valid and (for reads) unaliased until this returns. A panic
+    /// Runs `ops` and waits for them, calling `progress` on this thread as they go. A panic
     /// while ops are in flight aborts the process: unwinding would free buffers the kernel may
     /// still write into.
-    pub fn run(&self, fd: RawFd, ops: Vec<IoOp>, progress: &mut dyn IoProgress) -> io::Result<()> {
+    ///
+    /// # Safety
+    /// As [`IoEngine::run`]: each op's memory is valid for its transfer, and not accessed by
+    /// anything else, until this returns.
+    pub unsafe fn run(&self, fd: RawFd, ops: Vec<IoOp>, progress: &mut dyn IoProgress) -> io::Result<()> {
         if ops.is_empty() {
             return Ok(());
         }
@@ -386,10 +348,4 @@ impl Drop for IoThreads {
             let _ = t.join();
         }
     }
-}
-
-/// Finishes a transfer that completed short, with plain pread/pwrite.
-pub(super) fn finish_short(fd: RawFd, op: &IoOp, done: usize) -> io::Result<()> {
-    let rest = IoOp { kind: op.kind, offset: op.offset + done as u64, addr: op.addr + done, len: op.len - done };
-    super::psync::run_one(fd, &rest)
 }

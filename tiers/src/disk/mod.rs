@@ -8,6 +8,7 @@
 
 pub mod index;
 pub mod io;
+pub mod op;
 pub mod psync;
 pub mod uring;
 mod verify;
@@ -433,7 +434,9 @@ impl Tier for DiskTier {
             self.write_ops(blocks[*i].data, &slot.pages, &mut bounce, &mut ops);
             sums.add(blocks[*i].data, ops.len() - before);
         }
-        let written = self.io.run(self.fd(), ops, &mut sums).map_err(|e| TierError::io(TIER, "write", e));
+        // SAFETY: every op reads a block's caller-owned bytes or a bounce buffer in `bounce`,
+        // both alive and unmodified until `run` returns.
+        let written = unsafe { self.io.run(self.fd(), ops, &mut sums) }.map_err(|e| TierError::io(TIER, "write", e));
         let mut synced = Ok(());
         if self.cfg.fsync && !reserved.is_empty() {
             // SAFETY: plain syscall on our fd.
@@ -528,7 +531,9 @@ impl Tier for DiskTier {
             let runs = slot.pages.runs().into_iter().map(|(first, n)| (first as u64 * ps as u64, n as usize * ps));
             read_of.push(reads.add(base, meta.len as usize, runs));
         }
-        let io = self.io.run(self.fd(), reads.take_ops(), &mut reads);
+        // SAFETY: every op writes into one of `outs`' aligned buffers (sized above, capacity
+        // covering the padded tail), which nothing else touches until `run` returns.
+        let io = unsafe { self.io.run(self.fd(), reads.take_ops(), &mut reads) };
         let mut results = Vec::with_capacity(keys.len());
         for ((key, hit), read) in keys.iter().zip(found).zip(read_of) {
             let Some((slot, meta)) = hit else {

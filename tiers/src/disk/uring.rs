@@ -6,7 +6,8 @@ use std::os::fd::RawFd;
 
 use io_uring::{IoUring, opcode, types};
 
-use super::io::{IoEngine, IoKind, IoOp, IoProgress, finish_short};
+use super::op::{IoEngine, IoKind, IoOp, IoProgress};
+use super::psync::finish_short;
 
 /// One io_uring instance.
 pub struct UringEngine {
@@ -46,7 +47,7 @@ impl IoEngine for UringEngine {
         "io_uring"
     }
 
-    fn run(&mut self, fd: RawFd, ops: &[IoOp], progress: &mut dyn IoProgress) -> io::Result<()> {
+    unsafe fn run(&mut self, fd: RawFd, ops: &[IoOp], progress: &mut dyn IoProgress) -> io::Result<()> {
         let mut first_err: Option<io::Error> = None;
         let (mut next, mut in_flight, mut started) = (0usize, 0usize, false);
         // Ops that could not be queued at all (over 4 GiB): reported failed once started.
@@ -116,7 +117,8 @@ impl IoEngine for UringEngine {
                 let r = if res < 0 {
                     Err(io::Error::from_raw_os_error(-res))
                 } else if (res as usize) < op.len {
-                    finish_short(fd, op, res as usize)
+                    // SAFETY: the caller of `run` vouches for the op's memory.
+                    unsafe { finish_short(fd, op, res as usize) }
                 } else {
                     Ok(())
                 };

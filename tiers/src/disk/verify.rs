@@ -6,7 +6,7 @@
 //! it and every piece before it have arrived, while the later pieces are still on their way.
 //! Writes hash their source once the I/O has started.
 
-use super::io::{IoKind, IoOp, IoProgress};
+use super::op::{IoKind, IoOp, IoProgress};
 use crate::block::{StreamingChecksum, checksum};
 use crate::buf::{ALIGN, align_up};
 
