@@ -108,7 +108,7 @@ fn spawn_daemon_with(dir: &Path, router_section: &str) -> Daemon {
     std::fs::write(&cfg, format!("metrics_addr = \"127.0.0.1:0\"\n[router]\n{router_section}")).unwrap();
     let sock = dir.join("kvcached.sock");
     let _ = std::fs::remove_file(&sock);
-    let child = Command::new(env!("CARGO_BIN_EXE_kvcached"))
+    let child = Command::new(env!("CARGO_BIN_EXE_daemon"))
         .args(["--config", cfg.to_str().unwrap(), "--socket", sock.to_str().unwrap()])
         .args(["--g2-capacity-bytes", "67108864", "--g2-shm-dir", dir.to_str().unwrap()])
         .args(["--g3-dir", dir.join("g3").to_str().unwrap(), "--g3-capacity-bytes", "134217728"])
@@ -402,9 +402,9 @@ async fn a_router_subscribing_late_to_the_vllm_export_is_sent_what_the_daemon_ho
     let batches = kvrouter::zmq::replay_from(&replay, 0, Duration::from_secs(5)).await.unwrap();
     let stored: usize = batches
         .iter()
-        .flat_map(|(_, payload)| kvrouter::vllm::decode_batch(payload).unwrap().events)
+        .flat_map(|(_, payload)| kvproto::vllm::decode_batch(payload).unwrap().events)
         .map(|e| match e {
-            kvrouter::vllm::VllmEvent::BlockStored { block_hashes, medium, .. }
+            kvproto::vllm::VllmEvent::BlockStored { block_hashes, medium, .. }
                 if medium.as_deref() == Some("CPU_PINNED") =>
             {
                 block_hashes.len()

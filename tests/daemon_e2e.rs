@@ -48,16 +48,6 @@ async fn start(dir: &Path) -> InProcess {
     start_with(config(dir)).await
 }
 
-/// `serve()` in this process, also listening on a loopback TCP port (for the raw generated
-/// client, which can send what the client crate never would); returns that port's address.
-async fn start_tcp(dir: &Path) -> (InProcess, std::net::SocketAddr) {
-    let mut c = config(dir);
-    c.tcp = Some("127.0.0.1:0".parse().unwrap());
-    let l = Listeners::bind(&c).await.unwrap();
-    let addr = l.tcp.as_ref().unwrap().local_addr().unwrap();
-    (serve_on(c, l), addr)
-}
-
 fn serve_on(c: Config, l: Listeners) -> InProcess {
     let socket = c.socket.clone();
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
@@ -78,6 +68,21 @@ impl InProcess {
         let _ = self.stop.take().unwrap().send(());
         self.task.await.unwrap().unwrap();
     }
+}
+
+/// The generated gRPC client over the daemon's Unix socket (it can send what the client crate
+/// never would).
+async fn raw_client(socket: &Path) -> kvproto::pb::kvcached_client::KvcachedClient<tonic::transport::Channel> {
+    let socket = socket.to_path_buf();
+    let ch = tonic::transport::Endpoint::try_from("http://kvcached.local")
+        .unwrap()
+        .connect_with_connector(tower::service_fn(move |_| {
+            let socket = socket.clone();
+            async move { tokio::net::UnixStream::connect(socket).await.map(hyper_util::rt::TokioIo::new) }
+        }))
+        .await
+        .unwrap();
+    kvproto::pb::kvcached_client::KvcachedClient::new(ch)
 }
 
 fn kv(dir: &Path, name: &str, slots: u32) -> KvMemory {
@@ -170,11 +175,12 @@ async fn register_prefaults_the_engine_region_unless_told_not_to() {
         let daemon = start_with(c).await;
         // Sparse and untouched by the engine itself: only the daemon's mapping can be resident.
         let mem = kv(d.path(), "e", 16);
-        let region_kib = std::fs::metadata(mem.path()).unwrap().len() / 1024;
-        let before = resident_kib_of(mem.path());
+        let path = mem.path().unwrap().to_path_buf();
+        let region_kib = std::fs::metadata(&path).unwrap().len() / 1024;
+        let before = resident_kib_of(&path);
         let e = Client::connect(&daemon.socket).await.unwrap();
         e.register("e", &ns("m"), &mem).await.unwrap();
-        let after = resident_kib_of(mem.path());
+        let after = resident_kib_of(&path);
         assert_eq!(after.len(), before.len() + 1, "the daemon maps the region once");
         let daemon_rss = after.iter().copied().max().unwrap_or(0);
         if prefault {
@@ -210,7 +216,7 @@ async fn wrong_layout_namespace_and_requests_get_clear_errors() {
     let gpu = kvclient::GpuKvMemory::layer_separate([7; 64], 0, &l, 8);
     let ClientError::Rpc(s) = c.register_gpu("gpu", &ns("m"), &gpu, "", "").await.unwrap_err() else { panic!() };
     assert_eq!(s.code(), tonic::Code::FailedPrecondition);
-    if !kvtiers::cuda::cuda_available() {
+    if std::fs::metadata("/dev/nvidiactl").is_err() {
         assert!(s.message().contains("no CUDA device"), "{}", s.message());
     }
 
@@ -310,18 +316,18 @@ async fn long_prompts_match_exactly_their_cached_prefix() {
 
 /// Token ids travel as little-endian u32 bytes: a length that is not whole tokens is
 /// INVALID_ARGUMENT on every RPC that carries tokens, and the daemon keeps serving. Sent with the
-/// raw generated client over the daemon's TCP listener (the client crate cannot produce it).
+/// raw generated client (the client crate cannot produce it).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn token_bytes_that_are_not_whole_tokens_are_rejected() {
     use kvproto::pb;
     let d = tempfile::tempdir().unwrap();
-    let (daemon, addr) = start_tcp(d.path()).await;
+    let daemon = start(d.path()).await;
 
     let (engine, _mem) = attached(&daemon, d.path(), "a", 9, 2).await;
     engine.save(&prompt(9, 2), 0, &[0, 1]).await.unwrap();
     let engine_id = engine.engine_id_now().unwrap();
 
-    let mut raw = pb::kvcached_client::KvcachedClient::connect(format!("http://{addr}")).await.unwrap();
+    let mut raw = raw_client(&daemon.socket).await;
     let odd = bytes::Bytes::from(vec![1u8; 4 * 16 + 3]);
     let bad = [
         raw.lookup(pb::LookupRequest { engine_id, tokens: odd.clone(), ..Default::default() }).await.map(|_| ()),
@@ -388,7 +394,7 @@ async fn long_prompts_travel_through_the_token_area() {
     use kvclient::token_area::TokenArea;
     use kvproto::pb;
     let d = tempfile::tempdir().unwrap();
-    let (daemon, addr) = start_tcp(d.path()).await;
+    let daemon = start(d.path()).await;
     let (staged, mem) = attached(&daemon, d.path(), "a", 4, 8).await;
     assert!(staged.token_area_active());
     let mut inline = Client::connect(&daemon.socket).await.unwrap();
@@ -411,26 +417,33 @@ async fn long_prompts_travel_through_the_token_area() {
         assert_eq!(inline.lookup(&t).await.unwrap().matched_blocks, want, "inline, block {changed:?} changed");
     }
 
-    // The daemon's side, driven by hand over TCP: an area registered by a raw client.
-    let mut raw = pb::kvcached_client::KvcachedClient::connect(format!("http://{addr}")).await.unwrap();
-    let area = std::sync::Arc::new(TokenArea::create(d.path(), 1 << 20).unwrap());
+    // The daemon's side, driven by hand: an area registered by a raw client (its descriptors
+    // handed over with ATTACH).
+    let mut raw = raw_client(&daemon.socket).await;
+    let area = std::sync::Arc::new(TokenArea::create(1 << 20).unwrap());
     let seg = layout(LayoutKind::LayerSeparate).segment_bytes();
+    let ticketed = |mem_file: &std::fs::File, area_file: Option<&std::fs::File>| {
+        let files: Vec<&std::fs::File> = std::iter::once(mem_file).chain(area_file).collect();
+        let t = kvclient::attach::attach(&daemon.socket, &files).unwrap();
+        (t[0].to_vec(), t.get(1).map(|t| t.to_vec()))
+    };
+    let (kv_ticket, area_ticket) = ticketed(mem.file(), Some(area.file()));
     let mut reg = pb::RegisterRequest {
         engine_name: "raw".into(),
         namespace: Some(pb::NamespaceSpec::from(&ns("m"))),
         region: Some(pb::MemoryRegion {
-            kind: Some(pb::memory_region::Kind::ShmPath(d.path().join("a").display().to_string())),
+            kind: Some(pb::memory_region::Kind::FdTicket(kv_ticket)),
             size_bytes: mem.bytes().len() as u64,
             cuda_device: 0,
         }),
         segments: (0..4).map(|i| pb::Segment { offset: i * 8 * seg, block_stride: seg }).collect(),
         segment_bytes: seg,
         num_blocks: 8,
-        token_area: Some(area.request()),
+        token_area: Some(pb::TokenArea { fd_ticket: area_ticket.unwrap(), ..area.request() }),
         ..Default::default()
     };
     let r = raw.register(reg.clone()).await.unwrap().into_inner();
-    assert!(r.token_area_accepted);
+    assert!(r.token_area_accepted, "{}", r.token_area_error);
     let s = area.stage(&tokens).unwrap();
     let lookup = |tokens: bytes::Bytes, tokens_at: Option<pb::TokenSpan>, engine_id: u64| pb::LookupRequest {
         engine_id,
@@ -455,18 +468,20 @@ async fn long_prompts_travel_through_the_token_area() {
     }
     // An engine that truncates its area gets a clear error, and the daemon (SIGBUS caught)
     // goes on serving the others.
-    let area_path = area.request().shm_path;
-    std::fs::OpenOptions::new().write(true).open(&area_path).unwrap().set_len(0).unwrap();
+    area.file().set_len(0).unwrap();
     for _ in 0..2 {
         let e = raw.lookup(lookup(bytes::Bytes::new(), Some(s.span), r.engine_id)).await.unwrap_err();
         assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
         assert!(e.message().contains("shrank under the daemon"), "{}", e.message());
     }
     assert_eq!(staged.lookup(&tokens).await.unwrap().matched_blocks, 600);
-    // An area the daemon cannot map costs speed, not the registration.
-    reg.token_area = Some(pb::TokenArea { shm_path: d.path().join("missing").display().to_string(), size_bytes: 4096 });
+    // An area the daemon cannot use costs speed, not the registration, and the answer says why.
+    let (kv_ticket, _) = ticketed(mem.file(), None);
+    reg.region.as_mut().unwrap().kind = Some(pb::memory_region::Kind::FdTicket(kv_ticket));
+    reg.token_area = Some(pb::TokenArea { size_bytes: 4096, fd_ticket: vec![9; 16], ..Default::default() });
     let unmapped = raw.register(reg).await.unwrap().into_inner();
     assert!(!unmapped.token_area_accepted);
+    assert!(unmapped.token_area_error.contains("fd ticket"), "{}", unmapped.token_area_error);
     let e = raw.lookup(lookup(bytes::Bytes::new(), Some(s.span), unmapped.engine_id)).await.unwrap_err();
     assert!(e.message().contains("has none open"), "{}", e.message());
     drop(s);
@@ -527,7 +542,7 @@ impl Drop for DaemonProc {
 }
 
 fn spawn_daemon(dir: &Path) -> DaemonProc {
-    let child = Command::new(env!("CARGO_BIN_EXE_kvcached"))
+    let child = Command::new(env!("CARGO_BIN_EXE_daemon"))
         .args(["--socket", dir.join("kvcached.sock").to_str().unwrap()])
         .args(["--metrics-addr", "127.0.0.1:0", "--g2-capacity-bytes", "67108864"])
         .args(["--g2-shm-dir", dir.to_str().unwrap(), "--g3-dir", dir.join("g3").to_str().unwrap()])
@@ -599,33 +614,12 @@ async fn daemon_restart_brings_blocks_back_from_g3_and_clients_reconnect() {
     sigterm_and_wait(daemon);
 }
 
-/// The client crate's example engine: `examples/engine` after `cargo build --examples`, or the
-/// newest `examples/engine-<hash>` that `cargo test --all-targets` builds.
-fn example_engine() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let dir = exe.parent().unwrap().parent().unwrap().join("examples");
-    let plain = dir.join("engine");
-    if plain.is_file() {
-        return plain;
-    }
-    std::fs::read_dir(&dir)
-        .unwrap()
-        .filter_map(Result::ok)
-        .map(|e| e.path())
-        .filter(|p| {
-            let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("");
-            name.starts_with("engine-") && p.extension().is_none()
-        })
-        .max_by_key(|p| std::fs::metadata(p).and_then(|m| m.modified()).ok())
-        .expect("the example engine is built (cargo test --all-targets or cargo build --examples)")
-}
-
 #[test]
 fn example_engines_in_two_processes_hand_a_prompt_over() {
     let d = tempfile::tempdir().unwrap();
     let daemon = spawn_daemon(d.path());
     let run = |mode: &str| {
-        let out = Command::new(example_engine())
+        let out = Command::new(env!("CARGO_BIN_EXE_engine"))
             .args([mode, "11", "24"])
             .env("KVCACHED_SOCKET", d.path().join("kvcached.sock"))
             .output()
@@ -716,37 +710,14 @@ async fn kill_9_of_a_client_mid_save_leaves_no_partial_block() {
     daemon.stop().await;
 }
 
-#[test]
-fn cli_help_config_and_invalid_configuration() {
-    let bin = env!("CARGO_BIN_EXE_kvcached");
-    let help = Command::new(bin).arg("--help").output().unwrap();
-    let text = String::from_utf8_lossy(&help.stdout);
-    for flag in ["--socket", "--g2-capacity-bytes", "--g3-dir", "--metrics-addr", "config", "demo"] {
-        assert!(text.contains(flag), "--help lacks {flag}:\n{text}");
-    }
-    let out = Command::new(bin).args(["--g3-capacity-bytes", "12345", "config"]).output().unwrap();
-    assert!(out.status.success());
-    let toml = String::from_utf8_lossy(&out.stdout);
-    assert!(toml.contains("capacity_bytes = 12345"), "{toml}");
-    let d = tempfile::tempdir().unwrap();
-    let f = d.path().join("bad.toml");
-    std::fs::write(&f, "[g2]\npage_size = 1000\n").unwrap();
-    let out = Command::new(bin).args(["--config", f.to_str().unwrap(), "config"]).output().unwrap();
-    assert_eq!(out.status.code(), Some(2));
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("g2.page_size"), "{err}");
-    let out = Command::new(bin).env("KVCACHED_G3_IO_BACKEND", "spdk").arg("config").output().unwrap();
-    assert!(String::from_utf8_lossy(&out.stderr).contains("g3.io_backend"));
-}
-
-/// The daemon maps an engine's KV memory and writes into it on every load: naming the daemon's
-/// own G2 pool or a G3 file as one's KV memory (to corrupt other engines' blocks or read them)
-/// is refused, whatever the file's size and name.
+/// The daemon maps an engine's KV memory and writes into it on every load: handing it the
+/// daemon's own G2 pool or G3 data file as one's KV memory (to corrupt other engines' blocks or
+/// read them) is refused, however the client came by the descriptor (here: root opened them,
+/// through a symlink too).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_engine_cannot_register_the_daemons_own_storage() {
-    use kvproto::pb;
     let d = tempfile::tempdir().unwrap();
-    let (daemon, addr) = start_tcp(d.path()).await;
+    let daemon = start(d.path()).await;
     // Registered first: the daemon is serving, so its pool file exists.
     let (a, _ma) = attached(&daemon, d.path(), "a", 1, 2).await;
     let pool = std::fs::read_dir(d.path())
@@ -755,27 +726,12 @@ async fn an_engine_cannot_register_the_daemons_own_storage() {
         .find(|p| p.file_name().unwrap().to_string_lossy().starts_with("kvcached-g2-"))
         .expect("the G2 pool file");
     let blocks = d.path().join("g3").join("blocks.dat");
-    // Through a symlink too: what counts is the file opened.
     let link = d.path().join("innocent");
     std::os::unix::fs::symlink(&pool, &link).unwrap();
-    let mut raw = pb::kvcached_client::KvcachedClient::connect(format!("http://{addr}")).await.unwrap();
-    let seg = layout(LayoutKind::LayerSeparate).segment_bytes();
     for path in [&pool, &blocks, &link] {
-        let reg = pb::RegisterRequest {
-            engine_name: "intruder".into(),
-            namespace: Some(pb::NamespaceSpec::from(&ns("m"))),
-            region: Some(pb::MemoryRegion {
-                kind: Some(pb::memory_region::Kind::ShmPath(path.display().to_string())),
-                size_bytes: 4 * 8 * seg,
-                cuda_device: 0,
-            }),
-            segments: (0..4).map(|i| pb::Segment { offset: i * 8 * seg, block_stride: seg }).collect(),
-            segment_bytes: seg,
-            num_blocks: 8,
-            ..Default::default()
-        };
-        let e = raw.register(reg).await.unwrap_err();
-        assert!(e.message().contains("kvcached's own storage"), "{}: {}", path.display(), e.message());
+        let f = std::fs::OpenOptions::new().read(true).write(true).open(path).unwrap();
+        let e = kvclient::attach::attach(&daemon.socket, &[&f]).unwrap_err().to_string();
+        assert!(e.contains("kvcached's own storage"), "{}: {e}", path.display());
     }
     // An engine's own file still registers, and two engines get ids nobody can count on.
     let (b, _mb) = attached(&daemon, d.path(), "b", 2, 2).await;
@@ -834,4 +790,41 @@ async fn shutdown_drains_within_its_deadline_and_leaves_a_newer_socket() {
     daemon.stop().await;
     assert!(sock.exists(), "the newer daemon's socket was removed");
     drop(newer);
+}
+
+/// The stock Python gRPC client (grpcio, stubs generated from the .proto) works over the Unix
+/// socket with no channel options: grpcio sends the socket's path as `:authority`, which the
+/// daemon's HTTP/2 stack would refuse. The script also hands its KV memory over with
+/// `socket.send_fds` (ATTACH) and checks a save / lookup / load byte for byte.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stock_grpcio_engine_over_the_socket() {
+    let python = std::env::var("KVCACHED_TEST_PYTHON").unwrap_or_else(|_| {
+        format!("{}/.cache/kvcached/venv-test/bin/python", std::env::var("HOME").unwrap_or_default())
+    });
+    assert!(Path::new(&python).exists(), "{python} missing: run scripts/test (it creates it)");
+    let d = tempfile::tempdir().unwrap();
+    let daemon = start(d.path()).await;
+    let stubs = d.path().join("stubs");
+    std::fs::create_dir(&stubs).unwrap();
+    let proto = concat!(env!("CARGO_MANIFEST_DIR"), "/../proto/proto");
+    let stubs_made = tokio::process::Command::new(&python)
+        .args(["-m", "grpc_tools.protoc", "-I", proto, "--python_out"])
+        .arg(&stubs)
+        .arg("--grpc_python_out")
+        .arg(&stubs)
+        .arg(format!("{proto}/kvcached.proto"))
+        .output()
+        .await
+        .unwrap();
+    assert!(stubs_made.status.success(), "{}", String::from_utf8_lossy(&stubs_made.stderr));
+    let out = tokio::process::Command::new(&python)
+        .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/py/grpcio_engine.py"))
+        .arg(&daemon.socket)
+        .arg(&stubs)
+        .output()
+        .await
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && said.trim() == "ok 2", "{said}\n{}", String::from_utf8_lossy(&out.stderr));
+    daemon.stop().await;
 }

@@ -2,14 +2,12 @@
 //! the same listener as the HTTP API.
 #![allow(clippy::unwrap_used)]
 
-mod common;
-
-use common::*;
 use kvproto::TierKind;
 use kvproto::events::{NodeId, PublisherInfo, WorkerId, WorkerInfo};
 use kvrouter::grpc::RouterClient;
 use kvrouter::grpc::pb;
 use kvrouter::recovery::MemoryPublisher;
+use kvtests::router_harness::*;
 
 fn by_name(name: &str, tokens: Vec<u32>) -> pb::RouteRequest {
     pb::RouteRequest {

@@ -2,14 +2,12 @@
 //! clears when the cause goes away.
 #![allow(clippy::unwrap_used)]
 
-mod common;
-
 use std::time::Duration;
 
-use common::*;
 use kvproto::TierKind;
 use kvproto::events::{KEY_SCHEME_DYNAMO_XXH3_1337, PublisherMessage, RouteOutcome, WorkerId};
 use kvrouter::recovery::MemoryPublisher;
+use kvtests::router_harness::*;
 
 fn kinds(h: &serde_json::Value) -> Vec<String> {
     h["conditions"].as_array().unwrap().iter().map(|c| c["kind"].as_str().unwrap().to_string()).collect()

@@ -2,23 +2,14 @@
 //! format (`VllmExporter`): `/register`, `/query`, `/query_by_hash`, `/workers`, `/unregister`.
 #![allow(clippy::unwrap_used)]
 
-mod common;
-
 use std::time::Duration;
 
-use common::*;
+use kvcached::zmq_export::VllmExporter;
 use kvproto::TierKind;
 use kvproto::events::KEY_SCHEME_DYNAMO_XXH3_1337;
-use kvrouter::vllm::{Encoding, VllmEvent, stored_for_export};
-use kvrouter::zmq::VllmExporter;
+use kvproto::vllm::{Encoding, VllmEvent, stored_for_export};
+use kvtests::router_harness::*;
 use serde_json::{Value, json};
-
-impl Server {
-    async fn post(&self, path: &str, body: Value) -> (u16, Value) {
-        let r = self.http.post(format!("{}{path}", self.base)).json(&body).send().await.unwrap();
-        (r.status().as_u16(), r.json().await.unwrap_or(Value::Null))
-    }
-}
 
 fn register_body(endpoint: &str, instance: &str, dp_rank: u32) -> Value {
     json!({

@@ -2,16 +2,15 @@
 //! could not queue (bounded) or deliver (router down) are replayed by the router from its log.
 #![allow(clippy::unwrap_used)]
 
-mod common;
-
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::*;
+use kvcached::http::recovery_routes;
+use kvcached::publish::{HttpPublisher, PublishConfig};
 use kvproto::TierKind;
 use kvproto::events::{EngineLoad, LoadReport, WorkerId};
-use kvrouter::publish::{HttpPublisher, PublishConfig};
-use kvrouter::recovery::{MemoryPublisher, recovery_routes};
+use kvproto::publisher::MemoryPublisher;
+use kvtests::router_harness::*;
 
 async fn serve_recovery(p: Arc<MemoryPublisher>) -> String {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

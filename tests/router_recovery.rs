@@ -2,15 +2,14 @@
 //! snapshot when the log no longer reaches back, publisher restart, router restart, replicas.
 #![allow(clippy::unwrap_used)]
 
-mod common;
-
 use std::sync::Arc;
 
-use common::*;
+use kvcached::http::recovery_routes;
 use kvproto::TierKind;
 use kvproto::events::{Event, EventBody};
-use kvrouter::recovery::{MemoryPublisher, recovery_routes};
+use kvproto::publisher::MemoryPublisher;
 use kvrouter::router::IndexStats;
+use kvtests::router_harness::*;
 
 /// A publisher whose recovery API is served over HTTP on port 0.
 async fn http_publisher(name: &str, epoch: u64, log: usize) -> (Arc<MemoryPublisher>, String) {

@@ -2,16 +2,14 @@
 //! tiers, load terms, candidate restriction, approximate mode, errors.
 #![allow(clippy::unwrap_used)]
 
-mod common;
-
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::*;
 use kvproto::TierKind;
 use kvproto::events::{EngineLoad, EventBody, Holder, LoadReport, PublisherMessage, WorkerId};
 use kvrouter::RoutingMode;
 use kvrouter::recovery::MemoryPublisher;
+use kvtests::router_harness::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn credits_each_tier_along_the_prefix_and_knows_who_shares_what() {
@@ -169,7 +167,7 @@ tokens_per_block = 4
     .unwrap();
     // Pick a free port, then let the binary bind it.
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_kvrouter"))
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_router"))
         .args(["--listen", &format!("127.0.0.1:{port}"), "--config"])
         .arg(&cfg_path)
         .stdout(std::process::Stdio::null())

@@ -2,11 +2,9 @@
 //! Mooncake trace runs from `examples/mooncake_sim.rs`; see docs/router.md).
 #![allow(clippy::unwrap_used)]
 
-mod common;
-
-use common::Server;
 use kvrouter::RouterConfig;
 use kvrouter::sim::{self, Policy, SimConfig};
+use kvtests::router_harness::Server;
 
 async fn run(trace: &[sim::TraceRequest], cfg: &SimConfig, router: RouterConfig) -> (sim::SimResult, Server) {
     let srv = Server::start(router).await;

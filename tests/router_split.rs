@@ -3,14 +3,12 @@
 //! it saves (slow link, short prompt) or the decode worker already holds the prefix.
 #![allow(clippy::unwrap_used)]
 
-mod common;
-
-use common::*;
 use kvproto::TierKind;
 use kvproto::events::{WorkerId, WorkerInfo};
 use kvrouter::config::{ResolvedNamespace, SplitConfig};
 use kvrouter::recovery::MemoryPublisher;
 use kvrouter::{RouterConfig, SplitDecision};
+use kvtests::router_harness::*;
 use serde_json::json;
 
 /// Node A: decode worker d1, prefill worker p1. Node B: prefill worker p2.

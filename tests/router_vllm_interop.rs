@@ -4,27 +4,29 @@
 //! xxhash` (scripts/test installs them).
 #![allow(clippy::unwrap_used)]
 
-mod common;
-
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use common::*;
+use kvcached::zmq_export::VllmExporter;
 use kvproto::TierKind;
 use kvproto::events::KEY_SCHEME_DYNAMO_XXH3_1337;
+use kvproto::vllm::{self, Encoding, stored_for_export};
 use kvrouter::config::VllmSource;
-use kvrouter::vllm::{self, Encoding, stored_for_export};
-use kvrouter::zmq::VllmExporter;
+use kvtests::router_harness::*;
 
+/// The Python with pyzmq, msgspec and xxhash that `scripts/test` sets up (`KVCACHED_TEST_PYTHON`).
 fn python() -> String {
-    let p = concat!(env!("CARGO_MANIFEST_DIR"), "/../.venv/bin/python");
+    let p = std::env::var("KVCACHED_TEST_PYTHON").unwrap_or_else(|_| {
+        let home = std::env::var("HOME").unwrap_or_default();
+        format!("{home}/.cache/kvcached/venv-test/bin/python")
+    });
     assert!(
-        std::path::Path::new(p).exists(),
-        "{p} missing: create it with `python3 -m venv .venv && .venv/bin/pip install pyzmq msgspec xxhash`"
+        std::path::Path::new(&p).exists(),
+        "{p} missing: run scripts/test (it creates it), or set KVCACHED_TEST_PYTHON to a Python with pyzmq, msgspec and xxhash"
     );
-    p.to_string()
+    p
 }
 
 struct Py {
@@ -36,7 +38,7 @@ struct Py {
 impl Py {
     fn spawn(args: &[&str]) -> Self {
         let mut child = Command::new(python())
-            .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/py/vllm_events.py"))
+            .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/py/vllm_events.py"))
             .args(args)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -332,7 +334,7 @@ async fn the_export_serves_vllms_replay_protocol() {
     };
     // Room for the two newest of three batches (holding 1, 2 and 3 blocks), each kept batch
     // also counting its bookkeeping.
-    let bound = one(&tokens[..8]) + one(&tokens) + 2 * kvrouter::zmq_export::REPLAY_ENTRY_OVERHEAD + 8;
+    let bound = one(&tokens[..8]) + one(&tokens) + 2 * kvcached::zmq_export::REPLAY_ENTRY_OVERHEAD + 8;
     let replay = exp.serve_replay("tcp://127.0.0.1:0", bound).await.unwrap();
     for n in [4, 8, 12] {
         exp.publish(vec![stored_for_export(None, &tokens[..n], 4, TierKind::G2Host)], None).await.unwrap();

@@ -1,5 +1,12 @@
-//! `kvcached demo`: two engines on one running daemon hand a prompt's KV over through G2 (the
+//! The demo: two engines on one running daemon hand a prompt's KV over through G2 (the
 //! single-node prefill -> decode path), byte-exact, with hit counts printed.
+//!
+//! ```text
+//! cargo run --release -p kvcached                    # the daemon, embedded defaults
+//! cargo run --release -p kvclient --example demo     # in a second shell
+//! ```
+//!
+//! The socket is `KVCACHED_SOCKET` or the daemon's default.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -12,8 +19,20 @@ fn shm_path(name: &str) -> std::path::PathBuf {
     dir.join(format!("kvcached-demo-{name}-{}", std::process::id()))
 }
 
+#[tokio::main]
+async fn main() -> std::process::ExitCode {
+    let socket = kvclient::default_socket();
+    match run(&socket).await {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("demo: {e} (is kvcached running at {}?)", socket.display());
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
 /// Runs the demo against the daemon at `socket`.
-pub async fn run(socket: &Path) -> Result<(), ClientError> {
+async fn run(socket: &Path) -> Result<(), ClientError> {
     let layout = KvLayout {
         num_layers: 28,
         kv_heads: 8,

@@ -40,7 +40,11 @@ impl LoadOp {
 
 #[derive(Debug)]
 struct Registration {
+    /// The request without its descriptors' tickets (each registration hands them over anew).
     request: pb::RegisterRequest,
+    /// The KV memory's descriptor (none for GPU memory) and the token area's.
+    memory: Option<Arc<std::fs::File>>,
+    area: Option<Arc<std::fs::File>>,
     engine_id: u64,
     /// Whether the daemon opened the token area (`RegisterResponse::token_area_accepted`).
     area_accepted: bool,
@@ -86,7 +90,40 @@ async fn channel(socket: &Path) -> Result<KvcachedClient<Channel>, ClientError> 
 /// Whether a call failed because the daemon went away or forgot us (restart).
 fn needs_reconnect(s: &tonic::Status) -> bool {
     matches!(s.code(), tonic::Code::Unavailable | tonic::Code::Unknown)
-        || (s.code() == tonic::Code::NotFound && s.message().contains("not registered"))
+        || crate::error::reason_of(s) == Some(kvproto::reason::Reason::UnknownEngine)
+}
+
+/// Hands the registration's descriptors to the daemon at `socket` (ATTACH) and fills their
+/// tickets into `request`.
+async fn with_tickets(
+    socket: &Path,
+    mut request: pb::RegisterRequest,
+    memory: Option<Arc<std::fs::File>>,
+    area: Option<Arc<std::fs::File>>,
+) -> Result<pb::RegisterRequest, ClientError> {
+    let files: Vec<Arc<std::fs::File>> = memory.iter().chain(area.iter()).cloned().collect();
+    if files.is_empty() {
+        return Ok(request);
+    }
+    let socket = socket.to_path_buf();
+    let tickets = tokio::task::spawn_blocking(move || {
+        let refs: Vec<&std::fs::File> = files.iter().map(|f| f.as_ref()).collect();
+        crate::attach::attach(&socket, &refs)
+    })
+    .await
+    .map_err(|e| ClientError::Attach(e.to_string()))??;
+    let mut tickets = tickets.into_iter();
+    if memory.is_some()
+        && let (Some(r), Some(t)) = (request.region.as_mut(), tickets.next())
+    {
+        r.kind = Some(pb::memory_region::Kind::FdTicket(t.to_vec()));
+    }
+    if area.is_some()
+        && let (Some(a), Some(t)) = (request.token_area.as_mut(), tickets.next())
+    {
+        a.fd_ticket = t.to_vec();
+    }
+    Ok(request)
 }
 
 impl Client {
@@ -135,7 +172,7 @@ impl Client {
         }
         let mut area = self.inner.token_area.lock();
         if area.is_none() {
-            match TokenArea::create(&crate::token_area::default_dir(), self.inner.token_area_bytes) {
+            match TokenArea::create(self.inner.token_area_bytes) {
                 Ok(a) => *area = Some(Arc::new(a)),
                 Err(e) => tracing::warn!("cannot create a token area ({e}); long prompts go inline"),
             }
@@ -172,8 +209,9 @@ impl Client {
         loop {
             let attempt = async {
                 let mut rpc = channel(&self.inner.socket).await?;
-                let req = self.inner.reg.lock().as_ref().map(|r| r.request.clone());
-                if let Some(req) = req {
+                let reg = self.inner.reg.lock().as_ref().map(|r| (r.request.clone(), r.memory.clone(), r.area.clone()));
+                if let Some((req, memory, area)) = reg {
+                    let req = with_tickets(&self.inner.socket, req, memory, area).await?;
                     let resp = rpc.register(req).await?.into_inner();
                     if let Some(r) = self.inner.reg.lock().as_mut() {
                         r.engine_id = resp.engine_id;
@@ -245,7 +283,7 @@ impl Client {
         address: &str,
         role: &str,
     ) -> Result<pb::RegisterResponse, ClientError> {
-        self.register_request(memory.to_request(engine_name, ns), address, role).await
+        self.register_request(memory.to_request(engine_name, ns), Some(Arc::clone(memory.file())), address, role).await
     }
 
     /// Registers KV memory that lives in the engine's GPU (shared through a CUDA IPC handle),
@@ -259,25 +297,32 @@ impl Client {
         address: &str,
         role: &str,
     ) -> Result<pb::RegisterResponse, ClientError> {
-        self.register_request(memory.to_request(engine_name, ns), address, role).await
+        self.register_request(memory.to_request(engine_name, ns), None, address, role).await
     }
 
     async fn register_request(
         &self,
         mut request: pb::RegisterRequest,
+        memory: Option<Arc<std::fs::File>>,
         address: &str,
         role: &str,
     ) -> Result<pb::RegisterResponse, ClientError> {
         request.worker_address = address.to_string();
         request.role = role.to_string();
-        request.token_area = self.token_area().map(|a| a.request());
-        let resp = self.rpc().register(request.clone()).await?.into_inner();
+        let area = self.token_area();
+        request.token_area = area.as_ref().map(|a| a.request());
+        let area = area.map(|a| Arc::clone(a.file()));
+        let sent = with_tickets(&self.inner.socket, request.clone(), memory.clone(), area.clone()).await?;
+        let resp = self.rpc().register(sent).await?.into_inner();
         let heartbeat = Duration::from_millis(u64::from(resp.heartbeat_ms.max(100)));
         if request.token_area.is_some() && !resp.token_area_accepted {
-            tracing::warn!("kvcached did not open the token area (its log says why); long prompts go inline");
+            tracing::warn!(
+                "kvcached did not take the token area ({}); long prompts go inline",
+                kvproto::limits::clip(&resp.token_area_error, 200)
+            );
         }
         let area_accepted = resp.token_area_accepted;
-        *self.inner.reg.lock() = Some(Registration { request, engine_id: resp.engine_id, area_accepted });
+        *self.inner.reg.lock() = Some(Registration { request, memory, area, engine_id: resp.engine_id, area_accepted });
         self.start_heartbeat(heartbeat);
         Ok(resp)
     }

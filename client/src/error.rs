@@ -16,7 +16,28 @@ pub enum ClientError {
     /// A load finished with an error on the daemon.
     #[error("load {op} failed: {error}")]
     LoadFailed { op: u64, error: String },
+    /// Handing the KV memory's or token area's descriptors to the daemon (ATTACH) failed.
+    #[error("attach: {0}")]
+    Attach(String),
     /// A local problem: the KV memory file, the runtime.
     #[error("{0}")]
     Io(#[from] std::io::Error),
+}
+
+impl ClientError {
+    /// The daemon's machine-readable reason for refusing the call, when it gave one.
+    pub fn reason(&self) -> Option<kvproto::reason::Reason> {
+        match self {
+            ClientError::Rpc(s) => reason_of(s),
+            _ => None,
+        }
+    }
+}
+
+/// The reason a status carries (`kvproto::reason`).
+pub fn reason_of(s: &tonic::Status) -> Option<kvproto::reason::Reason> {
+    s.metadata()
+        .get(kvproto::reason::METADATA_KEY)
+        .and_then(|v| v.to_str().ok())
+        .and_then(kvproto::reason::Reason::from_name)
 }

@@ -15,7 +15,7 @@
 //!                         tokens_per_block: 16, kind: LayoutKind::LayerSeparate };
 //! let ns = Namespace::new("Qwen/Qwen3-0.6B", layout);
 //! // vLLM-style KV: one tensor per layer and K/V, 1024 block slots each.
-//! let kv = KvMemory::create_layer_separate("/dev/shm/my-engine-kv", &layout, 1024)?;
+//! let kv = KvMemory::anonymous(&layout, 1024)?;
 //! let client = Client::connect("/run/user/1000/kvcached/kvcached.sock").await?;
 //! client.register("engine-0", &ns, &kv).await?;
 //! let tokens: Vec<u32> = (0..4096).collect();
@@ -32,12 +32,14 @@
 //! # Layout
 //! - [`client`]: the async [`Client`] (connect, register, save, lookup, load, wait,
 //!   reconnect, heartbeats).
+//! - [`attach`]: handing the KV memory's and token area's descriptors to the daemon (ATTACH).
 //! - [`blocking`]: [`BlockingClient`], the same API for engines without an async runtime.
 //! - [`memory`]: [`KvMemory`], a shared-memory KV region and its segment layout;
 //!   [`GpuKvMemory`], KV in GPU memory shared through a CUDA IPC handle.
 //! - [`token_area`]: the shared-memory file long prompts' tokens travel through to the daemon.
 //! - [`error`]: the [`ClientError`] enum.
 
+pub mod attach;
 pub mod blocking;
 pub mod client;
 pub mod error;
@@ -50,3 +52,9 @@ pub use error::ClientError;
 pub use kvproto;
 pub use kvproto::pb::{LoadStatus, LookupResponse, SaveResponse};
 pub use memory::{GpuKvMemory, KvMemory, synthetic_block};
+
+/// The socket of the node's daemon: `KVCACHED_SOCKET` if set, else the daemon's default
+/// ([`kvproto::paths::default_socket`]).
+pub fn default_socket() -> std::path::PathBuf {
+    std::env::var_os("KVCACHED_SOCKET").map_or_else(kvproto::paths::default_socket, Into::into)
+}

@@ -1,67 +1,109 @@
-//! KV memory an engine registers: a shared-memory file the daemon maps too, and where each
-//! block's segments sit in it.
+//! KV memory an engine registers: a shared-memory file (a memfd, or a named file in
+//! `/dev/shm`) that the daemon maps too, handed to it as a descriptor, and where each block slot
+//! lies in it ([`SlotLayout`], the one definition the daemon checks against).
 
-use std::fs::OpenOptions;
+use std::fs::{File, OpenOptions};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
-use kvproto::{KvLayout, LayoutKind, pb};
-use memmap2::MmapMut;
+use kvproto::slots::SlotLayout;
+use kvproto::{KvLayout, pb};
 
-/// A shared-memory KV region with its segment layout. The file is removed on drop.
+/// A shared-memory KV region with its slot layout. A named file is removed on drop.
 #[derive(Debug)]
 pub struct KvMemory {
-    path: PathBuf,
-    map: MmapMut,
-    segments: Vec<(u64, u64)>,
-    segment_bytes: u64,
-    num_blocks: u32,
+    path: Option<PathBuf>,
+    file: Arc<File>,
+    map: memmap2::MmapMut,
+    slots: SlotLayout,
+}
+
+/// An anonymous shared-memory file (memfd) of `size` bytes.
+pub(crate) fn memfd(name: &str, size: u64) -> std::io::Result<File> {
+    let name = std::ffi::CString::new(name).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+    // SAFETY: memfd_create with a NUL-terminated name; the descriptor is ours.
+    let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: a fresh descriptor nobody else owns.
+    let file = unsafe { <File as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+    file.set_len(size)?;
+    Ok(file)
 }
 
 impl KvMemory {
-    /// vLLM-style memory: one tensor `[num_blocks, segment]` per layer and K/V, laid out
-    /// layer 0 K, layer 0 V, layer 1 K, ...
+    /// vLLM-style memory in a named file at `path`: one tensor `[num_blocks, segment]` per layer
+    /// and K/V, laid out layer 0 K, layer 0 V, layer 1 K, ...
     pub fn create_layer_separate(path: impl AsRef<Path>, layout: &KvLayout, num_blocks: u32) -> std::io::Result<Self> {
-        let seg = layout.segment_bytes();
-        let tensors = u64::from(layout.num_layers) * 2;
-        let segments = (0..tensors).map(|t| (t * u64::from(num_blocks) * seg, seg)).collect();
-        Self::create(path.as_ref(), segments, seg, num_blocks, tensors * u64::from(num_blocks) * seg)
+        Self::create(path.as_ref(), SlotLayout::layer_separate(layout, num_blocks))
     }
 
-    /// Fully contiguous blocks: block `b` is bytes `[b * block, (b + 1) * block)`.
+    /// Fully contiguous blocks in a named file: block `b` is bytes `[b * block, (b + 1) * block)`.
     pub fn create_contiguous(path: impl AsRef<Path>, layout: &KvLayout, num_blocks: u32) -> std::io::Result<Self> {
-        let block = layout.block_bytes();
-        Self::create(path.as_ref(), vec![(0, block)], block, num_blocks, block * u64::from(num_blocks))
+        Self::create(path.as_ref(), SlotLayout::contiguous(layout, num_blocks))
     }
 
-    /// For the layout's kind.
+    /// For the layout's kind, in a named file.
     pub fn create_for(path: impl AsRef<Path>, layout: &KvLayout, num_blocks: u32) -> std::io::Result<Self> {
-        match layout.kind {
-            LayoutKind::LayerSeparate => Self::create_layer_separate(path, layout, num_blocks),
-            LayoutKind::Contiguous => Self::create_contiguous(path, layout, num_blocks),
-        }
+        Self::create(path.as_ref(), SlotLayout::for_layout(layout, num_blocks))
     }
 
-    fn create(
-        path: &Path,
-        segments: Vec<(u64, u64)>,
-        segment_bytes: u64,
-        num_blocks: u32,
-        size: u64,
-    ) -> std::io::Result<Self> {
-        let file = OpenOptions::new().read(true).write(true).create(true).truncate(true).mode(0o660).open(path)?;
+    /// For the layout's kind, in an anonymous shared-memory file (memfd): nothing to clean up,
+    /// nothing another process can open by name.
+    pub fn anonymous(layout: &KvLayout, num_blocks: u32) -> std::io::Result<Self> {
+        Self::anonymous_with(SlotLayout::for_layout(layout, num_blocks))
+    }
+
+    /// Any slot layout (e.g. the one an engine's KV tensors already have), in a memfd sized to
+    /// hold every slot.
+    pub fn anonymous_with(slots: SlotLayout) -> std::io::Result<Self> {
+        let size = extent(&slots)?;
+        Self::map(None, memfd("kvcached-kv", size)?, slots)
+    }
+
+    /// Memory the engine already has in `file` (a memfd or a shared-memory file it opened for
+    /// reading and writing), laid out as `slots`.
+    pub fn from_file(file: File, slots: SlotLayout) -> std::io::Result<Self> {
+        Self::map(None, file, slots)
+    }
+
+    fn create(path: &Path, slots: SlotLayout) -> std::io::Result<Self> {
+        let size = extent(&slots)?;
+        let file = OpenOptions::new().read(true).write(true).create(true).truncate(true).mode(0o600).open(path)?;
         file.set_len(size)?;
-        // SAFETY: the file is ours and sized; the daemon maps it too, which is the point.
-        let map = unsafe { MmapMut::map_mut(&file)? };
-        Ok(Self { path: path.to_path_buf(), map, segments, segment_bytes, num_blocks })
+        Self::map(Some(path.to_path_buf()), file, slots)
     }
 
-    pub fn path(&self) -> &Path {
-        &self.path
+    fn map(path: Option<PathBuf>, file: File, slots: SlotLayout) -> std::io::Result<Self> {
+        let size = extent(&slots)?;
+        if file.metadata()?.len() < size {
+            return Err(invalid_slots(&format!("the file is shorter than the {size} bytes its slots need")));
+        }
+        let len = usize::try_from(size).map_err(|_| invalid_slots("larger than the address space"))?;
+        // SAFETY: the file is the engine's and sized; the daemon maps it too, which is the point.
+        let map = unsafe { memmap2::MmapOptions::new().len(len).map_mut(&file)? };
+        Ok(Self { path, file: Arc::new(file), map, slots })
+    }
+
+    /// The named file, if the memory is one (an anonymous memfd has no path).
+    pub fn path(&self) -> Option<&Path> {
+        self.path.as_deref()
+    }
+
+    /// The descriptor handed to the daemon.
+    pub fn file(&self) -> &Arc<File> {
+        &self.file
     }
 
     pub fn num_blocks(&self) -> u32 {
-        self.num_blocks
+        self.slots.num_blocks
+    }
+
+    /// Where the slots lie.
+    pub fn slots(&self) -> &SlotLayout {
+        &self.slots
     }
 
     /// The whole region.
@@ -76,13 +118,7 @@ impl KvMemory {
 
     /// Byte ranges of block `b`'s segments, in block byte order.
     pub fn block_ranges(&self, b: u32) -> Vec<std::ops::Range<usize>> {
-        self.segments
-            .iter()
-            .map(|&(off, stride)| {
-                let start = (off + u64::from(b) * stride) as usize;
-                start..start + self.segment_bytes as usize
-            })
-            .collect()
+        self.slots.ranges(b).map(|(start, n)| start..start + n).collect()
     }
 
     /// Block `b`'s bytes in block order (a copy; for tests and verification).
@@ -100,30 +136,37 @@ impl KvMemory {
         }
     }
 
-    /// The registration message fields describing this region.
+    /// The registration message fields describing this region (its ticket is filled in when the
+    /// descriptor has been handed over).
     pub(crate) fn to_request(&self, engine_name: &str, ns: &kvproto::Namespace) -> pb::RegisterRequest {
-        let kind = pb::memory_region::Kind::ShmPath(self.path.to_string_lossy().into_owned());
+        let kind = pb::memory_region::Kind::FdTicket(Vec::new());
         let region = pb::MemoryRegion { kind: Some(kind), size_bytes: self.map.len() as u64, cuda_device: 0 };
-        register_request(engine_name, ns, region, &self.segments, self.segment_bytes, self.num_blocks)
+        register_request(engine_name, ns, region, &self.slots)
     }
 }
 
-/// A registration of `region` laid out in `segments` (offset of block 0, stride) per segment.
+fn invalid_slots(why: &str) -> std::io::Error {
+    std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("KV memory: {why}"))
+}
+
+fn extent(slots: &SlotLayout) -> std::io::Result<u64> {
+    slots.extent().ok_or_else(|| invalid_slots("a region of 0 slots, or larger than 2^64 bytes"))
+}
+
+/// A registration of `region` laid out as `slots`.
 fn register_request(
     engine_name: &str,
     ns: &kvproto::Namespace,
     region: pb::MemoryRegion,
-    segments: &[(u64, u64)],
-    segment_bytes: u64,
-    num_blocks: u32,
+    slots: &SlotLayout,
 ) -> pb::RegisterRequest {
     pb::RegisterRequest {
         engine_name: engine_name.to_string(),
         namespace: Some(pb::NamespaceSpec::from(ns)),
         region: Some(region),
-        segments: segments.iter().map(|&(offset, block_stride)| pb::Segment { offset, block_stride }).collect(),
-        segment_bytes,
-        num_blocks,
+        segments: slots.segments.iter().map(|s| pb::Segment { offset: s.offset, block_stride: s.stride }).collect(),
+        segment_bytes: slots.segment_bytes,
+        num_blocks: slots.num_blocks,
         worker_address: String::new(),
         role: String::new(),
         token_area: None,
@@ -139,44 +182,35 @@ pub struct GpuKvMemory {
     handle: Vec<u8>,
     device: u32,
     size: u64,
-    segments: Vec<(u64, u64)>,
-    segment_bytes: u64,
-    num_blocks: u32,
+    slots: SlotLayout,
 }
 
 impl GpuKvMemory {
     /// vLLM-style tensors laid out back to back in one allocation: `[num_blocks, segment]` per
     /// layer and K/V, layer 0 K, layer 0 V, layer 1 K, ...
     pub fn layer_separate(handle: [u8; 64], device: u32, layout: &KvLayout, num_blocks: u32) -> Self {
-        let seg = layout.segment_bytes();
-        let tensors = u64::from(layout.num_layers) * 2;
-        let segments = (0..tensors).map(|t| (t * u64::from(num_blocks) * seg, seg)).collect();
-        Self::with_segments(handle, device, tensors * u64::from(num_blocks) * seg, segments, seg, num_blocks)
+        let slots = SlotLayout::layer_separate(layout, num_blocks);
+        let size = slots.extent().unwrap_or(0);
+        Self::with_slots(handle, device, size, slots)
     }
 
-    /// Any layout: per segment of a block (in block byte order), the offset of block 0's
-    /// segment and the stride between blocks; `size` is the allocation's length.
-    pub fn with_segments(
-        handle: [u8; 64],
-        device: u32,
-        size: u64,
-        segments: Vec<(u64, u64)>,
-        segment_bytes: u64,
-        num_blocks: u32,
-    ) -> Self {
-        Self { handle: handle.to_vec(), device, size, segments, segment_bytes, num_blocks }
+    /// Any slot layout; `size` is the allocation's length.
+    pub fn with_slots(handle: [u8; 64], device: u32, size: u64, slots: SlotLayout) -> Self {
+        Self { handle: handle.to_vec(), device, size, slots }
     }
 
     pub(crate) fn to_request(&self, engine_name: &str, ns: &kvproto::Namespace) -> pb::RegisterRequest {
         let kind = pb::memory_region::Kind::CudaIpcHandle(self.handle.clone());
         let region = pb::MemoryRegion { kind: Some(kind), size_bytes: self.size, cuda_device: self.device };
-        register_request(engine_name, ns, region, &self.segments, self.segment_bytes, self.num_blocks)
+        register_request(engine_name, ns, region, &self.slots)
     }
 }
 
 impl Drop for KvMemory {
     fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.path);
+        if let Some(p) = &self.path {
+            let _ = std::fs::remove_file(p);
+        }
     }
 }
 

@@ -9,13 +9,10 @@
 //! future dropped) frees its slot at once, while the daemon may still be reading it: that
 //! request's answer, which nobody waits for, may then be for a prompt torn by the next one.
 //!
-//! The file is removed when the client is dropped. A client process that dies leaves it behind;
-//! the next area created on the node removes the areas of processes that no longer exist
-//! (`kvcached-tokens-<pid>-<time>-<n>`).
+//! The area is an anonymous shared-memory file (memfd) handed to the daemon as a descriptor
+//! (ATTACH): nothing is left behind when the client's process ends, however it ends.
 
-use std::fs::OpenOptions;
-use std::os::unix::fs::OpenOptionsExt;
-use std::path::{Path, PathBuf};
+use std::fs::File;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 
@@ -35,7 +32,7 @@ pub const DEFAULT_BYTES: usize = 4 << 20;
 /// A shared-memory file of [`SLOTS`] slots. The file is removed on drop.
 #[derive(Debug)]
 pub struct TokenArea {
-    path: PathBuf,
+    file: Arc<File>,
     map: MmapRaw,
     slot_bytes: usize,
     /// Bit `i` set: slot `i` is in use.
@@ -57,39 +54,33 @@ impl Drop for Staged {
 }
 
 impl TokenArea {
-    /// Creates an area of `bytes` (rounded down to whole 4-byte slots) in `dir`, readable by the
-    /// daemon as the engine's KV memory is (mode 0660).
-    pub fn create(dir: &Path, bytes: usize) -> std::io::Result<Self> {
+    /// Creates an area of `bytes` (rounded down to whole 4-byte slots).
+    pub fn create(bytes: usize) -> std::io::Result<Self> {
         let slot_bytes = bytes / SLOTS / 4 * 4;
-        if slot_bytes == 0 {
-            return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, "token area too small"));
+        if slot_bytes == 0 || (slot_bytes * SLOTS) as u64 > kvproto::limits::TOKEN_AREA_MAX_BYTES {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!(
+                    "a token area of {bytes} bytes: give {} to {}",
+                    SLOTS * 4,
+                    kvproto::limits::TOKEN_AREA_MAX_BYTES
+                ),
+            ));
         }
-        remove_stale(dir);
-        static NEXT: AtomicU32 = AtomicU32::new(0);
-        let nonce =
-            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
-        let n = NEXT.fetch_add(1, Ordering::Relaxed);
-        let path = dir.join(format!("{PREFIX}{}-{nonce:x}-{n}", std::process::id()));
-        let file = OpenOptions::new().read(true).write(true).create_new(true).mode(0o660).open(&path)?;
-        let created = (|| {
-            file.set_len((slot_bytes * SLOTS) as u64)?;
-            MmapOptions::new().len(slot_bytes * SLOTS).map_raw(&file)
-        })();
-        match created {
-            Ok(map) => Ok(Self { path, map, slot_bytes, used: AtomicU32::new(0) }),
-            Err(e) => {
-                let _ = std::fs::remove_file(&path);
-                Err(e)
-            }
-        }
+        let file = crate::memory::memfd("kvcached-tokens", (slot_bytes * SLOTS) as u64)?;
+        let map = MmapOptions::new().len(slot_bytes * SLOTS).map_raw(&file)?;
+        Ok(Self { file: Arc::new(file), map, slot_bytes, used: AtomicU32::new(0) })
     }
 
-    /// The registration's description of the area.
+    /// The descriptor handed to the daemon.
+    pub fn file(&self) -> &Arc<File> {
+        &self.file
+    }
+
+    /// The registration's description of the area (its ticket is filled in when the descriptor
+    /// has been handed over).
     pub fn request(&self) -> pb::TokenArea {
-        pb::TokenArea {
-            shm_path: self.path.to_string_lossy().into_owned(),
-            size_bytes: (self.slot_bytes * SLOTS) as u64,
-        }
+        pb::TokenArea { size_bytes: (self.slot_bytes * SLOTS) as u64, ..Default::default() }
     }
 
     /// Writes `tokens` into a free slot, when they are long enough to be worth it, fit a slot and
@@ -119,38 +110,6 @@ impl TokenArea {
     }
 }
 
-impl Drop for TokenArea {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.path);
-    }
-}
-
-/// File names: `kvcached-tokens-<pid>-<time>-<n>`.
-const PREFIX: &str = "kvcached-tokens-";
-
-/// Removes the areas in `dir` of processes that no longer exist (best effort: a pid that has
-/// been reused keeps its file until that process is gone too).
-fn remove_stale(dir: &Path) {
-    let Ok(entries) = std::fs::read_dir(dir) else { return };
-    for e in entries.flatten() {
-        let name = e.file_name();
-        let Some(pid) = name.to_str().and_then(|n| n.strip_prefix(PREFIX)).and_then(|r| r.split('-').next()) else {
-            continue;
-        };
-        let Ok(pid) = pid.parse::<u32>() else { continue };
-        if pid != std::process::id() && !Path::new("/proc").join(pid.to_string()).exists() {
-            let _ = std::fs::remove_file(e.path());
-        }
-    }
-}
-
-/// Where areas go: `/dev/shm` where it exists (memory, like the KV regions), else the
-/// temporary directory.
-pub fn default_dir() -> PathBuf {
-    let shm = Path::new("/dev/shm");
-    if shm.is_dir() { shm.to_path_buf() } else { std::env::temp_dir() }
-}
-
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
@@ -163,10 +122,9 @@ mod tests {
 
     #[test]
     fn long_prompts_take_free_slots_and_give_them_back() {
-        let dir = tempfile::tempdir().unwrap();
-        let area = Arc::new(TokenArea::create(dir.path(), 1 << 20).unwrap());
-        let path = PathBuf::from(area.request().shm_path);
-        assert_eq!(std::fs::metadata(&path).unwrap().len(), 1 << 20);
+        let area = Arc::new(TokenArea::create(1 << 20).unwrap());
+        assert_eq!(area.file().metadata().unwrap().len(), 1 << 20);
+        assert_eq!(area.request().size_bytes, 1 << 20);
         let tokens: Vec<u32> = (0..32_768u32).map(|t| t.wrapping_mul(0x9e37_79b9)).collect();
         let le: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
         // Slots of 256 KiB. Short prompts and prompts longer than a slot go inline.
@@ -182,24 +140,11 @@ mod tests {
         assert!(area.stage(&tokens).is_none(), "no slot free: inline");
         drop(staged);
         assert!(area.stage(&tokens).is_some());
-        drop(area);
-        assert!(!path.exists(), "the file goes with the area");
     }
 
     #[test]
-    fn a_new_area_removes_those_of_dead_processes() {
-        let dir = tempfile::tempdir().unwrap();
-        // A pid above the kernel's limit (pid_max is at most 2^22) never belongs to a live
-        // process; this process's own areas and unrelated files stay.
-        let dead = dir.path().join(format!("{PREFIX}{}-1f-0", 1u32 << 23));
-        let unrelated = dir.path().join("kvcached-tokens-notapid");
-        std::fs::write(&dead, b"x").unwrap();
-        std::fs::write(&unrelated, b"x").unwrap();
-        let first = TokenArea::create(dir.path(), 1 << 20).unwrap();
-        let second = TokenArea::create(dir.path(), 1 << 20).unwrap();
-        assert!(!dead.exists());
-        assert!(unrelated.exists());
-        assert_ne!(first.request().shm_path, second.request().shm_path, "two areas of one process at once");
-        assert!(Path::new(&first.request().shm_path).exists());
+    fn areas_too_small_or_too_large_are_refused() {
+        assert!(TokenArea::create(8).is_err());
+        assert!(TokenArea::create(2 * kvproto::limits::TOKEN_AREA_MAX_BYTES as usize).is_err());
     }
 }

@@ -19,4 +19,7 @@ pub enum ProtoError {
     /// Token ids given as little-endian bytes whose length is not a multiple of 4.
     #[error("tokens are {0} bytes, not a whole number of 4-byte little-endian u32 token ids")]
     TokenBytes(usize),
+    /// A vLLM KV-event batch (msgpack) could not be decoded.
+    #[error("vLLM event decode: {0}")]
+    Decode(String),
 }

@@ -15,7 +15,7 @@
 //! on it). Every backend is checked against the `blake3` crate (tests below), and the checked-in
 //! test vectors go through this path wherever it runs.
 
-use crate::key::BlockKey;
+use crate::block_key::BlockKey;
 
 /// The block size with a fast path: 16 tokens, one 64-byte BLAKE3 block (vLLM's default block
 /// size, and the size at which the chain is longest for a given prompt). Larger blocks take
@@ -71,7 +71,7 @@ mod x86 {
     use std::arch::x86_64::*;
 
     use super::BLOCK_BYTES;
-    use crate::key::BlockKey;
+    use crate::block_key::BlockKey;
 
     const IV: [u32; 4] = [0x6A09_E667, 0xBB67_AE85, 0x3C6E_F372, 0xA54F_F53A];
     const CHUNK_START: u32 = 1;

@@ -10,14 +10,17 @@
 //!   `{"type": "BlockStored", "block_hashes": [...], ...}`.
 //!
 //! Block hashes are ints or bytes (vLLM's own hash, which other processes cannot reproduce); the
-//! router recomputes Dynamo XXH3-64 chained hashes from `token_ids` ([`kvproto::dynamo`]).
+//! router recomputes Dynamo XXH3-64 chained hashes from `token_ids` ([`crate::dynamo`]).
 
 use std::io::Cursor;
 
-use kvproto::TierKind;
+use crate::TierKind;
 use rmpv::Value;
 
-use crate::RouterError;
+use crate::ProtoError;
+
+/// The sequence number a replay socket sends (as -1) after the last batch it replays.
+pub const REPLAY_END_SEQ: u64 = u64::MAX;
 
 /// A vLLM block hash as sent: an integer or bytes.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -93,11 +96,11 @@ pub fn tier_of(medium: Option<&str>) -> Option<TierKind> {
     }
 }
 
-fn bad(what: impl Into<String>) -> RouterError {
-    RouterError::Decode(what.into())
+fn bad(what: impl Into<String>) -> ProtoError {
+    ProtoError::Decode(what.into())
 }
 
-fn hash(v: &Value) -> Result<ExtHash, RouterError> {
+fn hash(v: &Value) -> Result<ExtHash, ProtoError> {
     match v {
         Value::Integer(i) => i
             .as_u64()
@@ -109,7 +112,7 @@ fn hash(v: &Value) -> Result<ExtHash, RouterError> {
     }
 }
 
-fn hashes(v: Option<&Value>) -> Result<Vec<ExtHash>, RouterError> {
+fn hashes(v: Option<&Value>) -> Result<Vec<ExtHash>, ProtoError> {
     match v {
         Some(Value::Array(a)) => a.iter().map(hash).collect(),
         _ => Err(bad("block_hashes must be an array")),
@@ -129,7 +132,7 @@ fn field<'a>(v: &'a Value, names: &[&str], f: &str) -> Option<&'a Value> {
     }
 }
 
-fn event(v: &Value) -> Result<VllmEvent, RouterError> {
+fn event(v: &Value) -> Result<VllmEvent, ProtoError> {
     const STORED: [&str; 6] = ["block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium"];
     const REMOVED: [&str; 2] = ["block_hashes", "medium"];
     let tag = match v {
@@ -181,7 +184,7 @@ fn event(v: &Value) -> Result<VllmEvent, RouterError> {
 }
 
 /// Decodes a msgpack `KVEventBatch` payload. Unknown event types fail the batch.
-pub fn decode_batch(payload: &[u8]) -> Result<VllmBatch, RouterError> {
+pub fn decode_batch(payload: &[u8]) -> Result<VllmBatch, ProtoError> {
     let v = rmpv::decode::read_value(&mut Cursor::new(payload)).map_err(|e| bad(format!("msgpack: {e}")))?;
     let (ts, events, rank) = match &v {
         Value::Array(a) => (a.first(), a.get(1), a.get(2)),
@@ -264,12 +267,12 @@ pub fn encode_batch(b: &VllmBatch, enc: Encoding) -> Vec<u8> {
 /// of `token_ids` (whole blocks of `block_size`), chained from `parent_seq`, with `medium` set to
 /// the tier.
 pub fn stored_for_export(parent_seq: Option<u64>, token_ids: &[u32], block_size: u32, tier: TierKind) -> VllmEvent {
-    let seed = kvproto::dynamo::DYNAMO_SEED;
+    let seed = crate::dynamo::DYNAMO_SEED;
     let bs = block_size.max(1) as usize;
     let mut parent = parent_seq;
     let mut hashes = vec![];
     for block in token_ids.chunks_exact(bs) {
-        let h = kvproto::dynamo::chain(parent, kvproto::dynamo::local_block_hash(block, seed), seed);
+        let h = crate::dynamo::chain(parent, crate::dynamo::local_block_hash(block, seed), seed);
         hashes.push(ExtHash::Int(i128::from(h)));
         parent = Some(h);
     }
@@ -345,7 +348,7 @@ mod tests {
         else {
             panic!("not stored")
         };
-        let want = kvproto::dynamo::sequence_hashes(&tokens, 4, 1337);
+        let want = crate::dynamo::sequence_hashes(&tokens, 4, 1337);
         assert_eq!(block_hashes, want.iter().map(|h| ExtHash::Int(i128::from(*h))).collect::<Vec<_>>());
         assert_eq!(medium.as_deref(), Some("DISK"));
         assert_eq!(token_ids.len(), 8);

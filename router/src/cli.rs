@@ -1,9 +1,10 @@
-//! `kvrouter`: parses the command line and configuration, then runs [`kvrouter::serve`].
+//! The `kvrouter` command line: configuration from a TOML file, flags and environment, then
+//! [`crate::serve`] until SIGTERM / SIGINT. The binary only calls [`main`].
 
 use std::path::PathBuf;
 
+use crate::{RouterConfig, RoutingMode};
 use clap::Parser;
-use kvrouter::{RouterConfig, RoutingMode};
 
 /// The kvcached cluster router.
 #[derive(Debug, Parser)]
@@ -20,7 +21,8 @@ struct Args {
     approximate: bool,
 }
 
-fn main() -> std::process::ExitCode {
+/// Runs the command line given to this process.
+pub fn main() -> std::process::ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
@@ -37,7 +39,7 @@ fn main() -> std::process::ExitCode {
     }
 }
 
-fn run(args: Args) -> Result<(), kvrouter::RouterError> {
+fn run(args: Args) -> Result<(), crate::RouterError> {
     let mut config = match &args.config {
         Some(p) => RouterConfig::from_toml(&std::fs::read_to_string(p)?)?,
         None => RouterConfig::default(),
@@ -47,8 +49,8 @@ fn run(args: Args) -> Result<(), kvrouter::RouterError> {
     }
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(async move {
-        let shutdown = kvrouter::signals::shutdown_signal();
+        let shutdown = crate::signals::shutdown_signal();
         let listener = tokio::net::TcpListener::bind(&args.listen).await?;
-        kvrouter::serve(listener, config, shutdown).await
+        crate::serve(listener, config, shutdown).await
     })
 }

@@ -32,6 +32,19 @@ pub enum RouterError {
 
 impl From<kvproto::ProtoError> for RouterError {
     fn from(e: kvproto::ProtoError) -> Self {
-        Self::Invalid(e.to_string())
+        match e {
+            kvproto::ProtoError::Decode(why) => Self::Decode(why),
+            e => Self::Invalid(e.to_string()),
+        }
+    }
+}
+
+impl From<kvrouter_core::CoreError> for RouterError {
+    fn from(e: kvrouter_core::CoreError) -> Self {
+        match e {
+            kvrouter_core::CoreError::Config(why) => Self::Config(why),
+            kvrouter_core::CoreError::Invalid(why) => Self::Invalid(why),
+            e => Self::Invalid(e.to_string()),
+        }
     }
 }

@@ -1,8 +1,7 @@
 //! "Never fail silently": the conditions that make the router degraded, a log line on every change
-//! of state, and the Prometheus text of every `kvrouter_*` metric.
+//! of state, and the counters behind the `kvrouter_*` metrics ([`crate::metrics`] renders them).
 
 use std::collections::BTreeMap;
-use std::fmt::Write as _;
 use std::time::Instant;
 
 use serde::Serialize;
@@ -158,7 +157,6 @@ impl Health {
 pub struct Counters {
     pub routes: u64,
     pub route_errors: u64,
-    pub route_seconds_sum: f64,
     pub events: BTreeMap<String, u64>,
     pub duplicate_events: BTreeMap<String, u64>,
     pub invalid_events: BTreeMap<String, u64>,
@@ -178,61 +176,6 @@ pub struct Counters {
 /// Adds 1 to a labelled counter.
 pub fn bump<K: Ord>(m: &mut BTreeMap<K, u64>, k: K) {
     *m.entry(k).or_default() += 1;
-}
-
-/// Writes Prometheus text exposition.
-#[derive(Debug, Default)]
-pub struct PromText {
-    out: String,
-}
-
-fn escape(v: &str) -> String {
-    v.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
-}
-
-impl PromText {
-    /// Starts a metric family.
-    pub fn family(&mut self, name: &str, kind: &str, help: &str) {
-        let _ = writeln!(self.out, "# HELP {name} {help}\n# TYPE {name} {kind}");
-    }
-    /// One sample.
-    pub fn sample(&mut self, name: &str, labels: &[(&str, &str)], v: f64) {
-        self.out.push_str(name);
-        if !labels.is_empty() {
-            self.out.push('{');
-            for (i, (k, val)) in labels.iter().enumerate() {
-                if i > 0 {
-                    self.out.push(',');
-                }
-                let _ = write!(self.out, "{k}=\"{}\"", escape(val));
-            }
-            self.out.push('}');
-        }
-        let _ = writeln!(self.out, " {v}");
-    }
-    /// A family with one unlabelled sample.
-    pub fn single(&mut self, name: &str, kind: &str, help: &str, v: f64) {
-        self.family(name, kind, help);
-        self.sample(name, &[], v);
-    }
-    /// A family with one label.
-    pub fn labelled<'a>(
-        &mut self,
-        name: &str,
-        kind: &str,
-        help: &str,
-        label: &str,
-        values: impl IntoIterator<Item = (&'a str, f64)>,
-    ) {
-        self.family(name, kind, help);
-        for (l, v) in values {
-            self.sample(name, &[(label, l)], v);
-        }
-    }
-    /// The text.
-    pub fn finish(self) -> String {
-        self.out
-    }
 }
 
 #[cfg(test)]
@@ -257,12 +200,5 @@ mod tests {
         assert!(!h.healthy());
         h.expire(ConditionKind::BlockSizeMismatch, std::time::Duration::ZERO, t0);
         assert!(h.healthy());
-    }
-
-    #[test]
-    fn prometheus_text_escapes_labels() {
-        let mut p = PromText::default();
-        p.labelled("kvrouter_x", "gauge", "help", "worker", [("a\"b", 1.0)]);
-        assert_eq!(p.finish(), "# HELP kvrouter_x help\n# TYPE kvrouter_x gauge\nkvrouter_x{worker=\"a\\\"b\"} 1\n");
     }
 }

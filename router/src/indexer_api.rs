@@ -23,7 +23,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use axum::extract::State;
 use axum::http::StatusCode;
@@ -31,14 +31,14 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router as AxumRouter};
 use kvproto::TierKind;
-use kvproto::events::{Holder, KEY_SCHEME_DYNAMO_XXH3_1337, NodeId, WorkerId, key_from_u64};
+use kvproto::events::{KEY_SCHEME_DYNAMO_XXH3_1337, NodeId, WorkerId, key_from_u64};
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value, json};
 
 use crate::RouterError;
 use crate::config::{NamespaceSpec, ResolvedNamespace, VllmSource};
-use crate::health::{ConditionKind, bump};
+use crate::query::ANY;
 use crate::router::Router;
 
 /// How long an unregister / shutdown waits for a subscription task to end.
@@ -232,9 +232,9 @@ pub fn indexer_namespace(
                 && n.tenant_salt_hex.is_none()
         })
     {
-        return spec.resolve();
+        return Ok(spec.resolve()?);
     }
-    NamespaceSpec {
+    Ok(NamespaceSpec {
         name: None,
         model_id: model.to_string(),
         num_layers: 1,
@@ -249,7 +249,7 @@ pub fn indexer_namespace(
         key_scheme: KEY_SCHEME_DYNAMO_XXH3_1337.into(),
         expected_blocks: 0,
     }
-    .resolve()
+    .resolve()?)
 }
 
 impl IndexerApi {
@@ -352,7 +352,7 @@ impl IndexerApi {
         }
         let reused = self.entries.lock().values().any(|o| o.reg.publisher == e.reg.publisher);
         if !reused {
-            self.router.with_state(|st| st.drop_publisher(&e.reg.publisher, "unregistered"));
+            self.router.drop_publisher(&e.reg.publisher, "unregistered");
         }
     }
 
@@ -418,96 +418,39 @@ impl IndexerApi {
             }
         }
         let bs = u64::from(q.block_size);
-        let out = self.router.with_state(|st| {
-            if let Some(other) = other_block_size.filter(|_| targets.is_empty()) {
-                bump(&mut st.counters.mismatches, ConditionKind::BlockSizeMismatch.label());
-                st.health.set(
-                    ConditionKind::BlockSizeMismatch,
-                    &q.model,
-                    format!(
-                        "indexer query for {} uses {}-token blocks, its publishers register {other}-token blocks",
-                        q.model, q.block_size
-                    ),
-                    Instant::now(),
-                );
-            }
-            let mut per_instance = Map::new();
-            for (inst, ranks) in &targets {
-                let holders: Vec<(Option<u32>, Option<u32>)> = ranks
-                    .iter()
-                    .map(|(_, w, n)| {
-                        (
-                            st.holders.get(&Holder::Worker(WorkerId(w.clone()))),
-                            st.holders.get(&Holder::Node(NodeId(n.clone()))),
-                        )
-                    })
-                    .collect();
-                let prefixes = medium_prefixes(st, ns.id, &keys, &holders);
-                let max = |m: usize| prefixes.iter().map(|p| p[m]).max().unwrap_or(0) * bs;
-                let dp: Map<String, Value> =
-                    ranks.iter().zip(&prefixes).map(|((r, _, _), p)| (r.to_string(), json!(p[ANY] * bs))).collect();
-                per_instance.insert(
-                    inst.clone(),
-                    json!({
-                        "longest_matched": max(ANY),
-                        "GPU": max(TierKind::G1Gpu.index()),
-                        "CPU": max(TierKind::G2Host.index()),
-                        "DISK": max(TierKind::G3Disk.index()),
-                        "EXTERNAL": max(TierKind::G4Object.index()),
-                        "DP": dp,
-                    }),
-                );
-            }
-            per_instance
-        });
+        if let Some(other) = other_block_size.filter(|_| targets.is_empty()) {
+            self.router.block_size_mismatch(
+                &q.model,
+                format!(
+                    "indexer query for {} uses {}-token blocks, its publishers register {other}-token blocks",
+                    q.model, q.block_size
+                ),
+            );
+        }
+        let mut out = Map::new();
+        for (inst, ranks) in &targets {
+            let holders: Vec<(WorkerId, NodeId)> =
+                ranks.iter().map(|(_, w, n)| (WorkerId(w.clone()), NodeId(n.clone()))).collect();
+            let prefixes = self.router.prefix_by_medium(ns.id, &keys, &holders);
+            let max = |m: usize| prefixes.iter().map(|p| p[m]).max().unwrap_or(0) * bs;
+            let dp: Map<String, Value> =
+                ranks.iter().zip(&prefixes).map(|((r, _, _), p)| (r.to_string(), json!(p[ANY] * bs))).collect();
+            out.insert(
+                inst.clone(),
+                json!({
+                    "longest_matched": max(ANY),
+                    "GPU": max(TierKind::G1Gpu.index()),
+                    "CPU": max(TierKind::G2Host.index()),
+                    "DISK": max(TierKind::G3Disk.index()),
+                    "EXTERNAL": max(TierKind::G4Object.index()),
+                    "DP": dp,
+                }),
+            );
+        }
         let mut top = Map::new();
         top.insert(t, Value::Object(out));
         Ok(Value::Object(top))
     }
-}
-
-/// Index of "any medium" in [`medium_prefixes`]' arrays (after the four tiers).
-const ANY: usize = 4;
-
-/// For each `(worker holder, node holder)`, the prefix length in blocks available from each
-/// tier alone (`[g1, g2, g3, g4]`) and from any tier (`[ANY]`). G1 counts the worker's own
-/// blocks, G2 / G3 its node's, G4 the cluster's.
-fn medium_prefixes(
-    st: &crate::state::State,
-    ns: kvproto::NamespaceId,
-    keys: &[kvproto::BlockKey],
-    holders: &[(Option<u32>, Option<u32>)],
-) -> Vec<[u64; 5]> {
-    let mut out = vec![[0u64; 5]; holders.len()];
-    let mut alive = vec![[true; 5]; holders.len()];
-    st.index.walk(ns, keys, |_, len, slots| {
-        let mut any_alive = false;
-        for ((wh, nh), (count, live)) in holders.iter().zip(out.iter_mut().zip(alive.iter_mut())) {
-            let mut has = [false; 5];
-            for s in slots.iter() {
-                let h = Some(s.holder());
-                let tier = s.tier();
-                let mine = match tier {
-                    TierKind::G1Gpu => h == *wh,
-                    TierKind::G2Host | TierKind::G3Disk => h == *nh,
-                    TierKind::G4Object => true,
-                };
-                if mine {
-                    has[tier.index()] = true;
-                    has[ANY] = true;
-                }
-            }
-            for m in 0..5 {
-                live[m] &= has[m];
-                if live[m] {
-                    count[m] += len as u64;
-                }
-            }
-            any_alive |= live.iter().any(|l| *l);
-        }
-        any_alive
-    });
-    out
 }
 
 async fn register(State(api): State<Arc<IndexerApi>>, Json(req): Json<RegisterRequest>) -> Response {

@@ -2,7 +2,7 @@
 //! gap recovery, housekeeping, health and metrics.
 
 use std::collections::HashMap;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvproto::events::{PublisherMessage, RouteOutcome};
@@ -14,17 +14,12 @@ use serde::{Deserialize, Serialize};
 
 use crate::config::{NamespaceSpec, ResolvedNamespace, RouterConfig, RoutingMode};
 use crate::cost::{self, CandidateIn, CostBreakdown, TierMatch};
-use crate::health::{ConditionKind, PromText, bump};
+use crate::health::{ConditionKind, bump};
+use crate::metrics::RouterMetrics;
 use crate::recovery::{HttpRecovery, RecoverySource};
 use crate::split::{self, PrefillCandidate, SplitDecision, SplitInput};
-use crate::state::{GapState, Prediction, PublisherKind, RecoveryTask, State, WorkerState};
+use crate::state::{GapState, Prediction, PublisherKind, RecoveryTask, State, WorkerState, process_start};
 use crate::{Replay, RouterError};
-
-/// The instant approximate-mode timestamps count from.
-pub fn process_start() -> Instant {
-    static START: OnceLock<Instant> = OnceLock::new();
-    *START.get_or_init(Instant::now)
-}
 
 /// A namespace named in the config, or given inline.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -134,6 +129,7 @@ pub struct Router {
     state: Mutex<State>,
     sources: Mutex<HashMap<String, Arc<dyn RecoverySource>>>,
     http: reqwest::Client,
+    metrics: RouterMetrics,
 }
 
 struct Resolved {
@@ -166,7 +162,14 @@ impl Router {
             .map_err(|e| RouterError::Http(e.to_string()))?;
         let state = Mutex::new(State::new(&config, rng));
         process_start();
-        Ok(Arc::new(Self { config, named, state, sources: Mutex::new(HashMap::new()), http }))
+        Ok(Arc::new(Self {
+            config,
+            named,
+            state,
+            sources: Mutex::new(HashMap::new()),
+            http,
+            metrics: RouterMetrics::new(),
+        }))
     }
 
     /// The configuration.
@@ -224,7 +227,8 @@ impl Router {
             Ok(_) => st.counters.routes += 1,
             Err(_) => st.counters.route_errors += 1,
         }
-        st.counters.route_seconds_sum += t0.elapsed().as_secs_f64();
+        drop(st);
+        self.metrics.route_took(t0.elapsed(), out.is_ok());
         out
     }
 
@@ -593,150 +597,7 @@ impl Router {
     /// Prometheus text of every `kvrouter_*` metric.
     pub fn metrics_text(&self) -> String {
         let st = self.state.lock();
-        let c = &st.counters;
-        let mut p = PromText::default();
-        p.single("kvrouter_routes_total", "counter", "Requests placed.", c.routes as f64);
-        p.single("kvrouter_route_errors_total", "counter", "Requests that could not be placed.", c.route_errors as f64);
-        p.single("kvrouter_route_seconds_sum", "counter", "Time spent placing requests.", c.route_seconds_sum);
-        let lab = |m: &std::collections::BTreeMap<String, u64>| {
-            m.iter().map(|(k, v)| (k.clone(), *v as f64)).collect::<Vec<_>>()
-        };
-        for (name, help, m) in [
-            ("kvrouter_events_total", "Events applied, per publisher.", &c.events),
-            ("kvrouter_duplicate_events_total", "Events skipped as already applied.", &c.duplicate_events),
-            ("kvrouter_invalid_events_total", "Events rejected (holder does not fit the tier).", &c.invalid_events),
-            ("kvrouter_event_gaps_total", "Gaps in event ids, per publisher.", &c.gaps),
-            ("kvrouter_recovery_failures_total", "Failed replay / snapshot recoveries.", &c.recovery_failures),
-            ("kvrouter_vllm_batches_total", "vLLM ZMQ event batches received, per source.", &c.vllm_batches),
-            ("kvrouter_vllm_orphan_blocks_total", "vLLM blocks whose parent was unknown.", &c.vllm_orphan_blocks),
-            (
-                "kvrouter_vllm_source_failures_total",
-                "vLLM source connections whose reader failed inside the ZMQ library (it reconnects).",
-                &c.vllm_source_failures,
-            ),
-        ] {
-            let v = lab(m);
-            p.labelled(name, "counter", help, "publisher", v.iter().map(|(k, v)| (k.as_str(), *v)));
-        }
-        p.family("kvrouter_gap_recoveries_total", "counter", "Gaps recovered, by method (replay or snapshot).");
-        for ((pubr, kind), v) in &c.recoveries {
-            p.sample("kvrouter_gap_recoveries_total", &[("publisher", pubr), ("method", kind)], *v as f64);
-        }
-        p.family("kvrouter_mismatch_total", "counter", "Requests or publishers showing a mismatch, by kind.");
-        for k in [ConditionKind::NamespaceMismatch, ConditionKind::BlockSizeMismatch, ConditionKind::KeySchemeMismatch]
-        {
-            p.sample(
-                "kvrouter_mismatch_total",
-                &[("kind", k.label())],
-                c.mismatches.get(k.label()).copied().unwrap_or(0) as f64,
-            );
-        }
-        p.family("kvrouter_condition_active", "gauge", "Active degrading conditions, by kind.");
-        for k in ConditionKind::ALL {
-            p.sample("kvrouter_condition_active", &[("kind", k.label())], st.health.count(k) as f64);
-        }
-        p.single(
-            "kvrouter_healthy",
-            "gauge",
-            "1 when no condition is active.",
-            if st.health.healthy() { 1.0 } else { 0.0 },
-        );
-        p.single(
-            "kvrouter_health_transitions_total",
-            "counter",
-            "Conditions started or ended.",
-            st.health.transitions() as f64,
-        );
-        let stale: Vec<(String, f64)> = st
-            .workers
-            .keys()
-            .map(|w| (w.0.clone(), if st.health.is_set(ConditionKind::StaleWorker, &w.0) { 1.0 } else { 0.0 }))
-            .collect();
-        p.labelled(
-            "kvrouter_worker_stale",
-            "gauge",
-            "1 when the worker's publisher is overdue.",
-            "worker",
-            stale.iter().map(|(k, v)| (k.as_str(), *v)),
-        );
-        p.labelled(
-            "kvrouter_publisher_unrecovered_gap",
-            "gauge",
-            "1 while a publisher has missed events that were not recovered.",
-            "publisher",
-            st.publishers
-                .keys()
-                .map(|k| (k.as_str(), if st.health.is_set(ConditionKind::UnrecoveredGap, k) { 1.0 } else { 0.0 })),
-        );
-        let pred = |f: &dyn Fn(&crate::state::PredictionStats) -> f64| -> Vec<(String, f64)> {
-            st.workers.values().map(|w| (w.id.0.clone(), f(&w.prediction))).collect()
-        };
-        for (name, kind, help, v) in [
-            (
-                "kvrouter_predicted_blocks_total",
-                "counter",
-                "Cached prefix blocks predicted for routed requests with an outcome.",
-                pred(&|s| s.predicted_blocks as f64),
-            ),
-            (
-                "kvrouter_actual_blocks_total",
-                "counter",
-                "Cached prefix blocks the worker reported finding.",
-                pred(&|s| s.actual_blocks as f64),
-            ),
-            (
-                "kvrouter_prediction_abs_error_blocks_total",
-                "counter",
-                "Sum of |predicted - actual| blocks.",
-                pred(&|s| s.abs_error_blocks as f64),
-            ),
-            (
-                "kvrouter_prediction_error_ratio",
-                "gauge",
-                "Moving average of |predicted - actual| / max(predicted, actual).",
-                pred(&|s| s.ewma_error),
-            ),
-            (
-                "kvrouter_prediction_samples_total",
-                "counter",
-                "Outcomes compared with a prediction.",
-                pred(&|s| s.samples as f64),
-            ),
-        ] {
-            p.labelled(name, kind, help, "worker", v.iter().map(|(k, v)| (k.as_str(), *v)));
-        }
-        p.single("kvrouter_outcomes_total", "counter", "Outcome reports received.", c.outcomes as f64);
-        p.single(
-            "kvrouter_outcomes_unknown_total",
-            "counter",
-            "Outcome reports with no pending prediction.",
-            c.outcomes_unknown as f64,
-        );
-        p.single("kvrouter_index_blocks", "gauge", "Distinct blocks in the index.", st.index.blocks() as f64);
-        p.single("kvrouter_index_facts", "gauge", "(block, holder, tier) facts in the index.", st.index.facts() as f64);
-        p.single("kvrouter_index_bytes", "gauge", "Estimated heap bytes of the index.", st.index.approx_bytes() as f64);
-        p.single(
-            "kvrouter_approx_facts",
-            "gauge",
-            "Approximate-mode (block, worker) decisions remembered.",
-            st.approx.len() as f64,
-        );
-        p.single("kvrouter_holders", "gauge", "Live holders (workers, nodes, cluster).", st.holders.len() as f64);
-        p.single("kvrouter_workers", "gauge", "Known workers.", st.workers.len() as f64);
-        p.single("kvrouter_publishers", "gauge", "Known publishers.", st.publishers.len() as f64);
-        p.single(
-            "kvrouter_dropped_holders_total",
-            "counter",
-            "Workers dropped (silent, unlisted).",
-            c.dropped_holders as f64,
-        );
-        p.single(
-            "kvrouter_dropped_facts_total",
-            "counter",
-            "Index facts dropped with dead holders or restarts.",
-            c.dropped_facts as f64,
-        );
-        p.finish()
+        self.metrics.render(&st)
     }
 }
 
@@ -803,4 +664,31 @@ fn match_all(st: &mut State, mode: RoutingMode, r: &Resolved, cands: &[Candidate
     };
     st.scratch = scratch;
     matches
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A namespace's `expected_blocks` sizes its index at start: its bytes are there before any
+    /// block.
+    #[test]
+    fn expected_blocks_size_the_index_at_start() {
+        let toml = r#"
+[[namespaces]]
+name = "v"
+model_id = "m"
+num_layers = 2
+kv_heads = 2
+head_dim = 64
+dtype = "bf16"
+tokens_per_block = 16
+expected_blocks = 100000
+"#;
+        let router = RouterConfig::from_toml(toml)
+            .map_err(|e| e.to_string())
+            .and_then(|c| Router::new(c).map_err(|e| e.to_string()));
+        let stats = router.as_ref().map(|r| r.index_stats());
+        assert!(stats.as_ref().is_ok_and(|s| s.blocks == 0 && s.approx_bytes >= 100_000 * 12), "{stats:?}");
+    }
 }

@@ -1,4 +1,4 @@
-//! Process signals for the binaries (`kvrouter`, and `kvcached`, which depends on this crate).
+//! Process signals: SIGTERM and SIGINT start the graceful shutdown.
 
 /// Installs the SIGTERM (what orchestrators send) and SIGINT handlers now, before anything
 /// listens, so that a signal that arrives right after start still shuts down cleanly, and

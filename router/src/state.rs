@@ -23,6 +23,12 @@ use crate::config::{KeyScheme, RouterConfig};
 use crate::health::{ConditionKind, Counters, Health, bump};
 use crate::index::{BlockIndex, HolderTable, Slot};
 
+/// The instant approximate-mode timestamps count from.
+pub fn process_start() -> Instant {
+    static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    *START.get_or_init(Instant::now)
+}
+
 /// What the router knows about one worker.
 #[derive(Debug, Clone)]
 pub struct WorkerState {
@@ -599,7 +605,7 @@ impl State {
             }
             self.health.clear(ConditionKind::UnrecoveredGap, &name);
         }
-        self.approx.expire(now.saturating_duration_since(crate::router::process_start()).as_millis() as u64);
+        self.approx.expire(now.saturating_duration_since(process_start()).as_millis() as u64);
         retries
     }
 

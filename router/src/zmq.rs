@@ -1,168 +1,32 @@
 //! ZMQ transport for vLLM-format KV events (pure Rust `zeromq`, no system libzmq).
 //!
-//! - [`run_source`]: SUB to one vLLM engine, decode, recompute Dynamo hashes from `token_ids`,
-//!   and apply as G1 (or, by `medium`, G2-G4) events of the configured worker / node.
-//! - [`VllmExporter`] (in `zmq_export`): PUB our events in the same wire format (`medium` = tier),
-//!   with a replay socket like vLLM's.
+//! - [`run_source`]: SUB to one vLLM engine, decode, and hand each batch to the router
+//!   ([`crate::vllm_ingest`] turns it into our events: Dynamo hashes recomputed from
+//!   `token_ids`, G1 or, by `medium`, G2-G4 events of the configured worker / node).
 //!
 //! A vLLM engine sends no heartbeat, so its worker is never marked stale for silence. A sequence
 //! gap is asked for on the engine's replay socket when the source names one
 //! ([`replay_from`]); what that cannot fill is reported as unrecovered for `gap_hold_s`.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use kvproto::TierKind;
-use kvproto::events::{
-    EVENTS_VERSION, EventBody, Holder, KEY_SCHEME_DYNAMO_XXH3_1337, NamespaceInfo, NodeId, PublisherInfo, WorkerId,
-    WorkerInfo, key_from_u64,
-};
+use kvproto::events::{NodeId, WorkerId};
+use kvproto::vllm;
 use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
 use crate::RouterError;
 use crate::config::{ResolvedNamespace, VllmSource};
-use crate::health::{ConditionKind, bump};
 use crate::router::Router;
-use crate::state::{GapState, PublisherKind};
-use crate::vllm::{self, VllmBatch, VllmEvent};
-pub use crate::zmq_export::VllmExporter;
-
-/// Most vLLM-hash -> Dynamo-hash mappings kept per source (they are removed with their blocks;
-/// beyond this the map is reset and counted).
-pub const MAX_HASH_MAP: usize = 8 << 20;
-
-/// Translates one engine's vLLM events into our events.
-#[derive(Debug)]
-pub struct VllmIngest {
-    ns: ResolvedNamespace,
-    worker: WorkerId,
-    node: NodeId,
-    /// vLLM block hash digest -> Dynamo sequence hash.
-    map: HashMap<u64, u64>,
-    pub orphans: u64,
-    pub invalid: u64,
-    /// Last block size seen that differs from the namespace's.
-    pub block_size_mismatch: Option<u32>,
-    /// Why the batches before the first one heard could not be replayed (set by a replay that
-    /// applied none of them; reported with the first batch applied).
-    startup_replay_failed: Option<String>,
-}
-
-impl VllmIngest {
-    pub fn new(ns: ResolvedNamespace, worker: WorkerId, node: NodeId) -> Self {
-        Self {
-            ns,
-            worker,
-            node,
-            map: HashMap::new(),
-            orphans: 0,
-            invalid: 0,
-            block_size_mismatch: None,
-            startup_replay_failed: None,
-        }
-    }
-
-    fn holder(&self, tier: TierKind) -> Holder {
-        match tier {
-            TierKind::G1Gpu => Holder::Worker(self.worker.clone()),
-            TierKind::G2Host | TierKind::G3Disk => Holder::Node(self.node.clone()),
-            TierKind::G4Object => Holder::Cluster,
-        }
-    }
-
-    /// Our events for one batch.
-    pub fn translate(&mut self, batch: &VllmBatch) -> Vec<EventBody> {
-        let seed = kvproto::dynamo::DYNAMO_SEED;
-        let mut out = vec![];
-        for e in &batch.events {
-            match e {
-                VllmEvent::BlockStored { block_hashes, parent_block_hash, token_ids, block_size, medium, .. } => {
-                    let Some(tier) = vllm::tier_of(medium.as_deref()) else {
-                        self.invalid += 1;
-                        continue;
-                    };
-                    if *block_size != self.ns.tokens_per_block() {
-                        self.block_size_mismatch = Some(*block_size);
-                        continue;
-                    }
-                    let bs = *block_size as usize;
-                    if bs == 0 || token_ids.len() != block_hashes.len() * bs {
-                        self.invalid += 1;
-                        continue;
-                    }
-                    let mut parent = match parent_block_hash {
-                        None => None,
-                        Some(p) => match self.map.get(&p.digest()) {
-                            Some(s) => Some(*s),
-                            None => {
-                                self.orphans += block_hashes.len() as u64;
-                                continue;
-                            }
-                        },
-                    };
-                    if self.map.len() + block_hashes.len() > MAX_HASH_MAP {
-                        self.map.clear();
-                        self.invalid += 1;
-                    }
-                    let mut keys = Vec::with_capacity(block_hashes.len());
-                    for (h, block) in block_hashes.iter().zip(token_ids.chunks_exact(bs)) {
-                        let s = kvproto::dynamo::chain(parent, kvproto::dynamo::local_block_hash(block, seed), seed);
-                        self.map.insert(h.digest(), s);
-                        keys.push(key_from_u64(s));
-                        parent = Some(s);
-                    }
-                    out.push(EventBody::Stored {
-                        namespace: self.ns.id,
-                        parent: None,
-                        keys,
-                        tier,
-                        holder: self.holder(tier),
-                    });
-                }
-                VllmEvent::BlockRemoved { block_hashes, medium } => {
-                    let Some(tier) = vllm::tier_of(medium.as_deref()) else {
-                        self.invalid += 1;
-                        continue;
-                    };
-                    // A block may be held in several media: keep the mapping unless it left the GPU
-                    // (vLLM's primary copy); a stale mapping only costs memory until cleared.
-                    let keys: Vec<_> = block_hashes
-                        .iter()
-                        .filter_map(|h| {
-                            if tier == TierKind::G1Gpu {
-                                self.map.remove(&h.digest())
-                            } else {
-                                self.map.get(&h.digest()).copied()
-                            }
-                        })
-                        .map(key_from_u64)
-                        .collect();
-                    if !keys.is_empty() {
-                        out.push(EventBody::Removed { keys, tier, holder: self.holder(tier) });
-                    }
-                }
-                VllmEvent::AllBlocksCleared => {
-                    self.map.clear();
-                    out.push(EventBody::Cleared { tier: TierKind::G1Gpu, holder: self.holder(TierKind::G1Gpu) });
-                }
-            }
-        }
-        out
-    }
-}
-
-/// The publisher name of a vLLM source.
-pub fn source_name(src: &VllmSource) -> String {
-    format!("vllm:{}", src.endpoint)
-}
+use crate::vllm_ingest::restarted;
+pub use crate::vllm_ingest::{MAX_HASH_MAP, VllmIngest, source_name};
 
 /// Most batches one replay may bring (vLLM buffers its last 10,000 by default).
 pub const MAX_REPLAY_BATCHES: usize = 100_000;
 
 /// The end-of-replay marker's sequence frame: -1 as a big-endian i64.
-pub(crate) const END_SEQ: u64 = u64::MAX;
+use kvproto::vllm::REPLAY_END_SEQ as END_SEQ;
 
 /// Asks a vLLM engine's replay socket (a ZMQ ROUTER, `replay_endpoint` of its
 /// `--kv-events-config`) for every batch it still buffers from sequence number `from` on:
@@ -256,9 +120,9 @@ async fn replay_gap(
                     break; // batch `next` is not there: nothing after it may be applied
                 }
                 match vllm::decode_batch(&payload) {
-                    Ok(batch) => apply_batch(router, src, ingest, s, &batch, last_seq),
+                    Ok(batch) => router.ingest_vllm_batch(src, ingest, s, &batch, last_seq),
                     Err(e) => {
-                        router.with_state(|st| bump(&mut st.counters.invalid_events, name.clone()));
+                        router.vllm_batch_undecodable(&name);
                         tracing::debug!(endpoint = %src.endpoint, "undecodable replayed vLLM batch: {e}");
                         break;
                     }
@@ -281,142 +145,12 @@ async fn replay_gap(
     if late_start_ok && first.is_none() {
         ingest.startup_replay_failed = why.clone();
     }
-    router.with_state(|st| match &why {
-        None => {
-            bump(&mut st.counters.gaps, name.clone());
-            bump(&mut st.counters.recoveries, (name.clone(), "replay"));
-        }
-        Some(_) => bump(&mut st.counters.recovery_failures, name.clone()),
-    });
+    router.vllm_replayed(&name, why.is_none());
     match why {
         None => tracing::info!(endpoint = %src.endpoint, "replayed vLLM batches {from}..{}", seq - 1),
         Some(w) => tracing::warn!(endpoint = %src.endpoint, "vLLM batches {from}..{} not replayed: {w}", seq - 1),
     }
     answered
-}
-
-/// Counts a gap of vLLM source `name` that nothing will fill and reports it (`unrecovered_gap`
-/// with `reason`, held for `gap_hold_s` from now).
-fn unrecovered_gap(st: &mut crate::state::State, name: &str, reason: String, now: Instant) {
-    bump(&mut st.counters.gaps, name.to_string());
-    st.health.set(ConditionKind::UnrecoveredGap, name, reason, now);
-    if let Some(p) = st.publishers.get_mut(name) {
-        p.gap = GapState::Unrecovered { retry_at: None };
-        p.gap_since = Some(now);
-    }
-}
-
-/// Whether batch `seq` after batch `last` means the engine restarted (its numbers start again
-/// from 0). A restart whose numbers have already passed `last` cannot be told from a gap: vLLM's
-/// batches carry no epoch.
-fn restarted(last: u64, seq: u64) -> bool {
-    seq < last || seq == 0 && last > 0
-}
-
-/// Applies one decoded batch with sequence number `seq` from `src`.
-pub fn apply_batch(
-    router: &Router,
-    src: &VllmSource,
-    ingest: &mut VllmIngest,
-    seq: u64,
-    batch: &VllmBatch,
-    last_seq: &mut Option<u64>,
-) {
-    let name = source_name(src);
-    let bodies = ingest.translate(batch);
-    let node = NodeId(src.node.clone());
-    let ns = ingest.ns.clone();
-    router.with_state(|st| {
-        let now = Instant::now();
-        st.touch_publisher(&name, PublisherKind::Vllm, 0, Some(&node), None, now);
-        if st.publishers.get(&name).is_some_and(|p| p.info.is_none()) {
-            let info = PublisherInfo {
-                node: node.clone(),
-                workers: vec![WorkerInfo {
-                    id: WorkerId(src.worker.clone()),
-                    address: src.address.clone(),
-                    role: src.role.clone(),
-                }],
-                namespaces: vec![NamespaceInfo {
-                    id: ns.id,
-                    model_id: ns.namespace.model_id.clone(),
-                    tokens_per_block: ns.tokens_per_block(),
-                    key_scheme: KEY_SCHEME_DYNAMO_XXH3_1337.into(),
-                }],
-                events_version: EVENTS_VERSION,
-                report_interval_ms: 0,
-                recovery_url: None,
-            };
-            st.apply_info(&name, &info);
-            if let Some(p) = st.publishers.get_mut(&name) {
-                p.report_interval = None; // no heartbeat
-            }
-        }
-        bump(&mut st.counters.vllm_batches, name.clone());
-        match *last_seq {
-            Some(last) if restarted(last, seq) => {
-                // The engine restarted: what it said before is gone, in every tier it reported.
-                st.publisher_restarted(&name);
-                if seq > 0 {
-                    unrecovered_gap(
-                        st,
-                        &name,
-                        format!("missed vLLM batches 0..{} of the restarted engine", seq - 1),
-                        now,
-                    );
-                }
-            }
-            Some(last) if seq > last + 1 => {
-                let why = match src.replay_endpoint {
-                    Some(_) => "replay could not fill them",
-                    None => "no replay_endpoint for this source",
-                };
-                unrecovered_gap(st, &name, format!("missed vLLM batches {}..{} ({why})", last + 1, seq - 1), now);
-            }
-            // What the engine reported before this router subscribed (a router started after
-            // the engine, or restarted) is unknown: its cached blocks are not in the index.
-            None if seq > 0 => {
-                let why = match (&src.replay_endpoint, ingest.startup_replay_failed.take()) {
-                    (None, _) => "no replay_endpoint for this source".to_string(),
-                    (Some(_), Some(failed)) => format!("replay failed: {failed}"),
-                    (Some(_), None) => "the engine no longer buffers them".to_string(),
-                };
-                unrecovered_gap(
-                    st,
-                    &name,
-                    format!("missed vLLM batches 0..{}, sent before this router subscribed ({why})", seq - 1),
-                    now,
-                );
-            }
-            _ => {}
-        }
-        *last_seq = Some(seq);
-        if let Some(bs) = ingest.block_size_mismatch.take() {
-            bump(&mut st.counters.mismatches, ConditionKind::BlockSizeMismatch.label());
-            st.health.set(
-                ConditionKind::BlockSizeMismatch,
-                &src.worker,
-                format!(
-                    "vLLM engine sends {bs}-token blocks, namespace {} expects {}",
-                    src.namespace,
-                    ns.tokens_per_block()
-                ),
-                now,
-            );
-        }
-        for b in &bodies {
-            st.apply_body(&name, b);
-            bump(&mut st.counters.events, name.clone());
-        }
-        let orphans = std::mem::take(&mut ingest.orphans);
-        if orphans > 0 {
-            *st.counters.vllm_orphan_blocks.entry(name.clone()).or_default() += orphans;
-        }
-        let invalid = std::mem::take(&mut ingest.invalid);
-        if invalid > 0 {
-            *st.counters.invalid_events.entry(name.clone()).or_default() += invalid;
-        }
-    });
 }
 
 /// Splits a vLLM multipart message into (topic, seq, payload).
@@ -505,10 +239,10 @@ pub async fn run_source_in(
                         };
                         replay_after = (!answered).then(|| Instant::now() + REPLAY_BACKOFF);
                     }
-                    apply_batch(&router, &src, &mut ingest, seq, &batch, &mut last_seq);
+                    router.ingest_vllm_batch(&src, &mut ingest, seq, &batch, &mut last_seq);
                 }
                 Err(e) => {
-                    router.with_state(|st| bump(&mut st.counters.invalid_events, source_name(&src)));
+                    router.vllm_batch_undecodable(&source_name(&src));
                     tracing::debug!(endpoint = %src.endpoint, "undecodable vLLM batch: {e}");
                 }
             }
@@ -519,7 +253,7 @@ pub async fn run_source_in(
             Err(e) => {
                 if e.is_panic() {
                     tracing::error!(endpoint = %src.endpoint, "vLLM source reader failed inside the ZMQ library; reconnecting");
-                    router.with_state(|st| bump(&mut st.counters.vllm_source_failures, source_name(&src)));
+                    router.vllm_source_failed(&source_name(&src));
                 }
             }
         }
@@ -536,9 +270,8 @@ const READ_AHEAD: usize = 256;
 /// How long gaps are only reported after a replay that got no answer.
 const REPLAY_BACKOFF: Duration = Duration::from_secs(30);
 
-/// A task aborted when its handle is dropped (a source's reader goes with the source, the
-/// export's replay answerer with its server).
-pub(crate) struct AbortOnDrop<T>(pub(crate) tokio::task::JoinHandle<T>);
+/// A task aborted when its handle is dropped (a source's reader goes with the source).
+struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
 
 impl<T> Drop for AbortOnDrop<T> {
     fn drop(&mut self) {

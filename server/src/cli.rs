@@ -1,10 +1,11 @@
-//! `kvcached`: parses configuration and hands over to the library's `serve`.
+//! The `kvcached` command line: configuration from defaults, file, environment and flags, then
+//! [`crate::serve`] until SIGTERM / SIGINT. The binary (`main.rs`) only calls [`main`].
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+use crate::{Config, Listeners, ServerError};
 use clap::{Parser, Subcommand};
-use kvcached::{Config, Listeners, ServerError};
 
 /// kvcached: the per-node KV-cache block daemon (G2 host memory, G3 disk) for LLM engines.
 ///
@@ -22,7 +23,8 @@ struct Cli {
     /// Permission bits of the socket, octal (e.g. 0660).
     #[arg(long, env = "KVCACHED_SOCKET_MODE", global = true)]
     socket_mode: Option<String>,
-    /// TCP address for peers and routers (off unless set).
+    /// TCP address of the gRPC API (off unless set); it serves only Health until authentication
+    /// is configured.
     #[arg(long, env = "KVCACHED_TCP", global = true)]
     tcp: Option<std::net::SocketAddr>,
     /// HTTP address of /metrics and /healthz.
@@ -74,8 +76,6 @@ enum Command {
     Run,
     /// Print the effective configuration as TOML and exit.
     Config,
-    /// Play two engines against a running daemon: save a prompt, load it elsewhere, verify.
-    Demo,
 }
 
 impl Cli {
@@ -113,7 +113,9 @@ impl Cli {
     }
 }
 
-fn main() -> ExitCode {
+/// Runs the command line given to this process; the exit code says how it ended (2: invalid
+/// configuration).
+pub fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
@@ -141,17 +143,16 @@ fn main() -> ExitCode {
             print!("{}", config.to_toml());
             Ok(())
         }
-        Command::Demo => rt.block_on(kvcached::demo::run(&config.socket)).map_err(|e| e.to_string()),
         Command::Run => rt
             .block_on(async {
-                let shutdown = kvrouter::signals::shutdown_signal();
+                let shutdown = crate::signals::shutdown_signal();
                 let listeners = Listeners::bind(&config).await?;
                 eprintln!(
-                    "kvcached listening on {} (metrics http://{}/metrics); try `kvcached demo` in another shell",
+                    "kvcached listening on {} (metrics http://{}/metrics); try `cargo run --release -p kvclient --example demo` in another shell",
                     config.socket.display(),
                     config.metrics_addr
                 );
-                kvcached::serve(config, listeners, shutdown).await
+                crate::serve(config, listeners, shutdown).await
             })
             .map_err(|e| e.to_string()),
     };

@@ -17,14 +17,61 @@ pub struct Config {
     pub socket: PathBuf,
     /// Permission bits of the socket (octal in TOML as a string, e.g. "0660").
     pub socket_mode: String,
-    /// TCP address for peers and routers; empty: no TCP listener.
+    /// TCP address of the gRPC API; empty: no TCP listener. Until authentication is configured
+    /// it serves only Health (engines attach over the Unix socket).
     pub tcp: Option<SocketAddr>,
     /// HTTP address of /metrics and /healthz (loopback by default).
     pub metrics_addr: SocketAddr,
     pub g2: G2Config,
     pub g3: G3Config,
     pub engines: EngineConfig,
+    pub limits: LimitsConfig,
     pub router: RouterConfig,
+}
+
+/// What one client (one uid on the Unix socket) and all of them together may hold, and how long
+/// a connection may take (docs/operations.md, "Security").
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct LimitsConfig {
+    /// Connections open at once, over every listener (at most half the file descriptors the
+    /// process may open).
+    pub max_connections: usize,
+    /// Connections one uid may hold open on the Unix socket.
+    pub max_connections_per_uid: usize,
+    /// Engines one uid may have attached (`engines.max_engines` bounds them all).
+    pub max_engines_per_uid: usize,
+    /// Loads one uid may have in flight, over all its engines.
+    pub max_pending_loads_per_uid: usize,
+    /// Largest gRPC message (prompts longer than a quarter of it go through the token area).
+    pub max_message_bytes: usize,
+    /// Requests in flight on one connection.
+    pub max_concurrent_streams: u32,
+    /// Bytes of requests still arriving that one uid may have the daemon hold.
+    pub max_buffered_bytes_per_uid: u64,
+    /// The longest a request may take, from its first byte to its answer (ms).
+    pub request_timeout_ms: u64,
+    /// A connection that sends nothing for this long is closed (ms).
+    pub idle_timeout_ms: u64,
+    /// A new connection must send its first bytes within this long (ms).
+    pub handshake_timeout_ms: u64,
+}
+
+impl Default for LimitsConfig {
+    fn default() -> Self {
+        Self {
+            max_connections: 1024,
+            max_connections_per_uid: 64,
+            max_engines_per_uid: 16,
+            max_pending_loads_per_uid: 4096,
+            max_message_bytes: kvproto::limits::DEFAULT_MAX_MESSAGE_BYTES,
+            max_concurrent_streams: 64,
+            max_buffered_bytes_per_uid: 256 << 20,
+            request_timeout_ms: 60_000,
+            idle_timeout_ms: 300_000,
+            handshake_timeout_ms: 5_000,
+        }
+    }
 }
 
 /// Hit reports to kvrouter (docs/router.md section 2).
@@ -123,15 +170,6 @@ pub struct EngineConfig {
     pub drain_ms: u64,
 }
 
-fn runtime_dir() -> PathBuf {
-    if let Some(d) = std::env::var_os("XDG_RUNTIME_DIR") {
-        return PathBuf::from(d).join("kvcached");
-    }
-    // SAFETY: getuid never fails.
-    let uid = unsafe { libc::getuid() };
-    std::env::temp_dir().join(format!("kvcached-{uid}"))
-}
-
 fn data_dir() -> PathBuf {
     if let Some(d) = std::env::var_os("XDG_DATA_HOME") {
         return PathBuf::from(d).join("kvcached");
@@ -145,13 +183,14 @@ fn data_dir() -> PathBuf {
 impl Default for Config {
     fn default() -> Self {
         Self {
-            socket: runtime_dir().join("kvcached.sock"),
+            socket: kvproto::paths::default_socket(),
             socket_mode: "0660".into(),
             tcp: None,
             metrics_addr: SocketAddr::from(([127, 0, 0, 1], 9464)),
             g2: G2Config::default(),
             g3: G3Config::default(),
             engines: EngineConfig::default(),
+            limits: LimitsConfig::default(),
             router: RouterConfig::default(),
         }
     }
@@ -309,6 +348,33 @@ impl Config {
                     crate::fault_guard::MAX_ENGINES
                 ),
             ));
+        }
+        let l = &self.limits;
+        for (field, v) in [
+            ("limits.max_connections", l.max_connections),
+            ("limits.max_connections_per_uid", l.max_connections_per_uid),
+            ("limits.max_engines_per_uid", l.max_engines_per_uid),
+            ("limits.max_pending_loads_per_uid", l.max_pending_loads_per_uid),
+            ("limits.max_concurrent_streams", l.max_concurrent_streams as usize),
+        ] {
+            if v == 0 {
+                return Err(bad(field, "must be at least 1"));
+            }
+        }
+        if !(64 << 10..=1 << 30).contains(&l.max_message_bytes) {
+            return Err(bad("limits.max_message_bytes", "must be in 65536..=1073741824"));
+        }
+        if l.max_buffered_bytes_per_uid < l.max_message_bytes as u64 {
+            return Err(bad("limits.max_buffered_bytes_per_uid", "must be at least limits.max_message_bytes"));
+        }
+        for (field, v) in [
+            ("limits.request_timeout_ms", l.request_timeout_ms),
+            ("limits.idle_timeout_ms", l.idle_timeout_ms),
+            ("limits.handshake_timeout_ms", l.handshake_timeout_ms),
+        ] {
+            if v < 100 {
+                return Err(bad(field, "must be at least 100"));
+            }
         }
         if self.engines.lease_ms < 1000 {
             return Err(bad("engines.lease_ms", "must be at least 1000 (heartbeats are sent every third of it)"));

@@ -14,6 +14,7 @@ use tokio::sync::watch;
 use crate::engine::{Engine, Registry};
 use crate::error::ServerError;
 use crate::key_memo::KeyMemo;
+use crate::limits::{Held, Limits, Principal};
 use crate::prefix_probe::{PrefixProber, Probing};
 use crate::reports::{GpuChange, Reports};
 
@@ -90,6 +91,7 @@ pub struct Daemon {
     pub store: Arc<BlockStore>,
     pub engines: Registry,
     pub reports: Arc<Reports>,
+    pub limits: Arc<Limits>,
     ops: Mutex<Ops>,
     next_op: AtomicU64,
     max_pending: usize,
@@ -130,6 +132,7 @@ impl Daemon {
         store: Arc<BlockStore>,
         engines: Registry,
         reports: Arc<Reports>,
+        limits: Arc<Limits>,
         max_pending: usize,
         retention: Duration,
         key_memo_bytes: usize,
@@ -155,6 +158,7 @@ impl Daemon {
             store,
             engines,
             reports,
+            limits,
             ops: Mutex::new(Ops::default()),
             // Like engine ids, op ids start from a time-derived value: a client that asks a
             // restarted daemon about a load of its previous life gets "unknown load", never the
@@ -193,8 +197,8 @@ impl Daemon {
     }
 
     /// Saves engine blocks into the store (gathering each block's segments in one copy).
-    pub fn save(&self, req: &pb::SaveRequest) -> Result<pb::SaveResponse, ServerError> {
-        let engine = self.engines.get(req.engine_id)?;
+    pub fn save(&self, req: &pb::SaveRequest, who: Principal) -> Result<pb::SaveResponse, ServerError> {
+        let engine = self.engines.get(req.engine_id, who)?;
         let keys = self.keys(&engine, &req.tokens)?;
         Self::span(&engine, keys.len(), req.first_block, &req.block_ids)?;
         let mut resp = pb::SaveResponse::default();
@@ -233,8 +237,8 @@ impl Daemon {
         Ok(resp)
     }
 
-    pub fn lookup(&self, req: &pb::LookupRequest) -> Result<pb::LookupResponse, ServerError> {
-        let engine = self.engines.get(req.engine_id)?;
+    pub fn lookup(&self, req: &pb::LookupRequest, who: Principal) -> Result<pb::LookupResponse, ServerError> {
+        let engine = self.engines.get(req.engine_id, who)?;
         let mut tokens = engine.request_tokens(&req.tokens, req.tokens_at.as_ref())?;
         if !tokens.len().is_multiple_of(4) {
             return Err(kvproto::ProtoError::TokenBytes(tokens.len()).into());
@@ -329,9 +333,9 @@ impl Daemon {
     }
 
     /// An engine's report about its GPU memory (G1), published to routers.
-    pub fn gpu_blocks(&self, req: &pb::GpuBlocksRequest) -> Result<pb::GpuBlocksResponse, ServerError> {
+    pub fn gpu_blocks(&self, req: &pb::GpuBlocksRequest, who: Principal) -> Result<pb::GpuBlocksResponse, ServerError> {
         use pb::gpu_blocks_request::Change;
-        let engine = self.engines.get(req.engine_id)?;
+        let engine = self.engines.get(req.engine_id, who)?;
         let change = match Change::try_from(req.change) {
             Ok(Change::Stored) => GpuChange::Stored,
             Ok(Change::Removed) => GpuChange::Removed,
@@ -368,13 +372,19 @@ impl Daemon {
         Ok(pb::GpuBlocksResponse { keys: keys.iter().map(|k| k.0.to_vec()).collect(), event_id })
     }
 
-    /// Registers a load and returns its id and the receiver of its status.
+    /// Checks a load, registers it and returns its id, the receiver of its status, and the
+    /// count it holds against its owner's `limits.max_pending_loads_per_uid`. A load that names
+    /// slots or blocks it cannot have is refused here (INVALID_ARGUMENT), before it starts.
     pub fn start_load(
         &self,
         req: &pb::LoadRequest,
-    ) -> Result<(u64, Arc<Engine>, watch::Sender<pb::LoadStatus>), ServerError> {
-        let engine = self.engines.get(req.engine_id)?;
+        who: Principal,
+    ) -> Result<(u64, Arc<Engine>, watch::Sender<pb::LoadStatus>, Held), ServerError> {
+        let engine = self.engines.get(req.engine_id, who)?;
         kvproto::check_tokens_le(&req.tokens)?;
+        let full_blocks = req.tokens.len() / (4 * engine.namespace.layout.tokens_per_block as usize);
+        Self::span(&engine, full_blocks, req.first_block, &req.block_ids)?;
+        let held = self.limits.load(who)?;
         let mut ops = self.ops.lock();
         let pending = ops.per_engine.get(&engine.id).map_or(0, |e| e.pending);
         if pending >= self.max_pending {
@@ -387,7 +397,7 @@ impl Daemon {
         let (tx, rx) = watch::channel(pb::LoadStatus { op_id: id, ..Default::default() });
         ops.start(id, engine.id, rx);
         drop(ops);
-        Ok((id, engine, tx))
+        Ok((id, engine, tx, held))
     }
 
     /// Runs a load to completion (on a blocking thread) and publishes its status.
@@ -471,8 +481,14 @@ impl Daemon {
     }
 
     /// The status of a load, waiting up to `timeout` for it to finish.
-    pub async fn wait(&self, engine: u64, op: u64, timeout: Duration) -> Result<pb::LoadStatus, ServerError> {
-        self.engines.get(engine)?;
+    pub async fn wait(
+        &self,
+        engine: u64,
+        op: u64,
+        timeout: Duration,
+        who: Principal,
+    ) -> Result<pb::LoadStatus, ServerError> {
+        self.engines.get(engine, who)?;
         let mut rx = match self.ops.lock().by_id.get(&op) {
             Some(o) if o.engine == engine => o.status.clone(),
             _ => return Err(ServerError::UnknownOp(op)),

@@ -7,17 +7,19 @@
 //! [`Engine::read_slot_into`] and [`Engine::write_slot_from`] hide which.
 
 use std::collections::HashMap;
-use std::fs::OpenOptions;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use kvproto::{KvLayout, LayoutKind, Namespace, NamespaceFingerprint, NamespaceId, pb};
+use kvproto::slots::{Segment, SlotLayout};
+use kvproto::{KvLayout, Namespace, NamespaceFingerprint, NamespaceId, pb};
 use memmap2::{MmapOptions, MmapRaw};
 use parking_lot::{Mutex, RwLock};
 
+use crate::attach::Tickets;
 use crate::error::ServerError;
 use crate::fault_guard::FaultGuard;
+use crate::limits::{Held, Limits, Principal};
 use crate::token_area::PromptTokens;
 
 /// The KV memory of one engine, mapped into the daemon.
@@ -28,9 +30,18 @@ enum EngineMemory {
     Shm {
         guard: FaultGuard,
         map: MmapRaw,
+        /// What the memory is, for errors ("KV memory (memfd)", ...).
         path: String,
     },
     Cuda(kvtiers::cuda::DeviceRegion),
+}
+
+/// The refusal of a path where a descriptor is wanted.
+fn path_refused(field: &str) -> ServerError {
+    invalid(format!(
+        "{field}: paths are not accepted (the daemon would open them with its own rights); pass the file \
+         descriptor over the Unix socket (ATTACH) and register its fd_ticket"
+    ))
 }
 
 /// The error of a copy whose engine memory shrank under it.
@@ -64,151 +75,116 @@ pub struct Engine {
     pub namespace_id: NamespaceId,
     pub(crate) fingerprint: NamespaceFingerprint,
     memory: EngineMemory,
-    /// (offset of block 0, stride between blocks) per segment, in block byte order.
-    segments: Vec<(u64, u64)>,
-    segment_bytes: u64,
+    /// Where each block slot lies in the memory.
+    slots: SlotLayout,
     pub num_blocks: u32,
+    /// Who registered it: only they may use it (to anyone else it does not exist).
+    pub owner: Principal,
+    /// Counts it against its owner's `limits.max_engines_per_uid` while it lives.
+    _held: Held,
     /// Where routers send this engine's requests, and its role (published with hit reports).
     pub address: String,
     pub role: String,
     /// Where the engine writes long prompts' tokens, when it registered one and the daemon could
-    /// open it.
+    /// use it; else why not.
     pub(crate) token_area: Option<crate::token_area::TokenArea>,
+    pub(crate) token_area_error: String,
     last_seen: Mutex<Instant>,
-}
-
-/// Opens a file an engine names (its KV memory, its token area) without ever blocking, and only
-/// if it is a regular file: a FIFO's open would wait for a peer forever, a device file's could
-/// have side effects. The error names the path.
-pub(crate) fn open_client_file(path: &str, write: bool) -> Result<std::fs::File, String> {
-    use std::os::unix::fs::OpenOptionsExt;
-    let file = OpenOptions::new()
-        .read(true)
-        .write(write)
-        .custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC)
-        .open(path)
-        .map_err(|e| format!("cannot open {path}: {e}"))?;
-    match file.metadata() {
-        Ok(m) if m.is_file() => Ok(file),
-        Ok(_) => Err(format!("{path} is not a regular file")),
-        Err(e) => Err(format!("{path}: {e}")),
-    }
-}
-
-/// Who may name a file as KV memory: the daemon maps it and both reads it (saves) and writes it
-/// (loads), so a client must not name the daemon's own storage, nor a file it does not own.
-#[derive(Debug, Clone, Default)]
-pub(crate) struct KvFileRules {
-    /// Canonical paths of the daemon's own storage (the G2 pool file, the G3 directory).
-    pub forbidden: Vec<std::path::PathBuf>,
-    /// (device, inode) of its files (the pool, the G3 data file): a hard link elsewhere is the
-    /// same file.
-    pub forbidden_files: Vec<(u64, u64)>,
-    /// The registering process's uid, where the transport tells it (Unix socket peer
-    /// credentials); a process running as root may name any file.
-    pub peer_uid: Option<u32>,
-}
-
-impl KvFileRules {
-    fn check(&self, file: &std::fs::File, path: &str) -> Result<(), ServerError> {
-        use std::os::fd::AsRawFd;
-        use std::os::unix::fs::MetadataExt;
-        // The opened file's own path (no race with a symlink swapped after the open).
-        let real = std::fs::read_link(format!("/proc/self/fd/{}", file.as_raw_fd()))
-            .or_else(|_| std::fs::canonicalize(path))
-            .map_err(|e| ServerError::Attach(format!("{path}: {e}")))?;
-        let meta = file.metadata().map_err(|e| ServerError::Attach(format!("{path}: {e}")))?;
-        let own = self.forbidden.iter().find(|f| real.starts_with(f)).map(|f| f.display().to_string()).or_else(|| {
-            self.forbidden_files.contains(&(meta.dev(), meta.ino())).then(|| "a link to one of its files".to_string())
-        });
-        if let Some(own) = own {
-            return Err(ServerError::Attach(format!(
-                "{path} is kvcached's own storage ({own}): an engine registers its own KV memory"
-            )));
-        }
-        if let Some(uid) = self.peer_uid.filter(|&u| u != 0) {
-            let owner = meta.uid();
-            if owner != uid {
-                return Err(ServerError::Attach(format!(
-                    "{path} belongs to uid {owner}, not to the registering process (uid {uid})"
-                )));
-            }
-        }
-        Ok(())
-    }
 }
 
 fn invalid(msg: impl Into<String>) -> ServerError {
     ServerError::Invalid(msg.into())
 }
 
+/// Refuses user-supplied text past `max` bytes, quoting at most a little of it.
+fn bounded(field: &str, s: &str, max: usize) -> Result<(), ServerError> {
+    if s.len() > max {
+        return Err(invalid(format!(
+            "{field} is {} bytes, more than {max}: {}",
+            s.len(),
+            kvproto::limits::clip(s, 64)
+        )));
+    }
+    Ok(())
+}
+
+/// What a registration names besides its memory: the engine's names, checked and bounded.
+fn check_names(req: &pb::RegisterRequest) -> Result<(), ServerError> {
+    bounded("engine_name", &req.engine_name, kvproto::limits::ENGINE_NAME_MAX_BYTES)?;
+    if req.engine_name.chars().any(char::is_control) {
+        return Err(invalid("engine_name has control characters"));
+    }
+    bounded("worker_address", &req.worker_address, kvproto::limits::WORKER_ADDRESS_MAX_BYTES)?;
+    if !matches!(req.role.as_str(), "" | "prefill" | "decode" | "both") {
+        return Err(invalid(format!("role {:?}: use prefill, decode or both", kvproto::limits::clip(&req.role, 32))));
+    }
+    Ok(())
+}
+
+/// A registration's parts, as the registry hands them to [`Engine::attach`].
+#[derive(Debug)]
+pub(crate) struct Attaching<'a> {
+    pub id: u64,
+    pub req: &'a pb::RegisterRequest,
+    pub owner: Principal,
+    /// The registering process (its descriptors' tickets must be its own).
+    pub pid: Option<i32>,
+    pub held: Held,
+    pub prefault: bool,
+}
+
 impl Engine {
-    /// Validates a registration and maps the engine's memory.
-    fn attach(id: u64, req: &pb::RegisterRequest, prefault: bool, rules: &KvFileRules) -> Result<Self, ServerError> {
+    /// Validates a registration and maps the engine's memory, handed over as descriptors.
+    fn attach(a: Attaching<'_>, tickets: &Tickets) -> Result<Self, ServerError> {
+        let Attaching { id, req, owner, pid, held, prefault } = a;
+        check_names(req)?;
         let spec = req.namespace.as_ref().ok_or_else(|| invalid("namespace is missing"))?;
+        bounded("namespace.model_id", &spec.model_id, kvproto::limits::MODEL_ID_MAX_BYTES)?;
         let namespace = Namespace::try_from(spec)?;
         let layout: KvLayout = namespace.layout;
-        let want_segments = match layout.kind {
-            LayoutKind::LayerSeparate => layout.num_layers as usize * 2,
-            LayoutKind::Contiguous => 1,
-        };
-        if req.segments.len() != want_segments {
-            return Err(invalid(format!(
-                "layout {} with {} layers needs {want_segments} segments, got {}",
-                layout.kind.name(),
-                layout.num_layers,
-                req.segments.len()
-            )));
-        }
-        let block_bytes = layout.block_bytes();
-        if req.segment_bytes.checked_mul(want_segments as u64) != Some(block_bytes) {
-            return Err(invalid(format!(
-                "segment_bytes {} x {want_segments} segments != {block_bytes} bytes per block for this layout \
-                 ({} layers, {} KV heads, head dim {}, {}, {} tokens per block)",
-                req.segment_bytes,
-                layout.num_layers,
-                layout.kv_heads,
-                layout.head_dim,
-                layout.dtype.name(),
-                layout.tokens_per_block
-            )));
-        }
-        if req.num_blocks == 0 {
-            return Err(invalid("num_blocks must be at least 1"));
-        }
         let region = req.region.as_ref().ok_or_else(|| invalid("region is missing"))?;
-        let size = region.size_bytes;
-        let last = u64::from(req.num_blocks - 1);
-        for (i, s) in req.segments.iter().enumerate() {
-            let end = last
-                .checked_mul(s.block_stride)
-                .and_then(|x| x.checked_add(s.offset))
-                .and_then(|x| x.checked_add(req.segment_bytes));
-            if end.is_none_or(|e| e > size) {
-                return Err(invalid(format!(
-                    "segment {i} (offset {}, stride {}) of block {last} ends past the region's {size} bytes",
-                    s.offset, s.block_stride
-                )));
-            }
+        #[allow(deprecated)]
+        if let Some(pb::memory_region::Kind::ShmPath(_)) = &region.kind {
+            return Err(path_refused("region.shm_path"));
         }
+        let size = region.size_bytes;
+        let slots = SlotLayout {
+            segments: req.segments.iter().map(|s| Segment { offset: s.offset, stride: s.block_stride }).collect(),
+            segment_bytes: req.segment_bytes,
+            num_blocks: req.num_blocks,
+        };
+        slots.check(&layout, size).map_err(|e| invalid(e.to_string()))?;
+        let Principal::Uid(uid) = owner else {
+            return Err(ServerError::Attach("engines attach over the Unix socket only".into()));
+        };
+        #[allow(deprecated)]
         let memory = match &region.kind {
-            Some(pb::memory_region::Kind::ShmPath(path)) => {
-                let file = open_client_file(path, true).map_err(ServerError::Attach)?;
-                rules.check(&file, path)?;
-                let len = file.metadata().map_err(|e| ServerError::Attach(format!("{path}: {e}")))?.len();
+            Some(pb::memory_region::Kind::ShmPath(_)) => return Err(path_refused("region.shm_path")),
+            Some(pb::memory_region::Kind::FdTicket(t)) => {
+                let r = tickets.redeem(t, uid, pid)?;
+                let what = "KV memory (descriptor)";
+                if !r.writable {
+                    return Err(ServerError::Attach(format!(
+                        "the {what} is open read-only: loads write into it, pass it open for reading and writing"
+                    )));
+                }
+                let len = r.file.metadata().map_err(|e| ServerError::Attach(format!("{what}: {e}")))?.len();
                 if len < size {
-                    return Err(ServerError::Attach(format!("{path} has {len} bytes, the registration says {size}")));
+                    return Err(ServerError::Attach(format!(
+                        "the {what} has {len} bytes, the registration says {size}"
+                    )));
                 }
                 let mut options = MmapOptions::new();
-                options.len(size as usize);
+                options.len(usize::try_from(size).map_err(|_| invalid("region size exceeds the address space"))?);
                 if prefault {
                     // Page tables filled now, in one pass: faulting the region in 64 KiB at a
                     // time during the first saves cost ~80 ms per 32 MiB here.
                     options.populate();
                 }
-                let map = options.map_raw(&file).map_err(|e| ServerError::Attach(format!("cannot map {path}: {e}")))?;
+                let map =
+                    options.map_raw(&r.file).map_err(|e| ServerError::Attach(format!("cannot map the {what}: {e}")))?;
                 let guard = FaultGuard::watch(map.as_ptr() as usize, map.len()).map_err(ServerError::Attach)?;
-                EngineMemory::Shm { guard, map, path: path.clone() }
+                EngineMemory::Shm { guard, map, path: what.to_string() }
             }
             Some(pb::memory_region::Kind::CudaIpcHandle(handle)) => {
                 let len = usize::try_from(size).map_err(|_| invalid("region size exceeds the address space"))?;
@@ -221,15 +197,20 @@ impl Engine {
                 );
                 EngineMemory::Cuda(region)
             }
-            None => return Err(invalid("region has neither shm_path nor cuda_ipc_handle")),
+            None => return Err(invalid("region has neither fd_ticket nor cuda_ipc_handle")),
         };
-        // A token area that cannot be opened costs speed, not the registration: the engine is
-        // told (`token_area_accepted`) and sends its tokens inline.
-        let token_area = req.token_area.as_ref().and_then(|a| {
-            crate::token_area::TokenArea::open(a)
-                .inspect_err(|why| tracing::warn!(engine = id, "{why}; its requests carry their tokens inline"))
-                .ok()
-        });
+        // A token area that cannot be used costs speed, not the registration: the engine is
+        // told why (`token_area_error`) and sends its tokens inline.
+        let (token_area, token_area_error) = match req.token_area.as_ref() {
+            None => (None, String::new()),
+            Some(a) => match crate::token_area::TokenArea::open(a, tickets, uid, pid) {
+                Ok(t) => (Some(t), String::new()),
+                Err(why) => {
+                    tracing::info!(engine = id, "token area refused: {why}; its requests carry their tokens inline");
+                    (None, why)
+                }
+            },
+        };
         Ok(Self {
             id,
             name: req.engine_name.clone(),
@@ -237,12 +218,14 @@ impl Engine {
             fingerprint: namespace.fingerprint(),
             namespace,
             memory,
-            segments: req.segments.iter().map(|s| (s.offset, s.block_stride)).collect(),
-            segment_bytes: req.segment_bytes,
             num_blocks: req.num_blocks,
+            slots,
+            owner,
+            _held: held,
             address: req.worker_address.clone(),
             role: req.role.clone(),
             token_area,
+            token_area_error,
             last_seen: Mutex::new(Instant::now()),
         })
     }
@@ -281,10 +264,7 @@ impl Engine {
     /// The segments of engine block `block` as (offset in the region, length), in block byte
     /// order. In range: checked against the region size at attach.
     fn segment_ranges(&self, block: u32) -> Vec<(usize, usize)> {
-        self.segments
-            .iter()
-            .map(|&(off, stride)| ((off + u64::from(block) * stride) as usize, self.segment_bytes as usize))
-            .collect()
+        self.slots.ranges(block).collect()
     }
 
     /// Copies engine block `block` into `dst` (pieces of the block's bytes in order: its G2
@@ -321,7 +301,7 @@ impl Engine {
                     return Err(shrank(path));
                 }
                 let total: usize = pieces.iter().map(|p| p.len()).sum();
-                if total != self.segments.len() * self.segment_bytes as usize {
+                if total as u64 != self.block_bytes() {
                     return Err(ServerError::Invalid("block pieces and slot segments differ in length".into()));
                 }
                 let base = map.as_mut_ptr();
@@ -367,9 +347,9 @@ pub struct Registry {
     /// client must not be able to guess it).
     ids: std::collections::hash_map::RandomState,
     next_id: AtomicU64,
-    /// The daemon's own storage, which no engine may register (the rules every registration
-    /// starts from; its peer's uid is added per registration).
-    own_storage: KvFileRules,
+    /// Descriptors engines handed over (ATTACH), until their registrations redeem them.
+    pub tickets: Arc<Tickets>,
+    limits: Arc<Limits>,
     max: usize,
     pub lease: Duration,
     prefault: bool,
@@ -385,14 +365,13 @@ pub(crate) fn time_seeded_id() -> u64 {
 }
 
 impl Registry {
-    pub fn new(max: usize, lease: Duration) -> Self {
-        // Ids start from a time-derived value so a restarted daemon does not reuse the ids of
-        // its previous life (a stale client then gets "not registered", not another engine).
+    pub fn new(max: usize, lease: Duration, tickets: Arc<Tickets>, limits: Arc<Limits>) -> Self {
         Self {
             engines: RwLock::new(HashMap::new()),
             ids: std::collections::hash_map::RandomState::new(),
             next_id: AtomicU64::new(time_seeded_id()),
-            own_storage: KvFileRules::default(),
+            tickets,
+            limits,
             max,
             lease,
             prefault: false,
@@ -406,49 +385,32 @@ impl Registry {
         self
     }
 
-    /// Files no engine may register as KV memory (the daemon's own storage; made canonical
-    /// here, those that do not exist are skipped).
-    pub fn forbid(mut self, paths: impl IntoIterator<Item = std::path::PathBuf>) -> Self {
-        use std::os::unix::fs::MetadataExt;
-        for p in paths.into_iter().filter_map(|p| std::fs::canonicalize(p).ok()) {
-            // The files themselves too, by identity: the pool, and the files directly in a
-            // directory (G3's data file).
-            let files: Vec<std::path::PathBuf> = if p.is_dir() {
-                std::fs::read_dir(&p).into_iter().flatten().flatten().map(|e| e.path()).collect()
-            } else {
-                vec![p.clone()]
-            };
-            for f in files {
-                if let Some(m) = std::fs::metadata(&f).ok().filter(|m| m.is_file()) {
-                    self.own_storage.forbidden_files.push((m.dev(), m.ino()));
-                }
-            }
-            self.own_storage.forbidden.push(p);
-        }
-        self
-    }
-
     fn full(&self) -> ServerError {
         ServerError::Exhausted(format!("{} engines attached (engines.max_engines)", self.max))
     }
 
-    /// Attaches an engine; `peer_uid` is the registering process's uid where the transport
-    /// tells it.
-    pub fn register(&self, req: &pb::RegisterRequest, peer_uid: Option<u32>) -> Result<Arc<Engine>, ServerError> {
+    /// Attaches an engine for `owner` (process `pid`, whose descriptor tickets it redeems).
+    pub fn register(
+        &self,
+        req: &pb::RegisterRequest,
+        owner: Principal,
+        pid: Option<i32>,
+    ) -> Result<Arc<Engine>, ServerError> {
         if self.engines.read().len() >= self.max {
             return Err(self.full());
         }
-        let rules = KvFileRules { peer_uid, ..self.own_storage.clone() };
-        // Random, unguessable (an id is what every later request presents) and never 0; not
-        // derived from the time, so a restarted daemon does not hand out its previous life's
-        // ids either. Distinct counters give distinct ids but for a 2^-64 hash collision.
+        let held = self.limits.engine(owner)?;
+        // Random, unguessable and never 0; not derived from the time, so a restarted daemon
+        // does not hand out its previous life's ids either. Distinct counters give distinct ids
+        // but for a 2^-64 hash collision.
         let id = loop {
             let id = std::hash::BuildHasher::hash_one(&self.ids, self.next_id.fetch_add(1, Ordering::Relaxed));
             if id != 0 && !self.engines.read().contains_key(&id) {
                 break id;
             }
         };
-        let e = Arc::new(Engine::attach(id, req, self.prefault, &rules)?);
+        let attaching = Attaching { id, req, owner, pid, held, prefault: self.prefault };
+        let e = Arc::new(Engine::attach(attaching, &self.tickets)?);
         let mut engines = self.engines.write();
         // Checked again where the engine is added: registrations attaching at the same time
         // all passed the first check (the mapping is released when `e` drops).
@@ -457,24 +419,28 @@ impl Registry {
         }
         engines.insert(id, Arc::clone(&e));
         drop(engines);
-        tracing::info!(engine = id, name = %e.name, namespace = %e.namespace_id, "engine attached");
+        tracing::info!(engine = id, name = %e.name, owner = %owner, namespace = %e.namespace_id, "engine attached");
         Ok(e)
     }
 
-    pub fn get(&self, id: u64) -> Result<Arc<Engine>, ServerError> {
-        let e = self.engines.read().get(&id).cloned().ok_or(ServerError::UnknownEngine(id))?;
+    /// Engine `id`, if `who` registered it (to anyone else it does not exist: the same answer as
+    /// for an id never given out, so ids reveal nothing).
+    pub fn get(&self, id: u64, who: Principal) -> Result<Arc<Engine>, ServerError> {
+        let e =
+            self.engines.read().get(&id).filter(|e| e.owner == who).cloned().ok_or(ServerError::UnknownEngine(id))?;
         e.touch();
         Ok(e)
     }
 
-    pub fn unregister(&self, id: u64) -> Result<Arc<Engine>, ServerError> {
-        match self.engines.write().remove(&id) {
-            Some(e) => {
-                tracing::info!(engine = id, name = %e.name, "engine detached");
-                Ok(e)
-            }
-            None => Err(ServerError::UnknownEngine(id)),
+    pub fn unregister(&self, id: u64, who: Principal) -> Result<Arc<Engine>, ServerError> {
+        let mut engines = self.engines.write();
+        if engines.get(&id).is_none_or(|e| e.owner != who) {
+            return Err(ServerError::UnknownEngine(id));
         }
+        let e = engines.remove(&id).ok_or(ServerError::UnknownEngine(id))?;
+        drop(engines);
+        tracing::info!(engine = id, name = %e.name, "engine detached");
+        Ok(e)
     }
 
     /// Every attached engine.
@@ -494,6 +460,8 @@ impl Registry {
                 out.push(e);
             }
         }
+        drop(map);
+        self.tickets.expire();
         out
     }
 
@@ -507,43 +475,5 @@ impl Registry {
 
     pub fn clear(&self) {
         self.engines.write().clear();
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    #![allow(clippy::unwrap_used)]
-    use super::*;
-
-    /// A KV memory file must belong to the uid that registers it (root may name any), and may
-    /// not lie in the daemon's own storage.
-    #[test]
-    fn a_kv_file_must_be_the_registering_uids_and_not_the_daemons() {
-        use std::os::unix::fs::MetadataExt;
-        let d = tempfile::tempdir().unwrap();
-        let p = d.path().join("kv");
-        std::fs::write(&p, [0u8; 64]).unwrap();
-        let f = std::fs::File::open(&p).unwrap();
-        let path = p.display().to_string();
-        let owner = f.metadata().unwrap().uid();
-        let rules = |peer_uid: Option<u32>| KvFileRules { peer_uid, ..Default::default() };
-        assert!(rules(Some(owner)).check(&f, &path).is_ok());
-        assert!(rules(None).check(&f, &path).is_ok(), "no peer credentials (TCP): not checked");
-        assert!(rules(Some(0)).check(&f, &path).is_ok(), "root may name any file");
-        let other = if owner == 1 { 2 } else { 1 };
-        let e = rules(Some(other)).check(&f, &path).unwrap_err().to_string();
-        assert!(e.contains(&format!("belongs to uid {owner}")), "{e}");
-        let own = KvFileRules { forbidden: vec![std::fs::canonicalize(d.path()).unwrap()], ..Default::default() };
-        let e = own.check(&f, &path).unwrap_err().to_string();
-        assert!(e.contains("kvcached's own storage"), "{e}");
-        // A hard link elsewhere to a file of the daemon's is that file.
-        let elsewhere = tempfile::tempdir_in(d.path().parent().unwrap()).unwrap();
-        let link = elsewhere.path().join("innocent");
-        std::fs::hard_link(&p, &link).unwrap();
-        let by_id = Registry::new(1, std::time::Duration::from_secs(1)).forbid([p.clone()]);
-        let rules = KvFileRules { forbidden_files: by_id.own_storage.forbidden_files.clone(), ..Default::default() };
-        let linked = std::fs::File::open(&link).unwrap();
-        let e = rules.check(&linked, &link.display().to_string()).unwrap_err().to_string();
-        assert!(e.contains("a link to one of its files"), "{e}");
     }
 }

@@ -27,12 +27,32 @@ pub enum ServerError {
     Attach(String),
     #[error("configuration: {field}: {reason}")]
     Config { field: String, reason: String },
+    /// A ZMQ socket (the vLLM-format export) failed.
+    #[error("zmq: {0}")]
+    Zmq(String),
     #[error("I/O: {0}")]
     Io(#[from] std::io::Error),
 }
 
 impl From<ServerError> for tonic::Status {
     fn from(e: ServerError) -> Self {
+        use kvproto::reason::{METADATA_KEY, Reason};
+        let reason = match &e {
+            ServerError::UnknownEngine(_) => Some(Reason::UnknownEngine),
+            ServerError::UnknownOp(_) => Some(Reason::UnknownOp),
+            ServerError::Exhausted(_) => Some(Reason::LimitReached),
+            _ => None,
+        };
+        let mut status = status_of(e);
+        if let Some(v) = reason.and_then(|r| r.name().parse().ok()) {
+            status.metadata_mut().insert(METADATA_KEY, v);
+        }
+        status
+    }
+}
+
+fn status_of(e: ServerError) -> tonic::Status {
+    {
         let msg = e.to_string();
         match e {
             ServerError::Invalid(_) | ServerError::Proto(_) => tonic::Status::invalid_argument(msg),
@@ -41,7 +61,9 @@ impl From<ServerError> for tonic::Status {
             ServerError::Attach(_) => tonic::Status::failed_precondition(msg),
             ServerError::Tier(TierError::Full { .. }) => tonic::Status::resource_exhausted(msg),
             ServerError::Tier(TierError::LengthMismatch { .. }) => tonic::Status::invalid_argument(msg),
-            ServerError::Tier(_) | ServerError::Config { .. } | ServerError::Io(_) => tonic::Status::internal(msg),
+            ServerError::Tier(_) | ServerError::Config { .. } | ServerError::Io(_) | ServerError::Zmq(_) => {
+                tonic::Status::internal(msg)
+            }
         }
     }
 }

@@ -1,11 +1,15 @@
-//! `/metrics` (Prometheus text) and `/healthz` over HTTP.
+//! `/metrics` (Prometheus text), `/healthz`, and the event recovery routes routers call after a
+//! gap in this daemon's hit reports: `GET /events/replay?after=N&limit=M` (the events after id N
+//! from the bounded log, or "too old") and `GET /events/snapshot` (everything held now).
 
 use std::sync::{Arc, OnceLock};
 
+use axum::Json;
 use axum::Router;
-use axum::extract::State;
+use axum::extract::{Query, State};
 use axum::http::StatusCode;
 use axum::routing::get;
+use kvproto::publisher::MemoryPublisher;
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 
 use crate::daemon::Daemon;
@@ -52,7 +56,31 @@ pub fn router(daemon: Arc<Daemon>, queue_capacity: usize) -> Router {
         .with_state(HttpState { daemon, queue_capacity });
     // Routers that saw a gap in this daemon's event ids replay from here.
     match log {
-        Some(log) => app.merge(kvrouter::recovery::recovery_routes(log)),
+        Some(log) => app.merge(recovery_routes(log)),
         None => app,
     }
+}
+
+#[derive(Debug, serde::Deserialize)]
+struct ReplayQuery {
+    after: u64,
+    #[serde(default = "default_limit")]
+    limit: usize,
+}
+
+fn default_limit() -> usize {
+    10_000
+}
+
+/// The replay and snapshot routes over `log`.
+pub fn recovery_routes(log: Arc<MemoryPublisher>) -> Router {
+    Router::new()
+        .route(
+            "/events/replay",
+            get(|State(p): State<Arc<MemoryPublisher>>, Query(q): Query<ReplayQuery>| async move {
+                Json(p.replay_now(q.after, q.limit.min(100_000)))
+            }),
+        )
+        .route("/events/snapshot", get(|State(p): State<Arc<MemoryPublisher>>| async move { Json(p.snapshot_now()) }))
+        .with_state(log)
 }

@@ -282,8 +282,8 @@ mod tests {
         for truncate in [false, true] {
             let path = dir.path().join(format!("tokens-{truncate}"));
             std::fs::write(&path, le(&prompt(3, 256))).unwrap();
-            let req = kvproto::pb::TokenArea { shm_path: path.display().to_string(), size_bytes: 16 << 10 };
-            let area = crate::token_area::TokenArea::open(&req).unwrap();
+            let file = std::fs::File::open(&path).unwrap();
+            let area = crate::token_area::TokenArea::map(&file, 16 << 10, "token area").unwrap();
             if truncate {
                 std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(8 << 10).unwrap();
             }

@@ -1,4 +1,4 @@
-//! The publisher side for a daemon to embed: [`HttpPublisher`] numbers events in a
+//! Shipping hit reports to routers: [`HttpPublisher`] numbers events in a
 //! [`MemoryPublisher`] (bounded log + state for snapshots) and ships them, with its info, load and
 //! outcomes, to every router's `POST /events` once per report interval (or sooner when a batch is
 //! full).
@@ -7,7 +7,7 @@
 //! offers the event to a bounded channel; when the channel is full the event is not sent (counted
 //! in [`HttpPublisher::dropped`]). A router that misses events, because of a drop, a failed POST
 //! or its own restart, sees the gap in ids and replays them from the log through the recovery API
-//! (serve [`crate::recovery::recovery_routes`] at `info.recovery_url`).
+//! (the daemon serves them at `info.recovery_url`: [`crate::http`]).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -16,7 +16,7 @@ use std::time::Duration;
 use kvproto::events::{Event, EventBody, LoadReport, PublisherInfo, PublisherMessage, RouteOutcome};
 use tokio::sync::mpsc;
 
-use crate::recovery::MemoryPublisher;
+use kvproto::publisher::MemoryPublisher;
 
 /// How an [`HttpPublisher`] ships events.
 #[derive(Debug, Clone)]

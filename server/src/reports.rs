@@ -2,9 +2,9 @@
 //! lost, the G1 blocks engines report from their own GPU memory, load, and what routed
 //! requests actually found.
 //!
-//! Events are numbered and logged by `kvrouter::recovery::MemoryPublisher` (a bounded log plus
+//! Events are numbered and logged by a `kvproto::publisher::MemoryPublisher` (a bounded log plus
 //! the state it published, served at `/events/replay` and `/events/snapshot` on the daemon's
-//! HTTP listener) and shipped by `kvrouter::publish::HttpPublisher` to every configured router.
+//! HTTP listener) and shipped by [`HttpPublisher`] to every configured router.
 //! Nothing here blocks: an event that finds the send queue full is left to the routers' replay.
 //! With no router configured every call is a no-op.
 
@@ -16,14 +16,14 @@ use kvproto::events::{
     EVENTS_VERSION, EngineLoad, EventBody, Holder, KEY_SCHEME_KVCACHED, LoadReport, NamespaceInfo, NodeId,
     PublisherInfo, RouteOutcome, TierCapacity, WorkerId, WorkerInfo,
 };
+use kvproto::publisher::MemoryPublisher;
 use kvproto::{BlockKey, TierKind};
-use kvrouter::publish::{HttpPublisher, PublishConfig};
-use kvrouter::recovery::MemoryPublisher;
 use kvtiers::{BlockMeta, BlockStore, TierListener};
 use parking_lot::Mutex;
 
 use crate::config::RouterConfig;
 use crate::engine::Engine;
+use crate::publish::{HttpPublisher, PublishConfig};
 use crate::vllm_export::VllmExport;
 
 /// What the daemon knows of one attached engine, for `info` and load reports.

@@ -1,16 +1,22 @@
 //! The gRPC edge: translates `kvcached.v1.Kvcached` calls to [`Daemon`] and errors to
 //! `tonic::Status`. Copies run on blocking threads so the runtime never stalls on memcpy.
+//!
+//! Every call that names an engine passes its caller ([`principal`]): an engine answers only the
+//! uid that registered it. Over TCP ([`TcpService`]) only Health is served until authentication
+//! exists; engines attach over the Unix socket.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use kvproto::pb;
+use kvproto::reason::Reason;
 use tonic::{Request, Response, Status};
 
 use crate::daemon::Daemon;
+use crate::edge::{peer_pid, principal};
 use crate::error::ServerError;
 
-/// The service object handed to tonic.
+/// The service object handed to tonic for the Unix socket.
 #[derive(Debug, Clone)]
 pub struct KvcachedService {
     pub daemon: Arc<Daemon>,
@@ -35,15 +41,9 @@ async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T, ServerError> 
 impl pb::kvcached_server::Kvcached for KvcachedService {
     async fn register(&self, req: Request<pb::RegisterRequest>) -> Result<Response<pb::RegisterResponse>, Status> {
         let d = Arc::clone(&self.daemon);
-        // Over the Unix socket the kernel tells who is registering: its KV memory file must be
-        // its own (over TCP nothing is known, and the network is trusted).
-        let peer_uid = req
-            .extensions()
-            .get::<tonic::transport::server::UdsConnectInfo>()
-            .and_then(|i| i.peer_cred)
-            .map(|c| c.uid());
+        let (who, pid) = (principal(&req), peer_pid(&req));
         let req = req.into_inner();
-        let e = blocking(move || d.engines.register(&req, peer_uid)).await?;
+        let e = blocking(move || d.engines.register(&req, who, pid)).await?;
         self.daemon.reports.attached(&e);
         let lease = self.daemon.engines.lease.as_millis() as u32;
         Ok(Response::new(pb::RegisterResponse {
@@ -53,39 +53,48 @@ impl pb::kvcached_server::Kvcached for KvcachedService {
             heartbeat_ms: lease / 3,
             lease_ms: lease,
             token_area_accepted: e.token_area.is_some(),
+            token_area_error: e.token_area_error.clone(),
         }))
     }
 
     async fn unregister(&self, req: Request<pb::EngineRef>) -> Result<Response<pb::Empty>, Status> {
-        let e = self.daemon.engines.unregister(req.into_inner().engine_id)?;
+        let who = principal(&req);
+        let e = self.daemon.engines.unregister(req.into_inner().engine_id, who)?;
         self.daemon.reports.detached(&e);
         Ok(Response::new(pb::Empty {}))
     }
 
     async fn heartbeat(&self, req: Request<pb::EngineRef>) -> Result<Response<pb::Empty>, Status> {
-        self.daemon.engines.get(req.into_inner().engine_id)?;
+        let who = principal(&req);
+        self.daemon.engines.get(req.into_inner().engine_id, who)?;
         Ok(Response::new(pb::Empty {}))
     }
 
     async fn save(&self, req: Request<pb::SaveRequest>) -> Result<Response<pb::SaveResponse>, Status> {
         let d = Arc::clone(&self.daemon);
+        let who = principal(&req);
         let req = req.into_inner();
-        Ok(Response::new(blocking(move || d.save(&req)).await?))
+        Ok(Response::new(blocking(move || d.save(&req, who)).await?))
     }
 
     async fn lookup(&self, req: Request<pb::LookupRequest>) -> Result<Response<pb::LookupResponse>, Status> {
         let d = Arc::clone(&self.daemon);
+        let who = principal(&req);
         let req = req.into_inner();
-        Ok(Response::new(blocking(move || d.lookup(&req)).await?))
+        Ok(Response::new(blocking(move || d.lookup(&req, who)).await?))
     }
 
     async fn load(&self, req: Request<pb::LoadRequest>) -> Result<Response<pb::LoadStatus>, Status> {
+        let who = principal(&req);
         let req = req.into_inner();
-        let (op, engine, tx) = self.daemon.start_load(&req)?;
+        let (op, engine, tx, held) = self.daemon.start_load(&req, who)?;
         let d = Arc::clone(&self.daemon);
         let wait = req.wait;
         let mut rx = tx.subscribe();
-        let task = tokio::task::spawn_blocking(move || d.run_load(op, &engine, &req, &tx));
+        let task = tokio::task::spawn_blocking(move || {
+            d.run_load(op, &engine, &req, &tx);
+            drop(held);
+        });
         if !wait {
             return Ok(Response::new(pb::LoadStatus { op_id: op, ..Default::default() }));
         }
@@ -95,8 +104,9 @@ impl pb::kvcached_server::Kvcached for KvcachedService {
     }
 
     async fn wait(&self, req: Request<pb::WaitRequest>) -> Result<Response<pb::LoadStatus>, Status> {
+        let who = principal(&req);
         let r = req.into_inner();
-        let s = self.daemon.wait(r.engine_id, r.op_id, Duration::from_millis(u64::from(r.timeout_ms))).await?;
+        let s = self.daemon.wait(r.engine_id, r.op_id, Duration::from_millis(u64::from(r.timeout_ms)), who).await?;
         Ok(Response::new(s))
     }
 
@@ -113,14 +123,73 @@ impl pb::kvcached_server::Kvcached for KvcachedService {
         req: Request<pb::GpuBlocksRequest>,
     ) -> Result<Response<pb::GpuBlocksResponse>, Status> {
         let d = Arc::clone(&self.daemon);
+        let who = principal(&req);
         let req = req.into_inner();
-        Ok(Response::new(blocking(move || d.gpu_blocks(&req)).await?))
+        Ok(Response::new(blocking(move || d.gpu_blocks(&req, who)).await?))
     }
 
     async fn report_load(&self, req: Request<pb::EngineLoadRequest>) -> Result<Response<pb::Empty>, Status> {
+        let who = principal(&req);
         let r = req.into_inner();
-        let e = self.daemon.engines.get(r.engine_id)?;
+        let e = self.daemon.engines.get(r.engine_id, who)?;
         self.daemon.reports.engine_load(&e, r.running, r.waiting, r.kv_used_blocks, r.kv_total_blocks);
         Ok(Response::new(pb::Empty {}))
+    }
+}
+
+/// The service on the TCP listener: Health only. Engines attach and work over the Unix socket;
+/// nothing else is served over TCP until it is authenticated.
+#[derive(Debug, Clone)]
+pub struct TcpService {
+    pub inner: KvcachedService,
+}
+
+fn tcp_refused<T>() -> Result<Response<T>, Status> {
+    let mut s = Status::permission_denied(
+        "over TCP kvcached serves only Health: engines attach over the node's Unix socket (docs/operations.md, Security)",
+    );
+    if let Ok(v) = Reason::WrongTransport.name().parse() {
+        s.metadata_mut().insert(kvproto::reason::METADATA_KEY, v);
+    }
+    Err(s)
+}
+
+#[tonic::async_trait]
+impl pb::kvcached_server::Kvcached for TcpService {
+    async fn register(&self, _: Request<pb::RegisterRequest>) -> Result<Response<pb::RegisterResponse>, Status> {
+        tcp_refused()
+    }
+    async fn unregister(&self, _: Request<pb::EngineRef>) -> Result<Response<pb::Empty>, Status> {
+        tcp_refused()
+    }
+    async fn heartbeat(&self, _: Request<pb::EngineRef>) -> Result<Response<pb::Empty>, Status> {
+        tcp_refused()
+    }
+    async fn save(&self, _: Request<pb::SaveRequest>) -> Result<Response<pb::SaveResponse>, Status> {
+        tcp_refused()
+    }
+    async fn lookup(&self, _: Request<pb::LookupRequest>) -> Result<Response<pb::LookupResponse>, Status> {
+        tcp_refused()
+    }
+    async fn load(&self, _: Request<pb::LoadRequest>) -> Result<Response<pb::LoadStatus>, Status> {
+        tcp_refused()
+    }
+    async fn wait(&self, _: Request<pb::WaitRequest>) -> Result<Response<pb::LoadStatus>, Status> {
+        tcp_refused()
+    }
+    async fn stats(&self, _: Request<pb::Empty>) -> Result<Response<pb::StatsResponse>, Status> {
+        tcp_refused()
+    }
+    async fn health(&self, req: Request<pb::Empty>) -> Result<Response<pb::HealthResponse>, Status> {
+        pb::kvcached_server::Kvcached::health(&self.inner, req).await
+    }
+    async fn report_gpu_blocks(
+        &self,
+        _: Request<pb::GpuBlocksRequest>,
+    ) -> Result<Response<pb::GpuBlocksResponse>, Status> {
+        tcp_refused()
+    }
+    async fn report_load(&self, _: Request<pb::EngineLoadRequest>) -> Result<Response<pb::Empty>, Status> {
+        tcp_refused()
     }
 }

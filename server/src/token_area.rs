@@ -15,11 +15,12 @@ use memmap2::{MmapOptions, MmapRaw};
 
 use kvproto::pb;
 
+use crate::attach::Tickets;
 use crate::error::ServerError;
 use crate::fault_guard::FaultGuard;
 
-/// Largest token area the daemon accepts (64 MiB: 16M tokens; a client asks for a few MiB).
-pub const MAX_BYTES: u64 = 64 << 20;
+/// Largest token area the daemon accepts (a client asks for a few MiB).
+pub const MAX_BYTES: u64 = kvproto::limits::TOKEN_AREA_MAX_BYTES;
 
 /// Bytes copied ahead of the chain's needs and prefetched past them: a key memo chunk of
 /// 16-token blocks (256 x 64 bytes).
@@ -35,23 +36,34 @@ pub struct TokenArea {
 }
 
 impl TokenArea {
-    /// Opens the area a registration names; the error says why not.
-    pub fn open(req: &pb::TokenArea) -> Result<Self, String> {
-        let path = &req.shm_path;
-        if req.size_bytes == 0 || req.size_bytes > MAX_BYTES {
-            return Err(format!("token area {path}: size {} is not in 1..={MAX_BYTES}", req.size_bytes));
+    /// Maps the area a registration hands over (its descriptor's ticket, redeemed for process
+    /// `pid` of `uid`); the error says why not.
+    pub fn open(req: &pb::TokenArea, tickets: &Tickets, uid: u32, pid: Option<i32>) -> Result<Self, String> {
+        #[allow(deprecated)]
+        if !req.shm_path.is_empty() {
+            return Err(
+                "token_area.shm_path: paths are not accepted; pass the descriptor (ATTACH) and its fd_ticket".into()
+            );
         }
-        let file = crate::engine::open_client_file(path, false).map_err(|e| format!("token area {e}"))?;
-        let len = file.metadata().map_err(|e| format!("token area {path}: {e}"))?.len();
-        if len < req.size_bytes {
-            return Err(format!("token area {path} has {len} bytes, the registration says {}", req.size_bytes));
+        if req.size_bytes == 0 || req.size_bytes > MAX_BYTES {
+            return Err(format!("token area size {} is not in 1..={MAX_BYTES}", req.size_bytes));
+        }
+        let file = tickets.redeem(&req.fd_ticket, uid, pid).map_err(|e| format!("token area: {e}"))?.file;
+        Self::map(&file, req.size_bytes, "token area (descriptor)")
+    }
+
+    /// Maps `size` bytes of `file` read-only under the fault guard.
+    pub(crate) fn map(file: &std::fs::File, size: u64, what: &str) -> Result<Self, String> {
+        let len = file.metadata().map_err(|e| format!("{what}: {e}"))?.len();
+        if len < size {
+            return Err(format!("{what} has {len} bytes, the registration says {size}"));
         }
         let map = MmapOptions::new()
-            .len(req.size_bytes as usize)
-            .map_raw_read_only(&file)
-            .map_err(|e| format!("cannot map token area {path}: {e}"))?;
+            .len(size as usize)
+            .map_raw_read_only(file)
+            .map_err(|e| format!("cannot map the {what}: {e}"))?;
         let guard = FaultGuard::watch(map.as_ptr() as usize, map.len())?;
-        Ok(Self { guard, map, path: path.clone() })
+        Ok(Self { guard, map, path: what.to_string() })
     }
 
     /// The tokens at `span`, to be copied in as they are used.
@@ -194,7 +206,8 @@ mod tests {
     fn area(dir: &std::path::Path, bytes: &[u8], declared: u64) -> Result<TokenArea, String> {
         let path = dir.join("tokens");
         std::fs::write(&path, bytes).unwrap();
-        TokenArea::open(&pb::TokenArea { shm_path: path.display().to_string(), size_bytes: declared })
+        let file = std::fs::File::open(&path).unwrap();
+        TokenArea::map(&file, declared, "token area")
     }
 
     /// The error a request for `len` bytes at `offset` gets.
@@ -255,21 +268,19 @@ mod tests {
     }
 
     #[test]
-    fn areas_that_cannot_be_opened_say_why() {
+    fn areas_that_cannot_be_used_say_why() {
         let dir = tempfile::tempdir().unwrap();
         assert!(area(dir.path(), &[0; 16], 64).unwrap_err().contains("has 16 bytes"));
-        assert!(area(dir.path(), &[0; 16], 0).unwrap_err().contains("not in 1..="));
-        assert!(area(dir.path(), &[0; 16], MAX_BYTES + 1).unwrap_err().contains("not in 1..="));
-        let missing = TokenArea::open(&pb::TokenArea { shm_path: "/nonexistent/kv".into(), size_bytes: 4 });
-        assert!(missing.unwrap_err().contains("cannot open"));
-        // Neither a directory nor a FIFO (whose read-only open would wait for a writer forever).
-        let fifo = dir.path().join("fifo");
-        let c = std::ffi::CString::new(fifo.display().to_string()).unwrap();
-        // SAFETY: plain syscall with a NUL-terminated path.
-        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
-        for p in [fifo, dir.path().to_path_buf()] {
-            let e = TokenArea::open(&pb::TokenArea { shm_path: p.display().to_string(), size_bytes: 4 }).unwrap_err();
-            assert!(e.contains("not a regular file"), "{e}");
+        let tickets = Tickets::default();
+        #[allow(deprecated)]
+        let by_path = pb::TokenArea { shm_path: "/etc/shadow".into(), size_bytes: 4, fd_ticket: Vec::new() };
+        let e = TokenArea::open(&by_path, &tickets, 0, None).unwrap_err();
+        assert!(e.contains("paths are not accepted"), "{e}");
+        for size in [0, MAX_BYTES + 1] {
+            let r = pb::TokenArea { size_bytes: size, fd_ticket: vec![0; 16], ..Default::default() };
+            assert!(TokenArea::open(&r, &tickets, 0, None).unwrap_err().contains("not in 1..="));
         }
+        let r = pb::TokenArea { size_bytes: 16, fd_ticket: vec![0; 16], ..Default::default() };
+        assert!(TokenArea::open(&r, &tickets, 0, None).unwrap_err().contains("fd ticket"));
     }
 }

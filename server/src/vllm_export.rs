@@ -27,14 +27,13 @@ use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
+use kvproto::vllm::{Encoding, ExtHash, VllmEvent, medium_of};
 use kvproto::{BlockKey, TierKind};
-use kvrouter::vllm::{Encoding, ExtHash, VllmEvent, medium_of};
-use kvrouter::zmq::VllmExporter;
-use parking_lot::Mutex;
 use tokio::sync::mpsc;
 
 use crate::error::ServerError;
-use crate::vllm_origins::{self, OriginLog};
+use crate::vllm_origins::{self, Origin, OriginLog, Origins};
+use crate::zmq_export::VllmExporter;
 
 /// Events waiting for the sending task.
 const QUEUE: usize = 65_536;
@@ -53,20 +52,12 @@ const SNAPSHOT_PACE: Duration = Duration::from_millis(1);
 /// its `idle_reconnect_s`, 5 s by default, and a new connection costs a snapshot here).
 const KEEPALIVE: Duration = Duration::from_secs(1);
 
-pub(crate) type Origins = Mutex<HashMap<BlockKey, Origin, kvproto::key::BlockKeyBuildHasher>>;
-
-#[derive(Debug, Clone)]
-pub(crate) struct Origin {
-    pub hash: u64,
-    pub parent: Option<u64>,
-    /// Shared, so that a snapshot or a log record takes it without copying.
-    pub tokens: Arc<[u32]>,
-    /// Tiers holding the block (bit per `TierKind::index`).
-    pub tiers: u8,
+/// A block's record as a `BlockStored` of `tier`.
+trait StoredEvent {
+    fn stored_event(&self, tier: TierKind) -> VllmEvent;
 }
 
-impl Origin {
-    /// The block as a `BlockStored` of `tier`.
+impl StoredEvent for Origin {
     fn stored_event(&self, tier: TierKind) -> VllmEvent {
         VllmEvent::BlockStored {
             block_hashes: vec![ExtHash::Int(i128::from(self.hash))],
@@ -399,6 +390,7 @@ fn snapshot(origins: &Origins) -> Vec<VllmEvent> {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+    use parking_lot::Mutex;
 
     fn key(i: u8) -> BlockKey {
         BlockKey([i; 16])

@@ -15,6 +15,7 @@
 //! not exported after the restart (counted in `kvcached_vllm_export_unknown_total`), never a
 //! wrong one.
 
+use std::collections::HashMap;
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
@@ -23,8 +24,21 @@ use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
 use std::time::Duration;
 
 use kvproto::{BlockKey, TierKind};
+use parking_lot::Mutex;
 
-use crate::vllm_export::{Origin, Origins};
+/// The export's record of every block it knows the origin of (key -> origin).
+pub(crate) type Origins = Mutex<HashMap<BlockKey, Origin, kvproto::key::BlockKeyBuildHasher>>;
+
+/// Where a block came from, as vLLM's events name it: its Dynamo hash, its parent's, its tokens.
+#[derive(Debug, Clone)]
+pub(crate) struct Origin {
+    pub hash: u64,
+    pub parent: Option<u64>,
+    /// Shared, so that a snapshot or a log record takes it without copying.
+    pub tokens: Arc<[u32]>,
+    /// Tiers holding the block (bit per `TierKind::index`).
+    pub tiers: u8,
+}
 
 /// Records that may wait for the writer; more are counted and not persisted.
 const QUEUE: usize = 65_536;

@@ -1,7 +1,7 @@
 //! Our events in vLLM's KV-event wire format: a ZMQ PUB socket ([`VllmExporter`]) and, like
 //! vLLM's own publisher, an optional replay socket (a ROUTER: a subscriber that missed batches
 //! asks `[b"", first seq]` and is sent every batch still buffered from there, `[b"", seq,
-//! payload]`, then `[b"", -1, b""]`; [`crate::zmq::replay_from`] is the asking side).
+//! payload]`, then `[b"", -1, b""]`; kvrouter's ZMQ ingest is the asking side).
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -12,9 +12,18 @@ use futures_util::FutureExt;
 use parking_lot::Mutex;
 use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
-use crate::RouterError;
-use crate::vllm::{self, Encoding, VllmBatch, VllmEvent};
-use crate::zmq::{AbortOnDrop, END_SEQ};
+use kvproto::vllm::{self, Encoding, REPLAY_END_SEQ as END_SEQ, VllmBatch, VllmEvent};
+
+use crate::error::ServerError;
+
+/// A task aborted when this is dropped.
+struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
 
 /// Publishes events in vLLM's wire format on a ZMQ PUB socket (for routers that consume vLLM
 /// events, e.g. Dynamo or llm-d, to see our G2-G4 tiers).
@@ -89,9 +98,9 @@ impl std::fmt::Debug for VllmExporter {
 
 impl VllmExporter {
     /// Binds a PUB socket (e.g. `tcp://127.0.0.1:0`; the bound endpoint is [`Self::endpoint`]).
-    pub async fn bind(endpoint: &str, topic: &str, encoding: Encoding) -> Result<Self, RouterError> {
+    pub async fn bind(endpoint: &str, topic: &str, encoding: Encoding) -> Result<Self, ServerError> {
         let mut sock = zeromq::PubSocket::new();
-        let ep = sock.bind(endpoint).await.map_err(|e| RouterError::Zmq(e.to_string()))?;
+        let ep = sock.bind(endpoint).await.map_err(|e| ServerError::Zmq(e.to_string()))?;
         Ok(Self {
             sock,
             topic: Bytes::from(topic.as_bytes().to_vec()),
@@ -105,9 +114,9 @@ impl VllmExporter {
     /// Binds a replay socket at `endpoint` (a ROUTER, e.g. `tcp://0.0.0.0:5558`) that serves
     /// the batches sent from now on, the most recent `max_bytes` of them, to subscribers that
     /// missed some. Returns the bound endpoint.
-    pub async fn serve_replay(&mut self, endpoint: &str, max_bytes: usize) -> Result<String, RouterError> {
+    pub async fn serve_replay(&mut self, endpoint: &str, max_bytes: usize) -> Result<String, ServerError> {
         let mut sock = zeromq::RouterSocket::new();
-        let bound = sock.bind(endpoint).await.map_err(|e| RouterError::Zmq(e.to_string()))?.to_string();
+        let bound = sock.bind(endpoint).await.map_err(|e| ServerError::Zmq(e.to_string()))?.to_string();
         let buffer = Arc::new(Mutex::new(Buffered { max_bytes, ..Buffered::default() }));
         let task = tokio::spawn(serve_replays(sock, bound.clone(), Arc::clone(&buffer)));
         if let Some(old) = self.replay.replace(Replay { buffer, task, endpoint: bound.clone() }) {
@@ -151,7 +160,7 @@ impl VllmExporter {
     /// Sends one batch (sequence numbers 0, 1, 2, ...). A batch that fails to go out still
     /// takes its number and its place in the replay buffer, so subscribers see a gap they can
     /// fill rather than a number reused for other events.
-    pub async fn publish(&mut self, events: Vec<VllmEvent>, dp_rank: Option<i64>) -> Result<u64, RouterError> {
+    pub async fn publish(&mut self, events: Vec<VllmEvent>, dp_rank: Option<i64>) -> Result<u64, ServerError> {
         let ts = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
         let payload = vllm::encode_batch(&VllmBatch { ts, events, dp_rank }, self.encoding);
         let seq = self.seq;
@@ -169,9 +178,9 @@ impl VllmExporter {
         self.seq += 1;
         match sent {
             Ok(Ok(())) => Ok(seq),
-            Ok(Err(e)) => Err(RouterError::Zmq(format!("batch {seq} not sent: {e}"))),
+            Ok(Err(e)) => Err(ServerError::Zmq(format!("batch {seq} not sent: {e}"))),
             Err(_) => {
-                Err(RouterError::Zmq(format!("batch {seq} not sent: the PUB socket failed inside the ZMQ library")))
+                Err(ServerError::Zmq(format!("batch {seq} not sent: the PUB socket failed inside the ZMQ library")))
             }
         }
     }

@@ -13,6 +13,7 @@ use kvrouter::config::{NamespaceSpec, ResolvedNamespace};
 use kvrouter::{RouteResponse, Router, RouterConfig};
 use serde_json::Value;
 
+#[derive(Debug)]
 pub struct Server {
     pub base: String,
     pub router: Arc<Router>,
@@ -54,6 +55,12 @@ impl Server {
     pub async fn publish(&self, msg: &PublisherMessage) {
         let r = self.http.post(format!("{}/events", self.base)).json(msg).send().await.unwrap();
         assert_eq!(r.status(), 204, "{:?}", r.text().await);
+    }
+
+    /// POSTs `body` to `path`: (status, JSON answer or null).
+    pub async fn post(&self, path: &str, body: Value) -> (u16, Value) {
+        let r = self.http.post(format!("{}{path}", self.base)).json(&body).send().await.unwrap();
+        (r.status().as_u16(), r.json().await.unwrap_or(Value::Null))
     }
 
     pub async fn route_json(&self, body: Value) -> (u16, Value) {

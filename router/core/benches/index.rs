@@ -8,7 +8,7 @@
 //! ```text
 //! cd router/bench-dynamo && cargo run --release -- --bench   # both, 1M blocks (own workspace)
 //! cd router/bench-dynamo && cargo run --release -- --bench --blocks 4000000   # another size
-//! cargo bench -p kvrouter --bench index                      # ours only
+//! cargo bench -p kvrouter-core --bench index                      # ours only
 //! ```
 //! Without `--bench` (as `cargo test --all-targets` runs it) it does a small smoke run. Each
 //! store build prints its time and page faults to stderr; `KVBENCH_INDEX_REPS=n` sets how many
@@ -21,8 +21,8 @@ use std::time::Instant;
 
 use kvproto::events::key_from_u64;
 use kvproto::{BlockKey, NamespaceId, TierKind};
-use kvrouter::cost::{self, CandidateIn};
-use kvrouter::index::{BlockIndex, Slot};
+use kvrouter_core::cost::{self, CandidateIn};
+use kvrouter_core::index::{BlockIndex, Slot};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 

@@ -7,7 +7,7 @@ use kvproto::events::{KEY_SCHEME_DYNAMO_XXH3_1337, KEY_SCHEME_KVCACHED, key_from
 use kvproto::{BlockKey, KvLayout, Namespace, NamespaceId, TierKind};
 use serde::{Deserialize, Serialize};
 
-use crate::RouterError;
+use crate::CoreError;
 
 /// How the router learns what is cached.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
@@ -75,11 +75,11 @@ impl CostWeights {
         }
     }
 
-    fn validate(&self) -> Result<(), RouterError> {
+    fn validate(&self) -> Result<(), CoreError> {
         let all =
             [self.g1, self.g2, self.g3, self.g4, self.prefill, self.decode, self.active, self.fill, self.temperature];
         if all.iter().any(|w| !w.is_finite() || *w < 0.0) {
-            return Err(RouterError::Config("every weight must be finite and >= 0".into()));
+            return Err(CoreError::Config("every weight must be finite and >= 0".into()));
         }
         Ok(())
     }
@@ -140,7 +140,8 @@ pub struct SplitConfig {
     pub same_node_gbytes_per_s: f64,
     /// Fixed cost of a same-node handoff (ms).
     pub same_node_latency_ms: f64,
-    /// KV throughput between nodes (GB/s): the decode node's daemon pulls from the prefill node's.
+    /// KV throughput between nodes (GB/s) the split decision assumes for a cross-node handoff
+    /// (the model of it: no daemon moves blocks between nodes yet).
     pub cross_node_gbytes_per_s: f64,
     /// Fixed cost of a cross-node handoff (ms).
     pub cross_node_latency_ms: f64,
@@ -169,7 +170,7 @@ impl Default for SplitConfig {
 }
 
 impl SplitConfig {
-    fn validate(&self) -> Result<(), RouterError> {
+    fn validate(&self) -> Result<(), CoreError> {
         let finite =
             [self.prefill_ms_per_token, self.same_node_latency_ms, self.cross_node_latency_ms, self.min_gain_ms];
         let positive = [self.same_node_gbytes_per_s, self.cross_node_gbytes_per_s];
@@ -177,7 +178,7 @@ impl SplitConfig {
             || positive.iter().any(|w| !w.is_finite() || *w <= 0.0)
             || self.prefill_ms_per_block.is_some_and(|b| !b.is_finite() || b < 0.0)
         {
-            return Err(RouterError::Config("split: times must be finite and >= 0, throughputs finite and > 0".into()));
+            return Err(CoreError::Config("split: times must be finite and >= 0, throughputs finite and > 0".into()));
         }
         Ok(())
     }
@@ -304,9 +305,9 @@ impl ResolvedNamespace {
 impl NamespaceSpec {
     /// Validates and computes the namespace id (for the Dynamo scheme, an id derived from the
     /// namespace fingerprint with a different context, so the two key spaces never mix).
-    pub fn resolve(&self) -> Result<ResolvedNamespace, RouterError> {
-        let hex_opt = |s: &Option<String>, what: &str| -> Result<Option<Vec<u8>>, RouterError> {
-            s.as_ref().map(|h| hex::decode(h).map_err(|_| RouterError::Invalid(format!("{what}: not hex")))).transpose()
+    pub fn resolve(&self) -> Result<ResolvedNamespace, CoreError> {
+        let hex_opt = |s: &Option<String>, what: &str| -> Result<Option<Vec<u8>>, CoreError> {
+            s.as_ref().map(|h| hex::decode(h).map_err(|_| CoreError::Invalid(format!("{what}: not hex")))).transpose()
         };
         let layout = KvLayout::from_names(
             self.num_layers,
@@ -325,7 +326,7 @@ impl NamespaceSpec {
         };
         namespace.validate()?;
         let scheme = KeyScheme::parse(&self.key_scheme)
-            .ok_or_else(|| RouterError::Invalid(format!("unknown key scheme {:?}", self.key_scheme)))?;
+            .ok_or_else(|| CoreError::Invalid(format!("unknown key scheme {:?}", self.key_scheme)))?;
         let id = match scheme {
             KeyScheme::Kvcached => namespace.id(),
             KeyScheme::DynamoXxh3 => {
@@ -435,26 +436,26 @@ impl Default for RouterConfig {
 
 impl RouterConfig {
     /// Parses a TOML configuration.
-    pub fn from_toml(text: &str) -> Result<Self, RouterError> {
-        let c: Self = toml::from_str(text).map_err(|e| RouterError::Config(e.to_string()))?;
+    pub fn from_toml(text: &str) -> Result<Self, CoreError> {
+        let c: Self = toml::from_str(text).map_err(|e| CoreError::Config(e.to_string()))?;
         c.validate()?;
         Ok(c)
     }
 
     /// Checks weights, thresholds and namespaces.
-    pub fn validate(&self) -> Result<(), RouterError> {
+    pub fn validate(&self) -> Result<(), CoreError> {
         self.weights.validate()?;
         self.split.validate()?;
         if !(self.approx_ttl_s.is_finite() && self.approx_ttl_s > 0.0) {
-            return Err(RouterError::Config("approx_ttl_s must be > 0".into()));
+            return Err(CoreError::Config("approx_ttl_s must be > 0".into()));
         }
         for ns in &self.namespaces {
             if ns.name.is_none() {
-                return Err(RouterError::Config(format!("namespace for model {:?} has no name", ns.model_id)));
+                return Err(CoreError::Config(format!("namespace for model {:?} has no name", ns.model_id)));
             }
-            ns.resolve().map_err(|e| RouterError::Config(e.to_string()))?;
+            ns.resolve().map_err(|e| CoreError::Config(e.to_string()))?;
             if ns.expected_blocks > MAX_EXPECTED_BLOCKS {
-                return Err(RouterError::Config(format!(
+                return Err(CoreError::Config(format!(
                     "namespaces.expected_blocks of {:?}: {} is above {MAX_EXPECTED_BLOCKS}",
                     ns.name.as_deref().unwrap_or(""),
                     ns.expected_blocks
@@ -467,7 +468,7 @@ impl RouterConfig {
                 if let Some(ep) = ep
                     && !ep.starts_with("tcp://")
                 {
-                    return Err(RouterError::Config(format!(
+                    return Err(CoreError::Config(format!(
                         "vllm source {}: {field} {ep:?} must be tcp://host:port",
                         s.endpoint
                     )));
@@ -475,7 +476,7 @@ impl RouterConfig {
             }
             // Above 1 s: kvcached's export sends an empty batch after 1 s of quiet.
             if !(MIN_IDLE_RECONNECT_S..=MAX_IDLE_RECONNECT_S).contains(&s.idle_reconnect_s) {
-                return Err(RouterError::Config(format!(
+                return Err(CoreError::Config(format!(
                     "vllm source {}: idle_reconnect_s must be between {MIN_IDLE_RECONNECT_S} and {} seconds, got {}",
                     s.endpoint, MAX_IDLE_RECONNECT_S, s.idle_reconnect_s
                 )));
@@ -484,13 +485,13 @@ impl RouterConfig {
             match ns {
                 Some(n) if n.key_scheme == KEY_SCHEME_DYNAMO_XXH3_1337 => {}
                 Some(_) => {
-                    return Err(RouterError::Config(format!(
+                    return Err(CoreError::Config(format!(
                         "vllm source {}: namespace {} must use key_scheme = \"{KEY_SCHEME_DYNAMO_XXH3_1337}\"",
                         s.endpoint, s.namespace
                     )));
                 }
                 None => {
-                    return Err(RouterError::Config(format!(
+                    return Err(CoreError::Config(format!(
                         "vllm source {}: unknown namespace {}",
                         s.endpoint, s.namespace
                     )));
@@ -551,18 +552,14 @@ namespace = "v"
         assert!(e.contains("key_scheme"), "{e}");
     }
 
-    /// `expected_blocks` sizes the namespace's index at start (its bytes are there before any
-    /// block), and an impossible size is refused with the field's name.
+    /// `expected_blocks` is read, and an impossible size is refused with the field's name.
     #[test]
-    fn expected_blocks_size_the_index_at_start() {
+    fn expected_blocks_is_read_and_bounded() {
         let with =
             |n: u64| SOURCE.replace("tokens_per_block = 16", &format!("tokens_per_block = 16\nexpected_blocks = {n}"));
         let c = RouterConfig::from_toml(&with(100_000)).map_err(|e| e.to_string());
         assert_eq!(c.as_ref().map(|c| c.namespaces[0].expected_blocks), Ok(100_000));
-        let Ok(c) = c else { return };
-        let router = crate::router::Router::new(c).map_err(|e| e.to_string());
-        let stats = router.as_ref().map(|r| r.index_stats());
-        assert!(stats.as_ref().is_ok_and(|s| s.blocks == 0 && s.approx_bytes >= 100_000 * 12), "{stats:?}");
+        // (That a router sizes the namespace's index from it: kvrouter's `router.rs` tests.)
         let e =
             RouterConfig::from_toml(&with(MAX_EXPECTED_BLOCKS + 1)).err().map(|e| e.to_string()).unwrap_or_default();
         assert!(e.contains("expected_blocks"), "{e}");

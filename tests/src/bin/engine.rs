@@ -1,9 +1,10 @@
-//! An engine in a process of its own, for trying kvcached by hand and for the cross-process test.
+//! An engine in a process of its own, for the cross-process tests and for trying kvcached by
+//! hand.
 //!
 //! ```text
-//! cargo run --release -p kvcached &                       # the daemon, embedded defaults
-//! cargo run -p kvclient --example engine -- save 7 64     # prefill: fill 64 blocks, save them
-//! cargo run -p kvclient --example engine -- load 7 64     # decode: look up, load, verify
+//! cargo run --release -p kvcached &                     # the daemon, embedded defaults
+//! cargo run -p kvtests --bin engine -- save 7 64        # prefill: fill 64 blocks, save them
+//! cargo run -p kvtests --bin engine -- load 7 64        # decode: look up, load, verify
 //! ```
 //!
 //! `save SEED BLOCKS` allocates shared-memory KV, fills slots 0..BLOCKS with deterministic
@@ -29,23 +30,6 @@ fn layout() -> KvLayout {
     }
 }
 
-/// The daemon's default socket (see docs/configuration.md).
-fn default_socket() -> PathBuf {
-    if let Some(s) = std::env::var_os("KVCACHED_SOCKET") {
-        return s.into();
-    }
-    if let Some(d) = std::env::var_os("XDG_RUNTIME_DIR") {
-        return PathBuf::from(d).join("kvcached/kvcached.sock");
-    }
-    // SAFETY: getuid never fails.
-    std::env::temp_dir().join(format!("kvcached-{}/kvcached.sock", unsafe { libc_getuid() }))
-}
-
-unsafe extern "C" {
-    #[link_name = "getuid"]
-    fn libc_getuid() -> u32;
-}
-
 fn tokens(seed: u32, blocks: u32) -> Vec<u32> {
     (0..blocks * 16).map(|i| (i.wrapping_mul(2_654_435_761) ^ seed.wrapping_mul(40_503)) % 151_936).collect()
 }
@@ -60,7 +44,7 @@ fn run(mode: &str, seed: u32, blocks: u32) -> Result<bool, Box<dyn std::error::E
     let ns = Namespace::new("Qwen/Qwen3-0.6B", layout);
     let len = layout.block_bytes() as usize;
     let prompt = tokens(seed, blocks);
-    let client = BlockingClient::connect(default_socket())?;
+    let client = BlockingClient::connect(kvclient::default_socket())?;
     match mode {
         "save" => {
             let mut kv = KvMemory::create_layer_separate(shm("save"), &layout, blocks)?;

@@ -1,0 +1,5 @@
+//! `kvrouter`, the cluster router: everything is in the library ([`kvrouter::cli`]).
+
+fn main() -> std::process::ExitCode {
+    kvrouter::cli::main()
+}

@@ -1,0 +1,243 @@
+//! The daemon's accept loops. Each connection is counted against its principal ([`Limits`]) and
+//! closed when it sends nothing for `limits.idle_timeout_ms`; accept errors (out of descriptors)
+//! back off and are logged loudly instead of spinning. A Unix-socket connection whose first bytes
+//! are ATTACH's magic is an ATTACH exchange ([`crate::attach`]); any other is handed to gRPC.
+
+use std::io;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncRead, AsyncWrite, Interest, ReadBuf};
+use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
+use tokio::sync::{mpsc, watch};
+use tokio_stream::wrappers::ReceiverStream;
+
+use crate::attach::Tickets;
+use crate::h2_authority::HeaderFix;
+use crate::limits::{Held, Limits, Principal};
+
+/// Connections accepted and waiting for gRPC to take them.
+const HANDOFF: usize = 64;
+
+/// An accepted connection: counted until dropped, closed after `idle` without a byte read.
+#[derive(Debug)]
+pub struct Conn<IO> {
+    io: IO,
+    _held: Held,
+    idle: Duration,
+    deadline: Pin<Box<tokio::time::Sleep>>,
+}
+
+impl<IO> Conn<IO> {
+    fn new(io: IO, held: Held, idle: Duration) -> Self {
+        Self { io, _held: held, idle, deadline: Box::pin(tokio::time::sleep(idle)) }
+    }
+}
+
+impl<IO: AsyncRead + Unpin> AsyncRead for Conn<IO> {
+    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        let before = buf.filled().len();
+        match Pin::new(&mut self.io).poll_read(cx, buf) {
+            Poll::Ready(r) => {
+                if buf.filled().len() > before {
+                    let next = tokio::time::Instant::now() + self.idle;
+                    self.deadline.as_mut().reset(next);
+                }
+                Poll::Ready(r)
+            }
+            Poll::Pending => match self.deadline.as_mut().poll(cx) {
+                Poll::Ready(()) => Poll::Ready(Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "idle connection closed (limits.idle_timeout_ms)",
+                ))),
+                Poll::Pending => Poll::Pending,
+            },
+        }
+    }
+}
+
+impl<IO: AsyncWrite + Unpin> AsyncWrite for Conn<IO> {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write(cx, buf)
+    }
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_flush(cx)
+    }
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+    }
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+}
+
+impl<IO: tonic::transport::server::Connected> tonic::transport::server::Connected for Conn<IO> {
+    type ConnectInfo = IO::ConnectInfo;
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.io.connect_info()
+    }
+}
+
+/// Backs off after accept errors (out of descriptors, memory) and logs them: the first at once,
+/// then at most every 10 s with the count since.
+#[derive(Debug)]
+struct AcceptErrors {
+    what: &'static str,
+    delay: Duration,
+    unlogged: u64,
+    last_log: Option<Instant>,
+}
+
+impl AcceptErrors {
+    fn new(what: &'static str) -> Self {
+        Self { what, delay: Duration::ZERO, unlogged: 0, last_log: None }
+    }
+
+    async fn failed(&mut self, e: &io::Error) {
+        metrics::counter!("kvcached_accept_errors_total", "listener" => self.what).increment(1);
+        self.unlogged += 1;
+        if self.last_log.is_none_or(|t| t.elapsed() >= Duration::from_secs(10)) {
+            tracing::error!(
+                listener = self.what,
+                errors = self.unlogged,
+                "cannot accept connections: {e} (out of file descriptors? see limits.max_connections); backing off"
+            );
+            self.unlogged = 0;
+            self.last_log = Some(Instant::now());
+        }
+        self.delay = (self.delay * 2).clamp(Duration::from_millis(5), Duration::from_secs(1));
+        tokio::time::sleep(self.delay).await;
+    }
+
+    fn ok(&mut self) {
+        self.delay = Duration::ZERO;
+    }
+}
+
+/// The first bytes of a connection, waiting at most until `deadline` for `want` of them.
+async fn peek(stream: &UnixStream, want: usize, deadline: tokio::time::Instant) -> io::Result<Vec<u8>> {
+    use std::os::fd::AsRawFd;
+    let mut buf = vec![0u8; want];
+    loop {
+        tokio::time::timeout_at(deadline, stream.readable())
+            .await
+            .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "no handshake"))??;
+        let n = match stream.try_io(Interest::READABLE, || {
+            // SAFETY: recv into our buffer; MSG_PEEK leaves the bytes for whoever reads next.
+            let r = unsafe { libc::recv(stream.as_raw_fd(), buf.as_mut_ptr().cast(), want, libc::MSG_PEEK) };
+            if r < 0 { Err(io::Error::last_os_error()) } else { Ok(r as usize) }
+        }) {
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+            Err(e) => return Err(e),
+        };
+        if n == 0 || n >= want {
+            buf.truncate(n);
+            return Ok(buf);
+        }
+        // Part of it is there: the socket stays readable, so wait a little instead of spinning.
+        if tokio::time::Instant::now() >= deadline {
+            return Err(io::Error::new(io::ErrorKind::TimedOut, "no handshake"));
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
+/// Accepts on the Unix socket until `stop`; returns the gRPC connections.
+pub fn unix(
+    listener: UnixListener,
+    limits: Arc<Limits>,
+    tickets: Arc<Tickets>,
+    mut stop: watch::Receiver<bool>,
+) -> ReceiverStream<io::Result<Conn<HeaderFix<UnixStream>>>> {
+    let (tx, rx) = mpsc::channel(HANDOFF);
+    tokio::spawn(async move {
+        let mut errors = AcceptErrors::new("unix");
+        loop {
+            let accepted = tokio::select! {
+                a = listener.accept() => a,
+                _ = stop.wait_for(|s| *s) => return,
+            };
+            let stream = match accepted {
+                Ok((s, _)) => {
+                    errors.ok();
+                    s
+                }
+                Err(e) => {
+                    errors.failed(&e).await;
+                    continue;
+                }
+            };
+            let Ok(cred) = stream.peer_cred() else {
+                tracing::warn!("a Unix-socket peer without credentials was refused");
+                continue;
+            };
+            let who = Principal::Uid(cred.uid());
+            let held = match limits.connect(who) {
+                Ok(h) => h,
+                Err(e) => {
+                    tracing::debug!("connection refused: {e}");
+                    continue;
+                }
+            };
+            let (tx, limits, tickets) = (tx.clone(), Arc::clone(&limits), Arc::clone(&tickets));
+            tokio::spawn(async move {
+                let handshake = Duration::from_millis(limits.cfg.handshake_timeout_ms);
+                let deadline = tokio::time::Instant::now() + handshake;
+                match peek(&stream, kvproto::attach::MAGIC.len(), deadline).await {
+                    Ok(first) if first == kvproto::attach::MAGIC => {
+                        crate::attach::serve(stream, &tickets, handshake).await;
+                        drop(held);
+                    }
+                    Ok(first) if !first.is_empty() => {
+                        let idle = Duration::from_millis(limits.cfg.idle_timeout_ms);
+                        let _ = tx.send(Ok(Conn::new(HeaderFix::new(stream), held, idle))).await;
+                    }
+                    _ => {} // closed, or silent past the handshake timeout
+                }
+            });
+        }
+    });
+    ReceiverStream::new(rx)
+}
+
+/// Accepts on a TCP listener until `stop`; returns the connections.
+pub fn tcp(
+    listener: TcpListener,
+    limits: Arc<Limits>,
+    mut stop: watch::Receiver<bool>,
+) -> ReceiverStream<io::Result<Conn<TcpStream>>> {
+    let (tx, rx) = mpsc::channel(HANDOFF);
+    tokio::spawn(async move {
+        let mut errors = AcceptErrors::new("tcp");
+        loop {
+            let accepted = tokio::select! {
+                a = listener.accept() => a,
+                _ = stop.wait_for(|s| *s) => return,
+            };
+            match accepted {
+                Ok((stream, _)) => {
+                    errors.ok();
+                    let _ = stream.set_nodelay(true);
+                    if let Ok(held) = limits.connect(Principal::Tcp) {
+                        let idle = Duration::from_millis(limits.cfg.idle_timeout_ms);
+                        if tx.send(Ok(Conn::new(stream, held, idle))).await.is_err() {
+                            return;
+                        }
+                    }
+                }
+                Err(e) => errors.failed(&e).await,
+            }
+        }
+    });
+    ReceiverStream::new(rx)
+}

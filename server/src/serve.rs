@@ -1,0 +1,286 @@
+//! [`serve`]: the daemon's life, phase by phase: open the store, start the hit reports, build
+//! the daemon, serve the listeners, and on shutdown drain and flush.
+
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvproto::pb::kvcached_server::KvcachedServer;
+use tokio::sync::watch;
+use tokio::task::JoinSet;
+
+use crate::attach::Tickets;
+use crate::config::Config;
+use crate::daemon::Daemon;
+use crate::edge::BufferedLayer;
+use crate::error::ServerError;
+use crate::limits::Limits;
+use crate::service::{KvcachedService, TcpService};
+use crate::{Listeners, engine, http, listen, reports, vllm_export};
+
+/// Runs the daemon until `shutdown` resolves, then stops accepting, drains in-flight requests
+/// and loads, flushes the write-through queue, detaches engines and removes the socket.
+pub async fn serve(
+    config: Config,
+    listeners: Listeners,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), ServerError> {
+    http::prometheus();
+    let store = open_store(&config).await?;
+    let daemon = start_daemon(&config, &listeners, store).await?;
+    let socket_path = listeners.unix.local_addr().ok().and_then(|a| a.as_pathname().map(Path::to_path_buf));
+    // The socket file this daemon bound: at the end it is unlinked only if it is still that
+    // file (a daemon started while this one flushed has bound a new one at the same path).
+    let socket_file = socket_path.as_deref().and_then(file_id);
+
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let mut tasks = serve_listeners(&config, listeners, &daemon, &stop_rx);
+    tracing::info!(socket = ?socket_path, "kvcached serving");
+
+    let mut first_error = None;
+    tokio::select! {
+        _ = shutdown => {}
+        Some(r) = tasks.join_next() => {
+            if let Ok(Err(e)) = r { first_error = Some(e); }
+        }
+    }
+    tracing::info!("kvcached shutting down: draining requests");
+    let _ = stop_tx.send(true);
+    if let Some(e) = drain(&config, tasks, &daemon).await {
+        first_error.get_or_insert(e);
+    }
+    close(daemon).await?;
+    if let Some(p) = socket_path.filter(|p| socket_file.is_some() && file_id(p) == socket_file) {
+        let _ = std::fs::remove_file(p);
+    }
+    tracing::info!("kvcached stopped");
+    first_error.map_or(Ok(()), Err)
+}
+
+/// Opens G2 and G3 (RocksDB and the data file take a while: off the runtime), and prefaults
+/// the G2 pool in the background when configured.
+async fn open_store(config: &Config) -> Result<Arc<kvtiers::BlockStore>, ServerError> {
+    let store_cfg = config.store_config();
+    let store = tokio::task::spawn_blocking(move || kvtiers::BlockStore::open(&store_cfg))
+        .await
+        .map_err(|e| ServerError::Io(std::io::Error::other(e)))??;
+    let store = Arc::new(store);
+    if config.g2.prefault {
+        let g2 = Arc::downgrade(store.g2());
+        let spawned = std::thread::Builder::new().name("kv-g2-prefault".into()).spawn(move || {
+            let t0 = std::time::Instant::now();
+            let bytes = kvtiers::HostTier::prefault(&g2);
+            tracing::info!(bytes, took_ms = t0.elapsed().as_millis() as u64, "G2 pool prefaulted");
+        });
+        if let Err(e) = spawned {
+            tracing::warn!("cannot start the G2 prefault thread: {e}");
+        }
+    }
+    Ok(store)
+}
+
+/// The hit reports (routers, the vLLM-format export) and the daemon around the store.
+async fn start_daemon(
+    config: &Config,
+    listeners: &Listeners,
+    store: Arc<kvtiers::BlockStore>,
+) -> Result<Arc<Daemon>, ServerError> {
+    let fd_limit = crate::limits::raise_fd_limit();
+    let limits = Limits::new(config.limits.clone(), fd_limit);
+    tracing::info!(fd_limit, max_connections = limits.max_connections, "connection limits");
+    let own: Vec<PathBuf> = std::iter::once(store.g2().shm_path().to_path_buf())
+        .chain(config.g3.enabled.then(|| config.g3.dir.clone()))
+        .collect();
+    let tickets = Arc::new(Tickets::new(own));
+    let engines = engine::Registry::new(
+        config.engines.max_engines,
+        Duration::from_millis(config.engines.lease_ms),
+        tickets,
+        Arc::clone(&limits),
+    )
+    .prefault_memory(config.engines.prefault_memory);
+    let http_addr = listeners.http.as_ref().and_then(|l| l.local_addr().ok());
+    let recovery_url = if config.router.advertise_url.is_empty() {
+        http_addr.filter(|a| !a.ip().is_unspecified()).map(|a| format!("http://{a}"))
+    } else {
+        Some(config.router.advertise_url.clone())
+    };
+    let vllm = if config.router.vllm_export.is_empty() {
+        None
+    } else {
+        Some(Arc::new(
+            vllm_export::VllmExport::start(
+                &config.router.vllm_export,
+                &config.router.vllm_export_topic,
+                (!config.router.vllm_export_replay.is_empty())
+                    .then_some((config.router.vllm_export_replay.as_str(), config.router.vllm_export_replay_bytes)),
+                config.g3.enabled.then(|| config.g3.dir.join("vllm-origins.log")),
+            )
+            .await?,
+        ))
+    };
+    let reports = Arc::new(reports::Reports::start(&config.router, recovery_url, Arc::clone(&store), vllm));
+    if reports.listening() {
+        store.set_listener(Arc::clone(&reports) as Arc<dyn kvtiers::TierListener>);
+        let n = reports.announce(&store);
+        tracing::info!(blocks = n, "announced the blocks kept across the restart");
+    }
+    if let Some(v) = reports.vllm() {
+        v.start_log();
+    }
+    Ok(Arc::new(Daemon::new(
+        store,
+        engines,
+        reports,
+        limits,
+        config.engines.max_pending_loads,
+        Duration::from_millis(config.engines.op_retention_ms),
+        config.engines.key_memo_bytes as usize,
+    )))
+}
+
+/// The gRPC server settings of both listeners. A 128k-token prompt is a 512 KiB request:
+/// large HTTP/2 frames and windows let it arrive in a few frames without waiting for window
+/// updates (the defaults are 16 KiB frames). Every request is bounded in time and in the
+/// bytes its principal may have arriving at once.
+fn grpc_server(
+    config: &Config,
+    limits: &Arc<Limits>,
+) -> tonic::transport::Server<tower::layer::util::Stack<BufferedLayer, tower::layer::util::Identity>> {
+    let l = &config.limits;
+    tonic::transport::Server::builder()
+        .max_frame_size(1 << 20)
+        .initial_stream_window_size(8 << 20)
+        .initial_connection_window_size(16 << 20)
+        .max_concurrent_streams(l.max_concurrent_streams)
+        .http2_max_header_list_size(64 << 10)
+        .http2_keepalive_interval(Some(Duration::from_secs(30)))
+        .http2_keepalive_timeout(Some(Duration::from_secs(20)))
+        .timeout(Duration::from_millis(l.request_timeout_ms))
+        .layer(BufferedLayer { limits: Arc::clone(limits) })
+}
+
+/// Serves gRPC on the Unix socket (and, Health only, on TCP), HTTP on the metrics listener, and
+/// housekeeping, until `stop` flips.
+fn serve_listeners(
+    config: &Config,
+    listeners: Listeners,
+    daemon: &Arc<Daemon>,
+    stop: &watch::Receiver<bool>,
+) -> JoinSet<Result<(), ServerError>> {
+    let queue = if config.g3.enabled { config.g3.writethrough_queue } else { 0 };
+    let svc = KvcachedService { daemon: Arc::clone(daemon), queue_capacity: queue };
+    let max_msg = config.limits.max_message_bytes;
+    let stopped = |mut rx: watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|s| *s).await;
+    };
+    let limits = Arc::clone(&daemon.limits);
+    let mut tasks = JoinSet::new();
+    {
+        let incoming =
+            listen::unix(listeners.unix, Arc::clone(&limits), Arc::clone(&daemon.engines.tickets), stop.clone());
+        let server = grpc_server(config, &limits).add_service(
+            KvcachedServer::new(svc.clone()).max_decoding_message_size(max_msg).max_encoding_message_size(max_msg),
+        );
+        let rx = stop.clone();
+        tasks.spawn(async move {
+            server
+                .serve_with_incoming_shutdown(incoming, stopped(rx))
+                .await
+                .map_err(|e| ServerError::Io(std::io::Error::other(e)))
+        });
+    }
+    if let Some(tcp) = listeners.tcp {
+        let incoming = listen::tcp(tcp, Arc::clone(&limits), stop.clone());
+        let server = grpc_server(config, &limits)
+            .add_service(KvcachedServer::new(TcpService { inner: svc.clone() }).max_decoding_message_size(64 << 10));
+        let rx = stop.clone();
+        tasks.spawn(async move {
+            server
+                .serve_with_incoming_shutdown(incoming, stopped(rx))
+                .await
+                .map_err(|e| ServerError::Io(std::io::Error::other(e)))
+        });
+    }
+    if let Some(http) = listeners.http {
+        let app = http::router(Arc::clone(daemon), queue);
+        let rx = stop.clone();
+        tasks.spawn(async move {
+            axum::serve(http, app).with_graceful_shutdown(stopped(rx)).await.map_err(ServerError::Io)
+        });
+    }
+    {
+        let d = Arc::clone(daemon);
+        let mut rx = stop.clone();
+        let period = Duration::from_millis((config.engines.lease_ms / 3).max(100));
+        tasks.spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = tokio::time::sleep(period) => d.housekeeping(),
+                    _ = rx.wait_for(|s| *s) => return Ok(()),
+                }
+            }
+        });
+    }
+    tasks
+}
+
+/// Waits for the listeners' tasks (open requests) and the loads handed to blocking threads, at
+/// most `engines.drain_ms`: a client that keeps a request open (stopped mid-request, wedged) must
+/// not keep the daemon from flushing its write-through queue and releasing its memory. Returns
+/// the first error a task ended with.
+async fn drain(config: &Config, mut tasks: JoinSet<Result<(), ServerError>>, daemon: &Daemon) -> Option<ServerError> {
+    let mut first_error = None;
+    let deadline = tokio::time::Instant::now() + Duration::from_millis(config.engines.drain_ms);
+    loop {
+        match tokio::time::timeout_at(deadline, tasks.join_next()).await {
+            Ok(Some(r)) => {
+                if let Ok(Err(e)) = r {
+                    first_error.get_or_insert(e);
+                }
+            }
+            Ok(None) => break,
+            Err(_) => {
+                tracing::warn!(
+                    drain_ms = config.engines.drain_ms,
+                    "requests still open at the drain deadline (engines.drain_ms); closing them"
+                );
+                tasks.abort_all();
+                while tasks.join_next().await.is_some() {}
+                break;
+            }
+        }
+    }
+    // Loads already on blocking threads copy between memory the daemon holds: they finish before
+    // the store closes (within the same deadline).
+    while daemon.pending_loads() > 0 && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    first_error
+}
+
+/// Detaches the engines, flushes the store and unlinks the G2 pool.
+async fn close(daemon: Arc<Daemon>) -> Result<(), ServerError> {
+    tokio::task::spawn_blocking(move || {
+        daemon.engines.clear();
+        if let Err(e) = daemon.store.flush() {
+            tracing::warn!("flush at shutdown failed: {e}");
+        }
+        // The write-through just stored blocks in G3: their export records go to the log too.
+        if let Some(v) = daemon.reports.vllm() {
+            v.flush_log(Duration::from_secs(5));
+        }
+        // Unlink the pool now: a background thread (the prefault) may still hold the tier when
+        // the process exits, and then its drop, which unlinks it too, never runs.
+        let _ = std::fs::remove_file(daemon.store.g2().shm_path());
+    })
+    .await
+    .map_err(|e| ServerError::Io(std::io::Error::other(e)))
+}
+
+/// A file's identity (device, inode), to tell it from a file later created at the same path.
+fn file_id(path: &Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::symlink_metadata(path).ok().map(|m| (m.dev(), m.ino()))
+}

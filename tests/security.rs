@@ -1,0 +1,437 @@
+//! The daemon (root, as in production) against hostile local clients: another uid on the Unix
+//! socket (a child process of uid 65534, `src/bin/intruder.rs`), a TCP client, and floods of
+//! connections and half-sent requests. Each test names the finding it closes
+//! (docs/operations.md, "Security").
+#![allow(clippy::unwrap_used)]
+
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use kvcached::{Config, Listeners};
+use kvclient::{Client, KvMemory, synthetic_block};
+use kvproto::pb;
+use kvproto::{Dtype, KvLayout, LayoutKind, Namespace};
+use tokio::io::AsyncWriteExt;
+
+const NOBODY: u32 = 65534;
+
+fn layout() -> KvLayout {
+    KvLayout {
+        num_layers: 2,
+        kv_heads: 2,
+        head_dim: 64,
+        dtype: Dtype::Bf16,
+        tokens_per_block: 16,
+        kind: LayoutKind::LayerSeparate,
+    }
+}
+
+fn ns() -> Namespace {
+    Namespace::new("m", layout())
+}
+
+fn prompt(blocks: u32) -> Vec<u32> {
+    (0..blocks * 16).map(|i| i.wrapping_mul(2_654_435_761) % 150_000).collect()
+}
+
+fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() == 0 }
+}
+
+/// A root daemon in this process whose socket (mode 0666) and directory other uids can reach.
+struct Daemon {
+    dir: tempfile::TempDir,
+    socket: PathBuf,
+    http: std::net::SocketAddr,
+    tcp: Option<std::net::SocketAddr>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<Result<(), kvcached::ServerError>>,
+}
+
+async fn start(tune: impl FnOnce(&mut Config)) -> Daemon {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let mut c = Config {
+        socket: dir.path().join("kvcached.sock"),
+        socket_mode: "0666".into(),
+        metrics_addr: "127.0.0.1:0".parse().unwrap(),
+        ..Default::default()
+    };
+    c.g2.capacity_bytes = 64 << 20;
+    c.g2.shm_dir = dir.path().to_path_buf();
+    c.g3.enabled = false;
+    tune(&mut c);
+    let c = c.resolve().unwrap();
+    let l = Listeners::bind(&c).await.unwrap();
+    let http = l.http.as_ref().unwrap().local_addr().unwrap();
+    let tcp = l.tcp.as_ref().map(|t| t.local_addr().unwrap());
+    let socket = c.socket.clone();
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(kvcached::serve(c, l, async move {
+        let _ = rx.await;
+    }));
+    Daemon { dir, socket, http, tcp, stop: Some(tx), task }
+}
+
+impl Daemon {
+    async fn stop(mut self) {
+        let _ = self.stop.take().unwrap().send(());
+        self.task.await.unwrap().unwrap();
+    }
+
+    /// An engine of this (root) process with 8 slots, the first 2 filled and saved.
+    async fn engine(&self) -> (Client, KvMemory) {
+        let mut mem = KvMemory::anonymous(&layout(), 8).unwrap();
+        let len = layout().block_bytes() as usize;
+        for b in 0..2 {
+            mem.write_block(b, &synthetic_block(7, b, len));
+        }
+        let c = Client::connect(&self.socket).await.unwrap();
+        c.register("owner", &ns(), &mem).await.unwrap();
+        c.save(&prompt(2), 0, &[0, 1]).await.unwrap();
+        (c, mem)
+    }
+
+    /// `intruder ARGS` as uid 65534 (from a copy of the binary it can execute).
+    fn intruder(&self, args: &[&str]) -> std::process::Child {
+        let bin = self.dir.path().join("intruder");
+        if !bin.exists() {
+            std::fs::copy(env!("CARGO_BIN_EXE_intruder"), &bin).unwrap();
+            std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755)).unwrap();
+        }
+        Command::new(&bin)
+            .arg(&self.socket)
+            .args(args)
+            .uid(NOBODY)
+            .gid(NOBODY)
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    }
+
+    fn intruder_says(&self, args: &[&str]) -> String {
+        let out = self.intruder(args).wait_with_output().unwrap();
+        assert!(out.status.success(), "intruder {args:?}: {out:?}");
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    }
+
+    async fn metric(&self, name: &str) -> f64 {
+        let text = reqwest::get(format!("http://{}/metrics", self.http)).await.unwrap().text().await.unwrap();
+        text.lines().filter(|l| l.starts_with(name)).filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok()).sum()
+    }
+
+    async fn healthz(&self) -> u16 {
+        reqwest::get(format!("http://{}/healthz", self.http)).await.unwrap().status().as_u16()
+    }
+}
+
+async fn channel(socket: &Path) -> tonic::transport::Channel {
+    let socket = socket.to_path_buf();
+    tonic::transport::Endpoint::try_from("http://kvcached.local")
+        .unwrap()
+        .connect_with_connector(tower::service_fn(move |_| {
+            let socket = socket.clone();
+            async move { tokio::net::UnixStream::connect(socket).await.map(hyper_util::rt::TokioIo::new) }
+        }))
+        .await
+        .unwrap()
+}
+
+async fn raw(socket: &Path) -> pb::kvcached_client::KvcachedClient<tonic::transport::Channel> {
+    pb::kvcached_client::KvcachedClient::new(channel(socket).await)
+}
+
+fn register_request(kind: pb::memory_region::Kind, token_area: Option<pb::TokenArea>) -> pb::RegisterRequest {
+    let seg = layout().segment_bytes();
+    pb::RegisterRequest {
+        engine_name: "raw".into(),
+        namespace: Some(pb::NamespaceSpec::from(&ns())),
+        region: Some(pb::MemoryRegion { kind: Some(kind), size_bytes: 4 * 8 * seg, cuda_device: 0 }),
+        segments: (0..4).map(|i| pb::Segment { offset: i * 8 * seg, block_stride: seg }).collect(),
+        segment_bytes: seg,
+        num_blocks: 8,
+        token_area,
+        ..Default::default()
+    }
+}
+
+/// Findings 1 and 2: the daemon opened paths a client named (a token area of /etc/shadow became
+/// a read oracle; a KV memory file of root's became a write primitive). It takes descriptors
+/// only: a path is refused with an error that says what to do instead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[allow(deprecated)]
+async fn paths_are_refused_for_kv_memory_and_token_areas() {
+    let d = start(|_| {}).await;
+    let mut c = raw(&d.socket).await;
+    let e =
+        c.register(register_request(pb::memory_region::Kind::ShmPath("/etc/passwd".into()), None)).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+    assert!(e.message().contains("paths are not accepted") && e.message().contains("ATTACH"), "{}", e.message());
+    // A good KV memory descriptor, and a token area by path: registered, the area refused, and
+    // the answer says why.
+    let mem = KvMemory::anonymous(&layout(), 8).unwrap();
+    let t = kvclient::attach::attach(&d.socket, &[mem.file()]).unwrap();
+    let area = pb::TokenArea { shm_path: "/etc/shadow".into(), size_bytes: 4096, fd_ticket: Vec::new() };
+    let r = c.register(register_request(pb::memory_region::Kind::FdTicket(t[0].to_vec()), Some(area))).await.unwrap();
+    let r = r.into_inner();
+    assert!(!r.token_area_accepted);
+    assert!(r.token_area_error.contains("paths are not accepted"), "{}", r.token_area_error);
+    // A ticket is single-use: a second registration with it is refused.
+    let e = c.register(register_request(pb::memory_region::Kind::FdTicket(t[0].to_vec()), None)).await.unwrap_err();
+    assert!(e.message().contains("fd ticket"), "{}", e.message());
+    d.stop().await;
+}
+
+/// Finding 2: over TCP nothing proves who the client is; until authentication exists only
+/// Health is served there, with a reason a client can act on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_serves_only_health() {
+    let d = start(|c| c.tcp = Some("127.0.0.1:0".parse().unwrap())).await;
+    let mut c = pb::kvcached_client::KvcachedClient::connect(format!("http://{}", d.tcp.unwrap())).await.unwrap();
+    assert!(c.health(pb::Empty {}).await.unwrap().into_inner().ok);
+    let mem = KvMemory::anonymous(&layout(), 8).unwrap();
+    let t = kvclient::attach::attach(&d.socket, &[mem.file()]).unwrap();
+    let refused = [
+        c.register(register_request(pb::memory_region::Kind::FdTicket(t[0].to_vec()), None)).await.map(|_| ()),
+        c.stats(pb::Empty {}).await.map(|_| ()),
+        c.lookup(pb::LookupRequest::default()).await.map(|_| ()),
+        c.load(pb::LoadRequest::default()).await.map(|_| ()),
+    ];
+    for r in refused {
+        let s = r.unwrap_err();
+        assert_eq!(s.code(), tonic::Code::PermissionDenied, "{s:?}");
+        let reason = s.metadata().get(kvproto::reason::METADATA_KEY).unwrap().to_str().unwrap();
+        assert_eq!(reason, "wrong-transport");
+    }
+    d.stop().await;
+}
+
+/// Finding 3: an engine id was a bearer token. An engine answers only the uid that registered
+/// it: to another uid it does not exist, whatever it tries.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engines_answer_only_the_uid_that_registered_them() {
+    if !is_root() {
+        eprintln!("skipped: needs root to run a client as another uid");
+        return;
+    }
+    let d = start(|_| {}).await;
+    let (owner, mut mem) = d.engine().await;
+    let id = owner.engine_id_now().unwrap().to_string();
+    let said = d.intruder_says(&["use", &id]);
+    assert_eq!(said, "heartbeat=NotFound load=NotFound wait=NotFound unregister=NotFound");
+    // The owner's engine is untouched.
+    let st = owner.load_now(&prompt(2), 0, &[4, 5]).await.unwrap();
+    assert_eq!(st.loaded_blocks, 2);
+    let len = layout().block_bytes() as usize;
+    assert_eq!(mem.read_block(5), synthetic_block(7, 1, len));
+    mem.write_block(5, &[0; 8]);
+    d.stop().await;
+}
+
+/// Finding 3: one client could register engines up to `engines.max_engines` and lock everyone
+/// out. A uid holds at most `limits.max_engines_per_uid`; the others are still served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_uid_cannot_take_every_engine_slot() {
+    if !is_root() {
+        eprintln!("skipped: needs root to run a client as another uid");
+        return;
+    }
+    let d = start(|c| {
+        c.limits.max_engines_per_uid = 3;
+        c.engines.max_engines = 8;
+    })
+    .await;
+    let said = d.intruder_says(&["register", "6"]);
+    assert!(said.starts_with("registered=3 "), "{said}");
+    assert!(said.contains("engines_per_uid"), "{said}");
+    let (_owner, _mem) = d.engine().await;
+    d.stop().await;
+}
+
+/// Finding 4: ~1100 idle connections used every descriptor and the accept loop spun; /healthz
+/// and new clients hung. A uid holds at most `limits.max_connections_per_uid` connections (the
+/// rest are closed at accept), a connection that says nothing is closed after the handshake
+/// timeout, and other clients and /healthz are served meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_connections_of_one_uid_leave_the_others_served() {
+    if !is_root() {
+        eprintln!("skipped: needs root to run a client as another uid");
+        return;
+    }
+    let d = start(|c| {
+        c.limits.max_connections_per_uid = 16;
+        c.limits.handshake_timeout_ms = 500;
+    })
+    .await;
+    let mut flood = d.intruder(&["hold", "300", "4"]);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    // Served meanwhile: a new engine, its save and load, and /healthz.
+    let (owner, _mem) = d.engine().await;
+    assert_eq!(owner.load_now(&prompt(2), 0, &[2, 3]).await.unwrap().loaded_blocks, 2);
+    assert_eq!(d.healthz().await, 200);
+    assert!(d.metric("kvcached_limit_refusals_total").await >= 1.0);
+    assert!(d.metric("kvcached_connections").await <= 20.0, "the flood is bounded");
+    // A connection that never sends a byte is closed after the handshake timeout.
+    let mut silent = tokio::net::UnixStream::connect(&d.socket).await.unwrap();
+    let mut buf = [0u8; 1];
+    let closed =
+        tokio::time::timeout(Duration::from_secs(5), tokio::io::AsyncReadExt::read(&mut silent, &mut buf)).await;
+    assert!(matches!(closed, Ok(Ok(0)) | Ok(Err(_))), "{closed:?}");
+    let _ = flood.kill();
+    let _ = flood.wait();
+    d.stop().await;
+}
+
+/// Finding 4: 16 half-sent 60 MB messages on one connection raised RSS by 640 MB. A message
+/// longer than `limits.max_message_bytes` is refused from its prefix, and the bytes of requests
+/// still arriving are bounded per uid (`limits.max_buffered_bytes_per_uid`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn half_sent_requests_are_bounded() {
+    let d = start(|c| {
+        c.limits.max_message_bytes = 2 << 20;
+        c.limits.max_buffered_bytes_per_uid = 4 << 20;
+    })
+    .await;
+    let mut s = tokio::net::UnixStream::connect(&d.socket).await.unwrap();
+    kvtests::h2raw::handshake(&mut s).await.unwrap();
+    let chunk = vec![0x41u8; 16 << 10];
+    // Eight streams, each announcing a 1.9 MB message and sending 1.5 MB of it: 12 MB in all,
+    // three times the per-uid bound. The daemon refuses the stream that passes it (and may close
+    // the connection): writes stop at the first error.
+    'streams: for i in 0..8u32 {
+        let stream = 2 * i + 1;
+        let mut first = kvtests::h2raw::grpc_prefix(1_900_000);
+        first.extend_from_slice(&chunk[..chunk.len() - 5]);
+        let mut frames = kvtests::h2raw::grpc_headers(stream, "/kvcached.v1.Kvcached/Save");
+        frames.extend(kvtests::h2raw::data(stream, &first, false));
+        if s.write_all(&frames).await.is_err() {
+            break;
+        }
+        for _ in 1..96 {
+            if s.write_all(&kvtests::h2raw::data(stream, &chunk, false)).await.is_err() {
+                break 'streams;
+            }
+        }
+    }
+    let refused = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            if d.metric("kvcached_limit_refusals_by_limit_total{limit=\"buffered_bytes_per_uid\"}").await >= 1.0 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    assert!(refused.is_ok(), "the per-uid bound on bytes arriving was never reached");
+    // A message announced longer than the limit is refused from its prefix.
+    let mut c = raw(&d.socket).await;
+    let big = pb::SaveRequest { tokens: vec![0u8; 3 << 20].into(), ..Default::default() };
+    let e = c.save(big).await.unwrap_err();
+    assert!(matches!(e.code(), tonic::Code::OutOfRange | tonic::Code::ResourceExhausted), "{e:?}");
+    // Served meanwhile.
+    drop(s);
+    let (owner, _mem) = d.engine().await;
+    assert_eq!(owner.lookup(&prompt(2)).await.unwrap().matched_blocks, 2);
+    d.stop().await;
+}
+
+/// Finding 4: a 16 MiB engine name was logged whole, twice, and a 100 KB path echoed in an error
+/// overflowed the client's metadata limit. Names are bounded and what an error quotes is clipped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn long_strings_are_refused_and_errors_stay_short() {
+    let d = start(|_| {}).await;
+    let mut c = raw(&d.socket).await;
+    let mem = KvMemory::anonymous(&layout(), 8).unwrap();
+    let t = kvclient::attach::attach(&d.socket, &[mem.file()]).unwrap();
+    let mut req = register_request(pb::memory_region::Kind::FdTicket(t[0].to_vec()), None);
+    req.engine_name = "x".repeat(1 << 20);
+    let e = c.register(req.clone()).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+    assert!(e.message().contains("engine_name is 1048576 bytes") && e.message().len() < 512, "{}", e.message());
+    req.engine_name = "ok".into();
+    req.role = "r".repeat(100_000);
+    let e = c.register(req).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+    assert!(e.message().len() < 512, "{} bytes", e.message().len());
+    d.stop().await;
+}
+
+/// Finding 5: malformed protobuf was INTERNAL; a load with bad slots answered OK with a FAILED
+/// status where a save said INVALID_ARGUMENT; a layout whose slots all alias was accepted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_is_invalid_argument_everywhere() {
+    let d = start(|_| {}).await;
+    // A body that is not a RegisterRequest (a length-delimited field that runs past the end).
+    let ch = channel(&d.socket).await;
+    let mut grpc = tonic::client::Grpc::new(ch);
+    grpc.ready().await.unwrap();
+    let path = http::uri::PathAndQuery::from_static("/kvcached.v1.Kvcached/Register");
+    let e = grpc.unary(tonic::Request::new(vec![0x0a, 0x7f, 0x01]), path, RawCodec).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+    assert!(e.message().contains("malformed request"), "{}", e.message());
+
+    let (owner, _mem) = d.engine().await;
+    let id = owner.engine_id_now().unwrap();
+    let mut c = raw(&d.socket).await;
+    let tokens = kvproto::tokens_to_le(&prompt(2));
+    for (block_ids, why) in [(vec![0, 99], "out of range"), (vec![0, 1, 2], "full blocks")] {
+        let e = c
+            .load(pb::LoadRequest { engine_id: id, tokens: tokens.clone(), block_ids, wait: true, first_block: 0 })
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+        assert!(e.message().contains(why), "{}", e.message());
+    }
+    // Every segment at offset 0 with stride 0: every slot is the same bytes.
+    let mem = KvMemory::anonymous(&layout(), 8).unwrap();
+    let t = kvclient::attach::attach(&d.socket, &[mem.file()]).unwrap();
+    let mut req = register_request(pb::memory_region::Kind::FdTicket(t[0].to_vec()), None);
+    for s in &mut req.segments {
+        (s.offset, s.block_stride) = (0, 0);
+    }
+    let e = c.register(req).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+    assert!(e.message().contains("overlap"), "{}", e.message());
+    d.stop().await;
+}
+
+/// Sends raw bytes as a gRPC message; decodes the answer as a RegisterResponse.
+struct RawCodec;
+
+impl tonic::codec::Codec for RawCodec {
+    type Encode = Vec<u8>;
+    type Decode = pb::RegisterResponse;
+    type Encoder = RawEncoder;
+    type Decoder = RawDecoder;
+    fn encoder(&mut self) -> RawEncoder {
+        RawEncoder
+    }
+    fn decoder(&mut self) -> RawDecoder {
+        RawDecoder
+    }
+}
+
+struct RawEncoder;
+
+impl tonic::codec::Encoder for RawEncoder {
+    type Item = Vec<u8>;
+    type Error = tonic::Status;
+    fn encode(&mut self, item: Vec<u8>, dst: &mut tonic::codec::EncodeBuf<'_>) -> Result<(), tonic::Status> {
+        bytes::BufMut::put_slice(dst, &item);
+        Ok(())
+    }
+}
+
+struct RawDecoder;
+
+impl tonic::codec::Decoder for RawDecoder {
+    type Item = pb::RegisterResponse;
+    type Error = tonic::Status;
+    fn decode(&mut self, src: &mut tonic::codec::DecodeBuf<'_>) -> Result<Option<pb::RegisterResponse>, tonic::Status> {
+        prost::Message::decode(src).map(Some).map_err(|e| tonic::Status::internal(e.to_string()))
+    }
+}

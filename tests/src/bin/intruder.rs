@@ -1,0 +1,108 @@
+//! A hostile local client for the security tests, run as another uid: it tries what an engine
+//! of another user must not be able to do to someone else's engine, or to everyone else.
+//!
+//! ```text
+//! intruder SOCKET use ENGINE_ID        # heartbeat, load into, wait on, unregister another's engine
+//! intruder SOCKET register N           # register N engines of its own (memfd KV memory)
+//! intruder SOCKET hold N SECS          # open N connections and hold them
+//! ```
+//! Prints one line `key=value ...` of gRPC codes (or counts) and exits 0 when it could run.
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use kvproto::pb;
+use kvproto::{Dtype, KvLayout, LayoutKind, Namespace};
+
+fn code(r: Result<tonic::Response<impl Sized>, tonic::Status>) -> String {
+    match r {
+        Ok(_) => "Ok".into(),
+        Err(s) => format!("{:?}", s.code()),
+    }
+}
+
+async fn raw(socket: String) -> Result<pb::kvcached_client::KvcachedClient<tonic::transport::Channel>, String> {
+    let ch = tonic::transport::Endpoint::try_from("http://kvcached.local")
+        .map_err(|e| e.to_string())?
+        .connect_with_connector(tower::service_fn(move |_| {
+            let socket = socket.clone();
+            async move { tokio::net::UnixStream::connect(socket).await.map(hyper_util::rt::TokioIo::new) }
+        }))
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(pb::kvcached_client::KvcachedClient::new(ch))
+}
+
+async fn run(args: &[String]) -> Result<String, String> {
+    let socket = args.first().ok_or("usage: intruder SOCKET use|register|hold ...")?.clone();
+    match args.get(1).map(String::as_str) {
+        Some("use") => {
+            let id: u64 = args.get(2).and_then(|a| a.parse().ok()).ok_or("use ENGINE_ID")?;
+            let mut c = raw(socket).await?;
+            let hb = code(c.heartbeat(pb::EngineRef { engine_id: id }).await);
+            let tokens = kvproto::tokens_to_le(&[1u32; 16]);
+            let load = code(
+                c.load(pb::LoadRequest { engine_id: id, tokens, block_ids: vec![0], wait: true, ..Default::default() })
+                    .await,
+            );
+            let wait = code(c.wait(pb::WaitRequest { engine_id: id, op_id: 1, timeout_ms: 0 }).await);
+            let unreg = code(c.unregister(pb::EngineRef { engine_id: id }).await);
+            Ok(format!("heartbeat={hb} load={load} wait={wait} unregister={unreg}"))
+        }
+        Some("register") => {
+            let n: u32 = args.get(2).and_then(|a| a.parse().ok()).ok_or("register N")?;
+            let layout = KvLayout {
+                num_layers: 1,
+                kv_heads: 1,
+                head_dim: 64,
+                dtype: Dtype::Bf16,
+                tokens_per_block: 16,
+                kind: LayoutKind::Contiguous,
+            };
+            let mut ok = 0;
+            let mut first_err = String::from("none");
+            let mut held = Vec::new();
+            for i in 0..n {
+                let mem = kvclient::KvMemory::anonymous(&layout, 4).map_err(|e| e.to_string())?;
+                let mut c = kvclient::Client::connect(&socket).await.map_err(|e| e.to_string())?;
+                c.set_token_area_bytes(0);
+                match c.register(&format!("intruder-{i}"), &Namespace::new("m", layout), &mem).await {
+                    Ok(_) => ok += 1,
+                    Err(e) if first_err == "none" => first_err = e.to_string().replace(' ', "_"),
+                    Err(_) => {}
+                }
+                held.push((c, mem));
+            }
+            Ok(format!("registered={ok} first_error={first_err}"))
+        }
+        Some("hold") => {
+            let n: usize = args.get(2).and_then(|a| a.parse().ok()).ok_or("hold N SECS")?;
+            let secs: u64 = args.get(3).and_then(|a| a.parse().ok()).ok_or("hold N SECS")?;
+            let mut open = Vec::new();
+            for _ in 0..n {
+                if let Ok(s) = tokio::net::UnixStream::connect(&socket).await {
+                    open.push(s);
+                }
+            }
+            println!("connected={}", open.len());
+            tokio::time::sleep(Duration::from_secs(secs)).await;
+            Ok(format!("held={}", open.len()))
+        }
+        _ => Err("usage: intruder SOCKET use|register|hold ...".into()),
+    }
+}
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    match run(&args).await {
+        Ok(line) => {
+            println!("{line}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("intruder: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

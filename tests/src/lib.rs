@@ -1,0 +1,18 @@
+//! `kvtests`: scenarios that span kvcached's parts (the daemon, the client engines link, the
+//! router, the wire formats between them), with real processes and sockets.
+//!
+//! # Layout
+//! - `daemon_e2e.rs`: the daemon through its real socket, in process (`serve` on temp sockets)
+//!   and as a process, driven by the real client and by engines in processes of their own.
+//! - `cluster.rs`: a router and two daemons as processes, engines attached; restarts of each.
+//! - `router_*.rs`: a real router on port 0 fed by publishers (the daemon's own publishing side:
+//!   [`kvcached::publish`], its recovery routes, its vLLM-format export) and by an independent
+//!   Python encoder of vLLM's events (`py/`).
+//! - [`router_harness`]: a router on port 0 and a JSON client of its API.
+//! - [`h2raw`]: HTTP/2 frames by hand, for requests no gRPC client would send.
+//! - `security.rs`: the daemon against hostile local clients (another uid, TCP, floods).
+//! - `src/bin/`: `daemon` and `router` (the real kvcached and kvrouter command lines) and `engine`, an engine in
+//!   a process of its own.
+
+pub mod h2raw;
+pub mod router_harness;
