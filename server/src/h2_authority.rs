@@ -25,6 +25,12 @@ const PRIORITY: u8 = 0x20;
 const MAX_BLOCK: usize = 256 << 10;
 /// Frames re-emitted are at most this long (the HTTP/2 default every peer accepts).
 const OUT_FRAME: usize = 16 << 10;
+/// Most bytes of decoded header fields one block may expand to (the server's own header-list
+/// limit, `http2_max_header_list_size`): a block of references to one large table entry cannot
+/// make the daemon hold more. Past it the connection fails, as the server would fail it.
+const MAX_DECODED: usize = 64 << 10;
+/// The HPACK dynamic table size the server announces (the default; it never raises it).
+const TABLE_SIZE: usize = 4096;
 
 /// Where the reader is in the client's byte stream.
 #[derive(Debug)]
@@ -68,7 +74,11 @@ impl<IO> HeaderFix<IO> {
             block: None,
             out: Vec::new(),
             out_at: 0,
-            decoder: loona_hpack::Decoder::new(),
+            decoder: {
+                let mut d = loona_hpack::Decoder::new();
+                d.set_max_allowed_table_size(TABLE_SIZE);
+                d
+            },
             failed: false,
         }
     }
@@ -170,9 +180,22 @@ impl<IO> HeaderFix<IO> {
             self.block = Some((stream, end_stream, block));
             return;
         }
-        match self.decoder.decode(&block) {
-            Ok(fields) => self.emit(stream, end_stream, &fields),
-            Err(_) => self.fail(),
+        // Decoded with a bound on what the block expands to (each field counted as its name, its
+        // value and 32 bytes, as HTTP/2 counts a header list).
+        let mut fields: Vec<(Vec<u8>, Vec<u8>)> = Vec::new();
+        let mut decoded = 0usize;
+        let mut over = false;
+        let r = self.decoder.decode_with_cb(&block, |n, v| {
+            decoded += n.len() + v.len() + 32;
+            if decoded > MAX_DECODED {
+                over = true;
+            } else {
+                fields.push((n.into_owned(), v.into_owned()));
+            }
+        });
+        match r {
+            Ok(()) if !over => self.emit(stream, end_stream, &fields),
+            _ => self.fail(),
         }
     }
 
@@ -396,6 +419,24 @@ mod tests {
         }
         assert_eq!(seen, vec![(HEADERS, END_HEADERS), (0, END_STREAM), (HEADERS, END_HEADERS | END_STREAM)]);
         assert!(dec.decode(&[0x80 | 62]).is_err(), "the server's dynamic table stays empty");
+    }
+
+    /// A small block of references to one large table entry would expand to gigabytes: decoding
+    /// stops at the bound and the block passes on untouched (the server then fails the
+    /// connection, as it would without this reader).
+    #[test]
+    fn a_block_that_expands_past_the_bound_is_not_decoded() {
+        let mut block = vec![0x40, 0x01, b'x', 0x7f]; // literal with indexing, name "x", value...
+        block.push(0xa1); // ...length 4000: 127 + 3873 as an HPACK integer (33 + 128, 30)
+        block.push(0x1e);
+        block.extend(std::iter::repeat_n(b'v', 4000));
+        block.extend(std::iter::repeat_n(0x80 | 62, 10_000)); // 10,000 references to it
+        let mut input = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+        input.extend(frame(HEADERS, END_HEADERS, 1, &block));
+        let mut fix = HeaderFix::new(());
+        fix.feed(&input);
+        assert!(fix.failed);
+        assert!(fix.out.len() < block.len() + 100, "nothing expanded: {} bytes out", fix.out.len());
     }
 
     #[test]

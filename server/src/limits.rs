@@ -101,6 +101,22 @@ impl Limits {
         ServerError::Exhausted(format!("{who} holds {have} of its {max} {} (limits)", limit.label().replace('_', " ")))
     }
 
+    fn refuse_total(&self, have: u64) -> ServerError {
+        self.refused.increment(1);
+        metrics::counter!("kvcached_limit_refusals_by_limit_total", "limit" => Limit::Connections.label()).increment(1);
+        ServerError::Exhausted(format!(
+            "the daemon holds {have} of its {} connections (limits.max_connections, at most half the open-file limit)",
+            self.max_connections
+        ))
+    }
+
+    /// A refusal by a limit kept elsewhere (`engines.max_engines`, `engines.max_pending_loads`,
+    /// ATTACH tickets), counted with the others.
+    pub fn count_refusal(&self, limit: &'static str) {
+        self.refused.increment(1);
+        metrics::counter!("kvcached_limit_refusals_by_limit_total", "limit" => limit).increment(1);
+    }
+
     fn with_use<T>(&self, who: Principal, f: impl FnOnce(&mut Use) -> T) -> T {
         let mut g = self.inner.lock();
         let u = g.per.entry(who).or_default();
@@ -117,11 +133,13 @@ impl Limits {
         if g.connections >= self.max_connections {
             let n = g.connections;
             drop(g);
-            return Err(self.refuse(Limit::Connections, who, n as u64, self.max_connections as u64));
+            return Err(self.refuse_total(n as u64));
         }
+        // TCP clients count as one principal: until TCP is authenticated they cannot hold more
+        // than one uid may.
         let per = self.cfg.max_connections_per_uid;
         let u = g.per.entry(who).or_default();
-        if matches!(who, Principal::Uid(_)) && u.connections >= per {
+        if u.connections >= per {
             let n = u.connections;
             drop(g);
             return Err(self.refuse(Limit::ConnectionsPerUid, who, n as u64, per as u64));
@@ -259,7 +277,8 @@ mod tests {
         let (c1, c2) = (l.connect(a).unwrap(), l.connect(a).unwrap());
         assert!(l.connect(a).is_err());
         let b = l.connect(Principal::Uid(1001)).unwrap();
-        assert!(l.connect(Principal::Uid(1002)).is_err(), "total reached");
+        let e = l.connect(Principal::Uid(1002)).unwrap_err().to_string();
+        assert!(e.contains("the daemon holds 3 of its 3 connections"), "{e}");
         drop((c1, b));
         assert!(l.connect(a).is_ok());
         let e = l.engine(a).unwrap();

@@ -123,6 +123,24 @@ impl AcceptErrors {
     }
 }
 
+/// A warning at most every 10 s, with how many happened since the last one.
+#[derive(Debug, Default)]
+struct RateLog {
+    since: u64,
+    last: Option<Instant>,
+}
+
+impl RateLog {
+    fn note(&mut self, what: &str) {
+        self.since += 1;
+        if self.last.is_none_or(|t| t.elapsed() >= Duration::from_secs(10)) {
+            tracing::warn!(refused = self.since, "connections refused by a limit: {what}");
+            self.since = 0;
+            self.last = Some(Instant::now());
+        }
+    }
+}
+
 /// The first bytes of a connection, waiting at most until `deadline` for `want` of them.
 async fn peek(stream: &UnixStream, want: usize, deadline: tokio::time::Instant) -> io::Result<Vec<u8>> {
     use std::os::fd::AsRawFd;
@@ -162,6 +180,7 @@ pub fn unix(
     let (tx, rx) = mpsc::channel(HANDOFF);
     tokio::spawn(async move {
         let mut errors = AcceptErrors::new("unix");
+        let mut refused_log = RateLog::default();
         loop {
             let accepted = tokio::select! {
                 a = listener.accept() => a,
@@ -185,7 +204,9 @@ pub fn unix(
             let held = match limits.connect(who) {
                 Ok(h) => h,
                 Err(e) => {
-                    tracing::debug!("connection refused: {e}");
+                    // Counted in kvcached_limit_refusals_total; logged once a while, not per
+                    // connection (a flood would flood the log).
+                    refused_log.note(&e.to_string());
                     continue;
                 }
             };
@@ -219,6 +240,7 @@ pub fn tcp(
     let (tx, rx) = mpsc::channel(HANDOFF);
     tokio::spawn(async move {
         let mut errors = AcceptErrors::new("tcp");
+        let mut refused_log = RateLog::default();
         loop {
             let accepted = tokio::select! {
                 a = listener.accept() => a,
@@ -228,11 +250,14 @@ pub fn tcp(
                 Ok((stream, _)) => {
                     errors.ok();
                     let _ = stream.set_nodelay(true);
-                    if let Ok(held) = limits.connect(Principal::Tcp) {
-                        let idle = Duration::from_millis(limits.cfg.idle_timeout_ms);
-                        if tx.send(Ok(Conn::new(stream, held, idle))).await.is_err() {
-                            return;
+                    match limits.connect(Principal::Tcp) {
+                        Ok(held) => {
+                            let idle = Duration::from_millis(limits.cfg.idle_timeout_ms);
+                            if tx.send(Ok(Conn::new(stream, held, idle))).await.is_err() {
+                                return;
+                            }
                         }
+                        Err(e) => refused_log.note(&e.to_string()),
                     }
                 }
                 Err(e) => errors.failed(&e).await,

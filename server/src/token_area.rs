@@ -89,7 +89,7 @@ impl TokenArea {
     fn check(&self) -> Result<(), ServerError> {
         if self.guard.faulted() {
             return Err(ServerError::Invalid(format!(
-                "token area {} shrank under the daemon: its tokens cannot be read (register again)",
+                "{} shrank under the daemon: its tokens cannot be read (register again)",
                 self.path
             )));
         }

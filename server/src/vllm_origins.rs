@@ -159,7 +159,11 @@ fn rewrite(path: &Path, origins: &Origins) -> std::io::Result<(File, u64)> {
     }
     let tmp = path.with_extension("log.tmp");
     let written = (|| {
-        let mut file = File::create(&tmp)?;
+        // 0600 whatever the umask: the records hold prompts' token ids.
+        let mut file = {
+            use std::os::unix::fs::OpenOptionsExt;
+            std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&tmp)?
+        };
         file.write_all(&data)?;
         file.sync_data()?;
         std::fs::rename(&tmp, path)?;
