@@ -1,10 +1,11 @@
 //! `kvclient`: the crate engines link to use kvcached.
 //!
-//! An engine registers its KV memory once (a shared-memory file on CPU machines) with its
-//! namespace and layout, then asks the daemon to save blocks, look up how much of a prompt is
-//! cached, and load blocks into given slots. The daemon does every copy; the engine only names
-//! block slots and tokens. The client reconnects with backoff and re-registers after a daemon
-//! restart, and sends heartbeats so the daemon can drop it if it dies.
+//! An engine registers its KV memory once (on CPU machines a memfd or shared-memory file, handed
+//! to the daemon as a file descriptor; on GPU machines a CUDA IPC handle) with its namespace and
+//! layout, then asks the daemon to save blocks, look up how much of a prompt is cached, and load
+//! blocks into given slots. The daemon does every copy; the engine only names block slots and
+//! tokens. The client reconnects with backoff and re-registers after a daemon restart, and sends
+//! heartbeats so the daemon can drop it if it dies.
 //!
 //! ```no_run
 //! use kvclient::{Client, KvMemory};
@@ -34,9 +35,9 @@
 //!   reconnect, heartbeats).
 //! - [`attach`]: handing the KV memory's and token area's descriptors to the daemon (ATTACH).
 //! - [`blocking`]: [`BlockingClient`], the same API for engines without an async runtime.
-//! - [`memory`]: [`KvMemory`], a shared-memory KV region and its segment layout;
-//!   [`GpuKvMemory`], KV in GPU memory shared through a CUDA IPC handle.
-//! - [`token_area`]: the shared-memory file long prompts' tokens travel through to the daemon.
+//! - [`memory`]: [`KvMemory`], a shared-memory KV region (memfd or named file) and its slot
+//!   layout; [`GpuKvMemory`], KV in GPU memory shared through a CUDA IPC handle.
+//! - [`token_area`]: the memfd long prompts' tokens travel through to the daemon.
 //! - [`error`]: the [`ClientError`] enum.
 
 pub mod attach;

@@ -19,17 +19,15 @@ struct Args {
     /// Route on the router's own decisions (no events).
     #[arg(long)]
     approximate: bool,
+    /// Log format on stderr: text (colour only on a terminal) or json (one object per line).
+    #[arg(long, env = "KVROUTER_LOG_FORMAT", default_value = "text", value_parser = ["text", "json"])]
+    log_format: String,
 }
 
 /// Runs the command line given to this process.
 pub fn main() -> std::process::ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .init();
     let args = Args::parse();
+    init_logging(&args.log_format);
     match run(args) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
@@ -53,4 +51,18 @@ fn run(args: Args) -> Result<(), crate::RouterError> {
         let listener = tokio::net::TcpListener::bind(&args.listen).await?;
         crate::serve(listener, config, shutdown).await
     })
+}
+
+/// Logs on stderr, filtered by `RUST_LOG` (default `info`): plain text without colour codes when
+/// stderr is not a terminal (a file, a pipe, a container's log), or JSON lines.
+fn init_logging(format: &str) {
+    use std::io::IsTerminal;
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let fmt = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    if format == "json" {
+        fmt.json().init();
+    } else {
+        fmt.with_ansi(std::io::stderr().is_terminal()).init();
+    }
 }

@@ -54,6 +54,21 @@ struct Cli {
     /// fdatasync each G3 write batch.
     #[arg(long, env = "KVCACHED_G3_FSYNC", global = true)]
     g3_fsync: Option<bool>,
+    /// Enable G4, the object-storage tier (needs --g4-url).
+    #[arg(long, env = "KVCACHED_G4_ENABLED", global = true)]
+    g4_enabled: Option<bool>,
+    /// G4 location: s3://BUCKET/PREFIX or file:///PATH.
+    #[arg(long, env = "KVCACHED_G4_URL", global = true)]
+    g4_url: Option<String>,
+    /// S3-compatible endpoint of G4 (credentials: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY).
+    #[arg(long, env = "KVCACHED_G4_ENDPOINT", global = true)]
+    g4_endpoint: Option<String>,
+    /// Region of the G4 bucket.
+    #[arg(long, env = "KVCACHED_G4_REGION", global = true)]
+    g4_region: Option<String>,
+    /// Allow an http:// G4 endpoint.
+    #[arg(long, env = "KVCACHED_G4_ALLOW_HTTP", global = true)]
+    g4_allow_http: Option<bool>,
     /// Most engines attached at once.
     #[arg(long, env = "KVCACHED_MAX_ENGINES", global = true)]
     max_engines: Option<usize>,
@@ -66,6 +81,10 @@ struct Cli {
     /// This node's name in the cluster (default: the host name).
     #[arg(long, env = "KVCACHED_NODE", global = true)]
     node: Option<String>,
+    /// Log format on stderr: text (colour only on a terminal) or json (one object per line, for
+    /// log collectors). The level comes from RUST_LOG (default info).
+    #[arg(long, env = "KVCACHED_LOG_FORMAT", global = true, default_value = "text", value_parser = ["text", "json"])]
+    log_format: String,
     #[command(subcommand)]
     command: Option<Command>,
 }
@@ -105,6 +124,11 @@ impl Cli {
         set!(self.g3_capacity_bytes => g3.capacity_bytes);
         set!(self.g3_io_backend => g3.io_backend);
         set!(self.g3_fsync => g3.fsync);
+        set!(self.g4_enabled => g4.enabled);
+        set!(self.g4_url => g4.url);
+        set!(self.g4_endpoint => g4.endpoint);
+        set!(self.g4_region => g4.region);
+        set!(self.g4_allow_http => g4.allow_http);
         set!(self.max_engines => engines.max_engines);
         set!(self.engine_lease_ms => engines.lease_ms);
         set!(self.router_urls => router.urls);
@@ -116,14 +140,8 @@ impl Cli {
 /// Runs the command line given to this process; the exit code says how it ended (2: invalid
 /// configuration).
 pub fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
     let cli = Cli::parse();
+    init_logging(&cli.log_format);
     let config = match cli.config() {
         Ok(c) => c,
         Err(e) => {
@@ -162,5 +180,19 @@ pub fn main() -> ExitCode {
             eprintln!("kvcached: {e}");
             ExitCode::FAILURE
         }
+    }
+}
+
+/// Logs on stderr, filtered by `RUST_LOG` (default `info`): plain text without colour codes when
+/// stderr is not a terminal (a file, a pipe, a container's log), or JSON lines.
+fn init_logging(format: &str) {
+    use std::io::IsTerminal;
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let fmt = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    if format == "json" {
+        fmt.json().init();
+    } else {
+        fmt.with_ansi(std::io::stderr().is_terminal()).init();
     }
 }

@@ -24,6 +24,7 @@ pub struct Config {
     pub metrics_addr: SocketAddr,
     pub g2: G2Config,
     pub g3: G3Config,
+    pub g4: G4Config,
     pub engines: EngineConfig,
     pub limits: LimitsConfig,
     pub router: RouterConfig,
@@ -148,6 +149,69 @@ pub struct G3Config {
     pub low_watermark: f64,
 }
 
+/// G4, object storage shared by the cluster (docs/configuration.md, "G4"). Credentials come
+/// from the environment only (`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_SESSION_TOKEN`
+/// or the rest of the usual chain), never from this file.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct G4Config {
+    pub enabled: bool,
+    /// `s3://BUCKET/PREFIX` or `file:///PATH` (a mount every node shares).
+    pub url: String,
+    /// An S3-compatible endpoint (`https://host:port`); empty: AWS.
+    pub endpoint: String,
+    pub region: String,
+    /// Allow an `http://` endpoint.
+    pub allow_http: bool,
+    /// `bucket.host` addressing instead of path style.
+    pub virtual_hosted_style: bool,
+    /// Bytes of objects this daemon keeps before deleting the least recently used; 0: none
+    /// (bound the prefix with a bucket lifecycle rule).
+    pub capacity_bytes: u64,
+    /// Requests in flight at once per batch.
+    pub concurrency: usize,
+    pub request_timeout_ms: u64,
+    /// How long a failing request is retried (with backoff) before it fails.
+    pub retry_deadline_ms: u64,
+    /// Keys asked per round trip when a lookup probes G4.
+    pub probe_fanout: usize,
+    /// A key found absent is not asked again for this long (ms).
+    pub absent_ttl_ms: u64,
+    /// Lookups ask G4 past what this daemon knows it holds (a few round trips when the local
+    /// tiers end before the prompt does); off: G4 is used only as far as this daemon's index
+    /// knows.
+    pub lookup_probe: bool,
+    /// Blocks waiting to be written to G4; beyond this a write is dropped and counted.
+    pub writethrough_queue: usize,
+    /// Blocks written per batch (requests in flight).
+    pub writethrough_batch: usize,
+    /// Latency added to every G4 request, for tests and benchmarks (a distant store); 0: none.
+    pub inject_latency_ms: u64,
+}
+
+impl Default for G4Config {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            url: String::new(),
+            endpoint: String::new(),
+            region: "us-east-1".into(),
+            allow_http: false,
+            virtual_hosted_style: false,
+            capacity_bytes: 0,
+            concurrency: 16,
+            request_timeout_ms: 10_000,
+            retry_deadline_ms: 10_000,
+            probe_fanout: 16,
+            absent_ttl_ms: 2_000,
+            lookup_probe: true,
+            writethrough_queue: 65_536,
+            writethrough_batch: 16,
+            inject_latency_ms: 0,
+        }
+    }
+}
+
 /// Attached engines.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
@@ -189,6 +253,7 @@ impl Default for Config {
             metrics_addr: SocketAddr::from(([127, 0, 0, 1], 9464)),
             g2: G2Config::default(),
             g3: G3Config::default(),
+            g4: G4Config::default(),
             engines: EngineConfig::default(),
             limits: LimitsConfig::default(),
             router: RouterConfig::default(),
@@ -408,6 +473,31 @@ impl Config {
         if !self.router.vllm_export_replay.is_empty() && self.router.vllm_export_replay_bytes == 0 {
             return Err(bad("router.vllm_export_replay_bytes", "must be at least 1 with a replay socket"));
         }
+        if self.g4.enabled {
+            let g = &self.g4;
+            if !(g.url.starts_with("s3://") || g.url.starts_with("file:///")) {
+                return Err(bad("g4.url", format!("{:?}: use s3://BUCKET/PREFIX or file:///PATH", g.url)));
+            }
+            if !(g.endpoint.is_empty() || g.endpoint.starts_with("http://") || g.endpoint.starts_with("https://")) {
+                return Err(bad("g4.endpoint", format!("{:?} is not an http(s):// URL", g.endpoint)));
+            }
+            if g.endpoint.starts_with("http://") && !g.allow_http {
+                return Err(bad("g4.allow_http", "the endpoint is http://: set g4.allow_http = true to allow it"));
+            }
+            for (field, v) in [
+                ("g4.concurrency", g.concurrency),
+                ("g4.probe_fanout", g.probe_fanout),
+                ("g4.writethrough_queue", g.writethrough_queue),
+                ("g4.writethrough_batch", g.writethrough_batch),
+            ] {
+                if v == 0 {
+                    return Err(bad(field, "must be at least 1"));
+                }
+            }
+            if g.request_timeout_ms < 100 || g.retry_deadline_ms < g.request_timeout_ms {
+                return Err(bad("g4.retry_deadline_ms", "request_timeout_ms >= 100 and retry_deadline_ms >= it"));
+            }
+        }
         if self.g3.writethrough_queue == 0 || self.g3.writethrough_batch == 0 {
             return Err(bad("g3.writethrough_queue", "queue and batch must be at least 1"));
         }
@@ -464,12 +554,33 @@ impl Config {
             };
             c
         });
+        let g4 = self.g4.enabled.then(|| {
+            let g = &self.g4;
+            let mut c = kvtiers::ObjectTierConfig::new(&g.url);
+            c.endpoint = (!g.endpoint.is_empty()).then(|| g.endpoint.clone());
+            c.region = g.region.clone();
+            c.allow_http = g.allow_http;
+            c.virtual_hosted_style = g.virtual_hosted_style;
+            c.capacity_bytes = g.capacity_bytes;
+            c.concurrency = g.concurrency;
+            c.request_timeout = std::time::Duration::from_millis(g.request_timeout_ms);
+            c.retry_deadline = std::time::Duration::from_millis(g.retry_deadline_ms);
+            c.probe_fanout = g.probe_fanout;
+            c.absent_ttl = std::time::Duration::from_millis(g.absent_ttl_ms);
+            c.inject_latency = (g.inject_latency_ms > 0).then(|| std::time::Duration::from_millis(g.inject_latency_ms));
+            c
+        });
         kvtiers::BlockStoreConfig {
             g2,
             g3,
             write_through: kvtiers::WriteThroughConfig {
                 queue: self.g3.writethrough_queue,
                 batch: self.g3.writethrough_batch,
+            },
+            g4,
+            g4_write_through: kvtiers::WriteThroughConfig {
+                queue: self.g4.writethrough_queue,
+                batch: self.g4.writethrough_batch,
             },
         }
     }

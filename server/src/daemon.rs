@@ -98,6 +98,10 @@ pub struct Daemon {
     retention: Duration,
     pub saves: AtomicU64,
     pub loads: AtomicU64,
+    /// Whether lookups ask G4 past what the tiers' indexes know (`g4.lookup_probe`).
+    pub g4_lookup_probe: bool,
+    /// G4's write-through queue capacity (0: no G4), for `/healthz`.
+    pub g4_queue: usize,
     namespace_mismatch: metrics::Counter,
     key_memo: KeyMemo,
     /// Probes long prompts' keys while lookups derive them (thread `kv-probe`).
@@ -168,6 +172,8 @@ impl Daemon {
             retention,
             saves: AtomicU64::new(0),
             loads: AtomicU64::new(0),
+            g4_lookup_probe: true,
+            g4_queue: 0,
             namespace_mismatch: metrics::counter!("kvcached_load_mismatch_total"),
             key_memo: KeyMemo::new(key_memo_bytes),
             prober,
@@ -283,6 +289,9 @@ impl Daemon {
             }
             (keys, BlockStore::count_prefix(&held))
         };
+        // Past what the tiers' indexes know, G4 may hold more (other daemons' writes): asked in
+        // a few round trips, with every key of the prompt.
+        let (keys, m) = self.probe_g4(&engine, &mut tokens, keys, m)?;
         // Keys derived from a copy that faulted are not the engine's prompt's: no answer.
         tokens.check()?;
         if let Some(route_id) = req.route_id {
@@ -295,6 +304,8 @@ impl Daemon {
             keys.shrink_to_fit(); // a queued touch holds only the matched prefix
         }
         self.touch_soon(keys);
+        metrics::histogram!("kvcached_lookup_hit_blocks").record(m.blocks as f64);
+        metrics::counter!("kvcached_lookups_total", "result" => if m.blocks > 0 { "hit" } else { "miss" }).increment(1);
         Ok(pb::LookupResponse {
             matched_blocks: to_u32(m.blocks),
             matched_tokens: to_u32(m.blocks * engine.namespace.layout.tokens_per_block as usize),
@@ -302,6 +313,28 @@ impl Daemon {
             g3_blocks: to_u32(m.fastest[TierKind::G3Disk.index()]),
             g4_blocks: to_u32(m.fastest[TierKind::G4Object.index()]),
         })
+    }
+
+    /// Extends a matched prefix `m` of `keys` with what G4 holds beyond it (when G4 is
+    /// configured, `g4.lookup_probe` is on, and the prompt has blocks past `m`).
+    fn probe_g4(
+        &self,
+        engine: &Engine,
+        tokens: &mut crate::token_area::PromptTokens<'_>,
+        keys: Vec<kvproto::BlockKey>,
+        mut m: kvtiers::PrefixMatch,
+    ) -> Result<(Vec<kvproto::BlockKey>, kvtiers::PrefixMatch), ServerError> {
+        let blocks = tokens.len() / (4 * engine.namespace.layout.tokens_per_block as usize);
+        if !self.g4_lookup_probe || !self.store.has_remote_tier() || m.blocks >= blocks {
+            return Ok((keys, m));
+        }
+        let keys = if keys.len() < blocks { self.keys(engine, tokens.all_checked()?)? } else { keys };
+        let more = self.store.probe_lower(engine.namespace_id, &keys[m.blocks..]);
+        let g4 = TierKind::G4Object.index();
+        m.blocks += more;
+        m.fastest[g4] += more;
+        m.resident[g4] += more;
+        Ok((keys, m))
     }
 
     /// Marks a matched prefix's G2 blocks used: by `kv-g2-touch` after the reply when it has
@@ -388,6 +421,7 @@ impl Daemon {
         let mut ops = self.ops.lock();
         let pending = ops.per_engine.get(&engine.id).map_or(0, |e| e.pending);
         if pending >= self.max_pending {
+            self.limits.count_refusal("max_pending_loads");
             return Err(ServerError::Exhausted(format!(
                 "{pending} loads pending for engine {} (engines.max_pending_loads)",
                 engine.id
@@ -417,6 +451,13 @@ impl Daemon {
                 ..Default::default()
             },
         };
+        let tpb = u64::from(engine.namespace.layout.tokens_per_block);
+        for (tier, blocks) in [("g2", status.from_g2), ("g3", status.from_g3), ("g4", status.from_g4)] {
+            if blocks > 0 {
+                metrics::counter!("kvcached_prefill_tokens_saved_total", "tier" => tier)
+                    .increment(u64::from(blocks) * tpb);
+            }
+        }
         self.ops.lock().finish(op, self.max_pending);
         self.loads.fetch_add(1, Ordering::Relaxed);
         let _ = tx.send(status);
@@ -457,10 +498,13 @@ impl Daemon {
                     }
                     Ok(Some((tier, Ok(true)))) => {
                         st.loaded_blocks += 1;
-                        if tier == TierKind::G2Host && !promoted.contains(key) {
-                            st.from_g2 += 1;
-                        } else {
-                            st.from_g3 += 1;
+                        // Where the block was before this load: promoted ones count for the tier
+                        // they came up from.
+                        let from = promoted.iter().find(|(k, _)| k == key).map_or(tier, |(_, t)| *t);
+                        match from {
+                            TierKind::G4Object => st.from_g4 += 1,
+                            TierKind::G3Disk => st.from_g3 += 1,
+                            _ => st.from_g2 += 1,
                         }
                     }
                     Ok(Some((_, Ok(false)))) => {
@@ -549,6 +593,15 @@ impl Daemon {
                 s.writethrough_queued
             ));
         }
+        for (tier, queued) in self.store.writethrough_queued() {
+            if tier == TierKind::G4Object && self.g4_queue > 0 && queued as usize * 10 >= self.g4_queue * 9 {
+                reasons.push(format!(
+                    "G4 write-through backlog: {queued} of {} queued (the object store is slower than saves)",
+                    self.g4_queue
+                ));
+            }
+        }
+        reasons.extend(self.store.degraded());
         pb::HealthResponse { ok: reasons.is_empty(), reasons }
     }
 }

@@ -47,8 +47,8 @@ fn path_refused(field: &str) -> ServerError {
 /// The error of a copy whose engine memory shrank under it.
 fn shrank(path: &str) -> ServerError {
     ServerError::Attach(format!(
-        "the engine's KV memory file {path} shrank under the daemon (truncated by the engine?): \
-         its saves and loads fail until it registers again"
+        "the engine's {path} shrank under the daemon (truncated by the engine?): its saves and loads fail \
+         until it registers again"
     ))
 }
 
@@ -386,6 +386,7 @@ impl Registry {
     }
 
     fn full(&self) -> ServerError {
+        self.limits.count_refusal("max_engines");
         ServerError::Exhausted(format!("{} engines attached (engines.max_engines)", self.max))
     }
 
@@ -418,6 +419,7 @@ impl Registry {
             return Err(self.full());
         }
         engines.insert(id, Arc::clone(&e));
+        metrics::gauge!("kvcached_engines_attached").set(engines.len() as f64);
         drop(engines);
         tracing::info!(engine = id, name = %e.name, owner = %owner, namespace = %e.namespace_id, "engine attached");
         Ok(e)
@@ -438,6 +440,7 @@ impl Registry {
             return Err(ServerError::UnknownEngine(id));
         }
         let e = engines.remove(&id).ok_or(ServerError::UnknownEngine(id))?;
+        metrics::gauge!("kvcached_engines_attached").set(engines.len() as f64);
         drop(engines);
         tracing::info!(engine = id, name = %e.name, "engine detached");
         Ok(e)
@@ -460,6 +463,7 @@ impl Registry {
                 out.push(e);
             }
         }
+        metrics::gauge!("kvcached_engines_attached").set(map.len() as f64);
         drop(map);
         self.tickets.expire();
         out
@@ -475,5 +479,6 @@ impl Registry {
 
     pub fn clear(&self) {
         self.engines.write().clear();
+        metrics::gauge!("kvcached_engines_attached").set(0.0);
     }
 }

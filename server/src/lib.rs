@@ -14,7 +14,8 @@
 //! - [`edge`]: who sent a request, and the bytes of requests still arriving, per uid.
 //! - [`h2_authority`]: stock gRPC clients' header blocks made acceptable (grpcio sends the
 //!   socket path as `:authority`).
-//! - [`service`]: the gRPC edge (tonic), errors mapped to `Status` here only; Health-only TCP.
+//! - [`metrics_catalog`]: every `kvcached_*` metric's help, unit and buckets; per-RPC series.
+//! - [`service`]: the gRPC service (tonic), each call's caller passed on; Health-only TCP.
 //! - [`daemon`]: request logic: save (gather into G2), lookup, load (scatter from G2/G3).
 //! - [`key_memo`]: key chains of recent prompts, reused by later requests for the same tokens.
 //! - [`prefix_probe`]: thread `kv-probe`, probing a long prompt's keys while they are derived.
@@ -30,7 +31,7 @@
 //! - `vllm_origins`: the export's records of G3 blocks, kept in a file across restarts.
 //! - [`zmq_export`]: the ZMQ PUB socket (and replay socket) the export writes to.
 //! - [`signals`]: SIGTERM / SIGINT.
-//! - [`error`]: the [`ServerError`] enum.
+//! - [`error`]: the [`ServerError`] enum and the gRPC status and reason each variant becomes.
 
 pub mod attach;
 pub mod cli;
@@ -45,6 +46,7 @@ pub mod http;
 pub mod key_memo;
 pub mod limits;
 pub mod listen;
+pub mod metrics_catalog;
 pub mod prefix_probe;
 pub mod publish;
 pub mod reports;

@@ -295,6 +295,8 @@ mod tests {
             },
             g3: None,
             write_through: WriteThroughConfig::default(),
+            g4: None,
+            g4_write_through: WriteThroughConfig::default(),
         };
         let store = Arc::new(BlockStore::open(&cfg).unwrap());
         for (i, k) in keys.iter().enumerate() {

@@ -129,7 +129,7 @@ async fn start_daemon(
     if let Some(v) = reports.vllm() {
         v.start_log();
     }
-    Ok(Arc::new(Daemon::new(
+    let mut daemon = Daemon::new(
         store,
         engines,
         reports,
@@ -137,7 +137,10 @@ async fn start_daemon(
         config.engines.max_pending_loads,
         Duration::from_millis(config.engines.op_retention_ms),
         config.engines.key_memo_bytes as usize,
-    )))
+    );
+    daemon.g4_lookup_probe = config.g4.lookup_probe;
+    daemon.g4_queue = if config.g4.enabled { config.g4.writethrough_queue } else { 0 };
+    Ok(Arc::new(daemon))
 }
 
 /// The gRPC server settings of both listeners. A 128k-token prompt is a 512 KiB request:

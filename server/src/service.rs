@@ -15,6 +15,7 @@ use tonic::{Request, Response, Status};
 use crate::daemon::Daemon;
 use crate::edge::{peer_pid, principal};
 use crate::error::ServerError;
+use crate::metrics_catalog::Rpc;
 
 /// The service object handed to tonic for the Unix socket.
 #[derive(Debug, Clone)]
@@ -40,100 +41,151 @@ async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T, ServerError> 
 #[tonic::async_trait]
 impl pb::kvcached_server::Kvcached for KvcachedService {
     async fn register(&self, req: Request<pb::RegisterRequest>) -> Result<Response<pb::RegisterResponse>, Status> {
-        let d = Arc::clone(&self.daemon);
-        let (who, pid) = (principal(&req), peer_pid(&req));
-        let req = req.into_inner();
-        let e = blocking(move || d.engines.register(&req, who, pid)).await?;
-        self.daemon.reports.attached(&e);
-        let lease = self.daemon.engines.lease.as_millis() as u32;
-        Ok(Response::new(pb::RegisterResponse {
-            engine_id: e.id,
-            namespace_id: e.namespace_id.0.to_vec(),
-            block_bytes: e.block_bytes(),
-            heartbeat_ms: lease / 3,
-            lease_ms: lease,
-            token_area_accepted: e.token_area.is_some(),
-            token_area_error: e.token_area_error.clone(),
-        }))
+        let rpc = Rpc::start("register");
+        let r: Result<Response<pb::RegisterResponse>, Status> = async move {
+            let d = Arc::clone(&self.daemon);
+            let (who, pid) = (principal(&req), peer_pid(&req));
+            let req = req.into_inner();
+            let e = blocking(move || d.engines.register(&req, who, pid)).await?;
+            self.daemon.reports.attached(&e);
+            let lease = self.daemon.engines.lease.as_millis() as u32;
+            Ok(Response::new(pb::RegisterResponse {
+                engine_id: e.id,
+                namespace_id: e.namespace_id.0.to_vec(),
+                block_bytes: e.block_bytes(),
+                heartbeat_ms: lease / 3,
+                lease_ms: lease,
+                token_area_accepted: e.token_area.is_some(),
+                token_area_error: e.token_area_error.clone(),
+            }))
+        }
+        .await;
+        rpc.done(r)
     }
 
     async fn unregister(&self, req: Request<pb::EngineRef>) -> Result<Response<pb::Empty>, Status> {
-        let who = principal(&req);
-        let e = self.daemon.engines.unregister(req.into_inner().engine_id, who)?;
-        self.daemon.reports.detached(&e);
-        Ok(Response::new(pb::Empty {}))
+        let rpc = Rpc::start("unregister");
+        let r: Result<Response<pb::Empty>, Status> = async move {
+            let who = principal(&req);
+            let e = self.daemon.engines.unregister(req.into_inner().engine_id, who)?;
+            self.daemon.reports.detached(&e);
+            Ok(Response::new(pb::Empty {}))
+        }
+        .await;
+        rpc.done(r)
     }
 
     async fn heartbeat(&self, req: Request<pb::EngineRef>) -> Result<Response<pb::Empty>, Status> {
-        let who = principal(&req);
-        self.daemon.engines.get(req.into_inner().engine_id, who)?;
-        Ok(Response::new(pb::Empty {}))
+        let rpc = Rpc::start("heartbeat");
+        let r: Result<Response<pb::Empty>, Status> = async move {
+            let who = principal(&req);
+            self.daemon.engines.get(req.into_inner().engine_id, who)?;
+            Ok(Response::new(pb::Empty {}))
+        }
+        .await;
+        rpc.done(r)
     }
 
     async fn save(&self, req: Request<pb::SaveRequest>) -> Result<Response<pb::SaveResponse>, Status> {
-        let d = Arc::clone(&self.daemon);
-        let who = principal(&req);
-        let req = req.into_inner();
-        Ok(Response::new(blocking(move || d.save(&req, who)).await?))
+        let rpc = Rpc::start("save");
+        let r: Result<Response<pb::SaveResponse>, Status> = async move {
+            let d = Arc::clone(&self.daemon);
+            let who = principal(&req);
+            let req = req.into_inner();
+            Ok(Response::new(blocking(move || d.save(&req, who)).await?))
+        }
+        .await;
+        rpc.done(r)
     }
 
     async fn lookup(&self, req: Request<pb::LookupRequest>) -> Result<Response<pb::LookupResponse>, Status> {
-        let d = Arc::clone(&self.daemon);
-        let who = principal(&req);
-        let req = req.into_inner();
-        Ok(Response::new(blocking(move || d.lookup(&req, who)).await?))
+        let rpc = Rpc::start("lookup");
+        let r: Result<Response<pb::LookupResponse>, Status> = async move {
+            let d = Arc::clone(&self.daemon);
+            let who = principal(&req);
+            let req = req.into_inner();
+            Ok(Response::new(blocking(move || d.lookup(&req, who)).await?))
+        }
+        .await;
+        rpc.done(r)
     }
 
     async fn load(&self, req: Request<pb::LoadRequest>) -> Result<Response<pb::LoadStatus>, Status> {
-        let who = principal(&req);
-        let req = req.into_inner();
-        let (op, engine, tx, held) = self.daemon.start_load(&req, who)?;
-        let d = Arc::clone(&self.daemon);
-        let wait = req.wait;
-        let mut rx = tx.subscribe();
-        let task = tokio::task::spawn_blocking(move || {
-            d.run_load(op, &engine, &req, &tx);
-            drop(held);
-        });
-        if !wait {
-            return Ok(Response::new(pb::LoadStatus { op_id: op, ..Default::default() }));
+        let rpc = Rpc::start("load");
+        let r: Result<Response<pb::LoadStatus>, Status> = async move {
+            let who = principal(&req);
+            let req = req.into_inner();
+            let (op, engine, tx, held) = self.daemon.start_load(&req, who)?;
+            let d = Arc::clone(&self.daemon);
+            let wait = req.wait;
+            let mut rx = tx.subscribe();
+            let task = tokio::task::spawn_blocking(move || {
+                d.run_load(op, &engine, &req, &tx);
+                drop(held);
+            });
+            if !wait {
+                return Ok(Response::new(pb::LoadStatus { op_id: op, ..Default::default() }));
+            }
+            task.await.map_err(|e| Status::internal(format!("load failed: {e}")))?;
+            let s = rx.borrow_and_update().clone();
+            Ok(Response::new(s))
         }
-        task.await.map_err(|e| Status::internal(format!("load failed: {e}")))?;
-        let s = rx.borrow_and_update().clone();
-        Ok(Response::new(s))
+        .await;
+        rpc.done(r)
     }
 
     async fn wait(&self, req: Request<pb::WaitRequest>) -> Result<Response<pb::LoadStatus>, Status> {
-        let who = principal(&req);
-        let r = req.into_inner();
-        let s = self.daemon.wait(r.engine_id, r.op_id, Duration::from_millis(u64::from(r.timeout_ms)), who).await?;
-        Ok(Response::new(s))
+        let rpc = Rpc::start("wait");
+        let r: Result<Response<pb::LoadStatus>, Status> = async move {
+            let who = principal(&req);
+            let r = req.into_inner();
+            let s = self.daemon.wait(r.engine_id, r.op_id, Duration::from_millis(u64::from(r.timeout_ms)), who).await?;
+            Ok(Response::new(s))
+        }
+        .await;
+        rpc.done(r)
     }
 
     async fn stats(&self, _: Request<pb::Empty>) -> Result<Response<pb::StatsResponse>, Status> {
-        Ok(Response::new(self.daemon.stats()))
+        let rpc = Rpc::start("stats");
+        let r: Result<Response<pb::StatsResponse>, Status> =
+            async move { Ok(Response::new(self.daemon.stats())) }.await;
+        rpc.done(r)
     }
 
     async fn health(&self, _: Request<pb::Empty>) -> Result<Response<pb::HealthResponse>, Status> {
-        Ok(Response::new(self.daemon.health(self.queue_capacity)))
+        let rpc = Rpc::start("health");
+        let r: Result<Response<pb::HealthResponse>, Status> =
+            async move { Ok(Response::new(self.daemon.health(self.queue_capacity))) }.await;
+        rpc.done(r)
     }
 
     async fn report_gpu_blocks(
         &self,
         req: Request<pb::GpuBlocksRequest>,
     ) -> Result<Response<pb::GpuBlocksResponse>, Status> {
-        let d = Arc::clone(&self.daemon);
-        let who = principal(&req);
-        let req = req.into_inner();
-        Ok(Response::new(blocking(move || d.gpu_blocks(&req, who)).await?))
+        let rpc = Rpc::start("report_gpu_blocks");
+        let r: Result<Response<pb::GpuBlocksResponse>, Status> = async move {
+            let d = Arc::clone(&self.daemon);
+            let who = principal(&req);
+            let req = req.into_inner();
+            Ok(Response::new(blocking(move || d.gpu_blocks(&req, who)).await?))
+        }
+        .await;
+        rpc.done(r)
     }
 
     async fn report_load(&self, req: Request<pb::EngineLoadRequest>) -> Result<Response<pb::Empty>, Status> {
-        let who = principal(&req);
-        let r = req.into_inner();
-        let e = self.daemon.engines.get(r.engine_id, who)?;
-        self.daemon.reports.engine_load(&e, r.running, r.waiting, r.kv_used_blocks, r.kv_total_blocks);
-        Ok(Response::new(pb::Empty {}))
+        let rpc = Rpc::start("report_load");
+        let r: Result<Response<pb::Empty>, Status> = async move {
+            let who = principal(&req);
+            let r = req.into_inner();
+            let e = self.daemon.engines.get(r.engine_id, who)?;
+            self.daemon.reports.engine_load(&e, r.running, r.waiting, r.kv_used_blocks, r.kv_total_blocks);
+            Ok(Response::new(pb::Empty {}))
+        }
+        .await;
+        rpc.done(r)
     }
 }
 

@@ -9,6 +9,8 @@
 //!   [`kvcached::publish`], its recovery routes, its vLLM-format export) and by an independent
 //!   Python encoder of vLLM's events (`py/`).
 //! - [`router_harness`]: a router on port 0 and a JSON client of its API.
+//! - [`s3`]: a real S3-compatible server (SeaweedFS) on ports of its own.
+//! - `g4.rs`: G4 against it: daemons sharing a bucket, tenants, faults, restarts.
 //! - [`h2raw`]: HTTP/2 frames by hand, for requests no gRPC client would send.
 //! - `security.rs`: the daemon against hostile local clients (another uid, TCP, floods).
 //! - `src/bin/`: `daemon` and `router` (the real kvcached and kvrouter command lines) and `engine`, an engine in
@@ -16,3 +18,4 @@
 
 pub mod h2raw;
 pub mod router_harness;
+pub mod s3;

@@ -6,9 +6,13 @@
 //! - [`disk`]: G3, blocks on NVMe via O_DIRECT (io_uring or pread/pwrite on named I/O
 //!   threads) with a durable RocksDB index ([`DiskTier`]); checksums computed while the I/O
 //!   runs (`disk/verify.rs`).
+//! - [`object`]: G4, objects in S3-compatible stores or a shared filesystem through
+//!   `object_store` ([`ObjectTier`]), probed in a few round trips, written through by a queue of
+//!   its own.
 //! - [`store`]: [`BlockStore`], G2 over the lower tiers: write-through, promotion, prefix
 //!   lookup, leases.
-//! - [`writethrough`]: the background writer that copies G2 blocks down in batches.
+//! - [`writethrough`]: the background writers (one per lower tier) that copy G2 blocks down in
+//!   batches.
 //! - [`residency`]: reserve -> write -> commit states, child counts, leases and eviction
 //!   choice, shared by every tier.
 //! - [`eviction`] / [`lru_policy`]: recency order behind a small trait, LRU via the `lru`
@@ -31,6 +35,7 @@ pub mod eviction;
 pub mod host;
 pub mod listener;
 pub mod lru_policy;
+pub mod object;
 pub mod pages;
 pub mod pieces;
 pub(crate) mod residency;
@@ -45,6 +50,7 @@ pub use disk::{DiskTier, DiskTierConfig};
 pub use error::{Result, TierError};
 pub use host::{CudaRegister, HostTier, HostTierConfig};
 pub use listener::TierListener;
+pub use object::{ObjectTier, ObjectTierConfig};
 pub use stats::{TierStats, TierUsage};
 pub use store::{BlockStore, BlockStoreConfig, Hit, PrefixMatch, StoreStats};
 pub use tier::{BlockRef, Tier};

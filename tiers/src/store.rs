@@ -1,5 +1,4 @@
-//! `BlockStore`: G2 on top, lower tiers (G3, later G4) below, write-through down and
-//! promotion up.
+//! `BlockStore`: G2 on top, lower tiers (G3, G4) below, write-through down and promotion up.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -12,9 +11,10 @@ use crate::buf::BlockBuf;
 use crate::disk::{DiskTier, DiskTierConfig};
 use crate::error::{Result, TierError};
 use crate::host::{HostTier, HostTierConfig};
+use crate::object::{ObjectTier, ObjectTierConfig};
 use crate::stats::{Count, TierStats};
 use crate::tier::{BlockRef, Tier};
-use crate::writethrough::{WriteThrough, WriteThroughConfig};
+use crate::writethrough::{WriteThrough, WriteThroughConfig, Writer};
 
 /// Configuration of a whole store.
 #[derive(Debug, Clone)]
@@ -22,7 +22,12 @@ pub struct BlockStoreConfig {
     pub g2: HostTierConfig,
     /// None: no disk tier.
     pub g3: Option<DiskTierConfig>,
+    /// Write-through into G3.
     pub write_through: WriteThroughConfig,
+    /// None: no object tier.
+    pub g4: Option<ObjectTierConfig>,
+    /// Write-through into G4.
+    pub g4_write_through: WriteThroughConfig,
 }
 
 /// Where a `get` found its block.
@@ -61,13 +66,15 @@ pub struct StoreStats {
     pub writethrough_errors: u64,
     pub writethrough_queued: u64,
     pub promotions: u64,
+    /// Per lower tier: (tier, written, dropped, errors, queued).
+    pub writethrough_by_tier: Vec<(TierKind, u64, u64, u64, u64)>,
 }
 
 /// The tiered block store.
 #[derive(Debug)]
 pub struct BlockStore {
-    // Field order: the writer drains before the tiers drop.
-    wt: Option<WriteThrough>,
+    // Field order: the writers drain before the tiers drop.
+    writers: Vec<WriteThrough>,
     g2: Arc<HostTier>,
     lower: Arc<Vec<Arc<dyn Tier>>>,
     next_lease: AtomicU64,
@@ -75,31 +82,39 @@ pub struct BlockStore {
 }
 
 impl BlockStore {
-    /// Opens G2 and, if configured, G3 (recovering what it holds).
+    /// Opens G2 and, if configured, G3 (recovering what it holds) and G4.
     pub fn open(cfg: &BlockStoreConfig) -> Result<Self> {
         let g2 = Arc::new(HostTier::open(&cfg.g2)?);
-        let mut lower: Vec<Arc<dyn Tier>> = Vec::new();
+        let mut lower: Vec<(Arc<dyn Tier>, WriteThroughConfig)> = Vec::new();
         if let Some(g3) = &cfg.g3 {
-            lower.push(Arc::new(DiskTier::open(g3)?));
+            lower.push((Arc::new(DiskTier::open(g3)?), cfg.write_through));
         }
-        Self::with_tiers(g2, lower, cfg.write_through)
+        if let Some(g4) = &cfg.g4 {
+            lower.push((Arc::new(ObjectTier::open(g4)?), cfg.g4_write_through));
+        }
+        Self::with_tiers_each(g2, lower)
     }
 
-    /// A store over given tiers (lower ones fastest first).
+    /// A store over given tiers (lower ones fastest first), each written through with `wt`.
     pub fn with_tiers(g2: Arc<HostTier>, lower: Vec<Arc<dyn Tier>>, wt: WriteThroughConfig) -> Result<Self> {
-        let lower = Arc::new(lower);
-        let wt = if lower.is_empty() {
-            None
-        } else {
-            Some(
-                WriteThrough::start(wt, Arc::clone(&g2), Arc::clone(&lower))
+        Self::with_tiers_each(g2, lower.into_iter().map(|t| (t, wt)).collect())
+    }
+
+    /// A store over given tiers (fastest first) and their write-through settings.
+    pub fn with_tiers_each(g2: Arc<HostTier>, lower: Vec<(Arc<dyn Tier>, WriteThroughConfig)>) -> Result<Self> {
+        let tiers: Vec<Arc<dyn Tier>> = lower.iter().map(|(t, _)| Arc::clone(t)).collect();
+        let mut writers = Vec::new();
+        for (i, (target, wt)) in lower.into_iter().enumerate() {
+            let w = Writer { g2: Arc::clone(&g2), target, above: tiers[..i].to_vec(), marks_clean: i == 0 };
+            writers.push(
+                WriteThrough::start(wt, w)
                     .map_err(|e| TierError::io(TierKind::G2Host, "start write-through thread", e))?,
-            )
-        };
+            );
+        }
         Ok(Self {
-            wt,
+            writers,
             g2,
-            lower,
+            lower: Arc::new(tiers),
             next_lease: AtomicU64::new(1),
             promotions: Count::labelled("kvcached_promotions_total", &[]),
         })
@@ -134,7 +149,7 @@ impl BlockStore {
     /// Puts a block given as pieces concatenated in order (gathered from engine memory in one
     /// copy). Same semantics as [`BlockStore::put`].
     pub fn put_parts(&self, key: BlockKey, meta: BlockMeta, parts: &[&[u8]]) -> Result<bool> {
-        let dirty = self.wt.is_some();
+        let dirty = !self.writers.is_empty();
         let stored = self.g2.put_parts(key, meta, parts, dirty)?;
         self.after_put(key, stored)
     }
@@ -147,18 +162,29 @@ impl BlockStore {
         meta: BlockMeta,
         fill: impl FnOnce(&[(*mut u8, usize)]) -> Result<()>,
     ) -> Result<bool> {
-        let stored = self.g2.put_with(key, meta, self.wt.is_some(), fill)?;
+        let stored = self.g2.put_with(key, meta, !self.writers.is_empty(), fill)?;
         self.after_put(key, stored)
     }
 
     fn after_put(&self, key: BlockKey, stored: bool) -> Result<bool> {
-        if stored
-            && let Some(wt) = &self.wt
-            && !wt.enqueue(key)
-        {
-            self.g2.mark_clean(&key);
+        if stored {
+            self.write_through(&key, None);
         }
         Ok(stored)
+    }
+
+    /// Queues `key` for the writers of the tiers faster than `faster_than` (every lower tier
+    /// when None: a save). G2 keeps the block dirty for the first writer only; if that writer
+    /// cannot queue it, the block is clean now.
+    fn write_through(&self, key: &BlockKey, faster_than: Option<TierKind>) {
+        for (i, w) in self.writers.iter().enumerate() {
+            if faster_than.is_some_and(|t| w.tier.index() >= t.index()) {
+                continue;
+            }
+            if !w.enqueue(*key) && i == 0 {
+                self.g2.mark_clean(key);
+            }
+        }
     }
 
     /// Hands the block's bytes to `f` as pieces in order: straight from G2 without a copy when
@@ -191,19 +217,23 @@ impl BlockStore {
         }
         for tier in self.lower.iter() {
             if let Some(meta) = tier.get(key, out)? {
-                self.promote(key, meta, out);
+                self.promote(key, meta, out, tier.kind());
                 return Ok(Some(Hit { meta, tier: tier.kind() }));
             }
         }
         Ok(None)
     }
 
-    /// Copies a block read from a lower tier into G2 (clean: it is already below). A full G2
-    /// only skips the promotion.
-    fn promote(&self, key: &BlockKey, meta: BlockMeta, data: &[u8]) -> bool {
-        match self.g2.put_marked(BlockRef { key: *key, meta, data }, false) {
-            Ok(_) => {
+    /// Copies a block read from lower tier `from` into G2, and queues it for the tiers between
+    /// (a G4 hit lands in G3 too). A full G2 only skips the promotion.
+    fn promote(&self, key: &BlockKey, meta: BlockMeta, data: &[u8], from: TierKind) -> bool {
+        let dirty = self.writers.first().is_some_and(|w| w.tier.index() < from.index());
+        match self.g2.put_marked(BlockRef { key: *key, meta, data }, dirty) {
+            Ok(stored) => {
                 self.promotions.add(1);
+                if stored && dirty {
+                    self.write_through(key, Some(from));
+                }
                 true
             }
             Err(e) => {
@@ -215,9 +245,9 @@ impl BlockStore {
 
     /// Brings the blocks of `keys` that are not in G2 up from the tiers below, each tier's share
     /// read in one batch (one I/O hand-off, all reads in flight together, instead of one round
-    /// trip per block). Returns the keys promoted. Loads of chains from G3 call this per chunk
-    /// before copying the chunk out of G2.
-    pub fn promote_batch(&self, keys: &[BlockKey]) -> Result<Vec<BlockKey>> {
+    /// trip per block). Returns the keys promoted and the tier each came from. Loads of chains
+    /// from G3 or G4 call this per chunk before copying the chunk out of G2.
+    pub fn promote_batch(&self, keys: &[BlockKey]) -> Result<Vec<(BlockKey, TierKind)>> {
         let present = self.g2.contains_each(keys);
         let mut left: Vec<BlockKey> = keys.iter().zip(present).filter(|(_, p)| !p).map(|(k, _)| *k).collect();
         let mut promoted = Vec::new();
@@ -234,8 +264,8 @@ impl BlockStore {
             for ((key, r), buf) in left.iter().zip(got).zip(bufs.iter()) {
                 match r? {
                     Some(meta) => {
-                        if self.promote(key, meta, buf) {
-                            promoted.push(*key);
+                        if self.promote(key, meta, buf, tier.kind()) {
+                            promoted.push((*key, tier.kind()));
                         }
                     }
                     None => still.push(*key),
@@ -343,8 +373,8 @@ impl BlockStore {
 
     /// Waits for queued write-through and makes the lower tiers durable.
     pub fn flush(&self) -> Result<()> {
-        if let Some(wt) = &self.wt {
-            wt.wait_idle();
+        for w in &self.writers {
+            w.wait_idle();
         }
         for t in self.lower.iter() {
             t.flush()?;
@@ -355,14 +385,19 @@ impl BlockStore {
     pub fn stats(&self) -> StoreStats {
         let mut tiers = vec![(TierKind::G2Host, self.g2.stats())];
         tiers.extend(self.lower.iter().map(|t| (t.kind(), t.stats())));
-        let (mut written, mut dropped, mut errors, mut queued) = (0, 0, 0, 0);
-        if let Some(wt) = &self.wt {
-            written = wt.counters.written.get();
-            dropped = wt.counters.dropped.get();
-            errors = wt.counters.errors.get();
-            queued = wt.queued();
-        }
+        let by_tier: Vec<(TierKind, u64, u64, u64, u64)> = self
+            .writers
+            .iter()
+            .map(|w| {
+                let c = &w.counters;
+                (w.tier, c.written.get(), c.dropped.get() + c.vanished.get(), c.errors.get(), w.queued())
+            })
+            .collect();
+        // The first writer's figures are the store's (what `/healthz` and Stats reported before
+        // G4); every tier's are in `writethrough_by_tier`.
+        let (written, dropped, errors, queued) = by_tier.first().map_or((0, 0, 0, 0), |&(_, w, d, e, q)| (w, d, e, q));
         StoreStats {
+            writethrough_by_tier: by_tier,
             tiers,
             writethrough_written: written,
             writethrough_dropped: dropped,
@@ -371,6 +406,33 @@ impl BlockStore {
             writethrough_queued: queued,
             promotions: self.promotions.get(),
         }
+    }
+}
+
+impl BlockStore {
+    /// How many leading blocks of `keys` (a chain of `namespace` none of whose blocks the
+    /// tiers' indexes know) a lower tier holds after asking its medium: G4 finds what other
+    /// daemons wrote, in a few round trips.
+    pub fn probe_lower(&self, namespace: kvproto::NamespaceId, keys: &[BlockKey]) -> usize {
+        self.lower.iter().map(|t| t.probe_prefix(namespace, keys)).max().unwrap_or(0)
+    }
+
+    /// Whether any lower tier must be asked beyond its index (G4).
+    pub fn has_remote_tier(&self) -> bool {
+        self.lower.iter().any(|t| t.kind() == TierKind::G4Object)
+    }
+
+    /// Why lower tiers are degraded now, one line each.
+    pub fn degraded(&self) -> Vec<String> {
+        self.lower
+            .iter()
+            .filter_map(|t| t.degraded().map(|why| format!("{} degraded: {why}", t.kind().label().to_uppercase())))
+            .collect()
+    }
+
+    /// The queue depth and capacity of each lower tier's write-through: (tier, queued).
+    pub fn writethrough_queued(&self) -> Vec<(TierKind, u64)> {
+        self.writers.iter().map(|w| (w.tier, w.queued())).collect()
     }
 }
 

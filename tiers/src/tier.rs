@@ -80,6 +80,18 @@ pub trait Tier: Send + Sync + std::fmt::Debug {
         false
     }
 
+    /// How many leading blocks of `keys` (a chain of `namespace`) this tier holds, asking its
+    /// medium where the tier's own index cannot know (G4: other daemons' writes). The default
+    /// counts what [`Tier::contains_each`] says.
+    fn probe_prefix(&self, _namespace: kvproto::NamespaceId, keys: &[BlockKey]) -> usize {
+        self.contains_each(keys).into_iter().take_while(|p| *p).count()
+    }
+
+    /// Why the tier is degraded now (its medium failing), if it is.
+    fn degraded(&self) -> Option<String> {
+        None
+    }
+
     /// Makes every completed put durable (no-op for volatile tiers).
     fn flush(&self) -> Result<()> {
         Ok(())

@@ -1,12 +1,19 @@
-//! Write-through: blocks put into G2 are copied to the tiers below in the background, in
-//! batches, by one named thread fed by a bounded channel. A full queue drops the write-through
-//! (counted; the block stays in G2) rather than blocking the engine's save.
+//! Write-through: blocks put into G2 are copied to each tier below in the background, in
+//! batches, by one named thread per tier (`kv-writethrough-g3`, `kv-writethrough-g4`) fed by
+//! its own bounded channel, so a slow object store never holds back the disk. A full queue
+//! drops that tier's write-through (counted; the block stays in G2) rather than blocking the
+//! engine's save.
+//!
+//! A block evicted from G2 before a lower tier's writer reached it is read from a tier above
+//! that one (G4's writer reads G3). Only the first lower tier's writer marks a G2 block clean:
+//! until then G2 keeps it for that tier (up to `dirty_wait`, see [`crate::host`]).
 
 use std::sync::Arc;
 use std::thread::JoinHandle;
+use std::time::Instant;
 
 use crossbeam_channel::{Receiver, Sender, TrySendError, bounded};
-use kvproto::BlockKey;
+use kvproto::{BlockKey, TierKind};
 use parking_lot::{Condvar, Mutex};
 
 use crate::block::BlockMeta;
@@ -15,12 +22,12 @@ use crate::host::HostTier;
 use crate::stats::Count;
 use crate::tier::{BlockRef, Tier};
 
-/// Tuning of the write-through path.
+/// Tuning of one tier's write-through.
 #[derive(Debug, Clone, Copy)]
 pub struct WriteThroughConfig {
     /// Blocks that may wait; beyond this a write-through is dropped and counted.
     pub queue: usize,
-    /// Blocks written per batch (one fsync and one index batch each).
+    /// Blocks written per batch (G3: one fsync and one index batch; G4: requests in flight).
     pub batch: usize,
 }
 
@@ -30,22 +37,31 @@ impl Default for WriteThroughConfig {
     }
 }
 
-/// Counters of the write-through path; metric handles are registered when the store opens.
+/// Counters of one tier's write-through; metric handles registered when the store opens.
 #[derive(Debug)]
 pub(crate) struct WtCounters {
     pub written: Count,
     pub dropped: Count,
+    /// Blocks gone from every tier above before the writer reached them.
+    pub vanished: Count,
     pub errors: Count,
     depth: metrics::Gauge,
+    lag: metrics::Gauge,
 }
 
 impl WtCounters {
-    fn new() -> Self {
+    fn new(tier: TierKind) -> Self {
+        let t = tier.label();
         Self {
-            written: Count::labelled("kvcached_writethrough_blocks_total", &[]),
-            dropped: Count::labelled("kvcached_writethrough_dropped_total", &[("reason", "queue_full")]),
-            errors: Count::labelled("kvcached_writethrough_errors_total", &[]),
-            depth: metrics::gauge!("kvcached_writethrough_queue_depth"),
+            written: Count::labelled("kvcached_writethrough_blocks_total", &[("tier", t)]),
+            dropped: Count::labelled("kvcached_writethrough_dropped_total", &[("tier", t), ("reason", "queue_full")]),
+            vanished: Count::labelled(
+                "kvcached_writethrough_dropped_total",
+                &[("tier", t), ("reason", "gone_before_write")],
+            ),
+            errors: Count::labelled("kvcached_writethrough_errors_total", &[("tier", t)]),
+            depth: metrics::gauge!("kvcached_writethrough_queue_depth", "tier" => t),
+            lag: metrics::gauge!("kvcached_writethrough_lag_seconds", "tier" => t),
         }
     }
 }
@@ -56,33 +72,46 @@ struct Pending {
     idle: Condvar,
 }
 
-/// Handle of the write-through thread.
+/// Handle of one tier's write-through thread.
 #[derive(Debug)]
 pub(crate) struct WriteThrough {
-    tx: Option<Sender<BlockKey>>,
+    pub tier: TierKind,
+    tx: Option<Sender<(BlockKey, Instant)>>,
     pending: Arc<Pending>,
     thread: Option<JoinHandle<()>>,
     pub counters: Arc<WtCounters>,
 }
 
+/// What one writer writes to and reads from.
+pub(crate) struct Writer {
+    pub g2: Arc<HostTier>,
+    /// The tier written.
+    pub target: Arc<dyn Tier>,
+    /// Tiers between G2 and the target, read when a block already left G2.
+    pub above: Vec<Arc<dyn Tier>>,
+    /// Whether this writer marks G2 blocks clean once written (the first lower tier's does).
+    pub marks_clean: bool,
+}
+
 impl WriteThrough {
-    pub fn start(cfg: WriteThroughConfig, g2: Arc<HostTier>, lower: Arc<Vec<Arc<dyn Tier>>>) -> std::io::Result<Self> {
+    pub fn start(cfg: WriteThroughConfig, w: Writer) -> std::io::Result<Self> {
+        let tier = w.target.kind();
         let (tx, rx) = bounded(cfg.queue.max(1));
         let pending = Arc::new(Pending { n: Mutex::new(0), idle: Condvar::new() });
-        let counters = Arc::new(WtCounters::new());
+        let counters = Arc::new(WtCounters::new(tier));
         let (p, c) = (Arc::clone(&pending), Arc::clone(&counters));
         let batch = cfg.batch.max(1);
         let thread = std::thread::Builder::new()
-            .name("kv-writethrough".into())
-            .spawn(move || writer_loop(&rx, batch, &g2, &lower, &p, &c))?;
-        Ok(Self { tx: Some(tx), pending, thread: Some(thread), counters })
+            .name(format!("kv-writethrough-{}", tier.label()))
+            .spawn(move || writer_loop(&rx, batch, &w, &p, &c))?;
+        Ok(Self { tier, tx: Some(tx), pending, thread: Some(thread), counters })
     }
 
     /// Queues `key`; false (and counted) if the queue is full or closed.
     pub fn enqueue(&self, key: BlockKey) -> bool {
         let Some(tx) = &self.tx else { return false };
         let mut n = self.pending.n.lock();
-        match tx.try_send(key) {
+        match tx.try_send((key, Instant::now())) {
             Ok(()) => {
                 *n += 1;
                 self.counters.depth.set(*n as f64);
@@ -101,7 +130,7 @@ impl WriteThrough {
         while *n > 0 {
             // A writer that died (a bug) must not hang shutdown: check it is still there.
             if self.thread.as_ref().is_none_or(|t| t.is_finished()) {
-                tracing::error!(queued = *n, "write-through thread is gone; queued blocks stay in G2 only");
+                tracing::error!(queued = *n, tier = %self.tier, "write-through thread is gone; queued blocks stay in G2 only");
                 return;
             }
             self.pending.idle.wait_for(&mut n, std::time::Duration::from_millis(100));
@@ -123,14 +152,24 @@ impl Drop for WriteThrough {
     }
 }
 
-fn writer_loop(
-    rx: &Receiver<BlockKey>,
-    batch: usize,
-    g2: &HostTier,
-    lower: &[Arc<dyn Tier>],
-    pending: &Pending,
-    counters: &WtCounters,
-) {
+/// Copies `key`'s bytes into `buf` from G2, else from a tier above the target.
+fn copy_out(w: &Writer, key: &BlockKey, buf: &mut BlockBuf) -> Option<BlockMeta> {
+    let got = w.g2.with_block_uncounted(key, |meta, pieces| {
+        buf.resize(meta.len as usize);
+        let mut off = 0;
+        for p in pieces {
+            buf[off..off + p.len()].copy_from_slice(p);
+            off += p.len();
+        }
+        *meta
+    });
+    if got.is_some() {
+        return got;
+    }
+    w.above.iter().find_map(|t| t.get(key, buf).ok().flatten())
+}
+
+fn writer_loop(rx: &Receiver<(BlockKey, Instant)>, batch: usize, w: &Writer, pending: &Pending, counters: &WtCounters) {
     let mut bufs: Vec<BlockBuf> = Vec::new();
     while let Ok(first) = rx.recv() {
         let mut keys = vec![first];
@@ -140,47 +179,40 @@ fn writer_loop(
                 Err(_) => break,
             }
         }
-        // Copy out of G2 (the block may have been evicted or removed meanwhile: skip it).
+        counters.lag.set(keys.iter().map(|(_, t)| t.elapsed().as_secs_f64()).fold(0.0, f64::max));
         bufs.resize_with(keys.len().max(bufs.len()), BlockBuf::new);
         let mut found: Vec<(BlockKey, BlockMeta, usize)> = Vec::new();
-        for (i, k) in keys.iter().enumerate() {
-            let buf = &mut bufs[i];
-            let got = g2.with_block_uncounted(k, |meta, pieces| {
-                buf.resize(meta.len as usize);
-                let mut off = 0;
-                for p in pieces {
-                    buf[off..off + p.len()].copy_from_slice(p);
-                    off += p.len();
-                }
-                *meta
-            });
-            if let Some(meta) = got {
-                found.push((*k, meta, i));
+        for (i, (k, _)) in keys.iter().enumerate() {
+            match copy_out(w, k, &mut bufs[i]) {
+                Some(meta) => found.push((*k, meta, i)),
+                None => counters.vanished.add(1),
             }
         }
         let refs: Vec<BlockRef<'_>> =
             found.iter().map(|(key, meta, i)| BlockRef { key: *key, meta: *meta, data: &bufs[*i] }).collect();
-        let mut all_ok = vec![true; refs.len()];
-        for tier in lower {
-            for (j, r) in tier.put_batch(&refs).into_iter().enumerate() {
-                if let Err(e) = r {
-                    all_ok[j] = false;
+        let mut ok = 0u64;
+        for (j, r) in w.target.put_batch(&refs).into_iter().enumerate() {
+            match r {
+                Ok(_) => ok += 1,
+                Err(e) => {
                     counters.errors.add(1);
-                    tracing::debug!(key = %refs[j].key, "write-through to {} failed: {e}", tier.kind());
+                    tracing::debug!(key = %refs[j].key, "write-through to {} failed: {e}", w.target.kind());
                 }
             }
         }
-        let ok = all_ok.iter().filter(|o| **o).count() as u64;
         counters.written.add(ok);
-        // A failed write-through leaves the block clean too: retrying a full or broken disk
+        // A failed write-through leaves the block clean too: retrying a full or broken tier
         // would only pin G2. The failure is counted above.
-        for (k, _, _) in &found {
-            g2.mark_clean(k);
+        if w.marks_clean {
+            for (k, _, _) in &found {
+                w.g2.mark_clean(k);
+            }
         }
         let mut n = pending.n.lock();
         *n = n.saturating_sub(keys.len() as u64);
         counters.depth.set(*n as f64);
         if *n == 0 {
+            counters.lag.set(0.0);
             pending.idle.notify_all();
         }
     }

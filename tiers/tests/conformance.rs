@@ -33,6 +33,21 @@ fn g3_inline(capacity: u64) -> (Arc<dyn Tier>, tempfile::TempDir) {
     (as_tier(Arc::new(t)), d)
 }
 
+/// G4 over `object_store`'s in-memory store and over its local filesystem (a shared mount),
+/// with a byte budget of `capacity` (its LRU deletion is what the eviction cases check).
+fn g4_memory(capacity: u64) -> (Arc<dyn Tier>, tempfile::TempDir) {
+    let d = tempfile::tempdir().unwrap();
+    let mut cfg = kvtiers::ObjectTierConfig::new("memory://");
+    cfg.capacity_bytes = capacity;
+    (Arc::new(kvtiers::ObjectTier::open(&cfg).unwrap()), d)
+}
+fn g4_file(capacity: u64) -> (Arc<dyn Tier>, tempfile::TempDir) {
+    let d = tempfile::tempdir().unwrap();
+    let mut cfg = kvtiers::ObjectTierConfig::new(format!("file://{}", d.path().join("bucket").display()));
+    cfg.capacity_bytes = capacity;
+    (Arc::new(kvtiers::ObjectTier::open(&cfg).unwrap()), d)
+}
+
 fn put(t: &dyn Tier, chain: u32, i: u32, len: usize) -> Result<bool, TierError> {
     let k = key(chain, i);
     let data = content(&k, len);
@@ -375,3 +390,5 @@ suite!(g2_host, g2);
 suite!(g3_disk_uring, g3_uring);
 suite!(g3_disk_psync, g3_psync);
 suite!(g3_disk_inline, g3_inline);
+suite!(g4_object_memory, g4_memory);
+suite!(g4_object_file, g4_file);

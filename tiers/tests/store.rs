@@ -19,6 +19,8 @@ fn store_in(dir: &std::path::Path, g2_bytes: u64, g3_bytes: u64) -> BlockStore {
         g2: host_cfg(dir, g2_bytes),
         g3: Some(disk_cfg(&dir.join("g3"), g3_bytes)),
         write_through: WriteThroughConfig::default(),
+        g4: None,
+        g4_write_through: WriteThroughConfig::default(),
     };
     BlockStore::open(&cfg).unwrap()
 }

@@ -52,11 +52,66 @@ enum Command {
         #[arg(long)]
         token_area_bytes: Option<usize>,
     },
+    /// G4 against a real S3-compatible server (SeaweedFS, started here) beside raw object_store.
+    G4 {
+        /// Blocks of each size (256 KiB and 2 MiB).
+        #[arg(long, default_value_t = 128)]
+        count: u32,
+        /// Requests in flight.
+        #[arg(long, default_value_t = 16)]
+        concurrency: usize,
+    },
+}
+
+fn g4(count: u32, concurrency: usize) -> ExitCode {
+    let dir = match tempfile::tempdir() {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("kvbench: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let s3 = kvtests::s3::SeaweedFs::start(&dir.path().join("s3"));
+    // SAFETY: set before any other thread exists (the server runs in its own process).
+    unsafe {
+        std::env::set_var("AWS_ACCESS_KEY_ID", kvtests::s3::ACCESS_KEY);
+        std::env::set_var("AWS_SECRET_ACCESS_KEY", kvtests::s3::SECRET_KEY);
+    }
+    let report =
+        kvbench::g4::run(&s3.endpoint, kvtests::s3::BUCKET, count.max(16), concurrency.max(1)).and_then(|mut r| {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+                .map_err(|e| e.to_string())?;
+            r.prompt = Some(rt.block_on(kvbench::g4::prompt_from_g4(
+                &s3.endpoint,
+                kvtests::s3::BUCKET,
+                dir.path(),
+                concurrency.max(1),
+            ))?);
+            Ok(r)
+        });
+    match report {
+        Ok(r) => {
+            print!("{}", kvbench::g4::markdown(&r));
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("kvbench: {e}");
+            ExitCode::FAILURE
+        }
+    }
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let Command::Socket { socket, dir, calls, warmup, samples, g3, key_memo_bytes, token_area_bytes } = cli.command;
+    let (socket, dir, calls, warmup, samples, g3, key_memo_bytes, token_area_bytes) = match cli.command {
+        Command::Socket { socket, dir, calls, warmup, samples, g3, key_memo_bytes, token_area_bytes } => {
+            (socket, dir, calls, warmup, samples, g3, key_memo_bytes, token_area_bytes)
+        }
+        Command::G4 { count, concurrency } => return g4(count, concurrency),
+    };
     let base = dir.unwrap_or_else(|| {
         let shm = std::path::Path::new("/dev/shm");
         if shm.is_dir() { shm.to_path_buf() } else { std::env::temp_dir() }

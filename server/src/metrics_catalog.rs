@@ -1,0 +1,129 @@
+//! Every `kvcached_*` metric: its help text, unit and buckets (latencies are Prometheus
+//! histograms, so they aggregate across a fleet), and the request-level series the service
+//! records ([`Rpc`]). docs/operations.md, "Metrics", lists them for operators.
+
+use std::time::Instant;
+
+use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
+
+/// Buckets of every `*_seconds` histogram: 20 us to 10 s.
+pub const LATENCY_BUCKETS: &[f64] =
+    &[2e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0];
+/// Buckets of `kvcached_lookup_hit_blocks` (blocks of a prompt found, 16 tokens each by default).
+pub const HIT_BLOCK_BUCKETS: &[f64] = &[0.0, 1.0, 4.0, 16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0];
+/// Buckets of `kvcached_g4_probe_rounds`.
+pub const ROUND_BUCKETS: &[f64] = &[0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0];
+
+/// The exporter with histogram buckets for every histogram the daemon records.
+pub fn builder() -> PrometheusBuilder {
+    let b = PrometheusBuilder::new();
+    let with = |b: PrometheusBuilder, m: Matcher, buckets: &[f64]| b.set_buckets_for_metric(m.clone(), buckets);
+    let b = with(b, Matcher::Suffix("_seconds".into()), LATENCY_BUCKETS);
+    let b = b.and_then(|b| with(b, Matcher::Full("kvcached_lookup_hit_blocks".into()), HIT_BLOCK_BUCKETS));
+    let b = b.and_then(|b| with(b, Matcher::Full("kvcached_g4_probe_rounds".into()), ROUND_BUCKETS));
+    // The buckets above are non-empty constants: setting them cannot fail.
+    b.unwrap_or_else(|_| PrometheusBuilder::new())
+}
+
+/// Describes every metric (HELP lines and units), on the installed recorder.
+pub fn describe() {
+    for (name, help) in [
+        ("kvcached_rpc_requests_total", "gRPC calls answered, by method and status code."),
+        ("kvcached_tier_hits_total", "Blocks read from a tier."),
+        ("kvcached_tier_misses_total", "Reads of a tier that found no block."),
+        ("kvcached_tier_evictions_total", "Blocks evicted from a tier to make room."),
+        (
+            "kvcached_tier_checksum_failures_total",
+            "Blocks whose bytes failed verification (served as misses, removed).",
+        ),
+        ("kvcached_tier_put_errors_total", "Failed writes into a tier."),
+        ("kvcached_writethrough_blocks_total", "Blocks written through to a lower tier."),
+        ("kvcached_writethrough_dropped_total", "Write-throughs dropped, by tier and reason."),
+        ("kvcached_writethrough_errors_total", "Write-throughs that failed, by tier."),
+        ("kvcached_promotions_total", "Blocks promoted into G2 from a lower tier."),
+        (
+            "kvcached_prefill_tokens_saved_total",
+            "Prompt tokens loaded into engines instead of recomputed, by the tier they came from.",
+        ),
+        ("kvcached_lookups_total", "Lookups, by whether they found at least one block."),
+        ("kvcached_load_mismatch_total", "Blocks of another namespace or size refused by a load."),
+        ("kvcached_block_keys_total", "Block keys derived or reused by the key memo."),
+        ("kvcached_limit_refusals_total", "Requests or connections refused by a limit."),
+        ("kvcached_limit_refusals_by_limit_total", "Refusals by limit."),
+        ("kvcached_accept_errors_total", "Failed accepts (out of descriptors, memory), by listener."),
+        ("kvcached_g4_corrupt_deleted_total", "G4 objects that failed verification and were deleted."),
+        ("kvcached_g4_stale_total", "G4 objects the index knew that the store no longer had."),
+        ("kvcached_vllm_export_dropped_total", "vLLM-format export events dropped (queue full)."),
+        ("kvcached_vllm_export_snapshots_total", "Snapshots sent to new vLLM-format subscribers."),
+        ("kvcached_vllm_export_unknown_total", "Blocks not exported for want of a record of their tokens."),
+        ("kvcached_vllm_export_unpersisted_total", "Export records not written to the origins log."),
+    ] {
+        describe_counter!(name, help);
+    }
+    describe_counter!("kvcached_tier_bytes_written_total", Unit::Bytes, "Bytes written into a tier.");
+    describe_counter!("kvcached_tier_bytes_read_total", Unit::Bytes, "Bytes read from a tier.");
+    for (name, help) in [
+        ("kvcached_tier_blocks", "Blocks held by a tier."),
+        ("kvcached_engines_attached", "Engines attached now."),
+        ("kvcached_connections", "Client connections open now."),
+        ("kvcached_writethrough_queue_depth", "Blocks waiting for write-through, by tier."),
+        ("kvcached_g2_prefault_done", "1 once the G2 pool is mapped."),
+    ] {
+        describe_gauge!(name, help);
+    }
+    describe_gauge!("kvcached_tier_used_bytes", Unit::Bytes, "Bytes a tier holds.");
+    describe_gauge!("kvcached_tier_capacity_bytes", Unit::Bytes, "Bytes a tier may hold (0: no budget).");
+    describe_gauge!("kvcached_g2_prefaulted_bytes", Unit::Bytes, "Bytes of the G2 pool mapped so far.");
+    describe_gauge!(
+        "kvcached_writethrough_lag_seconds",
+        Unit::Seconds,
+        "Age of the oldest block of the last write-through batch, by tier."
+    );
+    describe_histogram!("kvcached_rpc_duration_seconds", Unit::Seconds, "Time to answer a gRPC call, by method.");
+    describe_histogram!("kvcached_tier_op_duration_seconds", Unit::Seconds, "Time of a tier's put or get, by tier.");
+    describe_histogram!("kvcached_lookup_hit_blocks", "Leading blocks of a prompt a lookup found cached.");
+    describe_histogram!("kvcached_g4_probe_rounds", "Round trips a lookup's G4 probe took.");
+}
+
+/// One gRPC call being answered: records its duration and outcome when finished.
+#[derive(Debug)]
+pub struct Rpc {
+    name: &'static str,
+    t0: Instant,
+}
+
+impl Rpc {
+    pub fn start(name: &'static str) -> Self {
+        Self { name, t0: Instant::now() }
+    }
+
+    /// Records the call's outcome and passes it on.
+    pub fn done<T>(self, r: Result<T, tonic::Status>) -> Result<T, tonic::Status> {
+        let code = match &r {
+            Ok(_) => "ok",
+            Err(s) => code_label(s.code()),
+        };
+        metrics::histogram!("kvcached_rpc_duration_seconds", "rpc" => self.name)
+            .record(self.t0.elapsed().as_secs_f64());
+        metrics::counter!("kvcached_rpc_requests_total", "rpc" => self.name, "code" => code).increment(1);
+        r
+    }
+}
+
+fn code_label(c: tonic::Code) -> &'static str {
+    use tonic::Code::*;
+    match c {
+        Ok => "ok",
+        InvalidArgument => "invalid_argument",
+        NotFound => "not_found",
+        FailedPrecondition => "failed_precondition",
+        ResourceExhausted => "resource_exhausted",
+        PermissionDenied => "permission_denied",
+        OutOfRange => "out_of_range",
+        Unavailable => "unavailable",
+        DeadlineExceeded => "deadline_exceeded",
+        Cancelled => "cancelled",
+        _ => "other",
+    }
+}
