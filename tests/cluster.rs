@@ -50,6 +50,9 @@ fn router_config() -> RouterConfig {
         ..RouterConfig::default()
     };
     c.health.default_report_interval_ms = 200;
+    // Off: these steps check which tier the index says holds each block, and a prefetch hint
+    // would bring node-a's G3 blocks into its G2 (tests/cross_node.rs covers prefetch).
+    c.prefetch.enabled = false;
     c
 }
 

@@ -36,6 +36,7 @@ async fn a_bounded_publisher_never_blocks_and_routers_catch_up_by_replay() {
         log.clone(),
         PublishConfig {
             routers: vec![router.base.clone(), format!("http://{late_addr}")],
+            auth: Default::default(),
             info: info("A", &["w1"], &ns, 50, Some(url)),
             max_pending: 8, // tiny: most of the burst below cannot be queued
             max_batch: 4,
@@ -43,6 +44,7 @@ async fn a_bounded_publisher_never_blocks_and_routers_catch_up_by_replay() {
         },
         || {
             Some(LoadReport {
+                links: vec![],
                 tiers: vec![],
                 engines: vec![EngineLoad {
                     worker: WorkerId("w1".into()),
@@ -50,10 +52,12 @@ async fn a_bounded_publisher_never_blocks_and_routers_catch_up_by_replay() {
                     waiting: 1,
                     kv_used_blocks: 10,
                     kv_total_blocks: 100,
+                    prefill_tokens_per_s: None,
                 }],
             })
         },
-    );
+    )
+    .unwrap();
     for i in 0..200 {
         let keys = ns.keys(&prompt(i, 2));
         publisher.publish(stored(&ns, &keys, TierKind::G2Host, node("A")));

@@ -83,8 +83,13 @@ async fn load_terms_spread_requests_that_no_cache_distinguishes() {
         waiting: 0,
         kv_used_blocks: used,
         kv_total_blocks: 100,
+        prefill_tokens_per_s: None,
     };
-    msg.load = Some(LoadReport { tiers: vec![], engines: vec![load("w1", 5, 90), load("w2", 0, 0), load("w3", 1, 0)] });
+    msg.load = Some(LoadReport {
+        tiers: vec![],
+        engines: vec![load("w1", 5, 90), load("w2", 0, 0), load("w3", 1, 0)],
+        links: vec![],
+    });
     srv.publish(&msg).await;
     // Cold prompts: w2 is idle, then routed-since-report counts push later requests elsewhere.
     let first = srv.route(route_body(&prompt(7, 3))).await;

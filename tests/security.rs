@@ -380,7 +380,14 @@ async fn bad_input_is_invalid_argument_everywhere() {
     let tokens = kvproto::tokens_to_le(&prompt(2));
     for (block_ids, why) in [(vec![0, 99], "out of range"), (vec![0, 1, 2], "full blocks")] {
         let e = c
-            .load(pb::LoadRequest { engine_id: id, tokens: tokens.clone(), block_ids, wait: true, first_block: 0 })
+            .load(pb::LoadRequest {
+                engine_id: id,
+                tokens: tokens.clone(),
+                block_ids,
+                wait: true,
+                first_block: 0,
+                sources: vec![],
+            })
             .await
             .unwrap_err();
         assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");

@@ -460,8 +460,32 @@ impl Client {
         kv_used_blocks: u64,
         kv_total_blocks: u64,
     ) -> Result<(), ClientError> {
+        self.report_load_and_prefill(running, waiting, kv_used_blocks, kv_total_blocks, 0, Duration::ZERO).await
+    }
+
+    /// [`Client::report_load`] with the prefill the engine computed since its last report
+    /// (`prefill_tokens` tokens in `prefill_time` of compute): the daemon averages them into the
+    /// engine's prefill rate, which routers weigh against link rates to decide splits.
+    pub async fn report_load_and_prefill(
+        &self,
+        running: u32,
+        waiting: u32,
+        kv_used_blocks: u64,
+        kv_total_blocks: u64,
+        prefill_tokens: u64,
+        prefill_time: Duration,
+    ) -> Result<(), ClientError> {
+        let prefill_us = prefill_time.as_micros().min(u128::from(u64::MAX)) as u64;
         self.with_retry(|mut rpc, engine_id| {
-            let req = pb::EngineLoadRequest { engine_id, running, waiting, kv_used_blocks, kv_total_blocks };
+            let req = pb::EngineLoadRequest {
+                engine_id,
+                running,
+                waiting,
+                kv_used_blocks,
+                kv_total_blocks,
+                prefill_tokens,
+                prefill_us,
+            };
             async move { rpc.report_load(req).await }
         })
         .await
@@ -473,7 +497,7 @@ impl Client {
     pub async fn load(&self, tokens: &[u32], first_block: u32, slots: &[u32]) -> Result<LoadOp, ClientError> {
         let le = kvproto::tokens_to_le(tokens);
         // The engine id the load was made under (a heartbeat may re-register right after it).
-        let (s, engine_id) = self.load_rpc_le(&le, first_block, slots, false).await?;
+        let (s, engine_id) = self.load_rpc_le(&le, first_block, slots, false, &[]).await?;
         Ok(LoadOp {
             current: Arc::new(Mutex::new((s.op_id, engine_id))),
             restarting: Arc::new(tokio::sync::Mutex::new(())),
@@ -493,6 +517,22 @@ impl Client {
         finished(self.load_rpc(tokens, first_block, slots, true).await?)
     }
 
+    /// [`Client::load_now`] that may pull the blocks this node lacks from peer daemons:
+    /// `sources` are their peer channels (`host:port`), as a router's split answer or route
+    /// answer names them. Blocks arrive verified into the node's G2, then into the slots, the
+    /// first ones while later ones are still in flight; what does not arrive within the
+    /// daemon's `peer.pull_deadline_ms` is a miss (`loaded_blocks` stops there).
+    pub async fn load_from(
+        &self,
+        tokens: &[u32],
+        first_block: u32,
+        slots: &[u32],
+        sources: &[String],
+    ) -> Result<pb::LoadStatus, ClientError> {
+        let le = kvproto::tokens_to_le(tokens);
+        finished(self.load_rpc_le(&le, first_block, slots, true, sources).await?.0)
+    }
+
     async fn load_rpc(
         &self,
         tokens: &[u32],
@@ -500,7 +540,7 @@ impl Client {
         slots: &[u32],
         wait: bool,
     ) -> Result<pb::LoadStatus, ClientError> {
-        self.load_rpc_le(&kvproto::tokens_to_le(tokens), first_block, slots, wait).await.map(|(s, _)| s)
+        self.load_rpc_le(&kvproto::tokens_to_le(tokens), first_block, slots, wait, &[]).await.map(|(s, _)| s)
     }
 
     async fn load_rpc_le(
@@ -509,9 +549,17 @@ impl Client {
         first_block: u32,
         slots: &[u32],
         wait: bool,
+        sources: &[String],
     ) -> Result<(pb::LoadStatus, u64), ClientError> {
         self.with_retry_as(|mut rpc, engine_id| {
-            let req = pb::LoadRequest { engine_id, tokens: le.clone(), first_block, block_ids: slots.to_vec(), wait };
+            let req = pb::LoadRequest {
+                engine_id,
+                tokens: le.clone(),
+                first_block,
+                block_ids: slots.to_vec(),
+                wait,
+                sources: sources.to_vec(),
+            };
             async move { rpc.load(req).await }
         })
         .await
@@ -537,7 +585,7 @@ impl Client {
             // Another waiter on this load started it again meanwhile.
             return finished(self.wait_rpc(now.0, timeout_ms).await?);
         }
-        let (s, engine_id) = self.load_rpc_le(&op.tokens, op.first_block, &op.slots, false).await?;
+        let (s, engine_id) = self.load_rpc_le(&op.tokens, op.first_block, &op.slots, false, &[]).await?;
         *op.current.lock() = (s.op_id, engine_id);
         finished(self.wait_rpc(s.op_id, timeout_ms).await?)
     }

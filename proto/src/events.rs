@@ -157,6 +157,10 @@ pub struct EngineLoad {
     pub kv_used_blocks: u64,
     /// KV blocks the engine has in total.
     pub kv_total_blocks: u64,
+    /// Prefill tokens the engine computes per second (a moving average of what it reported);
+    /// absent until it reports any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefill_tokens_per_s: Option<f64>,
 }
 
 impl EngineLoad {
@@ -175,6 +179,20 @@ pub struct LoadReport {
     /// Per attached engine.
     #[serde(default)]
     pub engines: Vec<EngineLoad>,
+    /// Links to peer daemons this publisher has pulled from, as measured.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub links: Vec<LinkReport>,
+}
+
+/// The measured throughput of the link from a peer daemon to the reporting one.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LinkReport {
+    /// The peer's `peer_url` (as its own [`PublisherInfo`] gives it).
+    pub peer: String,
+    /// Bytes a second, a moving average of real transfers and idle probes.
+    pub bytes_per_s: f64,
+    /// Transfers and probes averaged.
+    pub samples: u64,
 }
 
 /// An engine attached to a publisher.
@@ -219,6 +237,10 @@ pub struct PublisherInfo {
     /// `GET {url}/events/snapshot`), if it has one.
     #[serde(default)]
     pub recovery_url: Option<String>,
+    /// `host:port` of the publisher's peer channel (where other daemons pull its blocks), if it
+    /// serves one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peer_url: Option<String>,
 }
 
 /// What a routed request actually found (the daemon reports it; the router compares it with its

@@ -7,6 +7,9 @@ pub enum RouterError {
     /// A request or event is malformed (bad JSON field, unknown namespace, invalid holder/tier).
     #[error("invalid request: {0}")]
     Invalid(String),
+    /// The caller's identity may not do this (a namespace it has no grant of).
+    #[error("{0}")]
+    Forbidden(String),
     /// No worker can take the request (none registered, none alive, or none in the candidate set).
     #[error("no worker available: {0}")]
     NoWorker(String),

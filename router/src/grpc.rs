@@ -1,7 +1,9 @@
 //! The gRPC API (`kvrouter.v1.Router/Route`, `router/proto/kvrouter.proto`): the same placement
 //! as `POST /route`, served on the HTTP listener (requests are told apart by path, and HTTP/2
 //! prior-knowledge connections are accepted next to HTTP/1.1). Errors become a `tonic::Status`
-//! only here: a bad request is `INVALID_ARGUMENT`, no worker `UNAVAILABLE`.
+//! only here: a bad request is `INVALID_ARGUMENT`, a namespace the caller has no grant of
+//! `PERMISSION_DENIED`, no worker `UNAVAILABLE`. (A caller without credentials never gets here:
+//! kvnet's middleware answers `UNAUTHENTICATED`.)
 
 use std::sync::Arc;
 
@@ -44,6 +46,7 @@ impl RouterService {
 pub fn status(e: RouterError) -> Status {
     match &e {
         RouterError::Invalid(_) | RouterError::Decode(_) => Status::invalid_argument(e.to_string()),
+        RouterError::Forbidden(_) => Status::permission_denied(e.to_string()),
         RouterError::NoWorker(_) => Status::unavailable(e.to_string()),
         _ => Status::internal(e.to_string()),
     }
@@ -152,7 +155,9 @@ pub fn to_proto(r: RouteResponse) -> pb::RouteResponse {
 #[tonic::async_trait]
 impl pb::router_server::Router for RouterService {
     async fn route(&self, request: Request<pb::RouteRequest>) -> Result<Response<pb::RouteResponse>, Status> {
+        // The caller's identity, when the API authenticates (put there by kvnet's middleware).
+        let who = request.extensions().get::<kvnet::Identity>().cloned();
         let req = from_proto(request.into_inner());
-        self.router.route(&req).map(|r| Response::new(to_proto(r))).map_err(status)
+        self.router.route_as(&req, who.as_ref()).map(|r| Response::new(to_proto(r))).map_err(status)
     }
 }

@@ -3,19 +3,28 @@
 //! `kvrouter.v1.Router/Route` ([`crate::grpc`]; the server speaks HTTP/1.1 and HTTP/2 with prior
 //! knowledge, and gRPC requests are told apart by their `/kvrouter.v1.Router/...` path).
 //!
-//! Errors are JSON `{"error": "..."}` with 400 (bad request) or 503 (no worker). `/healthz`
-//! answers 200 with `status` `ok` or `degraded` and the reasons; `/healthz?strict=true` answers
-//! 503 when degraded (for probes that should fail on a degraded router).
+//! Errors are JSON `{"error": "..."}` with 400 (bad request), 403 (a namespace the caller has
+//! no grant of) or 503 (no worker). `/healthz` answers 200 with `status` `ok` or `degraded` and
+//! the reasons; `/healthz?strict=true` answers 503 when degraded (for probes that should fail
+//! on a degraded router).
+//!
+//! Authentication (`[auth]`, [`kvnet`]): [`serve_router`] accepts through a guard (TLS when
+//! configured, offering HTTP/2 for gRPC and HTTP/1.1) and authenticates every request but
+//! `/healthz` and `/livez`; a refused request gets 401 (gRPC: UNAUTHENTICATED) saying what to
+//! present. With grants, `/route` and `Route` need a grant of the request's namespace, and
+//! `/events` and the indexer API, which span namespaces, a grant of every one.
 
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
+use axum::Extension;
 use axum::extract::{DefaultBodyLimit, Query, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router as AxumRouter};
+use kvnet::{Guard, Identity};
 use kvproto::events::PublisherMessage;
 use serde::Deserialize;
 use tokio::net::TcpListener;
@@ -24,7 +33,7 @@ use crate::RouterError;
 use crate::config::RouterConfig;
 use crate::grpc::RouterService;
 use crate::indexer_api::{self, IndexerApi};
-use crate::router::{RouteRequest, Router};
+use crate::router::{API_ENDPOINT, RouteRequest, Router};
 
 /// How often housekeeping runs (stale / dead holders, expiring conditions, recovery retries).
 pub const HOUSEKEEPING_PERIOD: Duration = Duration::from_millis(250);
@@ -33,6 +42,7 @@ impl IntoResponse for RouterError {
     fn into_response(self) -> Response {
         let status = match &self {
             RouterError::Invalid(_) | RouterError::Decode(_) => StatusCode::BAD_REQUEST,
+            RouterError::Forbidden(_) => StatusCode::FORBIDDEN,
             RouterError::NoWorker(_) => StatusCode::SERVICE_UNAVAILABLE,
             _ => StatusCode::INTERNAL_SERVER_ERROR,
         };
@@ -40,8 +50,12 @@ impl IntoResponse for RouterError {
     }
 }
 
-async fn route(State(r): State<Arc<Router>>, Json(req): Json<RouteRequest>) -> Response {
-    match r.route(&req) {
+async fn route(
+    State(r): State<Arc<Router>>,
+    who: Option<Extension<Identity>>,
+    Json(req): Json<RouteRequest>,
+) -> Response {
+    match r.route_as(&req, who.as_ref().map(|w| &w.0)) {
         Ok(resp) => Json(resp).into_response(),
         Err(e) => e.into_response(),
     }
@@ -87,13 +101,24 @@ pub fn app(router: Arc<Router>) -> AxumRouter {
 pub fn app_with(router: Arc<Router>, indexer: Arc<IndexerApi>) -> AxumRouter {
     let limit = router.config().max_body_bytes;
     let grpc = tonic::service::Routes::new(RouterService::server(router.clone())).into_axum_router();
-    let indexer = if router.config().indexer.enabled { indexer_api::routes(indexer) } else { AxumRouter::new() };
+    // Publishing and the indexer API span namespaces: with grants, only for identities granted
+    // every one (a tenant must not rewrite what the index says of another's blocks).
+    let indexer = if router.config().indexer.enabled {
+        kvnet::http::require_all_namespaces(indexer_api::routes(indexer), API_ENDPOINT, "use the indexer API")
+    } else {
+        AxumRouter::new()
+    };
+    let publish = kvnet::http::require_all_namespaces(
+        AxumRouter::new().route("/events", post(events)).with_state(router.clone()),
+        API_ENDPOINT,
+        "publish events (POST /events)",
+    );
     AxumRouter::new()
         .route("/route", post(route))
-        .route("/events", post(events))
         .route("/healthz", get(healthz))
         .route("/metrics", get(metrics))
         .with_state(router)
+        .merge(publish)
         .merge(indexer)
         .layer(DefaultBodyLimit::max(limit))
         .merge(grpc)
@@ -101,7 +126,9 @@ pub fn app_with(router: Arc<Router>, indexer: Arc<IndexerApi>) -> AxumRouter {
 }
 
 /// Runs a router on `listener` until `shutdown` resolves: the HTTP API, housekeeping, and one
-/// subscriber task per configured vLLM source.
+/// subscriber task per configured vLLM source. `config.auth` says who may call the API: a
+/// listener on a non-loopback address with no credentials configured is refused (unless
+/// `auth.open`).
 pub async fn serve(
     listener: TcpListener,
     config: RouterConfig,
@@ -117,6 +144,10 @@ pub async fn serve_router(
     router: Arc<Router>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), RouterError> {
+    // Before anything starts: a configuration that cannot be served stops here.
+    let addr = listener.local_addr()?;
+    let guard = Guard::new(API_ENDPOINT, &router.config().auth, addr, kvnet::http::SERVER_ALPN)
+        .map_err(|e| RouterError::Config(e.to_string()))?;
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let mut background = tokio::task::JoinSet::new();
     {
@@ -138,13 +169,14 @@ pub async fn serve_router(
         let stop = stop_rx.clone();
         background.spawn(async move { crate::zmq::run_source(r, i, src, stop).await });
     }
-    tracing::info!(addr = ?listener.local_addr().ok(), "kvrouter listening (HTTP and gRPC)");
+    tracing::info!(
+        %addr,
+        tls = guard.tls(),
+        credentials = guard.requires_credentials(),
+        "kvrouter listening (HTTP and gRPC)"
+    );
     let indexer = IndexerApi::new(router.clone());
-    let result = axum::serve(listener, app_with(router, indexer.clone()))
-        .with_graceful_shutdown(async move {
-            shutdown.await;
-        })
-        .await;
+    let result = kvnet::http::serve(listener, Arc::new(guard), app_with(router, indexer.clone()), shutdown).await;
     let _ = stop_tx.send(true);
     indexer.shutdown().await;
     while background.join_next().await.is_some() {}

@@ -99,6 +99,7 @@ fn describe() {
         ("kvrouter_outcomes_unknown_total", "Outcome reports with no pending prediction."),
         ("kvrouter_dropped_holders_total", "Workers dropped (silent, unlisted)."),
         ("kvrouter_dropped_facts_total", "Index facts dropped with dead holders or restarts."),
+        ("kvrouter_prefetch_total", "Prefetch hints sent to daemons, by result (sent, failed)."),
     ] {
         describe_counter!(name, help);
     }
@@ -125,6 +126,11 @@ fn write_state(st: &State) {
     let c = &st.counters;
     counter!("kvrouter_routes_total").absolute(c.routes);
     counter!("kvrouter_route_errors_total").absolute(c.route_errors);
+    {
+        use std::sync::atomic::Ordering::Relaxed;
+        counter!("kvrouter_prefetch_total", "result" => "sent").absolute(st.prefetches.sent.load(Relaxed));
+        counter!("kvrouter_prefetch_total", "result" => "failed").absolute(st.prefetches.failed.load(Relaxed));
+    }
     let per_publisher: [(&'static str, &BTreeMap<String, u64>); 8] = [
         ("kvrouter_events_total", &c.events),
         ("kvrouter_duplicate_events_total", &c.duplicate_events),

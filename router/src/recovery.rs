@@ -10,7 +10,9 @@
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 
+use kvnet::http::HttpClient;
 use kvproto::events::{Replay, Snapshot};
 pub use kvproto::publisher::MemoryPublisher;
 
@@ -28,25 +30,23 @@ pub trait RecoverySource: Send + Sync + fmt::Debug {
 }
 
 /// The recovery API of a publisher over HTTP: `GET {base}/events/replay?after=N&limit=M` and
-/// `GET {base}/events/snapshot`, both JSON.
+/// `GET {base}/events/snapshot`, both JSON, with the router's credentials for daemons
+/// (`[daemon_auth]`).
 #[derive(Debug, Clone)]
 pub struct HttpRecovery {
     base: String,
-    client: reqwest::Client,
+    client: Arc<HttpClient>,
 }
 
 impl HttpRecovery {
-    /// A client of the publisher at `base` (e.g. `http://10.0.0.5:9100`).
-    pub fn new(base: impl Into<String>, client: reqwest::Client) -> Self {
+    /// A client of the publisher at `base` (e.g. `http://10.0.0.5:9100`, or `https://...` with
+    /// `daemon_auth.tls_ca`).
+    pub fn new(base: impl Into<String>, client: Arc<HttpClient>) -> Self {
         Self { base: base.into().trim_end_matches('/').to_string(), client }
     }
 
     async fn get<T: serde::de::DeserializeOwned>(&self, url: String) -> Result<T, RouterError> {
-        let resp = self.client.get(&url).send().await.map_err(|e| RouterError::Http(format!("{url}: {e}")))?;
-        if !resp.status().is_success() {
-            return Err(RouterError::Http(format!("{url}: status {}", resp.status())));
-        }
-        resp.json::<T>().await.map_err(|e| RouterError::Http(format!("{url}: {e}")))
+        self.client.get_json(&url).await.map_err(|e| RouterError::Http(e.to_string()))
     }
 }
 

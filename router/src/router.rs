@@ -5,6 +5,8 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use kvnet::Identity;
+use kvnet::http::HttpClient;
 use kvproto::events::{PublisherMessage, RouteOutcome};
 use kvproto::{BlockKey, NamespaceId, TierKind};
 use parking_lot::Mutex;
@@ -20,6 +22,9 @@ use crate::recovery::{HttpRecovery, RecoverySource};
 use crate::split::{self, PrefillCandidate, SplitDecision, SplitInput};
 use crate::state::{GapState, Prediction, PublisherKind, RecoveryTask, State, WorkerState, process_start};
 use crate::{Replay, RouterError};
+
+/// The API's name in messages (refusals, configuration errors): the listener `[auth]` guards.
+pub const API_ENDPOINT: &str = "kvrouter API ([auth])";
 
 /// A namespace named in the config, or given inline.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -90,6 +95,22 @@ pub struct RouteResponse {
     /// The prefill/decode split decision, when prefill workers exist (or the request asked).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub split: Option<SplitDecision>,
+    /// The prefetch hint sent to the chosen node's daemon, if one was.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefetch: Option<PrefetchHint>,
+}
+
+/// What the router asked the chosen node's daemon to bring into G2 before the engine asks.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PrefetchHint {
+    /// Blocks of the prompt the hint names (the longest prefix held anywhere).
+    pub blocks: usize,
+    /// Of them, held by the node below G2 (G3, G4): promoted.
+    pub promote_blocks: u32,
+    /// Of them, held only by other nodes: pulled from `sources`.
+    pub pull_blocks: u32,
+    /// Peer channels of the nodes holding the most of the prompt.
+    pub sources: Vec<String>,
 }
 
 /// `GET /healthz` body.
@@ -128,7 +149,8 @@ pub struct Router {
     named: HashMap<String, ResolvedNamespace>,
     state: Mutex<State>,
     sources: Mutex<HashMap<String, Arc<dyn RecoverySource>>>,
-    http: reqwest::Client,
+    /// Calls to daemons' recovery routes, with `[daemon_auth]`'s credentials.
+    daemons: Arc<HttpClient>,
     metrics: RouterMetrics,
 }
 
@@ -156,10 +178,8 @@ impl Router {
             Some(s) => StdRng::seed_from_u64(s),
             None => StdRng::from_os_rng(),
         };
-        let http = reqwest::Client::builder()
-            .timeout(Duration::from_millis(config.recovery_timeout_ms.max(1)))
-            .build()
-            .map_err(|e| RouterError::Http(e.to_string()))?;
+        let daemons = HttpClient::new(&config.daemon_auth, Duration::from_millis(config.recovery_timeout_ms.max(1)))
+            .map_err(|e| RouterError::Config(format!("daemon_auth: {e}")))?;
         let state = Mutex::new(State::new(&config, rng));
         process_start();
         Ok(Arc::new(Self {
@@ -167,7 +187,7 @@ impl Router {
             named,
             state,
             sources: Mutex::new(HashMap::new()),
-            http,
+            daemons: Arc::new(daemons),
             metrics: RouterMetrics::new(),
         }))
     }
@@ -175,6 +195,11 @@ impl Router {
     /// The configuration.
     pub fn config(&self) -> &RouterConfig {
         &self.config
+    }
+
+    /// The HTTP client for calls to daemons, with `[daemon_auth]`'s credentials.
+    pub fn daemon_client(&self) -> &Arc<HttpClient> {
+        &self.daemons
     }
 
     /// A configured namespace by name.
@@ -215,6 +240,43 @@ impl Router {
             scheme: Some(ns.scheme.name()),
             block_bytes: Some(ns.namespace.layout.block_bytes()),
         })
+    }
+
+    /// The namespace a request names, without deriving its keys (for the grant check).
+    fn namespace_of(&self, req: &RouteRequest) -> Result<NamespaceId, RouterError> {
+        if req.keys.is_some() {
+            let id =
+                req.namespace_id.as_ref().ok_or_else(|| RouterError::Invalid("`keys` needs `namespace_id`".into()))?;
+            let mut b = [0u8; 16];
+            hex::decode_to_slice(id, &mut b).map_err(|_| RouterError::Invalid("namespace_id: 32 hex digits".into()))?;
+            return Ok(NamespaceId(b));
+        }
+        match &req.namespace {
+            Some(NamespaceRef::Name(n)) => self
+                .named
+                .get(n)
+                .map(|ns| ns.id)
+                .ok_or_else(|| RouterError::Invalid(format!("unknown namespace {n:?}"))),
+            Some(NamespaceRef::Spec(s)) => Ok(s.resolve()?.id),
+            None => Err(RouterError::Invalid("give `namespace` + `tokens` or `namespace_id` + `keys`".into())),
+        }
+    }
+
+    /// Places one request for `who` (an authenticated caller: it must have a grant of the
+    /// request's namespace; `None`: an API without authentication).
+    pub fn route_as(&self, req: &RouteRequest, who: Option<&Identity>) -> Result<RouteResponse, RouterError> {
+        // A request that names no valid namespace fails in `route` (and is counted there).
+        if let Some(who) = who.filter(|w| w.namespaces != kvnet::Namespaces::All)
+            && let Ok(ns) = self.namespace_of(req)
+            && !who.may_read(&ns)
+        {
+            self.state.lock().counters.route_errors += 1;
+            return Err(RouterError::Forbidden(format!(
+                "{API_ENDPOINT}: {} may not route in namespace {ns}: no grant of it in [auth] grants",
+                who.name
+            )));
+        }
+        self.route(req)
     }
 
     /// Places one request.
@@ -300,6 +362,7 @@ impl Router {
         let chosen = workers[pick].clone();
         let m = matches[pick];
         let split = self.split_decision(st, req, &r, &chosen, m);
+        let prefetch = self.prefetch(st, &r, &chosen, m);
         // A split sends the prefill to another worker: count it there too, so a burst spreads.
         if let Some(p) = split.as_ref().filter(|s| s.split).and_then(|s| s.prefill_worker.as_ref())
             && let Some(w) = st.workers.get_mut(&kvproto::events::WorkerId(p.clone()))
@@ -340,7 +403,75 @@ impl Router {
             mode,
             candidates,
             split,
+            prefetch,
         })
+    }
+
+    /// Sends the chosen node's daemon a prefetch hint when the node holds part of the prompt
+    /// below G2 or another node holds more of it (docs/router.md section 4, "Prefetch"). The
+    /// POST runs in the background; its result is counted, never waited for.
+    fn prefetch(
+        &self,
+        st: &mut State,
+        r: &Resolved,
+        chosen: &kvproto::events::WorkerId,
+        m: TierMatch,
+    ) -> Option<PrefetchHint> {
+        let cfg = &self.config.prefetch;
+        if !cfg.enabled || r.scheme != Some(kvproto::events::KEY_SCHEME_KVCACHED) {
+            return None;
+        }
+        let node = st.workers.get(chosen)?.node.clone();
+        let url = st.publishers.values().filter(|p| p.node == node).find_map(|p| p.recovery_url())?.to_string();
+        let have = m.prefix();
+        let promote = m.blocks[TierKind::G3Disk.index()] + m.blocks[TierKind::G4Object.index()];
+        let mut sources: Vec<(u32, String)> = Vec::new();
+        if (have as usize) < r.keys.len() {
+            let (ids, cands) = collect_candidates(st, r, |w| w.node != node);
+            let matches = match_all(st, self.config.mode, r, &cands);
+            for (id, mm) in ids.iter().zip(&matches) {
+                let Some(n) = st.workers.get(id).map(|w| w.node.clone()) else { continue };
+                if mm.prefix() > have
+                    && let Some(peer) = st.node_peer(&n)
+                    && !sources.iter().any(|(_, p)| p == &peer)
+                {
+                    sources.push((mm.prefix(), peer));
+                }
+            }
+            sources.sort_by_key(|s| std::cmp::Reverse(s.0));
+            sources.truncate(cfg.max_sources);
+        }
+        let upto = sources.first().map_or(have, |(p, _)| *p).max(have);
+        let pull = upto - have;
+        if promote < cfg.min_blocks && pull < cfg.min_blocks {
+            return None;
+        }
+        let hint = PrefetchHint {
+            blocks: upto as usize,
+            promote_blocks: promote,
+            pull_blocks: pull,
+            sources: sources.into_iter().map(|(_, p)| p).collect(),
+        };
+        let body = serde_json::json!({
+            "namespace": r.id.to_string(),
+            "keys": r.keys[..upto as usize].iter().map(|k| k.to_string()).collect::<Vec<_>>(),
+            "sources": hint.sources,
+        });
+        let client = Arc::clone(&self.daemons);
+        let counts = Arc::clone(&st.prefetches);
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(async move {
+                use std::sync::atomic::Ordering::Relaxed;
+                match client.post_json(&format!("{url}/prefetch"), &body).await {
+                    Ok(()) => counts.sent.fetch_add(1, Relaxed),
+                    Err(e) => {
+                        tracing::debug!(url, "prefetch hint failed: {e}");
+                        counts.failed.fetch_add(1, Relaxed)
+                    }
+                };
+            });
+        }
+        Some(hint)
     }
 
     /// The prefill/decode split decision for a request routed to `decode` (see [`crate::split`]);
@@ -358,7 +489,10 @@ impl Router {
         if !cfg.enabled || req.split == Some(false) {
             return None;
         }
-        let decode_node = st.workers.get(decode)?.node.0.clone();
+        let decode_worker = st.workers.get(decode)?;
+        let decode_node_id = decode_worker.node.clone();
+        let decode_rate = decode_worker.load.as_ref().and_then(|l| l.prefill_tokens_per_s);
+        let decode_node = decode_node_id.0.clone();
         let (ids, cands) = collect_candidates(st, r, |w| {
             &w.id != decode
                 && w.role.as_ref().is_some_and(|role| cfg.prefill_roles.contains(role))
@@ -380,6 +514,9 @@ impl Router {
                     node: w.node.0.clone(),
                     cached: *m,
                     cost: *c,
+                    prefill_tokens_per_s: w.load.as_ref().and_then(|l| l.prefill_tokens_per_s),
+                    link_bytes_per_s: st.link_rate(&w.node, &decode_node_id),
+                    peer: st.node_peer(&w.node),
                 })
             })
             .collect();
@@ -389,6 +526,7 @@ impl Router {
             decode_node: &decode_node,
             tokens_per_block: r.tokens_per_block,
             block_bytes: r.block_bytes.or(cfg.default_block_bytes),
+            decode_prefill_tokens_per_s: decode_rate,
         };
         Some(split::decide(cfg, &input, &prefill))
     }
@@ -405,7 +543,7 @@ impl Router {
             return Some(s.clone());
         }
         let url = st.publishers.get(publisher)?.recovery_url()?.to_string();
-        Some(Arc::new(HttpRecovery::new(url, self.http.clone())))
+        Some(Arc::new(HttpRecovery::new(url, Arc::clone(&self.daemons))))
     }
 
     /// Applies one publisher message. Returns the recovery to run if a gap was found (see

@@ -213,6 +213,7 @@ fn publisher_info(i: usize, interval_ms: u64) -> PublisherInfo {
         events_version: EVENTS_VERSION,
         report_interval_ms: interval_ms,
         recovery_url: None,
+        peer_url: None,
     }
 }
 
@@ -271,6 +272,7 @@ pub async fn run(base: &str, trace: &[TraceRequest], cfg: &SimConfig) -> Result<
                 for (i, w) in workers.iter_mut().enumerate().filter(|(_, w)| w.dirty) {
                     let mut m = PublisherMessage::new(w.publisher.name().to_string(), 1);
                     m.load = Some(LoadReport {
+                        links: vec![],
                         tiers: vec![],
                         engines: vec![EngineLoad {
                             worker: WorkerId(worker_name(i)),
@@ -278,6 +280,7 @@ pub async fn run(base: &str, trace: &[TraceRequest], cfg: &SimConfig) -> Result<
                             waiting: 0,
                             kv_used_blocks: w.inflight_blocks.iter().sum::<u64>().min(cfg.capacity_blocks as u64),
                             kv_total_blocks: cfg.capacity_blocks as u64,
+                            prefill_tokens_per_s: None,
                         }],
                     });
                     w.dirty = false;

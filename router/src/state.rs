@@ -91,9 +91,16 @@ pub struct PublisherState {
     pub report_interval: Option<Duration>,
     pub gap: GapState,
     pub gap_since: Option<Instant>,
+    /// The links its daemon measured to peers (its latest load report).
+    pub links: Vec<kvproto::events::LinkReport>,
 }
 
 impl PublisherState {
+    /// Its daemon's peer channel (`host:port`), if it serves one.
+    pub fn peer_url(&self) -> Option<&str> {
+        self.info.as_ref().and_then(|i| i.peer_url.as_deref())
+    }
+
     /// The namespaces it declared (empty: unknown, serves anything).
     pub fn namespaces(&self) -> &[NamespaceInfo] {
         self.info.as_ref().map_or(&[], |i| &i.namespaces)
@@ -135,6 +142,15 @@ pub struct State {
     pub scratch: crate::cost::MatchScratch,
     /// Recovery sources attached in-process (by publisher name).
     pub has_attached_source: BTreeSet<String>,
+    /// Prefetch hints sent to daemons and how they ended (updated by the tasks sending them).
+    pub prefetches: std::sync::Arc<PrefetchCounts>,
+}
+
+/// Prefetch hints: sent (the daemon took them) and failed (unreachable, refused).
+#[derive(Debug, Default)]
+pub struct PrefetchCounts {
+    pub sent: std::sync::atomic::AtomicU64,
+    pub failed: std::sync::atomic::AtomicU64,
 }
 
 impl State {
@@ -159,6 +175,7 @@ impl State {
             rng,
             scratch: crate::cost::MatchScratch::default(),
             has_attached_source: BTreeSet::new(),
+            prefetches: std::sync::Arc::default(),
         }
     }
 
@@ -292,6 +309,7 @@ impl State {
             report_interval: interval,
             gap: GapState::None,
             gap_since: None,
+            links: Vec::new(),
         });
         if restarted {
             p.epoch = epoch;
@@ -483,6 +501,9 @@ impl State {
 
     /// Applies a load report.
     pub fn apply_load(&mut self, publisher: &str, load: &LoadReport) {
+        if let Some(p) = self.publishers.get_mut(publisher) {
+            p.links.clone_from(&load.links);
+        }
         for e in &load.engines {
             if !self.workers.contains_key(&e.worker) {
                 let node = self.publishers.get(publisher).map(|p| p.node.clone()).unwrap_or(NodeId(publisher.into()));
@@ -493,6 +514,22 @@ impl State {
                 w.routed_since_report = 0;
             }
         }
+    }
+
+    /// The peer channel of `node`'s daemon, if one of its publishers reports one.
+    pub fn node_peer(&self, node: &NodeId) -> Option<String> {
+        self.publishers.values().filter(|p| &p.node == node).find_map(|p| p.peer_url().map(str::to_string))
+    }
+
+    /// The link rate (bytes a second) `to`'s daemon measured pulling from `from`'s peer channel.
+    pub fn link_rate(&self, from: &NodeId, to: &NodeId) -> Option<f64> {
+        let peer = self.node_peer(from)?;
+        self.publishers
+            .values()
+            .filter(|p| &p.node == to)
+            .flat_map(|p| p.links.iter())
+            .find(|l| l.peer == peer)
+            .map(|l| l.bytes_per_s)
     }
 
     /// Remembers a prediction (bounded).

@@ -199,6 +199,7 @@ impl Router {
                     events_version: EVENTS_VERSION,
                     report_interval_ms: 0,
                     recovery_url: None,
+                    peer_url: None,
                 };
                 st.apply_info(&name, &info);
                 if let Some(p) = st.publishers.get_mut(&name) {

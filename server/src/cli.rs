@@ -23,11 +23,12 @@ struct Cli {
     /// Permission bits of the socket, octal (e.g. 0660).
     #[arg(long, env = "KVCACHED_SOCKET_MODE", global = true)]
     socket_mode: Option<String>,
-    /// TCP address of the gRPC API (off unless set); it serves only Health until authentication
-    /// is configured.
+    /// TCP address of the gRPC API (off unless set); it serves only Health. Who may call it:
+    /// [tcp_auth] in the config file (needed on a non-loopback address).
     #[arg(long, env = "KVCACHED_TCP", global = true)]
     tcp: Option<std::net::SocketAddr>,
-    /// HTTP address of /metrics and /healthz.
+    /// HTTP address of /metrics, /healthz and the routers' recovery routes. Who may call it:
+    /// [metrics_auth] in the config file (needed on a non-loopback address).
     #[arg(long, env = "KVCACHED_METRICS_ADDR", global = true)]
     metrics_addr: Option<std::net::SocketAddr>,
     /// G2 host pool size in bytes (0: a quarter of memory, at most 64 GiB).
@@ -69,6 +70,12 @@ struct Cli {
     /// Allow an http:// G4 endpoint.
     #[arg(long, env = "KVCACHED_G4_ALLOW_HTTP", global = true)]
     g4_allow_http: Option<bool>,
+    /// Address of the peer channel other daemons pull blocks from (e.g. 0.0.0.0:7471).
+    #[arg(long, env = "KVCACHED_PEER_LISTEN", global = true)]
+    peer_listen: Option<std::net::SocketAddr>,
+    /// host:port other daemons dial to reach the peer channel.
+    #[arg(long, env = "KVCACHED_PEER_ADVERTISE", global = true)]
+    peer_advertise: Option<String>,
     /// Most engines attached at once.
     #[arg(long, env = "KVCACHED_MAX_ENGINES", global = true)]
     max_engines: Option<usize>,
@@ -129,6 +136,10 @@ impl Cli {
         set!(self.g4_endpoint => g4.endpoint);
         set!(self.g4_region => g4.region);
         set!(self.g4_allow_http => g4.allow_http);
+        if self.peer_listen.is_some() {
+            c.peer.listen = self.peer_listen;
+        }
+        set!(self.peer_advertise => peer.advertise);
         set!(self.max_engines => engines.max_engines);
         set!(self.engine_lease_ms => engines.lease_ms);
         set!(self.router_urls => router.urls);

@@ -17,17 +17,25 @@ pub struct Config {
     pub socket: PathBuf,
     /// Permission bits of the socket (octal in TOML as a string, e.g. "0660").
     pub socket_mode: String,
-    /// TCP address of the gRPC API; empty: no TCP listener. Until authentication is configured
-    /// it serves only Health (engines attach over the Unix socket).
+    /// TCP address of the gRPC API; empty: no TCP listener. It serves only Health (engines
+    /// attach over the Unix socket).
     pub tcp: Option<SocketAddr>,
-    /// HTTP address of /metrics and /healthz (loopback by default).
+    /// Who may use `tcp`: TLS, client certificates, bearer tokens (docs/configuration.md). On a
+    /// non-loopback address it needs credentials, or `open = true`.
+    pub tcp_auth: kvnet::AuthConfig,
+    /// HTTP address of /metrics, /healthz and the recovery routes (loopback by default).
     pub metrics_addr: SocketAddr,
+    /// Who may use `metrics_addr` (`/metrics`, `/events/replay`, `/events/snapshot`; `/healthz`
+    /// and `/livez` stay open for probes). The same rules as `tcp_auth`.
+    pub metrics_auth: kvnet::AuthConfig,
     pub g2: G2Config,
     pub g3: G3Config,
     pub g4: G4Config,
     pub engines: EngineConfig,
     pub limits: LimitsConfig,
     pub router: RouterConfig,
+    /// Peer transfer: blocks pulled from and served to other daemons.
+    pub peer: crate::peer::PeerConfig,
 }
 
 /// What one client (one uid on the Unix socket) and all of them together may hold, and how long
@@ -90,8 +98,12 @@ pub struct RouterConfig {
     /// Events waiting to be sent; beyond this they are left to replay.
     pub max_pending: usize,
     /// The URL routers use to reach this daemon's HTTP listener for replay and snapshots;
-    /// empty: `http://<metrics_addr>` when that is not a wildcard address.
+    /// empty: `http://<metrics_addr>` (`https://` with `metrics_auth.tls_cert`) when that is not
+    /// a wildcard address.
     pub advertise_url: String,
+    /// What this daemon presents to the routers: the CA their certificates chain to (needed for
+    /// `https://` URLs), a client certificate, a token.
+    pub auth: kvnet::ClientAuthConfig,
     /// ZMQ endpoint to publish this node's G2/G3 events on in vLLM's wire format (e.g.
     /// `tcp://0.0.0.0:5557`); empty: off.
     pub vllm_export: String,
@@ -250,13 +262,16 @@ impl Default for Config {
             socket: kvproto::paths::default_socket(),
             socket_mode: "0660".into(),
             tcp: None,
+            tcp_auth: kvnet::AuthConfig::default(),
             metrics_addr: SocketAddr::from(([127, 0, 0, 1], 9464)),
+            metrics_auth: kvnet::AuthConfig::default(),
             g2: G2Config::default(),
             g3: G3Config::default(),
             g4: G4Config::default(),
             engines: EngineConfig::default(),
             limits: LimitsConfig::default(),
             router: RouterConfig::default(),
+            peer: crate::peer::PeerConfig::default(),
         }
     }
 }
@@ -307,6 +322,7 @@ impl Default for RouterConfig {
             event_log: 65_536,
             max_pending: 16_384,
             advertise_url: String::new(),
+            auth: kvnet::ClientAuthConfig::default(),
             vllm_export: String::new(),
             vllm_export_topic: String::new(),
             vllm_export_replay: String::new(),
@@ -379,6 +395,31 @@ impl Config {
         toml::from_str(&text).map_err(|e| bad("--config", format!("{}: {e}", path.display())))
     }
 
+    /// `[peer]`: an endpoint the guard accepts (certificates readable, not open on the network
+    /// by accident), client credentials that load, bounds that work.
+    fn check_peer(&self) -> Result<(), ServerError> {
+        let p = &self.peer;
+        if let Some(a) = p.listen {
+            kvnet::Guard::new("peer channel", &p.auth, a, &[]).map_err(|e| {
+                let msg = e.to_string();
+                bad("peer.auth", msg.strip_prefix("peer channel: ").unwrap_or(&msg))
+            })?;
+        }
+        kvnet::Connector::new(&p.client, &[]).map_err(|e| bad("peer.client", e.to_string()))?;
+        for (f, v) in [
+            ("peer.max_connections", p.max_connections as u64),
+            ("peer.max_pulls", p.max_pulls as u64),
+            ("peer.pull_deadline_ms", p.pull_deadline_ms),
+            ("peer.connect_timeout_ms", p.connect_timeout_ms),
+            ("peer.io_timeout_ms", p.io_timeout_ms),
+        ] {
+            if v == 0 {
+                return Err(bad(f, "must be at least 1"));
+            }
+        }
+        Ok(())
+    }
+
     /// Fills automatic sizes (0) and checks every field.
     pub fn resolve(mut self) -> Result<Self, ServerError> {
         if self.g2.capacity_bytes == 0 {
@@ -394,6 +435,7 @@ impl Config {
             }
         }
         self.socket_mode_bits()?;
+        self.check_peer()?;
         for (f, v) in [("g2.page_size", self.g2.page_size), ("g3.page_size", self.g3.page_size)] {
             if v == 0 || !v.is_multiple_of(4096) {
                 return Err(bad(f, format!("{v} is not a positive multiple of 4096")));
@@ -451,6 +493,23 @@ impl Config {
             if !(u.starts_with("http://") || u.starts_with("https://")) {
                 return Err(bad("router.urls", format!("{u:?} is not an http:// or https:// URL")));
             }
+            // The client trusts no certificate but those of router.auth.tls_ca, and with one it
+            // would send its token and certificate to a plain URL by mistake.
+            if u.starts_with("https://") && self.router.auth.tls_ca.is_none() {
+                return Err(bad(
+                    "router.auth.tls_ca",
+                    format!("{u:?} is https://: set router.auth.tls_ca to the CA the router's certificate chains to"),
+                ));
+            }
+            if u.starts_with("http://") && self.router.auth.tls_ca.is_some() {
+                return Err(bad("router.urls", format!("{u:?}: router.auth.tls_ca is set: use https://")));
+            }
+        }
+        if self.router.auth.tls_server_name.is_some() {
+            return Err(bad(
+                "router.auth.tls_server_name",
+                "not used for HTTP: the router's certificate must carry the host of its URL in router.urls",
+            ));
         }
         if self.router.report_interval_ms == 0 || self.router.event_log == 0 || self.router.max_pending == 0 {
             return Err(bad(
@@ -627,6 +686,23 @@ mod tests {
             let e = c.resolve().unwrap_err().to_string();
             assert!(e.contains("engines.max_engines") && e.contains("1..=1024"), "{e}");
         }
+    }
+
+    /// The daemon's client of the routers trusts only `router.auth.tls_ca`: an https:// URL needs
+    /// it, and with it an http:// URL is a mistake (the token would go out in the clear).
+    #[test]
+    fn router_auth_matches_the_urls_scheme() {
+        let mut c = Config::default();
+        c.router.urls = vec!["https://router:8090".into()];
+        let e = c.clone().resolve().unwrap_err().to_string();
+        assert!(e.contains("router.auth.tls_ca"), "{e}");
+        c.router.auth.tls_ca = Some("/etc/kvcached/ca.crt".into());
+        assert!(c.clone().resolve().is_ok());
+        c.router.urls = vec!["http://router:8090".into()];
+        let e = c.clone().resolve().unwrap_err().to_string();
+        assert!(e.contains("router.urls") && e.contains("use https://"), "{e}");
+        let e = toml::from_str::<Config>("[metrics_auth]\ntoken_file = \"x\"\n").unwrap_err().to_string();
+        assert!(e.contains("token_file"), "unknown fields of an auth section are refused: {e}");
     }
 
     #[test]

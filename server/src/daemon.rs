@@ -15,6 +15,7 @@ use crate::engine::{Engine, Registry};
 use crate::error::ServerError;
 use crate::key_memo::KeyMemo;
 use crate::limits::{Held, Limits, Principal};
+use crate::peer::{Incoming, Peers};
 use crate::prefix_probe::{PrefixProber, Probing};
 use crate::reports::{GpuChange, Reports};
 
@@ -23,6 +24,8 @@ const LOAD_LEASE: Duration = Duration::from_secs(30);
 
 /// Blocks of a load brought up from G3 in one batch read (bounds the buffers a load holds).
 const LOAD_CHUNK: usize = 16;
+/// Peers one load may name.
+const MAX_SOURCES: usize = 8;
 
 /// A load in progress or finished.
 #[derive(Debug)]
@@ -102,6 +105,8 @@ pub struct Daemon {
     pub g4_lookup_probe: bool,
     /// G4's write-through queue capacity (0: no G4), for `/healthz`.
     pub g4_queue: usize,
+    /// Peer daemons this one pulls from (and their measured links).
+    pub peers: Option<Arc<Peers>>,
     namespace_mismatch: metrics::Counter,
     key_memo: KeyMemo,
     /// Probes long prompts' keys while lookups derive them (thread `kv-probe`).
@@ -174,6 +179,7 @@ impl Daemon {
             loads: AtomicU64::new(0),
             g4_lookup_probe: true,
             g4_queue: 0,
+            peers: None,
             namespace_mismatch: metrics::counter!("kvcached_load_mismatch_total"),
             key_memo: KeyMemo::new(key_memo_bytes),
             prober,
@@ -452,7 +458,9 @@ impl Daemon {
             },
         };
         let tpb = u64::from(engine.namespace.layout.tokens_per_block);
-        for (tier, blocks) in [("g2", status.from_g2), ("g3", status.from_g3), ("g4", status.from_g4)] {
+        for (tier, blocks) in
+            [("g2", status.from_g2), ("g3", status.from_g3), ("g4", status.from_g4), ("peer", status.from_peer)]
+        {
             if blocks > 0 {
                 metrics::counter!("kvcached_prefill_tokens_saved_total", "tier" => tier)
                     .increment(u64::from(blocks) * tpb);
@@ -472,9 +480,20 @@ impl Daemon {
         let mut st = pb::LoadStatus { op_id: op, state: pb::load_status::State::Done as i32, ..Default::default() };
         let mut buf = BlockBuf::new();
         let want_len = engine.block_bytes();
+        // Blocks past what this node holds come from the peers the request names, straight
+        // into G2; each is copied on into the engine as soon as it is in.
+        let incoming = match (&self.peers, req.sources.is_empty()) {
+            (Some(peers), false) => {
+                let sources: Vec<String> = req.sources.iter().take(MAX_SOURCES).cloned().collect();
+                let deadline = Instant::now() + Duration::from_millis(peers.config().pull_deadline_ms);
+                Incoming::plan(peers, &self.store, engine.namespace_id, wanted, want_len, &sources, deadline)
+            }
+            _ => None,
+        };
+        let mut fell_back = false;
         // Chunk by chunk: blocks not in G2 come up from G3 in one batch read per chunk, then
         // the chunk is copied out of G2.
-        'chain: for (keys, slots) in wanted.chunks(LOAD_CHUNK).zip(req.block_ids.chunks(LOAD_CHUNK)) {
+        'chain: for (c, (keys, slots)) in wanted.chunks(LOAD_CHUNK).zip(req.block_ids.chunks(LOAD_CHUNK)).enumerate() {
             let promoted = match self.store.promote_batch(keys) {
                 Ok(p) => p,
                 Err(e) => {
@@ -482,7 +501,23 @@ impl Daemon {
                     return Err(e.into());
                 }
             };
-            for (key, &slot) in keys.iter().zip(slots) {
+            for (i, (key, &slot)) in keys.iter().zip(slots).enumerate() {
+                let j = c * LOAD_CHUNK + i;
+                let mut pulled = false;
+                if let Some(inc) = incoming.as_ref().filter(|inc| j >= inc.offset) {
+                    pulled = inc.wait(j);
+                    if !pulled && !fell_back {
+                        // The peer is gone, stalled, sent wrong bytes or lacks the rest: what
+                        // G4 has of it is the next best; beyond that, a miss.
+                        fell_back = true;
+                        if self.store.has_remote_tier() {
+                            self.store.probe_lower(engine.namespace_id, &wanted[j..]);
+                            if let Err(e) = self.store.promote_batch(&keys[i..]) {
+                                tracing::debug!("G4 after a failed pull: {e}");
+                            }
+                        }
+                    }
+                }
                 let got = self.store.read_with(key, &mut buf, |meta, pieces| {
                     // Defence in depth: keys already bind the namespace, but a block of another
                     // namespace or size is never copied into an engine.
@@ -499,9 +534,10 @@ impl Daemon {
                     Ok(Some((tier, Ok(true)))) => {
                         st.loaded_blocks += 1;
                         // Where the block was before this load: promoted ones count for the tier
-                        // they came up from.
+                        // they came up from, pulled ones for the peer.
                         let from = promoted.iter().find(|(k, _)| k == key).map_or(tier, |(_, t)| *t);
                         match from {
+                            _ if pulled => st.from_peer += 1,
                             TierKind::G4Object => st.from_g4 += 1,
                             TierKind::G3Disk => st.from_g3 += 1,
                             _ => st.from_g2 += 1,
@@ -522,6 +558,38 @@ impl Daemon {
         }
         self.store.release(lease);
         Ok(st)
+    }
+
+    /// Starts bringing the chain `keys` of `namespace` into G2 before an engine asks: what
+    /// this node holds below G2 is promoted, the rest pulled from `sources` (when an engine of
+    /// the namespace is attached here: its block size is what a pull checks). Runs on a
+    /// blocking thread; the pull itself continues in the background.
+    pub fn prefetch(
+        &self,
+        namespace: kvproto::NamespaceId,
+        keys: Vec<kvproto::BlockKey>,
+        sources: &[String],
+    ) -> crate::peer::http::PrefetchStarted {
+        let held = self.store.held_prefix(&keys);
+        for chunk in keys[..held.len()].chunks(64) {
+            if let Err(e) = self.store.promote_batch(chunk) {
+                tracing::debug!("prefetch: promotion stopped: {e}");
+                break;
+            }
+        }
+        let mut pulling = 0;
+        let block_len = self.engines.block_bytes_of(&namespace);
+        if let (Some(peers), Some(len)) = (&self.peers, block_len)
+            && held.len() < keys.len()
+        {
+            let deadline = Instant::now() + Duration::from_millis(peers.config().pull_deadline_ms);
+            if let Some(inc) = Incoming::plan(peers, &self.store, namespace, &keys, len, sources, deadline) {
+                pulling = keys.len() - inc.offset;
+            }
+        }
+        metrics::counter!("kvcached_prefetch_total", "result" => if pulling > 0 { "pulling" } else { "local" })
+            .increment(1);
+        crate::peer::http::PrefetchStarted { local: held.len(), pulling }
     }
 
     /// The status of a load, waiting up to `timeout` for it to finish.

@@ -446,6 +446,11 @@ impl Registry {
         Ok(e)
     }
 
+    /// The block size of an attached engine of `namespace`, if any is attached.
+    pub fn block_bytes_of(&self, namespace: &kvproto::NamespaceId) -> Option<u64> {
+        self.engines.read().values().find(|e| e.namespace_id == *namespace).map(|e| e.block_bytes())
+    }
+
     /// Every attached engine.
     pub fn all(&self) -> Vec<Arc<Engine>> {
         self.engines.read().values().cloned().collect()

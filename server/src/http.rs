@@ -1,6 +1,11 @@
 //! `/metrics` (Prometheus text), `/healthz`, and the event recovery routes routers call after a
 //! gap in this daemon's hit reports: `GET /events/replay?after=N&limit=M` (the events after id N
 //! from the bounded log, or "too old") and `GET /events/snapshot` (everything held now).
+//!
+//! Served through `metrics_auth` (`serve.rs`, [`kvnet::http::serve`]): with credentials
+//! configured every route but `/healthz` (and `/livez`) needs a token or a client certificate,
+//! and the recovery routes, which carry every namespace's events, an identity granted every
+//! namespace.
 
 use std::sync::{Arc, OnceLock};
 
@@ -29,6 +34,9 @@ pub fn prometheus() -> &'static PrometheusHandle {
     })
 }
 
+/// The HTTP port's name in messages (refusals, configuration errors).
+pub const ENDPOINT: &str = "kvcached HTTP ([metrics_auth])";
+
 #[derive(Clone)]
 struct HttpState {
     daemon: Arc<Daemon>,
@@ -51,13 +59,19 @@ async fn healthz(State(s): State<HttpState>) -> (StatusCode, String) {
 /// The HTTP routes.
 pub fn router(daemon: Arc<Daemon>, queue_capacity: usize) -> Router {
     let log = daemon.reports.log();
+    let prefetch = crate::peer::http::routes(Arc::clone(&daemon));
     let app = Router::new()
         .route("/metrics", get(metrics_text))
         .route("/healthz", get(healthz))
-        .with_state(HttpState { daemon, queue_capacity });
+        .with_state(HttpState { daemon, queue_capacity })
+        .merge(prefetch);
     // Routers that saw a gap in this daemon's event ids replay from here.
     match log {
-        Some(log) => app.merge(recovery_routes(log)),
+        Some(log) => app.merge(kvnet::http::require_all_namespaces(
+            recovery_routes(log),
+            ENDPOINT,
+            "read the event replay or snapshot (they carry every namespace's events)",
+        )),
         None => app,
     }
 }

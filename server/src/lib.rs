@@ -14,8 +14,11 @@
 //! - [`edge`]: who sent a request, and the bytes of requests still arriving, per uid.
 //! - [`h2_authority`]: stock gRPC clients' header blocks made acceptable (grpcio sends the
 //!   socket path as `:authority`).
+//! - [`peer`]: peer transfer: the `peer.listen` endpoint and the puller (blocks from and to
+//!   other daemons, verified on arrival).
 //! - [`metrics_catalog`]: every `kvcached_*` metric's help, unit and buckets; per-RPC series.
-//! - [`service`]: the gRPC service (tonic), each call's caller passed on; Health-only TCP.
+//! - [`service`]: the gRPC service (tonic), each call's caller passed on; Health-only TCP,
+//!   authenticated per request ([`service::TcpAuth`], `tcp_auth`).
 //! - [`daemon`]: request logic: save (gather into G2), lookup, load (scatter from G2/G3).
 //! - [`key_memo`]: key chains of recent prompts, reused by later requests for the same tokens.
 //! - [`prefix_probe`]: thread `kv-probe`, probing a long prompt's keys while they are derived.
@@ -47,6 +50,7 @@ pub mod key_memo;
 pub mod limits;
 pub mod listen;
 pub mod metrics_catalog;
+pub mod peer;
 pub mod prefix_probe;
 pub mod publish;
 pub mod reports;
@@ -74,6 +78,8 @@ pub struct Listeners {
     pub unix: UnixListener,
     pub tcp: Option<TcpListener>,
     pub http: Option<TcpListener>,
+    /// The peer channel (`peer.listen`).
+    pub peer: Option<TcpListener>,
 }
 
 impl Listeners {
@@ -89,7 +95,14 @@ impl Listeners {
             field: "metrics_addr".into(),
             reason: format!("cannot listen on {}: {e}", config.metrics_addr),
         })?);
-        Ok(Self { unix, tcp, http })
+        let peer = match config.peer.listen {
+            Some(a) => Some(TcpListener::bind(a).await.map_err(|e| ServerError::Config {
+                field: "peer.listen".into(),
+                reason: format!("cannot listen on {a}: {e}"),
+            })?),
+            None => None,
+        };
+        Ok(Self { unix, tcp, http, peer })
     }
 }
 

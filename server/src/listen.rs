@@ -2,8 +2,12 @@
 //! closed when it sends nothing for `limits.idle_timeout_ms`; accept errors (out of descriptors)
 //! back off and are logged loudly instead of spinning. A Unix-socket connection whose first bytes
 //! are ATTACH's magic is an ATTACH exchange ([`crate::attach`]); any other is handed to gRPC.
+//! A TCP connection passes its endpoint's guard first (`tcp_auth`: the TLS handshake, in a task
+//! of its own and within `limits.handshake_timeout_ms`); what the client presented travels with
+//! it ([`TcpPeer`]) to the per-request check ([`crate::service::TcpAuth`]).
 
 use std::io;
+use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -132,9 +136,13 @@ struct RateLog {
 
 impl RateLog {
     fn note(&mut self, what: &str) {
+        self.note_as("connections refused by a limit", what);
+    }
+
+    fn note_as(&mut self, head: &str, what: &str) {
         self.since += 1;
         if self.last.is_none_or(|t| t.elapsed() >= Duration::from_secs(10)) {
-            tracing::warn!(refused = self.since, "connections refused by a limit: {what}");
+            tracing::warn!(refused = self.since, "{head}: {what}");
             self.since = 0;
             self.last = Some(Instant::now());
         }
@@ -231,37 +239,119 @@ pub fn unix(
     ReceiverStream::new(rx)
 }
 
-/// Accepts on a TCP listener until `stop`; returns the connections.
+/// Who is at the other end of a TCP connection: its address and the certificate it presented
+/// in the TLS handshake (verified; none on a plain endpoint). gRPC requests carry it in their
+/// extensions.
+#[derive(Debug, Clone)]
+pub struct TcpPeer {
+    pub remote: SocketAddr,
+    pub cert: kvnet::PeerCert,
+}
+
+/// A TCP connection that passed its guard's handshake: plain, or TLS.
+#[derive(Debug)]
+pub struct GuardedTcp {
+    io: kvnet::Stream<TcpStream>,
+    peer: TcpPeer,
+}
+
+impl AsyncRead for GuardedTcp {
+    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for GuardedTcp {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write(cx, buf)
+    }
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_flush(cx)
+    }
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+    }
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+}
+
+impl tonic::transport::server::Connected for GuardedTcp {
+    type ConnectInfo = TcpPeer;
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.peer.clone()
+    }
+}
+
+/// Accepts on a TCP listener until `stop`, each connection through `guard`; returns the
+/// connections. A TLS handshake runs in a task of its own (a slow client holds its connection
+/// slot, never the accept loop) and is dropped after `limits.handshake_timeout_ms`.
 pub fn tcp(
     listener: TcpListener,
     limits: Arc<Limits>,
+    guard: Arc<kvnet::Guard>,
     mut stop: watch::Receiver<bool>,
-) -> ReceiverStream<io::Result<Conn<TcpStream>>> {
+) -> ReceiverStream<io::Result<Conn<GuardedTcp>>> {
     let (tx, rx) = mpsc::channel(HANDOFF);
     tokio::spawn(async move {
         let mut errors = AcceptErrors::new("tcp");
         let mut refused_log = RateLog::default();
+        let handshakes = Arc::new(parking_lot::Mutex::new(RateLog::default()));
         loop {
             let accepted = tokio::select! {
                 a = listener.accept() => a,
                 _ = stop.wait_for(|s| *s) => return,
             };
-            match accepted {
-                Ok((stream, _)) => {
+            let (stream, remote) = match accepted {
+                Ok(a) => {
                     errors.ok();
-                    let _ = stream.set_nodelay(true);
-                    match limits.connect(Principal::Tcp) {
-                        Ok(held) => {
-                            let idle = Duration::from_millis(limits.cfg.idle_timeout_ms);
-                            if tx.send(Ok(Conn::new(stream, held, idle))).await.is_err() {
-                                return;
-                            }
-                        }
-                        Err(e) => refused_log.note(&e.to_string()),
-                    }
+                    a
                 }
-                Err(e) => errors.failed(&e).await,
+                Err(e) => {
+                    errors.failed(&e).await;
+                    continue;
+                }
+            };
+            let _ = stream.set_nodelay(true);
+            // Counted from the start: a handshake holds a connection slot while it runs.
+            let held = match limits.connect(Principal::Tcp) {
+                Ok(h) => h,
+                Err(e) => {
+                    refused_log.note(&e.to_string());
+                    continue;
+                }
+            };
+            let idle = Duration::from_millis(limits.cfg.idle_timeout_ms);
+            let plain = |io| GuardedTcp { io, peer: TcpPeer { remote, cert: kvnet::PeerCert::default() } };
+            if !guard.tls() {
+                if tx.send(Ok(Conn::new(plain(kvnet::Stream::Plain(stream)), held, idle))).await.is_err() {
+                    return;
+                }
+                continue;
             }
+            let (tx, guard, handshakes) = (tx.clone(), Arc::clone(&guard), Arc::clone(&handshakes));
+            let timeout = Duration::from_millis(limits.cfg.handshake_timeout_ms);
+            tokio::spawn(async move {
+                let why = match tokio::time::timeout(timeout, guard.accept(stream)).await {
+                    Ok(Ok((io, cert))) => {
+                        let conn = GuardedTcp { io, peer: TcpPeer { remote, cert } };
+                        let _ = tx.send(Ok(Conn::new(conn, held, idle))).await;
+                        return;
+                    }
+                    Ok(Err(e)) => e.to_string(),
+                    Err(_) => "no TLS handshake within limits.handshake_timeout_ms".to_string(),
+                };
+                handshakes
+                    .lock()
+                    .note_as("TLS handshakes refused", &format!("{} from {remote}: {why}", guard.endpoint()));
+            });
         }
     });
     ReceiverStream::new(rx)

@@ -13,6 +13,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use kvnet::http::HttpClient;
 use kvproto::events::{Event, EventBody, LoadReport, PublisherInfo, PublisherMessage, RouteOutcome};
 use tokio::sync::mpsc;
 
@@ -21,8 +22,11 @@ use kvproto::publisher::MemoryPublisher;
 /// How an [`HttpPublisher`] ships events.
 #[derive(Debug, Clone)]
 pub struct PublishConfig {
-    /// Base URLs of the routers (`http://host:port`).
+    /// Base URLs of the routers (`http://host:port`, or `https://` with `auth.tls_ca`).
     pub routers: Vec<String>,
+    /// What to present to the routers (TLS trust, client certificate, token), reloaded when
+    /// its files change.
+    pub auth: kvnet::ClientAuthConfig,
     /// Sent with every message (small), so a restarted router learns it at once.
     pub info: PublisherInfo,
     /// Events waiting to be sent; beyond this they are left to the routers' replay.
@@ -59,17 +63,18 @@ impl std::fmt::Debug for Item {
 
 impl HttpPublisher {
     /// Starts the shipping task on the current tokio runtime. `load` is called once per
-    /// message (return `None` to send no load report).
+    /// message (return `None` to send no load report). Fails when `cfg.auth`'s files cannot be
+    /// read.
     pub fn spawn(
         log: Arc<MemoryPublisher>,
         cfg: PublishConfig,
         load: impl Fn() -> Option<LoadReport> + Send + 'static,
-    ) -> Self {
+    ) -> Result<Self, kvnet::NetError> {
         let (tx, mut rx) = mpsc::channel::<Item>(cfg.max_pending.max(1));
         let dropped = Arc::new(AtomicU64::new(0));
         let failed_posts = Arc::new(AtomicU64::new(0));
         let interval = Duration::from_millis(cfg.info.report_interval_ms.max(1));
-        let http = reqwest::Client::builder().timeout(cfg.timeout).build().unwrap_or_default();
+        let http = HttpClient::new(&cfg.auth, cfg.timeout)?;
         let name = log.name().to_string();
         let epoch = log.epoch();
         let failed = failed_posts.clone();
@@ -109,22 +114,16 @@ impl HttpPublisher {
                 };
                 msg.load = load();
                 for r in &cfg.routers {
-                    let ok = http
-                        .post(format!("{r}/events"))
-                        .json(&msg)
-                        .send()
-                        .await
-                        .is_ok_and(|resp| resp.status().is_success());
-                    if !ok {
+                    if let Err(e) = http.post_json(&format!("{r}/events"), &msg).await {
                         // The router replays what it missed once it is back.
                         if failed.fetch_add(1, Ordering::Relaxed).is_multiple_of(100) {
-                            tracing::warn!(router = %r, "publishing to router failed");
+                            tracing::warn!(router = %r, "publishing to router failed: {e}");
                         }
                     }
                 }
             }
         });
-        Self { log, info, tx, dropped, failed_posts }
+        Ok(Self { log, info, tx, dropped, failed_posts })
     }
 
     /// Replaces the info sent with every message from now on (workers attached or detached,

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvproto::events::{
-    EVENTS_VERSION, EngineLoad, EventBody, Holder, KEY_SCHEME_KVCACHED, LoadReport, NamespaceInfo, NodeId,
+    EVENTS_VERSION, EngineLoad, EventBody, Holder, KEY_SCHEME_KVCACHED, LinkReport, LoadReport, NamespaceInfo, NodeId,
     PublisherInfo, RouteOutcome, TierCapacity, WorkerId, WorkerInfo,
 };
 use kvproto::publisher::MemoryPublisher;
@@ -23,6 +23,11 @@ use parking_lot::Mutex;
 
 use crate::config::RouterConfig;
 use crate::engine::Engine;
+use crate::error::ServerError;
+use crate::peer::Peers;
+
+/// Weight of an engine's newest prefill sample in its average rate.
+const PREFILL_EWMA: f64 = 0.3;
 use crate::publish::{HttpPublisher, PublishConfig};
 use crate::vllm_export::VllmExport;
 
@@ -68,15 +73,18 @@ impl Reports {
     }
 
     /// Starts publishing to `cfg.urls` (must run inside the tokio runtime). `recovery_url` is
-    /// where routers reach [`Reports::log`]'s replay and snapshot routes.
+    /// where routers reach [`Reports::log`]'s replay and snapshot routes. Fails when
+    /// `router.auth`'s certificate, key or token files cannot be read.
     pub fn start(
         cfg: &RouterConfig,
         recovery_url: Option<String>,
+        peer_url: Option<String>,
         store: Arc<BlockStore>,
+        peers: Option<Arc<Peers>>,
         vllm: Option<Arc<VllmExport>>,
-    ) -> Self {
+    ) -> Result<Self, ServerError> {
         if cfg.urls.is_empty() {
-            return Self { vllm, ..Self::disabled(&cfg.node) };
+            return Ok(Self { vllm, ..Self::disabled(&cfg.node) });
         }
         let epoch = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -84,7 +92,8 @@ impl Reports {
             .unwrap_or(1)
             .max(1);
         let log = Arc::new(MemoryPublisher::new(format!("kvcached@{}", cfg.node), epoch, cfg.event_log));
-        let base = base_info(&cfg.node, cfg.report_interval_ms, recovery_url.clone());
+        let mut base = base_info(&cfg.node, cfg.report_interval_ms, recovery_url.clone());
+        base.peer_url = peer_url;
         let engines: Engines = Arc::default();
         let for_load = Arc::clone(&engines);
         let store = Arc::downgrade(&store);
@@ -92,6 +101,7 @@ impl Reports {
             log,
             PublishConfig {
                 routers: cfg.urls.clone(),
+                auth: cfg.auth.clone(),
                 info: base.clone(),
                 max_pending: cfg.max_pending,
                 max_batch: 4096,
@@ -99,10 +109,17 @@ impl Reports {
             },
             // Weak: the store holds these reports as its listener, and a cycle would keep the
             // store (and G3's RocksDB) open past shutdown.
-            move || store.upgrade().map(|s| load_report(&s, &for_load.lock())),
-        );
+            move || {
+                store.upgrade().map(|s| {
+                    let mut r = load_report(&s, &for_load.lock());
+                    r.links = peers.as_ref().map(|p| link_reports(p)).unwrap_or_default();
+                    r
+                })
+            },
+        )
+        .map_err(|e| ServerError::Config { field: "router.auth".into(), reason: e.to_string() })?;
         tracing::info!(routers = ?cfg.urls, node = %cfg.node, epoch, recovery = ?recovery_url, "publishing hit reports");
-        Self { node: NodeId(cfg.node.clone()), publisher: Some(publisher), base, engines, vllm }
+        Ok(Self { node: NodeId(cfg.node.clone()), publisher: Some(publisher), base, engines, vllm })
     }
 
     /// Whether any router is configured.
@@ -215,11 +232,24 @@ impl Reports {
         }
     }
 
-    /// The engine's latest load, sent with the next report.
-    pub fn engine_load(&self, e: &Engine, running: u32, waiting: u32, kv_used_blocks: u64, kv_total_blocks: u64) {
+    /// The engine's latest load, sent with the next report. `prefill` (tokens, microseconds)
+    /// is what the engine computed since its last report; it moves the engine's prefill rate.
+    pub fn engine_load(&self, e: &Engine, r: &kvproto::pb::EngineLoadRequest) {
         let worker = self.worker_id(e);
         if let Some(a) = self.engines.lock().get_mut(&e.id) {
-            a.load = Some(EngineLoad { worker, running, waiting, kv_used_blocks, kv_total_blocks });
+            let mut rate = a.load.as_ref().and_then(|l| l.prefill_tokens_per_s);
+            if r.prefill_tokens > 0 && r.prefill_us > 0 {
+                let sample = r.prefill_tokens as f64 / (r.prefill_us as f64 / 1e6);
+                rate = Some(rate.map_or(sample, |old| PREFILL_EWMA * sample + (1.0 - PREFILL_EWMA) * old));
+            }
+            a.load = Some(EngineLoad {
+                worker,
+                running: r.running,
+                waiting: r.waiting,
+                kv_used_blocks: r.kv_used_blocks,
+                kv_total_blocks: r.kv_total_blocks,
+                prefill_tokens_per_s: rate,
+            });
         }
     }
 
@@ -280,6 +310,7 @@ fn base_info(node: &str, report_interval_ms: u64, recovery_url: Option<String>) 
         events_version: EVENTS_VERSION,
         report_interval_ms,
         recovery_url,
+        peer_url: None,
     }
 }
 
@@ -297,5 +328,15 @@ fn load_report(store: &BlockStore, engines: &BTreeMap<u64, Attached>) -> LoadRep
             total_blocks: s.usage.capacity_bytes / unit,
         })
         .collect();
-    LoadReport { tiers, engines: engines.values().filter_map(|a| a.load.clone()).collect() }
+    LoadReport { tiers, engines: engines.values().filter_map(|a| a.load.clone()).collect(), links: Vec::new() }
+}
+
+/// The links this daemon has measured, for the routers' split decisions.
+fn link_reports(peers: &Peers) -> Vec<LinkReport> {
+    peers
+        .book
+        .links()
+        .into_iter()
+        .map(|(peer, l)| LinkReport { peer, bytes_per_s: l.bytes_per_s, samples: l.samples })
+        .collect()
 }

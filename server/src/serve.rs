@@ -9,6 +9,7 @@ use std::time::Duration;
 use kvproto::pb::kvcached_server::KvcachedServer;
 use tokio::sync::watch;
 use tokio::task::JoinSet;
+use tonic::service::interceptor::InterceptedService;
 
 use crate::attach::Tickets;
 use crate::config::Config;
@@ -16,7 +17,8 @@ use crate::daemon::Daemon;
 use crate::edge::BufferedLayer;
 use crate::error::ServerError;
 use crate::limits::Limits;
-use crate::service::{KvcachedService, TcpService};
+use crate::peer::Peers;
+use crate::service::{KvcachedService, TcpAuth, TcpService};
 use crate::{Listeners, engine, http, listen, reports, vllm_export};
 
 /// Runs the daemon until `shutdown` resolves, then stops accepting, drains in-flight requests
@@ -102,7 +104,8 @@ async fn start_daemon(
     .prefault_memory(config.engines.prefault_memory);
     let http_addr = listeners.http.as_ref().and_then(|l| l.local_addr().ok());
     let recovery_url = if config.router.advertise_url.is_empty() {
-        http_addr.filter(|a| !a.ip().is_unspecified()).map(|a| format!("http://{a}"))
+        let scheme = if config.metrics_auth.tls() { "https" } else { "http" };
+        http_addr.filter(|a| !a.ip().is_unspecified()).map(|a| format!("{scheme}://{a}"))
     } else {
         Some(config.router.advertise_url.clone())
     };
@@ -120,7 +123,24 @@ async fn start_daemon(
             .await?,
         ))
     };
-    let reports = Arc::new(reports::Reports::start(&config.router, recovery_url, Arc::clone(&store), vllm));
+    let peers = Arc::new(Peers::new(&config.peer, Arc::clone(&store))?);
+    peers.start_probing();
+    let peer_addr = listeners.peer.as_ref().and_then(|l| l.local_addr().ok());
+    let peer_url = if listeners.peer.is_some() { config.peer.advertised(peer_addr) } else { None };
+    if listeners.peer.is_some() && peer_url.is_none() {
+        tracing::warn!(
+            "peer.listen is a wildcard address and peer.advertise is empty: routers cannot tell other daemons \
+             where to pull this node's blocks"
+        );
+    }
+    let reports = Arc::new(reports::Reports::start(
+        &config.router,
+        recovery_url,
+        peer_url,
+        Arc::clone(&store),
+        Some(Arc::clone(&peers)),
+        vllm,
+    )?);
     if reports.listening() {
         store.set_listener(Arc::clone(&reports) as Arc<dyn kvtiers::TierListener>);
         let n = reports.announce(&store);
@@ -138,6 +158,7 @@ async fn start_daemon(
         Duration::from_millis(config.engines.op_retention_ms),
         config.engines.key_memo_bytes as usize,
     );
+    daemon.peers = Some(peers);
     daemon.g4_lookup_probe = config.g4.lookup_probe;
     daemon.g4_queue = if config.g4.enabled { config.g4.writethrough_queue } else { 0 };
     Ok(Arc::new(daemon))
@@ -195,23 +216,55 @@ fn serve_listeners(
         });
     }
     if let Some(tcp) = listeners.tcp {
-        let incoming = listen::tcp(tcp, Arc::clone(&limits), stop.clone());
-        let server = grpc_server(config, &limits)
-            .add_service(KvcachedServer::new(TcpService { inner: svc.clone() }).max_decoding_message_size(64 << 10));
-        let rx = stop.clone();
-        tasks.spawn(async move {
-            server
-                .serve_with_incoming_shutdown(incoming, stopped(rx))
-                .await
-                .map_err(|e| ServerError::Io(std::io::Error::other(e)))
-        });
+        match endpoint_guard("tcp_auth", TCP_ENDPOINT, &config.tcp_auth, &tcp, &[b"h2"]) {
+            Ok(guard) => {
+                let incoming = listen::tcp(tcp, Arc::clone(&limits), Arc::clone(&guard), stop.clone());
+                let service =
+                    KvcachedServer::new(TcpService { inner: svc.clone() }).max_decoding_message_size(64 << 10);
+                let server =
+                    grpc_server(config, &limits).add_service(InterceptedService::new(service, TcpAuth { guard }));
+                let rx = stop.clone();
+                tasks.spawn(async move {
+                    server
+                        .serve_with_incoming_shutdown(incoming, stopped(rx))
+                        .await
+                        .map_err(|e| ServerError::Io(std::io::Error::other(e)))
+                });
+            }
+            Err(e) => {
+                tasks.spawn(async move { Err(e) });
+            }
+        }
     }
-    if let Some(http) = listeners.http {
-        let app = http::router(Arc::clone(daemon), queue);
-        let rx = stop.clone();
-        tasks.spawn(async move {
-            axum::serve(http, app).with_graceful_shutdown(stopped(rx)).await.map_err(ServerError::Io)
-        });
+    if let Some(peer) = listeners.peer {
+        match peer_guard(config, &peer) {
+            Ok(guard) => {
+                let store = Arc::clone(&daemon.store);
+                let cfg = config.peer.clone();
+                let rx = stop.clone();
+                tasks.spawn(async move {
+                    crate::peer::server::serve(peer, guard, store, cfg, rx).await;
+                    Ok(())
+                });
+            }
+            Err(e) => {
+                tasks.spawn(async move { Err(e) });
+            }
+        }
+    }
+    if let Some(l) = listeners.http {
+        match endpoint_guard("metrics_auth", http::ENDPOINT, &config.metrics_auth, &l, kvnet::http::SERVER_ALPN) {
+            Ok(guard) => {
+                let app = http::router(Arc::clone(daemon), queue);
+                let rx = stop.clone();
+                tasks.spawn(
+                    async move { kvnet::http::serve(l, guard, app, stopped(rx)).await.map_err(ServerError::Io) },
+                );
+            }
+            Err(e) => {
+                tasks.spawn(async move { Err(e) });
+            }
+        }
     }
     {
         let d = Arc::clone(daemon);
@@ -227,6 +280,33 @@ fn serve_listeners(
         });
     }
     tasks
+}
+
+/// The TCP gRPC port's name in messages (refusals, configuration errors).
+const TCP_ENDPOINT: &str = "kvcached TCP gRPC ([tcp_auth])";
+
+/// The guard of the listener `l` (`field`: its `*_auth` section); a configuration that cannot
+/// work (no credentials on a non-loopback address without `open = true`, unreadable files)
+/// stops the daemon with a message naming the section.
+fn endpoint_guard(
+    field: &str,
+    endpoint: &str,
+    auth: &kvnet::AuthConfig,
+    l: &tokio::net::TcpListener,
+    alpn: &[&[u8]],
+) -> Result<Arc<kvnet::Guard>, ServerError> {
+    let addr = l.local_addr()?;
+    kvnet::Guard::new(endpoint, auth, addr, alpn).map(Arc::new).map_err(|e| {
+        let msg = e.to_string();
+        let reason = msg.strip_prefix(&format!("{endpoint}: ")).unwrap_or(&msg).to_string();
+        ServerError::Config { field: field.into(), reason }
+    })
+}
+
+/// The peer channel's authentication; a configuration that cannot work (an open endpoint on
+/// the network nobody said may be open, unreadable certificates) stops the daemon.
+fn peer_guard(config: &Config, l: &tokio::net::TcpListener) -> Result<Arc<kvnet::Guard>, ServerError> {
+    endpoint_guard("peer.auth", "peer channel ([peer.auth])", &config.peer.auth, l, &[])
 }
 
 /// Waits for the listeners' tasks (open requests) and the loads handed to blocking threads, at

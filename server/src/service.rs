@@ -181,7 +181,7 @@ impl pb::kvcached_server::Kvcached for KvcachedService {
             let who = principal(&req);
             let r = req.into_inner();
             let e = self.daemon.engines.get(r.engine_id, who)?;
-            self.daemon.reports.engine_load(&e, r.running, r.waiting, r.kv_used_blocks, r.kv_total_blocks);
+            self.daemon.reports.engine_load(&e, &r);
             Ok(Response::new(pb::Empty {}))
         }
         .await;
@@ -194,6 +194,25 @@ impl pb::kvcached_server::Kvcached for KvcachedService {
 #[derive(Debug, Clone)]
 pub struct TcpService {
     pub inner: KvcachedService,
+}
+
+/// The TCP listener's per-request check (`tcp_auth`): a bearer token in `authorization`, or the
+/// client certificate of the connection ([`crate::listen::TcpPeer`]); a request without
+/// acceptable credentials is refused `UNAUTHENTICATED` with what to present, before any
+/// service sees it.
+#[derive(Debug, Clone)]
+pub struct TcpAuth {
+    pub guard: Arc<kvnet::Guard>,
+}
+
+impl tonic::service::Interceptor for TcpAuth {
+    fn call(&mut self, mut req: Request<()>) -> Result<Request<()>, Status> {
+        let cert = req.extensions().get::<crate::listen::TcpPeer>().map(|p| p.cert.clone()).unwrap_or_default();
+        let bearer = req.metadata().get("authorization").and_then(|v| v.to_str().ok()).and_then(kvnet::bearer_of);
+        let who = self.guard.authenticate(&cert, bearer).map_err(|r| Status::unauthenticated(r.to_string()))?;
+        req.extensions_mut().insert(who);
+        Ok(req)
+    }
 }
 
 fn tcp_refused<T>() -> Result<Response<T>, Status> {

@@ -11,11 +11,16 @@
 //! - [`router_harness`]: a router on port 0 and a JSON client of its API.
 //! - [`s3`]: a real S3-compatible server (SeaweedFS) on ports of its own.
 //! - `g4.rs`: G4 against it: daemons sharing a bucket, tenants, faults, restarts.
+//! - [`proc`]: a daemon as a process (optionally in a network namespace), and plain HTTP.
+//! - [`netns`]: two "nodes" as network namespaces joined by a shaped veth pair.
+//! - `peer.rs`: daemons pulling blocks from each other (handoff, prefetch, faults, credentials).
 //! - [`h2raw`]: HTTP/2 frames by hand, for requests no gRPC client would send.
 //! - `security.rs`: the daemon against hostile local clients (another uid, TCP, floods).
 //! - `src/bin/`: `daemon` and `router` (the real kvcached and kvrouter command lines) and `engine`, an engine in
 //!   a process of its own.
 
 pub mod h2raw;
+pub mod netns;
+pub mod proc;
 pub mod router_harness;
 pub mod s3;

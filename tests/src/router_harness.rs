@@ -163,6 +163,7 @@ pub fn info(
         events_version: EVENTS_VERSION,
         report_interval_ms: interval_ms,
         recovery_url: recovery,
+        peer_url: None,
     }
 }
 

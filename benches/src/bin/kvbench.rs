@@ -52,6 +52,16 @@ enum Command {
         #[arg(long)]
         token_area_bytes: Option<usize>,
     },
+    /// Peer transfer of 2 MiB blocks beside a raw TCP copy loop and HTTP/2 streaming.
+    Peer {
+        /// Blocks pulled per round (2 MiB each).
+        #[arg(long, default_value_t = 256)]
+        blocks: u32,
+        /// Run across two network namespaces joined by a veth pair shaped to this many Mbit/s
+        /// (root only) instead of loopback.
+        #[arg(long)]
+        netns_mbit: Option<u64>,
+    },
     /// G4 against a real S3-compatible server (SeaweedFS, started here) beside raw object_store.
     G4 {
         /// Blocks of each size (256 KiB and 2 MiB).
@@ -111,6 +121,18 @@ fn main() -> ExitCode {
             (socket, dir, calls, warmup, samples, g3, key_memo_bytes, token_area_bytes)
         }
         Command::G4 { count, concurrency } => return g4(count, concurrency),
+        Command::Peer { blocks, netns_mbit } => {
+            return match kvbench::peer::run(blocks.max(8), netns_mbit) {
+                Ok(r) => {
+                    print!("{}", kvbench::peer::markdown(&r));
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("kvbench: {e}");
+                    ExitCode::FAILURE
+                }
+            };
+        }
     };
     let base = dir.unwrap_or_else(|| {
         let shm = std::path::Path::new("/dev/shm");

@@ -123,6 +123,26 @@ impl Default for HealthConfig {
     }
 }
 
+/// `[prefetch]`: when a request goes to a node that holds part of the prompt below G2 (G3, G4)
+/// or lacks a prefix another node holds, the router tells that node's daemon
+/// (`POST {recovery_url}/prefetch`, with `[daemon_auth]`) to bring the blocks into G2 (pulling
+/// from the other node's peer channel) before the engine asks.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PrefetchConfig {
+    pub enabled: bool,
+    /// Send a hint only for at least this many blocks to bring up or pull.
+    pub min_blocks: u32,
+    /// Other nodes named as sources at most.
+    pub max_sources: usize,
+}
+
+impl Default for PrefetchConfig {
+    fn default() -> Self {
+        Self { enabled: true, min_blocks: 4, max_sources: 2 }
+    }
+}
+
 /// When the router splits a request into a prefill worker and a decode worker (docs/router.md,
 /// "Prefill/decode split"): only when the handoff costs less than the prefill it saves.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -132,7 +152,8 @@ pub struct SplitConfig {
     pub enabled: bool,
     /// Roles of workers that can take the prefill half of a split.
     pub prefill_roles: Vec<String>,
-    /// Prefill time of one token on a decode worker (ms); a block costs `tokens_per_block` times this.
+    /// Prefill time of one token (ms) of a worker that has not reported its prefill rate; a
+    /// block costs `tokens_per_block` times this.
     pub prefill_ms_per_token: f64,
     /// Prefill time of one block (ms); overrides `prefill_ms_per_token` when set.
     pub prefill_ms_per_block: Option<f64>,
@@ -141,7 +162,7 @@ pub struct SplitConfig {
     /// Fixed cost of a same-node handoff (ms).
     pub same_node_latency_ms: f64,
     /// KV throughput between nodes (GB/s) the split decision assumes for a cross-node handoff
-    /// (the model of it: no daemon moves blocks between nodes yet).
+    /// until the decode node's daemon has measured the link (a pull or a probe).
     pub cross_node_gbytes_per_s: f64,
     /// Fixed cost of a cross-node handoff (ms).
     pub cross_node_latency_ms: f64,
@@ -395,6 +416,8 @@ pub struct RouterConfig {
     pub health: HealthConfig,
     pub split: SplitConfig,
     pub indexer: IndexerConfig,
+    /// Prefetch hints to the chosen node's daemon (docs/router.md section 4, "Prefetch").
+    pub prefetch: PrefetchConfig,
     /// Approximate mode: how long a routing decision is remembered (s).
     pub approx_ttl_s: f64,
     /// Approximate mode: most (block, worker) decisions remembered; the oldest go first.
@@ -411,6 +434,13 @@ pub struct RouterConfig {
     pub seed: Option<u64>,
     pub namespaces: Vec<NamespaceSpec>,
     pub vllm_sources: Vec<VllmSource>,
+    /// Who may use the API (HTTP and gRPC, one listener): TLS, client certificates, bearer
+    /// tokens, grants of namespaces (docs/router.md section 8). A listener on a non-loopback
+    /// address needs credentials here, or `open = true`.
+    pub auth: kvnet::AuthConfig,
+    /// What the router presents to daemons' recovery routes (`/events/replay`,
+    /// `/events/snapshot`): the CA their certificates chain to, a client certificate, a token.
+    pub daemon_auth: kvnet::ClientAuthConfig,
 }
 
 impl Default for RouterConfig {
@@ -420,6 +450,7 @@ impl Default for RouterConfig {
             weights: CostWeights::default(),
             health: HealthConfig::default(),
             split: SplitConfig::default(),
+            prefetch: PrefetchConfig::default(),
             indexer: IndexerConfig::default(),
             approx_ttl_s: 120.0,
             approx_max_blocks: 1 << 20,
@@ -430,6 +461,8 @@ impl Default for RouterConfig {
             seed: None,
             namespaces: Vec::new(),
             vllm_sources: Vec::new(),
+            auth: kvnet::AuthConfig::default(),
+            daemon_auth: kvnet::ClientAuthConfig::default(),
         }
     }
 }

@@ -4,18 +4,23 @@
 //! Only the blocks `d` cannot get from any tier move: `move = blocks - prefix(d)`. Then
 //!
 //! ```text
-//! saving(d)     = move * block_ms                          prefill time the split saves d
+//! saving(d)     = move * block_ms(d)                          prefill time the split removes from d
+//! queue(p)      = (cost(p) - prefill_term(p)) * block_ms(p)   what p is busy with first
 //! handoff(p, d) = latency(p, d) + move * block_bytes / throughput(p, d)
+//! split  <=>  queue(p) + handoff(p, d) < saving(d) - min_gain_ms
 //! ```
 //!
-//! where `latency` / `throughput` are the same-node figures (a G2 hand-off through the node's
-//! daemon) when `p` and `d` share a node and the cross-node figures otherwise, and `block_ms` is
+//! `throughput(p, d)` is the link rate `d`'s daemon measured pulling from `p`'s node (real
+//! transfers and idle probes, reported in its hit reports); until one is measured, the
+//! configured `cross_node_gbytes_per_s` (and `same_node_gbytes_per_s` for a G2 hand-off when `p`
+//! and `d` share a node). `block_ms(w)` is `tokens_per_block * 1000 / rate(w)` where `rate(w)` is
+//! the prefill rate engine `w` reports (tokens a second); until it reports one,
 //! `prefill_ms_per_block` or `tokens_per_block * prefill_ms_per_token`. Among the prefill
-//! candidates, `p` is the one whose KV is ready first: lowest `cost(p) * block_ms + handoff(p, d)`
-//! (`cost(p)` is the cost model's total for `p`, in blocks of prefill). The request is split when
-//! `saving(d) - handoff(p, d) > min_gain_ms`. A short prompt (a handoff's fixed latency exceeds
-//! its prefill), a slow link (bytes per token take longer to move than to recompute) or a decode
-//! worker that already holds the prefix are not split.
+//! candidates, `p` is the one whose KV is ready first: lowest `queue(p) + prefill(p) +
+//! handoff(p, d)`. A short prompt (a handoff's fixed latency exceeds its prefill), a slow link
+//! (bytes per token take longer to move than to recompute), a busy prefill pool or a decode
+//! worker that already holds the prefix are not split. docs/router.md section 7 has the table
+//! of decisions against prompt length and link rate (`kvrouter split-table` prints it).
 
 use serde::{Deserialize, Serialize};
 
@@ -46,6 +51,19 @@ pub struct SplitDecision {
     pub prefill_cached_blocks: [u32; 4],
     /// The prefill worker's cost (the cost model's terms).
     pub prefill_cost: Option<CostBreakdown>,
+    /// Time the prefill worker is busy before it starts this prefill (ms).
+    #[serde(default)]
+    pub prefill_queue_ms: f64,
+    /// The link rate the handoff estimate used (GB/s) and whether it was measured (else the
+    /// configured figure).
+    #[serde(default)]
+    pub link_gbytes_per_s: f64,
+    #[serde(default)]
+    pub link_measured: bool,
+    /// Where the decode node's daemon pulls the handed-off blocks from: the prefill node's peer
+    /// channel (`host:port`), passed by the engine as a load's `sources`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefill_peer: Option<String>,
 }
 
 /// What the decision needs to know about the request and the chosen decode worker.
@@ -59,6 +77,8 @@ pub struct SplitInput<'a> {
     pub tokens_per_block: Option<u32>,
     /// KV bytes of one block (from the namespace layout, else `default_block_bytes`).
     pub block_bytes: Option<u64>,
+    /// The decode worker's measured prefill rate (tokens a second), if it reported one.
+    pub decode_prefill_tokens_per_s: Option<f64>,
 }
 
 /// One worker that could take the prefill.
@@ -69,20 +89,41 @@ pub struct PrefillCandidate {
     pub node: String,
     pub cached: TierMatch,
     pub cost: CostBreakdown,
+    /// Its measured prefill rate (tokens a second), if it reported one.
+    pub prefill_tokens_per_s: Option<f64>,
+    /// The measured rate of the link from its node to the decode worker's (bytes a second).
+    pub link_bytes_per_s: Option<f64>,
+    /// Its node's peer channel, if the node's daemon serves one.
+    pub peer: Option<String>,
 }
 
-/// Prefill time of one block (ms), if it can be known.
+/// Prefill time of one block (ms), if it can be known: from a measured rate, else configured.
 pub fn block_ms(cfg: &SplitConfig, tokens_per_block: Option<u32>) -> Option<f64> {
     cfg.prefill_ms_per_block.or_else(|| tokens_per_block.map(|t| f64::from(t) * cfg.prefill_ms_per_token))
 }
 
-/// Handoff time (ms) of `bytes` between nodes (`same_node` or not).
-pub fn handoff_ms(cfg: &SplitConfig, same_node: bool, bytes: u64) -> f64 {
-    let (latency, gbps) = if same_node {
-        (cfg.same_node_latency_ms, cfg.same_node_gbytes_per_s)
-    } else {
-        (cfg.cross_node_latency_ms, cfg.cross_node_gbytes_per_s)
-    };
+/// [`block_ms`] of a worker that reported `rate` tokens a second.
+pub fn worker_block_ms(cfg: &SplitConfig, tokens_per_block: Option<u32>, rate: Option<f64>) -> Option<f64> {
+    match (rate.filter(|r| *r > 0.0 && r.is_finite()), tokens_per_block) {
+        (Some(r), Some(t)) => Some(f64::from(t) * 1000.0 / r),
+        _ => block_ms(cfg, tokens_per_block),
+    }
+}
+
+/// The link rate (GB/s) a handoff uses, and whether it was measured.
+pub fn link_gbps(cfg: &SplitConfig, same_node: bool, measured: Option<f64>) -> (f64, bool) {
+    if same_node {
+        return (cfg.same_node_gbytes_per_s, false);
+    }
+    match measured.filter(|b| *b > 0.0 && b.is_finite()) {
+        Some(b) => (b / 1e9, true),
+        None => (cfg.cross_node_gbytes_per_s, false),
+    }
+}
+
+/// Handoff time (ms) of `bytes` over a link of `gbps` GB/s.
+pub fn handoff_ms(cfg: &SplitConfig, same_node: bool, gbps: f64, bytes: u64) -> f64 {
+    let latency = if same_node { cfg.same_node_latency_ms } else { cfg.cross_node_latency_ms };
     latency + bytes as f64 / (gbps * 1e9) * 1e3
 }
 
@@ -99,28 +140,44 @@ pub fn decide(cfg: &SplitConfig, input: &SplitInput<'_>, cands: &[PrefillCandida
     let Some(bytes_per_block) = input.block_bytes else {
         return no("KV bytes per block unknown (namespace given by id only; set split.default_block_bytes)".into());
     };
-    let Some(bms) = block_ms(cfg, input.tokens_per_block) else {
+    let Some(decode_bms) = worker_block_ms(cfg, input.tokens_per_block, input.decode_prefill_tokens_per_s) else {
         return no("block size unknown (set split.prefill_ms_per_block)".into());
     };
     let bytes = move_blocks.saturating_mul(bytes_per_block);
-    let saving = move_blocks as f64 * bms;
-    let ready = |c: &PrefillCandidate| c.cost.total * bms + handoff_ms(cfg, c.node == input.decode_node, bytes);
+    let saving = move_blocks as f64 * decode_bms;
+    // Per candidate: (queue, its own prefill, handoff, link GB/s, measured).
+    let terms = |c: &PrefillCandidate| {
+        let bms = worker_block_ms(cfg, input.tokens_per_block, c.prefill_tokens_per_s).unwrap_or(decode_bms);
+        let queue = (c.cost.total - c.cost.prefill_term).max(0.0) * bms;
+        let prefill = c.cost.prefill_term.max(0.0) * bms;
+        let same = c.node == input.decode_node;
+        let (gbps, measured) = link_gbps(cfg, same, c.link_bytes_per_s);
+        (queue, prefill, handoff_ms(cfg, same, gbps, bytes), gbps, measured)
+    };
+    let ready = |c: &PrefillCandidate| {
+        let (q, p, h, _, _) = terms(c);
+        q + p + h
+    };
     let Some(best) = cands.iter().min_by(|a, b| ready(a).total_cmp(&ready(b))) else {
         return no("no prefill worker".into());
     };
     let same_node = best.node == input.decode_node;
-    let handoff = handoff_ms(cfg, same_node, bytes);
-    let split = saving - handoff > cfg.min_gain_ms;
+    let (queue, _, handoff, gbps, measured) = terms(best);
+    let split = queue + handoff < saving - cfg.min_gain_ms;
+    let link = format!(
+        "{}, {gbps:.2} GB/s {}",
+        if same_node { "same node" } else { "cross node" },
+        if measured { "measured" } else { "configured" }
+    );
     let reason = if split {
         format!(
-            "handoff of {move_blocks} blocks ({bytes} bytes, {}) {handoff:.3} ms < prefill saved {saving:.3} ms",
-            if same_node { "same node" } else { "cross node" }
+            "handoff of {move_blocks} blocks ({bytes} bytes, {link}) {handoff:.3} ms + queue {queue:.3} ms < prefill \
+             saved {saving:.3} ms"
         )
     } else {
         format!(
-            "handoff of {move_blocks} blocks ({bytes} bytes, {}) {handoff:.3} ms does not pay: prefill saved \
-             {saving:.3} ms (min gain {} ms)",
-            if same_node { "same node" } else { "cross node" },
+            "handoff of {move_blocks} blocks ({bytes} bytes, {link}) {handoff:.3} ms + queue {queue:.3} ms does not \
+             pay: prefill saved {saving:.3} ms (min gain {} ms)",
             cfg.min_gain_ms
         )
     };
@@ -137,7 +194,93 @@ pub fn decide(cfg: &SplitConfig, input: &SplitInput<'_>, cands: &[PrefillCandida
         prefill_saving_ms: saving,
         prefill_cached_blocks: best.cached.blocks,
         prefill_cost: Some(best.cost),
+        prefill_queue_ms: queue,
+        link_gbytes_per_s: gbps,
+        link_measured: measured,
+        prefill_peer: best.peer.clone(),
     }
+}
+
+/// One cell of the decision table: a prompt of `tokens` handed off over a link of `gbit` Gbit/s
+/// to an idle decode worker holding none of it, from an idle prefill worker on another node.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TableCell {
+    pub tokens: u32,
+    pub gbit: f64,
+    pub split: bool,
+    pub handoff_ms: f64,
+    pub saving_ms: f64,
+}
+
+/// The decisions [`decide`] makes for each prompt length and link rate, with KV of
+/// `bytes_per_token` bytes, `tokens_per_block`-token blocks and engines prefilling
+/// `prefill_tokens_per_s` tokens a second (measured rates, as reported).
+pub fn decision_table(
+    cfg: &SplitConfig,
+    bytes_per_token: u64,
+    tokens_per_block: u32,
+    prefill_tokens_per_s: f64,
+    prompts: &[u32],
+    links_gbit: &[f64],
+) -> Vec<TableCell> {
+    let mut out = Vec::new();
+    for &tokens in prompts {
+        for &gbit in links_gbit {
+            let input = SplitInput {
+                blocks: (tokens / tokens_per_block.max(1)) as usize,
+                decode_prefix: 0,
+                decode_node: "decode-node",
+                tokens_per_block: Some(tokens_per_block),
+                block_bytes: Some(bytes_per_token * u64::from(tokens_per_block)),
+                decode_prefill_tokens_per_s: Some(prefill_tokens_per_s),
+            };
+            let cand = PrefillCandidate {
+                worker: "prefill".into(),
+                address: String::new(),
+                node: "prefill-node".into(),
+                cached: TierMatch::default(),
+                cost: CostBreakdown::default(),
+                prefill_tokens_per_s: Some(prefill_tokens_per_s),
+                link_bytes_per_s: Some(gbit * 1e9 / 8.0),
+                peer: None,
+            };
+            let d = decide(cfg, &input, &[cand]);
+            out.push(TableCell {
+                tokens,
+                gbit,
+                split: d.split,
+                handoff_ms: d.handoff_ms,
+                saving_ms: d.prefill_saving_ms,
+            });
+        }
+    }
+    out
+}
+
+/// [`decision_table`] as Markdown: one row per prompt length, one column per link rate.
+pub fn table_markdown(cells: &[TableCell], links_gbit: &[f64]) -> String {
+    let mut out = String::from("| prompt tokens |");
+    for g in links_gbit {
+        out += &format!(" {g} Gbit/s |");
+    }
+    out += "\n|---|";
+    out += &"---|".repeat(links_gbit.len());
+    out += "\n";
+    let mut tokens: Vec<u32> = cells.iter().map(|c| c.tokens).collect();
+    tokens.dedup();
+    for t in tokens {
+        out += &format!("| {t} |");
+        for c in cells.iter().filter(|c| c.tokens == t) {
+            out += &format!(
+                " {} ({:.1} vs {:.1} ms) |",
+                if c.split { "split" } else { "local" },
+                c.handoff_ms,
+                c.saving_ms
+            );
+        }
+        out += "\n";
+    }
+    out
 }
 
 #[cfg(test)]
@@ -151,6 +294,9 @@ mod tests {
             node: node.into(),
             cached: TierMatch::default(),
             cost: CostBreakdown { total, ..CostBreakdown::default() },
+            prefill_tokens_per_s: None,
+            link_bytes_per_s: None,
+            peer: Some(format!("{node}:7471")),
         }
     }
 
@@ -162,6 +308,7 @@ mod tests {
             decode_node: "A",
             tokens_per_block: Some(16),
             block_bytes: Some(16 * 128 * 1024),
+            decode_prefill_tokens_per_s: None,
         }
     }
 
@@ -220,5 +367,41 @@ mod tests {
         let cfg = SplitConfig { prefill_ms_per_block: Some(2.0), ..SplitConfig::default() };
         assert_eq!(block_ms(&cfg, Some(16)), Some(2.0));
         assert_eq!(block_ms(&SplitConfig::default(), None), None);
+    }
+
+    #[test]
+    fn measured_rates_replace_the_configured_ones_and_queueing_counts() {
+        let cfg = SplitConfig::default();
+        // 1 KiB of KV per token, 16-token blocks, engines at 100k tokens/s (0.01 ms/token):
+        // handoff 1 ms + n * 1024 B / link; saving n * 0.01 ms.
+        let cells = decision_table(&cfg, 1024, 16, 100_000.0, &[256, 1024], &[1.0, 10.0]);
+        let at =
+            |t: u32, g: f64| cells.iter().find(|c| c.tokens == t && c.gbit == g).copied().expect("a cell of the table");
+        // 256 tokens: 1 Gbit/s moves them in 1 + 2.10 ms against 2.56 ms saved (local); 10
+        // Gbit/s in 1 + 0.21 ms (split).
+        assert!(!at(256, 1.0).split && at(256, 10.0).split, "{cells:?}");
+        assert!((at(256, 1.0).handoff_ms - (1.0 + 256.0 * 1024.0 / 125e6 * 1e3)).abs() < 1e-9);
+        assert!((at(256, 1.0).saving_ms - 2.56).abs() < 1e-9);
+        // 1024 tokens pay even at 1 Gbit/s (9.4 ms against 10.24 ms).
+        assert!(at(1024, 1.0).split);
+        // A busy prefill worker's queue is part of the handoff's cost.
+        let input = SplitInput {
+            blocks: 16,
+            decode_prefix: 0,
+            decode_node: "A",
+            tokens_per_block: Some(16),
+            block_bytes: Some(16 * 1024),
+            decode_prefill_tokens_per_s: Some(100_000.0),
+        };
+        let mut busy = cand("p", "B", 40.0);
+        busy.link_bytes_per_s = Some(1.25e9);
+        busy.prefill_tokens_per_s = Some(100_000.0);
+        let d = decide(&cfg, &input, &[busy.clone()]);
+        assert!(!d.split, "{d:?}");
+        assert!((d.prefill_queue_ms - 40.0 * 0.16).abs() < 1e-9, "{d:?}");
+        assert!(d.link_measured && (d.link_gbytes_per_s - 1.25).abs() < 1e-12);
+        assert_eq!(d.prefill_peer.as_deref(), Some("B:7471"));
+        busy.cost.total = 0.0;
+        assert!(decide(&cfg, &input, &[busy]).split);
     }
 }

@@ -1,0 +1,302 @@
+//! The server side: a [`Guard`] per endpoint accepts connections (the TLS handshake, when the
+//! endpoint speaks TLS) and turns what a client presented (a verified client certificate, a
+//! bearer token) into an [`Identity`], or a [`Refusal`] that says what is missing.
+
+use std::collections::{HashMap, HashSet};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use kvproto::NamespaceId;
+use rustls::ServerConfig;
+use rustls_pki_types::{CertificateDer, ServerName};
+use tokio::net::TcpStream;
+
+use crate::config::AuthConfig;
+use crate::error::NetError;
+use crate::reload::Reloading;
+use crate::tls::{self, Stream};
+
+/// Shortest token accepted: a guessable token is no credential.
+pub const MIN_TOKEN_CHARS: usize = 16;
+
+/// The namespaces an identity may read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Namespaces {
+    All,
+    Only(HashSet<NamespaceId>),
+}
+
+/// Who a client is, once authenticated.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Identity {
+    /// The token's identity, the certificate name that matched a grant, `client-certificate`
+    /// (a trusted certificate no grant names), or `anonymous` on an endpoint without credentials.
+    pub name: String,
+    pub namespaces: Namespaces,
+}
+
+impl Identity {
+    /// An endpoint that asks for no credentials: everyone, every namespace.
+    pub fn anonymous() -> Self {
+        Self { name: "anonymous".into(), namespaces: Namespaces::All }
+    }
+
+    /// Whether this identity may read `ns`.
+    pub fn may_read(&self, ns: &NamespaceId) -> bool {
+        match &self.namespaces {
+            Namespaces::All => true,
+            Namespaces::Only(set) => set.contains(ns),
+        }
+    }
+}
+
+/// Why a client was refused; the message names what to present, never a secret.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Refusal {
+    #[error("{0} requires credentials: a bearer token (authorization: Bearer ...) or a client certificate")]
+    NoCredentials(String),
+    #[error("{0}: the bearer token is not one this endpoint accepts")]
+    BadToken(String),
+    #[error("{endpoint}: {identity} may not read namespace {namespace}")]
+    Namespace { endpoint: String, identity: String, namespace: String },
+}
+
+/// What a client presented in its TLS handshake: its first certificate, already verified
+/// against the client CA by rustls (chain, validity period, client-auth usage).
+#[derive(Debug, Clone, Default)]
+pub struct PeerCert(pub Option<CertificateDer<'static>>);
+
+#[derive(Debug)]
+struct Tokens {
+    /// (identity, token) pairs.
+    entries: Vec<(String, String)>,
+}
+
+fn load_tokens(paths: &[PathBuf]) -> Result<Tokens, NetError> {
+    let path = &paths[0];
+    let text = std::fs::read_to_string(path).map_err(|e| NetError::File {
+        what: "tokens file",
+        path: path.clone(),
+        why: e.to_string(),
+    })?;
+    let mut entries = Vec::new();
+    for (n, line) in text.lines().enumerate() {
+        let line = line.split('#').next().unwrap_or("").trim();
+        if line.is_empty() {
+            continue;
+        }
+        let mut parts = line.split_whitespace();
+        let (Some(id), Some(token), None) = (parts.next(), parts.next(), parts.next()) else {
+            return Err(NetError::File {
+                what: "tokens file",
+                path: path.clone(),
+                why: format!("line {}: want `<identity> <token>`", n + 1),
+            });
+        };
+        if token.chars().count() < MIN_TOKEN_CHARS {
+            return Err(NetError::File {
+                what: "tokens file",
+                path: path.clone(),
+                why: format!("line {}: the token of {id} is shorter than {MIN_TOKEN_CHARS} characters", n + 1),
+            });
+        }
+        entries.push((id.to_string(), token.to_string()));
+    }
+    Ok(Tokens { entries })
+}
+
+/// Compares without stopping at the first difference, so the time taken says nothing about how
+/// much of a guess was right.
+fn same(a: &[u8], b: &[u8]) -> bool {
+    let mut diff = a.len() ^ b.len();
+    for i in 0..a.len().max(b.len()) {
+        diff |= usize::from(a.get(i).copied().unwrap_or(0) ^ b.get(i).copied().unwrap_or(0xff));
+    }
+    diff == 0
+}
+
+fn namespace_of(hex_id: &str) -> Option<NamespaceId> {
+    let mut out = [0u8; 16];
+    hex::decode_to_slice(hex_id, &mut out).ok()?;
+    Some(NamespaceId(out))
+}
+
+/// One endpoint's authentication.
+#[derive(Debug)]
+pub struct Guard {
+    endpoint: String,
+    cfg: AuthConfig,
+    tls: Option<Reloading<Arc<ServerConfig>>>,
+    tokens: Option<Reloading<Tokens>>,
+    grants: Option<HashMap<String, Namespaces>>,
+}
+
+fn parse_grants(cfg: &AuthConfig, endpoint: &str) -> Result<Option<HashMap<String, Namespaces>>, NetError> {
+    if cfg.grants.is_empty() {
+        return Ok(None);
+    }
+    let mut out: HashMap<String, Namespaces> = HashMap::new();
+    for g in &cfg.grants {
+        let entry = out.entry(g.identity.clone()).or_insert_with(|| Namespaces::Only(HashSet::new()));
+        for ns in &g.namespaces {
+            if ns == "*" {
+                *entry = Namespaces::All;
+                continue;
+            }
+            let id = namespace_of(ns).ok_or_else(|| {
+                NetError::Config(format!(
+                    "{endpoint}: grant of {}: {ns:?} is not a namespace id (32 hex digits) or \"*\"",
+                    g.identity
+                ))
+            })?;
+            if let Namespaces::Only(set) = entry {
+                set.insert(id);
+            }
+        }
+    }
+    Ok(Some(out))
+}
+
+impl Guard {
+    /// The guard of `endpoint` (a name for messages, e.g. `peer.auth`) listening on `addr`.
+    /// `alpn`: the protocols the endpoint offers over TLS (`h2` for gRPC).
+    pub fn new(endpoint: &str, cfg: &AuthConfig, addr: SocketAddr, alpn: &[&[u8]]) -> Result<Self, NetError> {
+        let bad = |why: String| Err(NetError::Config(format!("{endpoint}: {why}")));
+        if cfg.tls_key.is_some() != cfg.tls_cert.is_some() {
+            return bad("tls_cert and tls_key go together".into());
+        }
+        if cfg.tls_client_ca.is_some() && cfg.tls_cert.is_none() {
+            return bad("tls_client_ca (mutual TLS) needs tls_cert and tls_key: the endpoint must speak TLS".into());
+        }
+        if cfg.open && cfg.requires_credentials() {
+            return bad("open = true and credentials (tokens_file, tls_client_ca) contradict each other".into());
+        }
+        if !cfg.open && !cfg.requires_credentials() && !addr.ip().is_loopback() {
+            return bad(format!(
+                "listens on {addr} with no credentials configured: set tokens_file or tls_client_ca, or open = true to \
+                 serve without (a trusted network only)"
+            ));
+        }
+        if cfg.tokens_file.is_some() && cfg.tls_cert.is_none() && !addr.ip().is_loopback() {
+            tracing::warn!(endpoint, %addr, "bearer tokens over plain TCP: anyone on the path can read them; set tls_cert");
+        }
+        let tls = match (&cfg.tls_cert, &cfg.tls_key) {
+            (Some(c), Some(k)) => {
+                let mut paths = vec![c.clone(), k.clone()];
+                paths.extend(cfg.tls_client_ca.clone());
+                let alpn: Vec<Vec<u8>> = alpn.iter().map(|a| a.to_vec()).collect();
+                Some(Reloading::new("TLS server certificate", paths, move |p| {
+                    let a: Vec<&[u8]> = alpn.iter().map(Vec::as_slice).collect();
+                    tls::server_config(p, &a)
+                })?)
+            }
+            _ => None,
+        };
+        let tokens = match &cfg.tokens_file {
+            Some(f) => Some(Reloading::new("tokens file", vec![f.clone()], load_tokens)?),
+            None => None,
+        };
+        Ok(Self { endpoint: endpoint.to_string(), cfg: cfg.clone(), tls, tokens, grants: parse_grants(cfg, endpoint)? })
+    }
+
+    /// The current TLS configuration, if the endpoint speaks TLS.
+    pub(crate) fn server_config(&self) -> Option<Arc<ServerConfig>> {
+        self.tls.as_ref().map(|t| Arc::clone(&*t.get()))
+    }
+
+    /// Whether connections are TLS.
+    pub fn tls(&self) -> bool {
+        self.tls.is_some()
+    }
+
+    /// Whether clients must present credentials.
+    pub fn requires_credentials(&self) -> bool {
+        self.cfg.requires_credentials()
+    }
+
+    /// The endpoint's name, for messages.
+    pub fn endpoint(&self) -> &str {
+        &self.endpoint
+    }
+
+    /// Completes a TCP connection: the TLS handshake on a TLS endpoint (a client whose
+    /// certificate is untrusted or expired fails here), else the plain stream.
+    pub async fn accept(&self, tcp: TcpStream) -> Result<(Stream<TcpStream>, PeerCert), NetError> {
+        let Some(tls) = &self.tls else {
+            return Ok((Stream::Plain(tcp), PeerCert::default()));
+        };
+        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::clone(&*tls.get()));
+        let s = acceptor.accept(tcp).await.map_err(|e| NetError::Tls(e.to_string()))?;
+        let cert = s.get_ref().1.peer_certificates().and_then(|c| c.first()).map(|c| c.clone().into_owned());
+        Ok((Stream::Tls(Box::new(tokio_rustls::TlsStream::Server(s))), PeerCert(cert)))
+    }
+
+    /// Who the client is: by bearer token (the value after `Bearer `), else by its verified
+    /// certificate; anonymous where the endpoint asks for no credentials.
+    pub fn authenticate(&self, cert: &PeerCert, bearer: Option<&str>) -> Result<Identity, Refusal> {
+        if !self.requires_credentials() {
+            return Ok(Identity::anonymous());
+        }
+        if let (Some(token), Some(tokens)) = (bearer, &self.tokens) {
+            let table = tokens.get();
+            let mut found = None;
+            for (id, t) in &table.entries {
+                if same(t.as_bytes(), token.trim().as_bytes()) && found.is_none() {
+                    found = Some(id.clone());
+                }
+            }
+            return match found {
+                Some(id) => Ok(self.identity(id)),
+                None => Err(Refusal::BadToken(self.endpoint.clone())),
+            };
+        }
+        if let Some(der) = &cert.0
+            && self.cfg.tls_client_ca.is_some()
+        {
+            return Ok(self.identity(self.cert_name(der)));
+        }
+        Err(Refusal::NoCredentials(self.endpoint.clone()))
+    }
+
+    /// The grant name a certificate carries (a DNS name among its subject alternative names).
+    fn cert_name(&self, der: &CertificateDer<'static>) -> String {
+        let Ok(cert) = webpki::EndEntityCert::try_from(der) else { return "client-certificate".into() };
+        let names = self.grants.iter().flat_map(|g| g.keys());
+        for n in names {
+            if let Ok(sn) = ServerName::try_from(n.as_str())
+                && cert.verify_is_valid_for_subject_name(&sn).is_ok()
+            {
+                return n.clone();
+            }
+        }
+        "client-certificate".into()
+    }
+
+    fn identity(&self, name: String) -> Identity {
+        let namespaces = match &self.grants {
+            None => Namespaces::All,
+            Some(g) => g.get(&name).cloned().unwrap_or_else(|| Namespaces::Only(HashSet::new())),
+        };
+        Identity { name, namespaces }
+    }
+
+    /// `identity` may read `ns`, or the refusal that says it may not.
+    pub fn check_namespace(&self, identity: &Identity, ns: &NamespaceId) -> Result<(), Refusal> {
+        if identity.may_read(ns) {
+            return Ok(());
+        }
+        Err(Refusal::Namespace {
+            endpoint: self.endpoint.clone(),
+            identity: identity.name.clone(),
+            namespace: ns.to_string(),
+        })
+    }
+}
+
+/// The token of an `authorization` header value (`Bearer <token>`, case-insensitive scheme).
+pub fn bearer_of(header: &str) -> Option<&str> {
+    let (scheme, token) = header.trim().split_once(' ')?;
+    scheme.eq_ignore_ascii_case("bearer").then_some(token.trim())
+}

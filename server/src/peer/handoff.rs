@@ -1,0 +1,61 @@
+//! What a load (or a prefetch) does with peers: find where the node's own tiers end, and pull
+//! the rest of the chain from the sources a router named, or join a pull already bringing it.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use kvproto::{BlockKey, NamespaceId};
+use kvtiers::BlockStore;
+
+use super::{Peers, Pull};
+
+/// Blocks of a load that come (or may come) from a peer.
+#[derive(Debug)]
+pub struct Incoming {
+    pull: Arc<Pull>,
+    /// Index in the load's keys of the first pulled block.
+    pub offset: usize,
+    /// Index of that block in the pull's own keys (a prefetch's pull may start earlier).
+    first_in_pull: usize,
+    deadline: Instant,
+    /// The pull came up short once: the rest was asked of G4.
+    pub fell_back: bool,
+}
+
+impl Incoming {
+    /// Plans the peer part of loading `keys`: none when the node's tiers hold the whole chain
+    /// or no source is usable; else a pull (joined or started) of the keys from the first the
+    /// node lacks.
+    pub fn plan(
+        peers: &Arc<Peers>,
+        store: &BlockStore,
+        namespace: NamespaceId,
+        keys: &[BlockKey],
+        block_len: u64,
+        sources: &[String],
+        deadline: Instant,
+    ) -> Option<Self> {
+        let offset = store.held_prefix(keys).len();
+        if offset >= keys.len() {
+            return None;
+        }
+        if let Some((pull, at)) = peers.inflight(&keys[offset])
+            && pull.namespace == namespace
+            && pull.keys[at..].iter().zip(&keys[offset..]).all(|(a, b)| a == b)
+        {
+            return Some(Self { pull, offset, first_in_pull: at, deadline, fell_back: false });
+        }
+        if sources.is_empty() {
+            return None;
+        }
+        let pull = peers.start(namespace, keys[offset..].to_vec(), block_len, sources)?;
+        Some(Self { pull, offset, first_in_pull: 0, deadline, fell_back: false })
+    }
+
+    /// Waits until block `j` of the load (`j >= offset`) has arrived from the peer: false when
+    /// the pull ended short of it, does not cover it, or the deadline passed.
+    pub fn wait(&self, j: usize) -> bool {
+        let i = self.first_in_pull + (j - self.offset);
+        i < self.pull.keys.len() && self.pull.wait_for(i, self.deadline)
+    }
+}

@@ -1,0 +1,180 @@
+//! Peer transfer: daemons move blocks to each other. A decode node's daemon pulls the blocks it
+//! lacks from the daemon that holds them (the prefill node's), in prompt order, each verified by
+//! checksum as it arrives straight into G2; the load that asked copies each block on into engine
+//! memory as soon as it is in, while later ones are still on the wire. A peer that is gone,
+//! stalls or sends wrong bytes ends the pull: the rest comes from G4 or is a miss (recompute),
+//! never wrong bytes. The same pulls serve prefetch (a router's hint that a request is coming).
+//!
+//! - [`protocol`]: the wire format.
+//! - [`server`]: the `peer.listen` endpoint (authenticated by [`kvnet::Guard`]).
+//! - [`pull`]: the puller, its connections and its progress.
+//! - [`handoff`]: a load's (or prefetch's) use of pulls.
+//! - [`http`]: `POST /prefetch`, a router's hint.
+//! - this file: configuration, link rates and peer health.
+
+pub mod handoff;
+pub mod http;
+pub mod protocol;
+pub mod pull;
+pub mod server;
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+use serde::{Deserialize, Serialize};
+
+pub use handoff::Incoming;
+pub use pull::{Peers, Pull};
+
+/// `[peer]`: the peer channel.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PeerConfig {
+    /// Where other daemons pull from (`0.0.0.0:7471`); absent: this daemon serves no peer (it
+    /// can still pull from others).
+    pub listen: Option<SocketAddr>,
+    /// The `host:port` other daemons dial to reach `listen` (reported to routers); empty: the
+    /// listen address when it is not a wildcard.
+    pub advertise: String,
+    /// Who may pull, and which namespaces ([`kvnet::AuthConfig`]).
+    pub auth: kvnet::AuthConfig,
+    /// What this daemon presents when it pulls from others.
+    pub client: kvnet::ClientAuthConfig,
+    /// Connections served at once (one thread each); more wait, up to as many again, then are
+    /// refused.
+    pub max_connections: usize,
+    /// Pulls running at once; a load beyond this reads G4 or misses.
+    pub max_pulls: usize,
+    /// A load waits at most this long for a pulled block; what has not arrived by then is a
+    /// miss.
+    pub pull_deadline_ms: u64,
+    /// Connecting and the TLS handshake.
+    pub connect_timeout_ms: u64,
+    /// A peer silent this long mid-transfer has stalled.
+    pub io_timeout_ms: u64,
+    /// A peer that failed (unreachable, stalled, wrong bytes) is not asked again for this long.
+    pub bad_peer_ms: u64,
+    /// A link not measured by a real transfer for this long is measured with a probe of
+    /// `probe_bytes`; 0: never probe.
+    pub probe_idle_s: u64,
+    pub probe_bytes: u32,
+    /// Other daemons' peer addresses to measure links to before any transfer (`host:port`).
+    pub peers: Vec<String>,
+}
+
+impl Default for PeerConfig {
+    fn default() -> Self {
+        Self {
+            listen: None,
+            advertise: String::new(),
+            auth: kvnet::AuthConfig::default(),
+            client: kvnet::ClientAuthConfig::default(),
+            max_connections: 16,
+            max_pulls: 16,
+            pull_deadline_ms: 10_000,
+            connect_timeout_ms: 2_000,
+            io_timeout_ms: 5_000,
+            bad_peer_ms: 30_000,
+            probe_idle_s: 300,
+            probe_bytes: 8 << 20,
+            peers: Vec::new(),
+        }
+    }
+}
+
+impl PeerConfig {
+    /// The advertised address, or why there is none.
+    pub fn advertised(&self, bound: Option<SocketAddr>) -> Option<String> {
+        if !self.advertise.is_empty() {
+            return Some(self.advertise.clone());
+        }
+        bound.filter(|a| !a.ip().is_unspecified()).map(|a| a.to_string())
+    }
+}
+
+/// A link's measured throughput (bytes a second), as a moving average of real transfers and
+/// probes.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LinkRate {
+    pub bytes_per_s: f64,
+    pub samples: u64,
+    pub measured: Instant,
+}
+
+/// Weight of the newest sample in a link's average.
+const LINK_EWMA: f64 = 0.3;
+/// Transfers shorter than this measure latency, not throughput: not counted.
+pub const MIN_SAMPLE_BYTES: u64 = 1 << 20;
+
+/// Health and link rates of the peers this daemon has pulled from.
+#[derive(Debug, Default)]
+pub struct PeerBook {
+    links: Mutex<HashMap<String, LinkRate>>,
+    bad: Mutex<HashMap<String, (Instant, String)>>,
+}
+
+impl PeerBook {
+    /// Records a transfer of `bytes` from `peer` that took `took`.
+    pub fn sample(&self, peer: &str, bytes: u64, took: Duration) {
+        if bytes < MIN_SAMPLE_BYTES || took.is_zero() {
+            return;
+        }
+        let rate = bytes as f64 / took.as_secs_f64();
+        let mut links = self.links.lock();
+        let e = links.entry(peer.to_string()).or_insert(LinkRate {
+            bytes_per_s: rate,
+            samples: 0,
+            measured: Instant::now(),
+        });
+        // A sample off by more than 2x is a changed link (rerouted, reshaped, congested), not
+        // noise: the average starts over from it.
+        let changed = e.samples > 0 && !(0.5..=2.0).contains(&(rate / e.bytes_per_s));
+        if e.samples == 0 || changed {
+            e.bytes_per_s = rate;
+            e.samples = 0;
+        } else {
+            e.bytes_per_s = LINK_EWMA * rate + (1.0 - LINK_EWMA) * e.bytes_per_s;
+        }
+        e.samples += 1;
+        e.measured = Instant::now();
+        metrics::gauge!("kvcached_peer_link_bytes_per_second", "peer" => peer.to_string()).set(e.bytes_per_s);
+    }
+
+    /// When `peer`'s link was last measured.
+    pub fn measured(&self, peer: &str) -> Option<Instant> {
+        self.links.lock().get(peer).map(|l| l.measured)
+    }
+
+    /// Every measured link.
+    pub fn links(&self) -> Vec<(String, LinkRate)> {
+        self.links.lock().iter().map(|(k, v)| (k.clone(), *v)).collect()
+    }
+
+    /// Marks `peer` bad for `for_how_long`, with why.
+    pub fn failed(&self, peer: &str, why: &str, for_how_long: Duration) {
+        tracing::warn!(peer, "peer failed: {why}; not asked again for {} s", for_how_long.as_secs());
+        metrics::counter!("kvcached_peer_failures_total", "peer" => peer.to_string()).increment(1);
+        self.bad.lock().insert(peer.to_string(), (Instant::now() + for_how_long, why.to_string()));
+    }
+
+    /// Whether `peer` is marked bad now.
+    pub fn is_bad(&self, peer: &str) -> bool {
+        let mut bad = self.bad.lock();
+        match bad.get(peer) {
+            Some((until, _)) if *until > Instant::now() => true,
+            Some(_) => {
+                bad.remove(peer);
+                false
+            }
+            None => false,
+        }
+    }
+
+    /// Peers marked bad now, with why (for `/healthz`).
+    pub fn bad_peers(&self) -> Vec<(String, String)> {
+        let now = Instant::now();
+        self.bad.lock().iter().filter(|(_, (u, _))| *u > now).map(|(p, (_, w))| (p.clone(), w.clone())).collect()
+    }
+}

@@ -1,0 +1,205 @@
+//! Two "nodes" as network namespaces joined by a veth pair shaped with `tc` (root only; CI runs
+//! as root): the decode node's daemon measures the link to the prefill node's daemon, the
+//! measured rate reaches the router in the hit reports, and the router's split decision flips
+//! between 1 Gbit/s and 10 Gbit/s where the documented model (`split::decision_table`) says it
+//! should; then the handoff runs across the link, byte for byte.
+#![allow(clippy::unwrap_used)]
+
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kvclient::{Client, KvMemory, synthetic_block};
+use kvproto::{Dtype, KvLayout, LayoutKind, Namespace};
+use kvtests::netns::{self, NodePair};
+use kvtests::proc::{DaemonProc, http_request};
+
+fn layout() -> KvLayout {
+    KvLayout {
+        num_layers: 2,
+        kv_heads: 2,
+        head_dim: 64,
+        dtype: Dtype::Bf16,
+        tokens_per_block: 16,
+        kind: LayoutKind::LayerSeparate,
+    }
+}
+
+/// 1 KiB of KV a token: 2 layers x K and V x 2 heads x 64 x 2 bytes.
+const BYTES_PER_TOKEN: u64 = 1024;
+/// What the engines report (tokens a second of prefill).
+const PREFILL_RATE: f64 = 100_000.0;
+
+fn ns() -> Namespace {
+    Namespace::new("xnode/model", layout())
+}
+
+struct Router(Child);
+
+impl Drop for Router {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn route(pair: &NodePair, router: &str, tokens: &[u32]) -> serde_json::Value {
+    let body = serde_json::json!({"namespace": "x", "tokens": tokens, "role": "decode"}).to_string();
+    let router = router.to_string();
+    let (status, text) = netns::run_in(&pair.a, move || http_request(&router, "POST", "/route", Some(&body), &[]));
+    assert_eq!(status, 200, "{text}");
+    serde_json::from_str(&text).unwrap()
+}
+
+/// The link rate B's daemon has measured to A's peer channel (bytes a second).
+fn measured(b: &DaemonProc) -> f64 {
+    b.metric("kvcached_peer_link_bytes_per_second")
+}
+
+fn wait_rate_near(b: &DaemonProc, want: f64) -> f64 {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let r = measured(b);
+        if (r - want).abs() <= 0.15 * want {
+            return r;
+        }
+        assert!(Instant::now() < deadline, "link measured at {r:.0} B/s, shaped to {want:.0}\n{}", b.log());
+        std::thread::sleep(Duration::from_millis(250));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn links_are_measured_and_the_split_flips_where_the_model_says() {
+    assert!(netns::available(), "this test makes network namespaces: run it as root with iproute2");
+    let d = tempfile::tempdir().unwrap();
+    let pair = NodePair::new("x");
+    pair.shape(1000);
+    let router_addr = format!("{}:8090", pair.addr_a);
+    let peer_a = format!("{}:7471", pair.addr_a);
+    let cfg = d.path().join("router.toml");
+    std::fs::write(
+        &cfg,
+        "[auth]\nopen = true\n[[namespaces]]\nname = \"x\"\nmodel_id = \"xnode/model\"\nnum_layers = 2\nkv_heads = 2\n\
+         head_dim = 64\ndtype = \"bf16\"\ntokens_per_block = 16\n",
+    )
+    .unwrap();
+    let log = std::fs::File::create(d.path().join("router.log")).unwrap();
+    let _router = Router(
+        Command::new("ip")
+            .args(["netns", "exec", &pair.a, env!("CARGO_BIN_EXE_router"), "--listen", &router_addr])
+            .arg("--config")
+            .arg(&cfg)
+            .stdout(Stdio::null())
+            .stderr(Stdio::from(log))
+            .spawn()
+            .unwrap(),
+    );
+    let reports = |node: &str| {
+        format!(
+            "[metrics_auth]\nopen = true\n[router]\nurls = [\"http://{router_addr}\"]\nnode = \"{node}\"\n\
+             report_interval_ms = 200\n"
+        )
+    };
+    let bin = Path::new(env!("CARGO_BIN_EXE_daemon"));
+    let a = DaemonProc::spawn(
+        bin,
+        &d.path().join("a"),
+        &format!("{}:9464", pair.addr_a),
+        &format!("{}[peer]\nlisten = \"{peer_a}\"\n[peer.auth]\nopen = true\n", reports("node-a")),
+        Some(&pair.a),
+        &[],
+    );
+    let b = DaemonProc::spawn(
+        bin,
+        &d.path().join("b"),
+        &format!("{}:9464", pair.addr_b),
+        &format!("{}[peer]\npeers = [\"{peer_a}\"]\nprobe_idle_s = 1\nprobe_bytes = 33554432\n", reports("node-b")),
+        Some(&pair.b),
+        &[],
+    );
+    // Engines: a prefill worker on A, a decode worker on B, each reporting its prefill rate.
+    let len = layout().block_bytes() as usize;
+    let mut mem_a = KvMemory::anonymous(&layout(), 64).unwrap();
+    for i in 0..64 {
+        mem_a.write_block(i, &synthetic_block(41, i, len));
+    }
+    let ea = Client::connect(&a.socket).await.unwrap();
+    ea.register_worker("prefill-a", &ns(), &mem_a, "http://prefill-a", "prefill").await.unwrap();
+    let mem_b = KvMemory::anonymous(&layout(), 64).unwrap();
+    let eb = Client::connect(&b.socket).await.unwrap();
+    eb.register_worker("decode-b", &ns(), &mem_b, "http://decode-b", "decode").await.unwrap();
+    for e in [&ea, &eb] {
+        e.report_load_and_prefill(0, 0, 0, 1000, 100_000, Duration::from_secs(1)).await.unwrap();
+    }
+
+    let tokens: Vec<u32> = (0..256).map(|i| (i * 7919 + 13) % 150_000).collect();
+    let table = |rate_bytes: f64| {
+        let gbit = rate_bytes * 8.0 / 1e9;
+        let cfg = kvrouter::config::SplitConfig::default();
+        kvrouter::split::decision_table(&cfg, BYTES_PER_TOKEN, 16, PREFILL_RATE, &[256], &[gbit])[0]
+    };
+    for (mbit, want_split) in [(1000u64, false), (10_000, true)] {
+        pair.shape(mbit);
+        let rate = wait_rate_near(&b, mbit as f64 * 1e6 / 8.0);
+        // The router has the rate once B's next report arrives.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let s = loop {
+            let r = route(&pair, &router_addr, &tokens);
+            let s = r["split"].clone();
+            if s["link_measured"] == true
+                && ((s["link_gbytes_per_s"].as_f64().unwrap() * 1e9 - rate).abs() < 0.2 * rate)
+            {
+                break s;
+            }
+            assert!(Instant::now() < deadline, "the router has no measured link: {r}");
+            std::thread::sleep(Duration::from_millis(200));
+        };
+        let model = table(s["link_gbytes_per_s"].as_f64().unwrap() * 1e9);
+        assert_eq!(s["split"].as_bool().unwrap(), model.split, "router {s} against the model {model:?}");
+        assert_eq!(model.split, want_split, "at {mbit} Mbit/s: {model:?}");
+        assert!((s["handoff_ms"].as_f64().unwrap() - model.handoff_ms).abs() < 1e-6, "{s} / {model:?}");
+        if want_split {
+            assert_eq!(s["prefill_peer"], peer_a.as_str(), "{s}");
+        }
+    }
+
+    // The handoff itself, across the link: A's engine prefills (saves), B's engine loads from
+    // the peer the router named.
+    let slots: Vec<u32> = (0..16).collect();
+    assert_eq!(ea.save(&tokens, 0, &slots).await.unwrap().stored, 16);
+    let done = eb.load_from(&tokens, 0, &slots, std::slice::from_ref(&peer_a)).await.unwrap();
+    assert_eq!((done.loaded_blocks, done.from_peer), (16, 16), "{done:?}\n{}", b.log());
+    for i in 0..16 {
+        assert_eq!(mem_b.read_block(i), synthetic_block(41, i, len));
+    }
+
+    // Prefetch: a second prompt prefilled on A; the router places its decode on B and tells
+    // B's daemon, which pulls it into G2 before B's engine asks.
+    let tokens2: Vec<u32> = (0..512).map(|i| (i * 104_729 + 7) % 150_000).collect();
+    let slots2: Vec<u32> = (16..48).collect();
+    assert_eq!(ea.save(&tokens2, 0, &slots2).await.unwrap().stored, 32);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let hint = loop {
+        // The router learns of A's blocks from A's next report.
+        let r = route(&pair, &router_addr, &tokens2);
+        if r["prefetch"]["pull_blocks"] == 32 {
+            break r["prefetch"].clone();
+        }
+        assert!(Instant::now() < deadline, "no prefetch hint: {r}");
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert_eq!(hint["sources"][0], peer_a.as_str(), "{hint}");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while eb.lookup(&tokens2).await.unwrap().g2_blocks < 32 {
+        assert!(Instant::now() < deadline, "the prefetch did not land on B\n{}", b.log());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let done = eb.load_now(&tokens2, 0, &(0..32).collect::<Vec<_>>()).await.unwrap();
+    assert_eq!((done.loaded_blocks, done.from_g2), (32, 32), "{done:?}");
+    for i in 0..32 {
+        assert_eq!(mem_b.read_block(i), synthetic_block(41, 16 + i, len));
+    }
+    drop((ea, eb));
+    a.stop();
+    b.stop();
+}
