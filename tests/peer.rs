@@ -160,7 +160,7 @@ fn fake_peer(how: Fake) -> (String, Arc<AtomicUsize>) {
                     let Ok((_, keys)) = p::read_pull(&mut s) else { return };
                     for (i, k) in keys.iter().enumerate() {
                         let data = synthetic_block(21, i as u32, block_len());
-                        let good = xxhash_rust::xxh3::xxh3_64(&data);
+                        let good = crc_fast::checksum(crc_fast::CrcAlgorithm::Crc64Nvme, &data);
                         let sum = match how {
                             Fake::WrongChecksum => good ^ 1,
                             Fake::DiesAfter(n) | Fake::StallsAfter(n) if i >= n => {

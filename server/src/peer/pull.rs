@@ -12,7 +12,6 @@ use kvnet::{Connector, SyncStream};
 use kvproto::{BlockKey, NamespaceId};
 use kvtiers::{BlockMeta, BlockStore, TierError};
 use parking_lot::{Condvar, Mutex};
-use xxhash_rust::xxh3::Xxh3;
 
 use super::protocol::{self as p, BlockHeader};
 use super::{PeerBook, PeerConfig};
@@ -357,7 +356,7 @@ impl Peers {
         let meta = BlockMeta { namespace, parent: h.parent, len: h.len };
         let mut outcome: Option<Result<(), Reject>> = None;
         let stored = store.put_with(h.key, meta, |dst| {
-            let mut hasher = Xxh3::new();
+            let mut hasher = p::block_sum();
             for &(ptr, len) in dst {
                 // SAFETY: `put_with` hands this reservation's own pages, `len` bytes at `ptr`,
                 // not visible to any reader until the closure returns Ok.
@@ -371,7 +370,7 @@ impl Peers {
                 }
             }
             match p::read_u64(c) {
-                Ok(sum) if sum == hasher.digest() => {
+                Ok(sum) if sum == hasher.finalize() => {
                     outcome = Some(Ok(()));
                     Ok(())
                 }

@@ -12,7 +12,6 @@ use crossbeam_channel::{Receiver, TrySendError, bounded};
 use kvnet::{Guard, Identity, SyncStream};
 use kvtiers::{BlockBuf, BlockStore};
 use tokio::net::TcpListener;
-use xxhash_rust::xxh3::Xxh3;
 
 use super::PeerConfig;
 use super::protocol::{self as p, BlockHeader};
@@ -178,14 +177,14 @@ fn send_blocks(
             }
             let head = BlockHeader { key: *key, parent: meta.parent, len: meta.len }.encode();
             c.write_all(&head)?;
-            let mut h = Xxh3::new();
+            let mut h = p::block_sum();
             for piece in pieces {
                 for step in piece.chunks(p::HASH_STEP) {
                     h.update(step);
                     c.write_all(step)?;
                 }
             }
-            c.write_all(&h.digest().to_le_bytes())?;
+            c.write_all(&h.finalize().to_le_bytes())?;
             Ok(true)
         });
         match wrote {
