@@ -1,0 +1,194 @@
+"""The connector's settings (`kv_connector_extra_config`) and the kvcached namespace a vLLM
+engine's KV lives in.
+
+Both halves of the connector (the scheduler's and each worker's) derive the namespace from the
+same vLLM configuration, so that what a worker saves is what the scheduler finds. Everything that
+changes the bytes of a block goes into it: the model, the KV layout (layers, heads, head size,
+element type, tokens per block), vLLM's physical KV layout name (LBHNC on CPU, LBNHC on CUDA: the
+same KV in another byte order), and the tensor-parallel rank (each rank holds other heads).
+Engines whose namespaces differ never exchange KV.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import kvcached
+
+# torch element types -> kvcached dtype names. The namespace also carries vLLM's own names of
+# the KV dtype and cache dtype, so two fp8 variants stored as uint8 stay apart.
+_DTYPES = {
+    torch.bfloat16: "bf16",
+    torch.float16: "f16",
+    torch.float32: "f32",
+    torch.float8_e4m3fn: "fp8_e4m3",
+    torch.float8_e5m2: "fp8_e5m2",
+    torch.int8: "int8",
+    torch.uint8: "int8",
+}
+
+PREFIX = "kvcached."
+
+
+def _flag(v: Any) -> bool:
+    if isinstance(v, str):
+        return v.strip().lower() in ("1", "true", "yes", "on")
+    return bool(v)
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """`kv_connector_extra_config` keys (all optional):
+
+    - `kvcached.socket`: the daemon's socket (default `$KVCACHED_SOCKET`, then the daemon's
+      default path).
+    - `kvcached.model_id`: the model's identity in the namespace (default: vLLM's model name or
+      path, `@revision` when one is set).
+    - `kvcached.tenant_salt`: a tenant's secret salt (default `$KVCACHED_TENANT_SALT`; prefer
+      the variable, which keeps the secret out of the command line).
+    - `kvcached.namespace_extra`: more key material (e.g. a hash of `hf_overrides` that change
+      the model's KV).
+    - `kvcached.load_async`: load between scheduler steps (the request waits in
+      WAITING_FOR_REMOTE_KVS) instead of before the step's forward pass. Default false.
+    - `kvcached.save_decode`: also save blocks filled during decode. Default false (prompt
+      blocks only).
+    - `kvcached.layerwise`: wait for loads at the first attention layer and start saves at the
+      last one, instead of in `start_load_kv` / `wait_for_save`; vLLM then keeps attention out of
+      CUDA graphs (piecewise graphs). Default false.
+    - `kvcached.scheduler_reconnect_for`: seconds a scheduler-side call keeps retrying while the
+      daemon is away (default 0.5; the scheduler then answers "nothing cached" for
+      `kvcached.retry_after` seconds, default 5, instead of stalling the engine).
+    - `kvcached.worker_reconnect_for`: the same for the workers' calls (default 5).
+    """
+
+    socket: str | None
+    model_id: str | None
+    tenant_salt: bytes | None
+    namespace_extra: str
+    load_async: bool
+    save_decode: bool
+    layerwise: bool
+    scheduler_reconnect_for: float
+    worker_reconnect_for: float
+    retry_after: float
+
+    KEYS = (
+        "socket",
+        "model_id",
+        "tenant_salt",
+        "namespace_extra",
+        "load_async",
+        "save_decode",
+        "layerwise",
+        "scheduler_reconnect_for",
+        "worker_reconnect_for",
+        "retry_after",
+    )
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
+        extra = dict(extra or {})
+        unknown = sorted(k for k in extra if k.startswith(PREFIX) and k[len(PREFIX) :] not in cls.KEYS)
+        if unknown:
+            raise ValueError(f"unknown kvcached connector settings {unknown}; known: {[PREFIX + k for k in cls.KEYS]}")
+
+        def get(key: str, default: Any = None) -> Any:
+            return extra.get(PREFIX + key, default)
+
+        salt = get("tenant_salt", os.environ.get("KVCACHED_TENANT_SALT"))
+        return cls(
+            socket=get("socket", os.environ.get("KVCACHED_SOCKET")),
+            model_id=get("model_id"),
+            tenant_salt=salt.encode() if isinstance(salt, str) and salt else (salt or None),
+            namespace_extra=str(get("namespace_extra", "")),
+            load_async=_flag(get("load_async", False)),
+            save_decode=_flag(get("save_decode", False)),
+            layerwise=_flag(get("layerwise", False)),
+            scheduler_reconnect_for=float(get("scheduler_reconnect_for", 0.5)),
+            worker_reconnect_for=float(get("worker_reconnect_for", 5.0)),
+            retry_after=float(get("retry_after", 5.0)),
+        )
+
+    def connect(self, reconnect_for: float) -> kvcached.Client:
+        return kvcached.Client(self.socket, reconnect_for=reconnect_for)
+
+
+def _unsupported(what: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"kvcached's vLLM connector does not support {what}: it handles one KV-cache group of full "
+        "attention (FullAttentionSpec) without pipeline parallelism"
+    )
+
+
+def kv_spec(vllm_config: Any, kv_cache_config: Any) -> tuple[Any, list[str]]:
+    """The one attention spec the connector supports and its layers, or NotImplementedError."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVQuantMode
+
+    pc = vllm_config.parallel_config
+    if pc.pipeline_parallel_size > 1:
+        raise _unsupported("pipeline parallelism")
+    if getattr(pc, "decode_context_parallel_size", 1) > 1 or getattr(pc, "prefill_context_parallel_size", 1) > 1:
+        raise _unsupported("context parallelism (a block's tokens spread over ranks)")
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise _unsupported(f"{len(groups)} KV-cache groups (hybrid models)")
+    spec = groups[0].kv_cache_spec
+    if type(spec) is not FullAttentionSpec:
+        raise _unsupported(f"{type(spec).__name__} layers")
+    # A FullAttentionSpec with a sliding window (models mixing window and full layers, with the
+    # hybrid manager off) still keeps every token's KV in its blocks: blocks are whole.
+    if (
+        spec.kv_quant_mode != KVQuantMode.NONE
+        or spec.page_size_padded not in (None, spec.real_page_size_bytes)
+        or spec.num_head_slots is not None
+        or spec.state_content_bytes is not None
+        or spec.tokens_per_state != 1
+    ):
+        raise _unsupported("quantized, packed or padded KV pages")
+    if spec.head_size_v != spec.head_size:
+        raise _unsupported(f"different K and V head sizes ({spec.head_size}, {spec.head_size_v})")
+    if spec.dtype not in _DTYPES:
+        raise _unsupported(f"KV dtype {spec.dtype}")
+    return spec, list(groups[0].layer_names)
+
+
+def layout_name(vllm_config: Any, kv_cache_config: Any) -> str:
+    """vLLM's physical KV layout (`LBHNC`, `LBNHC`, ...), resolved by the engine core."""
+    name = getattr(kv_cache_config, "kv_cache_layout", None) or vllm_config.cache_config.kv_cache_layout
+    if name is None:
+        raise RuntimeError("vLLM has not resolved its KV cache layout yet (cache_config.kv_cache_layout is None)")
+    return str(name)
+
+
+def namespace(
+    vllm_config: Any, kv_cache_config: Any, cfg: ConnectorConfig, tp_rank: int, tp_size: int
+) -> kvcached.Namespace:
+    """The namespace of tensor-parallel rank `tp_rank`'s KV."""
+    spec, layers = kv_spec(vllm_config, kv_cache_config)
+    layout = kvcached.KvLayout(
+        num_layers=len(layers),
+        kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_size,
+        dtype=_DTYPES[spec.dtype],
+        tokens_per_block=spec.block_size,
+        kind="layer_separate",
+    )
+    mc = vllm_config.model_config
+    model_id = cfg.model_id or (f"{mc.model}@{mc.revision}" if mc.revision else str(mc.model))
+    extra = ";".join(
+        [
+            "vllm-v1-kv",
+            f"layout={layout_name(vllm_config, kv_cache_config)}",
+            f"spec={type(spec).__name__}",
+            f"head_size={spec.head_size}/{spec.head_size_v}",
+            f"dtype={spec.dtype}",
+            f"cache_dtype={vllm_config.cache_config.cache_dtype}",
+            f"tp={tp_rank}/{tp_size}",
+            f"user={cfg.namespace_extra}",
+        ]
+    )
+    return kvcached.Namespace(model_id, layout, tenant_salt=cfg.tenant_salt, extra=extra.encode())

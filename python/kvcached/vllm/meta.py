@@ -1,0 +1,34 @@
+"""What the scheduler side tells the workers each step (vLLM pickles it to them).
+
+Token ids travel as `array("I")`: compact to pickle, and read by the client without converting
+each element (the buffer path of `kvcached.Client`).
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+
+@dataclass
+class Transfer:
+    """Blocks `first_block .. first_block + len(slots)` of a request's tokens, to or from those
+    vLLM block ids. `tokens` covers the prompt up to the end of the last block."""
+
+    req_id: str
+    tokens: array
+    first_block: int
+    slots: list[int]
+
+
+@dataclass
+class KvcachedConnectorMetadata(KVConnectorMetadata):
+    """One step's loads: `loads` must be done before this step's forward pass reads them;
+    `async_loads` belong to requests waiting in WAITING_FOR_REMOTE_KVS, reported done later
+    through `get_finished`. `saves` are taken once the forward pass has written the blocks."""
+
+    loads: list[Transfer] = field(default_factory=list)
+    async_loads: list[Transfer] = field(default_factory=list)
+    saves: list[Transfer] = field(default_factory=list)

@@ -1,0 +1,267 @@
+"""The connector's scheduler half: asks the daemon how much of a request is cached, plans loads
+into the blocks vLLM allocated, and plans saves of the blocks each step fills.
+
+It keeps no copy of the cache's contents: each `get_num_new_matched_tokens` is a lookup on the
+daemon (no block data moves). The scheduler process has no KV memory, but the daemon answers
+lookups only for a registered engine, so this half registers one slot of its namespace's layout
+(the namespace of tensor-parallel rank 0, whose saves it counts on).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from array import array
+from dataclasses import dataclass, field
+from typing import Any
+
+import kvcached
+from kvcached.vllm.config import ConnectorConfig, kv_spec, namespace
+from kvcached.vllm.meta import KvcachedConnectorMetadata, Transfer
+
+log = logging.getLogger("kvcached.vllm")
+
+
+@dataclass
+class _Req:
+    request: Any
+    # Why kvcached does not serve this request (None: it does).
+    unsupported: str | None
+    # Tokens vLLM had locally when it asked us (block-aligned), and whether its load is async.
+    local_tokens: int = 0
+    load_async: bool = False
+    block_ids: list[int] = field(default_factory=list)
+    # Tokens from the start of the prompt already in kvcached (saved, loaded or planned).
+    saved_upto: int = 0
+    scheduled: bool = False
+    # Of the last lookup's hit, tokens whose fastest copy is on disk (G3 or G4).
+    disk_tokens: int = 0
+
+
+@dataclass
+class SchedulerStats:
+    """Counters of this half, for tests and benchmarks."""
+
+    lookups: int = 0
+    lookup_seconds: float = 0.0
+    hit_tokens: int = 0
+    loads_planned: int = 0
+    blocks_to_load: int = 0
+    saves_planned: int = 0
+    blocks_to_save: int = 0
+    daemon_errors: int = 0
+
+
+def why_unsupported(request: Any) -> str | None:
+    """Requests whose KV is not a function of their token ids alone (in this namespace)."""
+    if getattr(request, "lora_request", None) is not None:
+        return "a LoRA adapter"
+    if getattr(request, "mm_features", None):
+        return "multimodal inputs (placeholder tokens do not identify the images)"
+    if getattr(request, "cache_salt", None):
+        return "a per-request cache_salt"
+    if getattr(request, "prompt_embeds", None) is not None:
+        return "prompt embeddings"
+    return None
+
+
+class SchedulerSide:
+    def __init__(self, vllm_config: Any, kv_cache_config: Any, cfg: ConnectorConfig, transfer_config: Any):
+        spec, _ = kv_spec(vllm_config, kv_cache_config)
+        self.block_size: int = spec.block_size
+        self.cfg = cfg
+        self.namespace = namespace(
+            vllm_config, kv_cache_config, cfg, 0, vllm_config.parallel_config.tensor_parallel_size
+        )
+        self.consumer = bool(transfer_config.is_kv_consumer)
+        self.producer = bool(transfer_config.is_kv_producer)
+        self.engine_name = f"vllm-scheduler-{transfer_config.engine_id}"[:128]
+        self.stats = SchedulerStats()
+        self._client: kvcached.Client | None = None
+        self._memory: kvcached.KvMemory | None = None
+        self._down_until = 0.0
+        self._reqs: dict[str, _Req] = {}
+        self._loads: list[Transfer] = []
+        self._async_loads: list[Transfer] = []
+        self._told: set[str] = set()
+        self._connect()
+
+    # -- the daemon --------------------------------------------------------------------------
+
+    def _connect(self) -> kvcached.Client | None:
+        if time.monotonic() < self._down_until:
+            return None
+        if self._client is None:
+            try:
+                client = self.cfg.connect(self.cfg.scheduler_reconnect_for)
+                self._memory = kvcached.KvMemory.anonymous(self.namespace.layout, 1)
+                client.register(self.engine_name, self.namespace, self._memory)
+                self._client = client
+                log.info("kvcached connector (scheduler): namespace %s at %s", self.namespace.id, client.socket)
+            except kvcached.KvcachedError as e:
+                self._down(e)
+                return None
+        return self._client
+
+    def _down(self, e: Exception) -> None:
+        """The daemon failed a call: serve without it for `retry_after` seconds rather than
+        stall every scheduler step on it."""
+        self.stats.daemon_errors += 1
+        self._down_until = time.monotonic() + self.cfg.retry_after
+        log.warning("kvcached is not answering (%s); no lookups for %.0f s", e, self.cfg.retry_after)
+
+    def _track(self, request: Any) -> _Req:
+        st = self._reqs.get(request.request_id)
+        if st is None or st.request is not request:
+            st = _Req(request, why_unsupported(request))
+            self._reqs[request.request_id] = st
+            if st.unsupported and st.unsupported not in self._told:
+                self._told.add(st.unsupported)
+                log.info("kvcached connector: requests with %s are neither looked up nor saved", st.unsupported)
+        return st
+
+    def _tokens(self, st: _Req, end: int) -> array:
+        return array("I", st.request.all_token_ids[:end])
+
+    # -- vLLM's scheduler calls ----------------------------------------------------------------
+
+    def on_new_request(self, request: Any) -> None:
+        self._track(request)
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        st = self._track(request)
+        st.local_tokens = num_computed_tokens
+        st.load_async = False
+        if not self.consumer or st.unsupported:
+            return 0, False
+        bs = self.block_size
+        # vLLM computes at least the last token itself: a hit may cover every block before it.
+        limit = (request.num_tokens - 1) // bs * bs
+        if limit <= num_computed_tokens:
+            return 0, False
+        client = self._connect()
+        if client is None:
+            return 0, False
+        start = time.perf_counter()
+        try:
+            hit = client.lookup(self._tokens(st, limit))
+        except kvcached.KvcachedError as e:
+            self._down(e)
+            return 0, False
+        self.stats.lookups += 1
+        self.stats.lookup_seconds += time.perf_counter() - start
+        found = min(hit.matched_tokens, limit)
+        n = max(0, found - num_computed_tokens)
+        self.stats.hit_tokens += n
+        st.disk_tokens = (hit.g3_blocks + hit.g4_blocks) * bs
+        st.load_async = self.cfg.load_async and n > 0
+        return n, st.load_async
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        st = self._track(request)
+        st.block_ids = list(blocks.get_block_ids()[0])
+        if num_external_tokens <= 0:
+            return
+        bs = self.block_size
+        first = st.local_tokens // bs
+        count = -(-num_external_tokens // bs)
+        slots = st.block_ids[first : first + count]
+        if len(slots) != count:
+            have, need = len(st.block_ids), first + count
+            log.error("kvcached connector: %s has %d blocks, a load needs %d", request.request_id, have, need)
+            return
+        t = Transfer(request.request_id, self._tokens(st, (first + count) * bs), first, slots)
+        (self._async_loads if st.load_async else self._loads).append(t)
+        # Loaded blocks are in kvcached already: saves start after them.
+        st.saved_upto = max(st.saved_upto, (first + count) * bs)
+        self.stats.loads_planned += 1
+        self.stats.blocks_to_load += count
+
+    def hit_sources(self, request: Any, num_external_tokens: int) -> dict[Any, int]:
+        """The external hit split into host memory (G2) and disk (G3/G4) tokens. The lookup
+        counts blocks per tier without saying which ones; a chain's tail is the usual part to
+        have left G2 for disk, and the loaded part is the tail of the hit, so the disk blocks
+        are counted against it first."""
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+        if num_external_tokens <= 0:
+            return {}
+        st = self._reqs.get(request.request_id)
+        disk = min(num_external_tokens, st.disk_tokens if st else 0)
+        out = {CacheHitSource.HOST: num_external_tokens - disk, CacheHitSource.DISK: disk}
+        return {k: v for k, v in out.items() if v}
+
+    def build_connector_meta(self, scheduler_output: Any) -> KvcachedConnectorMetadata:
+        meta = KvcachedConnectorMetadata(loads=self._loads, async_loads=self._async_loads)
+        self._loads, self._async_loads = [], []
+        if not self.producer:
+            return meta
+        scheduled = scheduler_output.num_scheduled_tokens
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        for r in scheduler_output.scheduled_new_reqs:
+            st = self._reqs.get(r.req_id)
+            if st is None or st.unsupported:
+                continue
+            st.block_ids = list(r.block_ids[0])
+            if not st.scheduled:
+                st.scheduled = True
+                params = st.request.kv_transfer_params or {}
+                # A prefill handing off to a decode engine saves the whole prompt, cached
+                # prefix included, so the decode side finds all of it (blocks already present
+                # cost the daemon a key lookup, not a copy). Otherwise blocks vLLM had cached
+                # were saved when they were computed.
+                if not params.get("do_remote_decode"):
+                    st.saved_upto = max(st.saved_upto, r.num_computed_tokens // self.block_size * self.block_size)
+            done = r.num_computed_tokens + scheduled[r.req_id] - len(spec.get(r.req_id, ()))
+            self._plan_save(meta, st, done)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            st = self._reqs.get(rid)
+            if st is None or st.unsupported:
+                continue
+            new = cached.new_block_ids[i]
+            if rid in cached.resumed_req_ids:
+                st.block_ids = list(new[0]) if new is not None else []
+            elif new is not None:
+                st.block_ids.extend(new[0])
+            done = cached.num_computed_tokens[i] + scheduled[rid] - len(spec.get(rid, ()))
+            self._plan_save(meta, st, done)
+        return meta
+
+    def _plan_save(self, meta: KvcachedConnectorMetadata, st: _Req, done_tokens: int) -> None:
+        bs = self.block_size
+        req = st.request
+        limit = req.num_tokens if self.cfg.save_decode else req.num_prompt_tokens
+        # Only tokens already known (async scheduling may count one not sampled yet).
+        end = min(done_tokens, limit, len(req.all_token_ids)) // bs * bs
+        if end <= st.saved_upto:
+            return
+        first, last = st.saved_upto // bs, end // bs
+        slots = st.block_ids[first:last]
+        if len(slots) != last - first:
+            return
+        meta.saves.append(Transfer(req.request_id, self._tokens(st, end), first, slots))
+        st.saved_upto = end
+        self.stats.saves_planned += 1
+        self.stats.blocks_to_save += len(slots)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        st = self._reqs.pop(request.request_id, None)
+        params = request.kv_transfer_params or {}
+        if self.producer and params.get("do_remote_decode"):
+            # The step that finished the request saved its blocks before vLLM got here (the
+            # worker's wait_for_save returns when they are stored), so the blocks can be freed
+            # now and the decode engine finds them by looking the prompt up.
+            return False, {
+                "do_remote_prefill": True,
+                "kvcached_tokens": st.saved_upto if st else 0,
+                "kvcached_namespace": self.namespace.id,
+            }
+        return False, None
+
+    def shutdown(self) -> None:
+        if self._client is not None and self._client.engine_id is not None:
+            try:
+                self._client.unregister()
+            except kvcached.KvcachedError as e:
+                log.debug("kvcached: unregister at shutdown failed: %s", e)

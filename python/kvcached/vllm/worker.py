@@ -1,0 +1,334 @@
+"""The connector's worker half: registers vLLM's KV cache with the daemon once, runs the loads
+the scheduler planned before the forward pass reads them, and the saves after it has written the
+blocks.
+
+Where the KV lives. The daemon does every copy, so it must map vLLM's KV memory. On CPU, vLLM
+allocates its whole KV cache as one `torch.zeros(size, dtype=int8)` buffer (then views it per
+layer), inside the context `get_mem_pool_context()` returns; this half's context makes that one
+allocation a tensor over an anonymous shared-memory file (memfd), which it then registers with
+the daemon by descriptor. vLLM's tensors are the shared memory: no staging copy. On CUDA the
+buffer is one CUDA allocation, registered by its IPC handle (not exercised here: no GPU).
+
+Blocks. vLLM 0.33 views each layer as `[blocks, heads, tokens, K|V]` in one of several physical
+orders; in the ones with a layer's page of a block in one run (LBHNC on CPU, LBNHC on CUDA, and
+the block-major BL** orders) the connector registers each layer's page as two segments (its two
+halves) at the layer's offset, strided by the block stride. The bytes round-trip exactly; the
+order inside a page goes into the namespace (config.py). Layouts whose pages are split by head
+(LHBNC, BHLNC) are refused.
+
+Layer by layer. The daemon copies a block's layers together (one gather per save, one scatter
+per load), so a load cannot be waited for per layer nor a save started per layer. By default
+loads are waited for in `start_load_kv` and saves made in `wait_for_save`; with
+`kvcached.layerwise` the wait moves to the first attention layer and the saves start in the
+background when the last layer has written its KV, overlapping what follows it (final norm,
+logits, sampling), and vLLM keeps attention out of CUDA graphs so those calls happen.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+import kvcached
+from kvcached.torch_utils import SharedRegion, cuda_ipc_region, shared_empty
+from kvcached.vllm.config import ConnectorConfig, kv_spec, layout_name, namespace
+from kvcached.vllm.meta import KvcachedConnectorMetadata, Transfer
+
+log = logging.getLogger("kvcached.vllm")
+
+# How long a step waits for a load before taking its blocks as failed.
+LOAD_DEADLINE_S = 60.0
+
+
+def _tp() -> tuple[int, int] | None:
+    try:
+        from vllm.distributed.parallel_state import (
+            get_tensor_model_parallel_rank,
+            get_tensor_model_parallel_world_size,
+            model_parallel_is_initialized,
+        )
+
+        if model_parallel_is_initialized():
+            return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+    except (ImportError, AssertionError):
+        pass
+    return None
+
+
+class _SharedKvAllocation(TorchFunctionMode):
+    """While active, the KV cache's one backing allocation (`torch.zeros(n, dtype=torch.int8,
+    device=cpu)` in vLLM's `allocate_kv_cache`) is made in shared memory; every other torch call
+    runs as it would."""
+
+    def __init__(self, worker: WorkerSide):
+        super().__init__()
+        self.worker = worker
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if (
+            func is torch.zeros
+            and self.worker.region is None
+            and len(args) == 1
+            and isinstance(args[0], int)
+            and kwargs.get("dtype") is torch.int8
+            and torch.device(kwargs.get("device") or "cpu").type == "cpu"
+            and set(kwargs) <= {"dtype", "device"}
+        ):
+            self.worker.region = shared_empty(args[0], "kvcached-vllm-kv")
+            return self.worker.region.tensor
+        return func(*args, **kwargs)
+
+
+def page_is_one_run(view: torch.Tensor) -> bool:
+    """Whether each block's `[heads, tokens, K|V]` page of a layer view is one dense run of
+    bytes (its three inner dimensions are a permutation of a contiguous layout)."""
+    dims = sorted(zip(view.stride()[1:], view.shape[1:], strict=True))
+    expect = 1
+    for stride, extent in dims:
+        if extent > 1 and stride != expect:
+            return False
+        expect *= extent
+    return True
+
+
+class WorkerSide:
+    def __init__(self, vllm_config: Any, kv_cache_config: Any, cfg: ConnectorConfig, transfer_config: Any):
+        self.spec, self.layers = kv_spec(vllm_config, kv_cache_config)
+        self.vllm_config = vllm_config
+        self.kv_cache_config = kv_cache_config
+        self.cfg = cfg
+        self.layout = layout_name(vllm_config, kv_cache_config)
+        tp = _tp() or (0, vllm_config.parallel_config.tensor_parallel_size)
+        self.namespace = namespace(vllm_config, kv_cache_config, cfg, *tp)
+        self.engine_name = f"vllm-{transfer_config.engine_id}-tp{tp[0]}"[:128]
+        self.region: SharedRegion | None = None
+        self.memory: kvcached.KvMemory | kvcached.GpuKvMemory | None = None
+        self.client: kvcached.Client | None = None
+        self.cuda = False
+        self._retry_at = 0.0
+        self._sync: list[tuple[kvcached.LoadOp | None, Transfer]] = []
+        self._async: dict[str, tuple[kvcached.LoadOp | None, Transfer]] = {}
+        self._invalid: set[int] = set()
+        self._failed_recving: set[str] = set()
+        self._saving: concurrent.futures.Future[None] | None = None
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self.meta: KvcachedConnectorMetadata | None = None
+        # Blocks loaded / saved / failed, for tests and benchmarks.
+        self.counts = {"loaded": 0, "saved": 0, "already_present": 0, "load_failed": 0, "save_failed": 0}
+
+    # -- registration --------------------------------------------------------------------------
+
+    def mem_pool_context(self) -> TorchFunctionMode | None:
+        if self.vllm_config.device_config.device_type != "cpu":
+            return None
+        return _SharedKvAllocation(self)
+
+    def _slots(self, views: list[torch.Tensor], base: int, region_bytes: int) -> kvcached.SlotLayout:
+        spec = self.spec
+        blocks = views[0].shape[0]
+        shape = (blocks, spec.num_kv_heads, spec.block_size, spec.head_size + spec.head_size_v)
+        page = spec.page_size_bytes
+        segments = []
+        for name, v in zip(self.layers, views, strict=True):
+            es = v.element_size()
+            if tuple(v.shape) != shape or v.dtype != spec.dtype:
+                raise RuntimeError(f"{name}: a {tuple(v.shape)} {v.dtype} view, expected {shape} {spec.dtype}")
+            if not page_is_one_run(v):
+                raise NotImplementedError(
+                    f"kvcached's connector needs each block's page of a layer in one run of bytes; vLLM's KV "
+                    f"layout {self.layout} splits it by head (supported: LBHNC, LBNHC, BLHNC, BLNHC)"
+                )
+            block_stride = v.stride(0) * es
+            offset = v.data_ptr() - base
+            if offset < 0 or offset + (blocks - 1) * block_stride + page > region_bytes:
+                raise RuntimeError(f"{name}'s KV is not inside the registered region")
+            segments += [(offset, block_stride), (offset + page // 2, block_stride)]
+        return kvcached.SlotLayout(segments, page // 2, blocks)
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        missing = [n for n in self.layers if n not in kv_caches]
+        if missing:
+            raise RuntimeError(f"vLLM registered no KV cache for layers {missing[:3]}")
+        views = [kv_caches[n] for n in self.layers]
+        device = views[0].device
+        if device.type == "cpu":
+            if self.region is None or not (
+                self.region.tensor.data_ptr() <= views[0].data_ptr() < self.region.tensor.data_ptr() + self.region.size
+            ):
+                raise RuntimeError(
+                    "vLLM's KV cache is not in kvcached's shared memory: the connector places it there through "
+                    "get_mem_pool_context() around vLLM's KV cache allocation, and this vLLM allocated it elsewhere "
+                    "(the daemon can only copy memory it can map)"
+                )
+            base = self.region.tensor.data_ptr()
+            slots = self._slots(views, base, self.region.size)
+            self.memory = kvcached.KvMemory.from_fd(self.region.fd, slots)
+            self.region.close()  # KvMemory holds its own descriptor
+        elif device.type == "cuda":
+            ipc = cuda_ipc_region(views[0])
+            slots = self._slots(views, ipc.base_ptr, ipc.size)
+            self.memory = kvcached.GpuKvMemory(ipc.handle, ipc.device, ipc.size, slots)
+            self.cuda = True
+        else:
+            raise NotImplementedError(f"kvcached's connector does not support KV on {device.type}")
+        self._register(at_start=True)
+
+    def _register(self, at_start: bool = False) -> kvcached.Client | None:
+        """The registered client; registers (again at most every `retry_after` seconds) when
+        there is none. A daemon that cannot be reached is not an engine failure: the engine
+        serves without kvcached meanwhile. At start, a refusal of the registration itself (a
+        layout the daemon rejects, memory it cannot attach) is a configuration error and raised;
+        later (the daemon came after the engine) it is logged, and the engine goes on without."""
+        if self.client is not None or self.memory is None or time.monotonic() < self._retry_at:
+            return self.client
+        try:
+            client = self.cfg.connect(self.cfg.worker_reconnect_for)
+            if isinstance(self.memory, kvcached.GpuKvMemory):
+                reg = client.register_gpu(self.engine_name, self.namespace, self.memory)
+            else:
+                reg = client.register(self.engine_name, self.namespace, self.memory)
+        except kvcached.KvcachedError as e:
+            if at_start and not isinstance(e, (kvcached.UnreachableError, kvcached.LimitReachedError)):
+                raise
+            self._retry_at = time.monotonic() + self.cfg.retry_after
+            log.error("kvcached connector (worker %s): not registered (%s); retrying", self.engine_name, e)
+            return None
+        self.client = client
+        log.info(
+            "kvcached connector (worker %s): %d blocks of %d bytes registered, namespace %s",
+            self.engine_name, self.memory.slots.num_blocks, reg.block_bytes, reg.namespace_id,
+        )  # fmt: skip
+        return client
+
+    # -- loads ---------------------------------------------------------------------------------
+
+    def _start(self, t: Transfer) -> kvcached.LoadOp | None:
+        client = self._register()
+        if client is None:
+            return None
+        try:
+            return client.load(t.tokens, t.first_block, t.slots)
+        except kvcached.KvcachedError as e:
+            log.warning("kvcached: load for %s refused: %s", t.req_id, e)
+            return None
+
+    def _finish(self, op: kvcached.LoadOp | None, t: Transfer, status: kvcached.LoadStatus | None) -> bool:
+        """Records a finished load; False when not every block came (those are invalid)."""
+        got = status.loaded_blocks if status is not None and op is not None else 0
+        self.counts["loaded"] += got
+        if got < len(t.slots):
+            self.counts["load_failed"] += len(t.slots) - got
+            self._invalid.update(t.slots[got:])
+            return False
+        return True
+
+    def start_load_kv(self, meta: KvcachedConnectorMetadata) -> None:
+        self.meta = meta
+        if self.cuda and (meta.loads or meta.async_loads):
+            # The daemon writes the blocks by DMA; kernels still queued must not race it.
+            torch.cuda.current_stream().synchronize()
+        self._sync = [(self._start(t), t) for t in meta.loads]
+        for t in meta.async_loads:
+            self._async[t.req_id] = (self._start(t), t)
+        if not self.cfg.layerwise:
+            self.wait_sync_loads()
+
+    def wait_sync_loads(self) -> None:
+        pending, self._sync = self._sync, []
+        deadline = time.monotonic() + LOAD_DEADLINE_S
+        for op, t in pending:
+            status = None
+            try:
+                while op is not None:
+                    status = self.client.wait(op, timeout=max(0.0, deadline - time.monotonic()))
+                    if status.finished or time.monotonic() >= deadline:
+                        break
+            except kvcached.KvcachedError as e:
+                log.warning("kvcached: load for %s failed: %s", t.req_id, e)
+                status = None
+            self._finish(op, t, status if status is not None and status.finished else None)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self._sync:
+            self.wait_sync_loads()
+
+    def poll_async_loads(self) -> set[str]:
+        done: set[str] = set()
+        for req_id, (op, t) in list(self._async.items()):
+            try:
+                status = self.client.poll(op) if op is not None else None
+            except kvcached.KvcachedError as e:
+                log.warning("kvcached: load for %s failed: %s", req_id, e)
+                status = None
+            if status is not None and not status.finished:
+                continue
+            if not self._finish(op, t, status) and (status is None or status.loaded_blocks == 0):
+                self._failed_recving.add(req_id)
+            done.add(req_id)
+            del self._async[req_id]
+        return done
+
+    def take_failed_recving(self) -> set[str]:
+        failed, self._failed_recving = self._failed_recving, set()
+        return failed
+
+    def take_invalid_blocks(self) -> set[int]:
+        invalid, self._invalid = self._invalid, set()
+        return invalid
+
+    # -- saves ---------------------------------------------------------------------------------
+
+    def _save_all(self, saves: list[Transfer], ready: Any = None) -> None:
+        if ready is not None:
+            ready.synchronize()
+        for t in saves:
+            try:
+                r = self.client.save(t.tokens, t.first_block, t.slots)
+            except kvcached.KvcachedError as e:
+                self.counts["save_failed"] += len(t.slots)
+                log.warning("kvcached: save for %s failed: %s", t.req_id, e)
+                continue
+            self.counts["saved"] += r.stored
+            self.counts["already_present"] += r.already_present
+            self.counts["save_failed"] += r.failed
+            if r.failed:
+                log.warning("kvcached: %d blocks of %s not saved: %s", r.failed, t.req_id, r.error)
+
+    def save_kv_layer(self, layer_name: str) -> None:
+        meta = self.meta
+        if not (self.cfg.layerwise and meta and meta.saves and layer_name == self.layers[-1]):
+            return
+        if self._register() is None or self._saving is not None:
+            return
+        ready = None
+        if self.cuda:
+            ready = torch.cuda.Event()
+            ready.record()
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvcached-save")
+        self._saving = self._pool.submit(self._save_all, meta.saves, ready)
+
+    def wait_for_save(self, meta: KvcachedConnectorMetadata) -> None:
+        saving, self._saving = self._saving, None
+        if saving is not None:
+            saving.result()
+            return
+        if meta.saves and self._register() is not None:
+            if self.cuda:
+                torch.cuda.current_stream().synchronize()
+            self._save_all(meta.saves)
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        if self.client is not None and self.client.engine_id is not None:
+            try:
+                self.client.unregister()
+            except kvcached.KvcachedError as e:
+                log.debug("kvcached: unregister at shutdown failed: %s", e)

@@ -1,0 +1,135 @@
+"""The connector's worker half on KV tensors laid out as vLLM 0.33 lays them out (its own planner
+and allocator, on the CPU), for each physical layout it supports, against a real daemon."""
+
+from __future__ import annotations
+
+from array import array
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import torch  # noqa: E402
+from vllm_harness import BLOCK, LAYERS  # noqa: E402
+
+from kvcached.vllm import KvcachedConnectorMetadata, Transfer  # noqa: E402
+
+
+def run_step(e, meta: KvcachedConnectorMetadata) -> tuple[set[int], object]:
+    """One worker step as vLLM's model runner makes it, without a model."""
+    w = e.worker
+    w.bind_connector_metadata(meta)
+    w.start_load_kv(None)
+    for name in LAYERS:
+        w.wait_for_layer_load(name)
+        w.save_kv_layer(name, e.kv[name], None)
+    w.wait_for_save()
+    res = w.get_transfer_results(set())
+    invalid = w.get_block_ids_with_load_errors()
+    w.clear_connector_metadata()
+    return invalid, res
+
+
+def fill(e, block: int, seed: int) -> list[bytes]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for name in LAYERS:
+        page = e.kv[name][block].view(torch.int16)
+        page.copy_(torch.randint(-(1 << 15), 1 << 15, page.shape, generator=g, dtype=torch.int16))
+        out.append(e.kv[name][block].contiguous().view(torch.uint8).numpy().tobytes())
+    return out
+
+
+TOKENS = array("I", range(500, 500 + 4 * BLOCK))
+
+
+@pytest.mark.parametrize("layout", ["LBHNC", "LBNHC", "BLHNC", "BLNHC"])
+def test_blocks_round_trip_in_each_layout(daemon, make_engine, layout):
+    extra = {"kvcached.namespace_extra": f"worker-{layout}"}
+    a = make_engine(daemon.socket, extra=extra, layout=layout)
+    b = make_engine(daemon.socket, extra=extra, layout=layout)
+    wa = a.worker.worker
+    # vLLM's tensors are kvcached's shared memory: the allocation went through our context.
+    assert wa.region is not None and all(
+        wa.region.tensor.data_ptr() <= a.kv[n].data_ptr() < wa.region.tensor.data_ptr() + wa.region.size for n in LAYERS
+    )
+    src = [5, 9, 2, 30]
+    written = [fill(a, blk, seed=i) for i, blk in enumerate(src[:3])]
+    invalid, _ = run_step(a, KvcachedConnectorMetadata(saves=[Transfer("r", TOKENS[: 3 * BLOCK], 0, src[:3])]))
+    assert not invalid and wa.counts["saved"] == 3
+
+    dst = [7, 3, 11, 12]
+    invalid, _ = run_step(b, KvcachedConnectorMetadata(loads=[Transfer("r", TOKENS, 0, dst)]))
+    for i in range(3):
+        assert b.block_kv(dst[i]) == written[i], f"block {i} in {layout}"
+    # Block 3 was never saved: the load stops there and vLLM is told which block is missing.
+    assert invalid == {12}
+    assert b.worker.worker.counts == {**b.worker.worker.counts, "loaded": 3, "load_failed": 1}
+
+
+def test_layouts_do_not_share_blocks(daemon, make_engine):
+    """The same KV in another byte order is another namespace: never loaded as this one."""
+    extra = {"kvcached.namespace_extra": "cross-layout"}
+    cpu = make_engine(daemon.socket, extra=extra, layout="LBHNC")
+    gpu_order = make_engine(daemon.socket, extra=extra, layout="LBNHC")
+    assert cpu.worker.worker.namespace.id != gpu_order.worker.worker.namespace.id
+    fill(cpu, 1, seed=1)
+    run_step(cpu, KvcachedConnectorMetadata(saves=[Transfer("x", TOKENS[:BLOCK], 0, [1])]))
+    invalid, _ = run_step(gpu_order, KvcachedConnectorMetadata(loads=[Transfer("x", TOKENS[:BLOCK], 0, [4])]))
+    assert invalid == {4}
+
+
+def test_head_split_layouts_are_refused(daemon, make_engine):
+    with pytest.raises(NotImplementedError, match="splits it by head"):
+        make_engine(daemon.socket, layout="LHBNC")
+
+
+def test_async_loads_are_reported_when_done(daemon, make_engine):
+    extra = {"kvcached.namespace_extra": "async"}
+    a = make_engine(daemon.socket, extra=extra)
+    b = make_engine(daemon.socket, extra=extra)
+    written = [fill(a, blk, seed=10 + blk) for blk in (1, 2)]
+    run_step(a, KvcachedConnectorMetadata(saves=[Transfer("q", TOKENS[: 2 * BLOCK], 0, [1, 2])]))
+    _, res = run_step(b, KvcachedConnectorMetadata(async_loads=[Transfer("q", TOKENS[: 2 * BLOCK], 0, [8, 9])]))
+    done = set(res.finished_recving)
+    for _ in range(100):
+        if "q" in done:
+            break
+        _, res = run_step(b, KvcachedConnectorMetadata())
+        done |= res.finished_recving
+    assert "q" in done and not res.failed_recving
+    assert [b.block_kv(8), b.block_kv(9)] == written
+    # A load of blocks nobody saved finishes as failed, so vLLM recomputes (or fails) it.
+    _, res = run_step(b, KvcachedConnectorMetadata(async_loads=[Transfer("z", array("I", [9] * BLOCK), 0, [10])]))
+    for _ in range(100):
+        if "z" in res.finished_recving:
+            break
+        _, res = run_step(b, KvcachedConnectorMetadata())
+    assert "z" in res.finished_recving and "z" in res.failed_recving
+
+
+def test_layerwise_waits_at_the_first_layer_and_saves_after_the_last(daemon, make_engine):
+    extra = {"kvcached.namespace_extra": "layerwise", "kvcached.layerwise": True}
+    a = make_engine(daemon.socket, extra=extra)
+    b = make_engine(daemon.socket, extra=extra)
+    wa, wb = a.worker.worker, b.worker.worker
+    written = fill(a, 3, seed=3)
+    meta = KvcachedConnectorMetadata(saves=[Transfer("l", TOKENS[:BLOCK], 0, [3])])
+    a.worker.bind_connector_metadata(meta)
+    a.worker.start_load_kv(None)
+    a.worker.save_kv_layer(LAYERS[0], a.kv[LAYERS[0]], None)
+    assert wa._saving is None  # not before the last layer has written its KV
+    a.worker.save_kv_layer(LAYERS[1], a.kv[LAYERS[1]], None)
+    assert wa._saving is not None  # started in the background
+    a.worker.wait_for_save()
+    assert wa.counts["saved"] == 1
+    a.worker.clear_connector_metadata()
+
+    b.worker.bind_connector_metadata(KvcachedConnectorMetadata(loads=[Transfer("l", TOKENS[:BLOCK], 0, [6])]))
+    b.worker.start_load_kv(None)
+    assert wb._sync  # started, not yet waited for
+    b.worker.wait_for_layer_load(LAYERS[0])
+    assert not wb._sync and b.block_kv(6) == written
+    b.worker.wait_for_save()
+    b.worker.clear_connector_metadata()
+    assert type(a.worker).requires_piecewise_for_cudagraph(extra)

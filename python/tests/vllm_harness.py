@@ -1,0 +1,259 @@
+"""A vLLM 0.33 engine without a model, on the CPU: the real Scheduler (which builds our
+connector's scheduler half through vLLM's factory, from `kv_connector_module_path`), the real KV
+cache planner and allocator, and our connector's worker half on the CPU tensors vLLM allocates.
+The "forward pass" writes deterministic KV for each token it computes, a function of the
+prompt's tokens up to it and of the layer, so a test can check every byte a load brought.
+
+Adapted from vLLM's tests/v1/kv_connector/unit/utils.py (create_vllm_config, create_scheduler,
+create_request, create_model_runner_output); changes: the model is a local directory holding
+only a tiny Llama config.json (no weights, no tokenizer, nothing downloaded), the connector is
+loaded by module path as a deployment loads it, and the KV tensors are real.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from vllm import SamplingParams
+from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
+from vllm.v1.kv_cache_layout import KVCacheLayout
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+from vllm.v1.worker.utils import allocate_kv_cache
+
+from kvcached.vllm import KvcachedConnector
+
+BLOCK = 16
+EOS = 2
+LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+SPEC = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.bfloat16)
+
+_none_hash = False
+
+
+def tiny_model_dir() -> str:
+    d = tempfile.mkdtemp(prefix="tiny-llama-")
+    cfg = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+        "vocab_size": 1024, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+        "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": EOS,
+        "tie_word_embeddings": False,
+    }  # fmt: skip
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return d
+
+
+def vllm_config(
+    socket: str,
+    role: str = "kv_both",
+    extra: dict[str, Any] | None = None,
+    *,
+    model_dir: str,
+    prefix_caching: bool = True,
+    layout: str = "LBHNC",
+    batched_tokens: int = 64,
+) -> VllmConfig:
+    cache = CacheConfig(
+        block_size=BLOCK, gpu_memory_utilization=0.9, cache_dtype="auto", enable_prefix_caching=prefix_caching
+    )
+    cache.kv_cache_layout = layout  # the engine core resolves it in a real engine
+    transfer = KVTransferConfig(
+        kv_connector="KvcachedConnector",
+        kv_connector_module_path="kvcached.vllm",
+        kv_role=role,
+        kv_connector_extra_config={"kvcached.socket": socket, "kvcached.model_id": "tiny-llama", **(extra or {})},
+        kv_load_failure_policy="recompute",
+    )
+    return VllmConfig(
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=16,
+            max_num_batched_tokens=batched_tokens,
+            max_model_len=4096,
+            enable_chunked_prefill=True,
+            is_encoder_decoder=False,
+            disable_hybrid_kv_cache_manager=True,
+        ),  # fmt: skip
+        model_config=ModelConfig(model=model_dir, dtype="bfloat16", seed=42, skip_tokenizer_init=True),
+        cache_config=cache,
+        kv_transfer_config=transfer,
+        device_config=DeviceConfig("cpu"),
+    )
+
+
+def kv_cache_config(cfg: VllmConfig, num_blocks: int):
+    cfg.cache_config.num_gpu_blocks_override = num_blocks
+    kcfg = get_kv_cache_config_from_groups(
+        cfg, [KVCacheGroupSpec(LAYERS, SPEC)], SPEC.page_size_bytes * len(LAYERS) * num_blocks
+    )
+    cfg.cache_config.num_gpu_blocks = kcfg.num_blocks
+    return kcfg
+
+
+def request(rid: str, tokens: list[int], max_tokens: int = 2, params: dict | None = None, **kw: Any) -> Request:
+    global _none_hash
+    if not _none_hash:
+        init_none_hash(sha256)
+        _none_hash = True
+    sp = SamplingParams(max_tokens=max_tokens)
+    sp.update_from_generation_config({}, EOS)
+    req = Request(
+        request_id=rid, prompt_token_ids=tokens, sampling_params=sp, pooling_params=None,
+        mm_features=None, block_hasher=get_request_block_hasher(BLOCK, sha256), **kw,
+    )  # fmt: skip
+    req.kv_transfer_params = params
+    return req
+
+
+def token_kv(tokens: list[int], pos: int, layer: int) -> torch.Tensor:
+    """KV bytes of token `pos` in `layer` ([heads, K|V] as int16): a function of the prompt up
+    to and including the token, as real KV is."""
+    seed = int.from_bytes(hashlib.blake2b(repr((tokens[: pos + 1], layer)).encode(), digest_size=8).digest())
+    g = torch.Generator().manual_seed(seed & ((1 << 63) - 1))
+    c = SPEC.head_size + SPEC.head_size_v
+    return torch.randint(-(1 << 15), 1 << 15, (SPEC.num_kv_heads, c), generator=g, dtype=torch.int16)
+
+
+@dataclass
+class Engine:
+    """One engine: vLLM's Scheduler (with our scheduler half inside) and our worker half on
+    KV tensors vLLM allocated."""
+
+    scheduler: Scheduler
+    worker: KvcachedConnector
+    kv: dict[str, torch.Tensor]
+    kv_cache_layout: KVCacheLayout
+    timings: dict[str, list[float]] = field(default_factory=lambda: {"schedule": [], "worker": []})
+
+    @property
+    def connector(self) -> KvcachedConnector:
+        return self.scheduler.connector  # type: ignore[return-value]
+
+    def close(self) -> None:
+        """Unregisters both halves from the daemon (vLLM calls shutdown on each)."""
+        self.worker.shutdown()
+        self.connector.shutdown()
+
+    def add(self, req: Request) -> Request:
+        self.scheduler.add_request(req)
+        return req
+
+    def forward(self, out: Any) -> None:
+        """Writes KV for every token the step computes, into the request's blocks."""
+        s = self.scheduler
+        # Where each request's step starts (schedule() has already moved num_computed_tokens).
+        starts = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
+        c = out.scheduled_cached_reqs
+        starts.update(zip(c.req_ids, c.num_computed_tokens, strict=True))
+        for rid, n in out.num_scheduled_tokens.items():
+            req = s.requests[rid]
+            blocks = s.kv_cache_manager.get_blocks(rid).get_block_ids()[0]
+            start = starts[rid]
+            toks = list(req.all_token_ids)
+            for pos in range(start, min(start + n, len(toks))):
+                b, slot = blocks[pos // BLOCK], pos % BLOCK
+                for li, name in enumerate(LAYERS):
+                    self.kv[name][b, :, slot, :].view(torch.int16).copy_(token_kv(toks, pos, li))
+
+    def step(self, token: int = 7, finished_recving: set[str] | None = None) -> Any:
+        t0 = time.perf_counter()
+        out = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        w = self.worker
+        w.bind_connector_metadata(out.kv_connector_metadata)
+        w.start_load_kv(None)
+        for name in LAYERS:
+            w.wait_for_layer_load(name)
+            if name == LAYERS[0]:
+                self.forward(out)  # all layers at once; the KV write happens "inside" layer 0
+            w.save_kv_layer(name, self.kv[name], None)
+        w.wait_for_save()
+        res = w.get_transfer_results(out.finished_req_ids)
+        kvo = KVConnectorOutput(
+            finished_sending=res.finished_sending or None,
+            finished_recving=(res.finished_recving | (finished_recving or set())) or None,
+            failed_recving=res.failed_recving or None,
+            invalid_block_ids=w.get_block_ids_with_load_errors(),
+        )
+        w.clear_connector_metadata()
+        t2 = time.perf_counter()
+        ids = list(out.num_scheduled_tokens)
+        # A step that leaves part of the prompt to compute samples nothing (a prefill chunk).
+        reqs = self.scheduler.requests
+        sampled = [[token] if reqs[r].num_computed_tokens >= reqs[r].num_tokens else [] for r in ids]
+        mro = ModelRunnerOutput(
+            req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+            sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},
+            pooler_output=None, kv_connector_output=kvo,
+        )  # fmt: skip
+        eco = self.scheduler.update_from_output(out, mro)
+        self.timings["schedule"].append(t1 - t0)
+        self.timings["worker"].append(t2 - t1)
+        return out, eco
+
+    def block_kv(self, block: int) -> list[bytes]:
+        """The bytes of one block, per layer."""
+        return [self.kv[name][block].contiguous().view(torch.uint8).numpy().tobytes() for name in LAYERS]
+
+    def expected_block_kv(self, tokens: list[int], index: int) -> list[bytes]:
+        """What the forward pass writes for block `index` of `tokens`, per layer, in the
+        engine's layout (built in a scratch tensor of the same view)."""
+        out = []
+        for li, name in enumerate(LAYERS):
+            scratch = torch.empty_like(self.kv[name][:1])
+            for slot in range(BLOCK):
+                scratch[0, :, slot, :].view(torch.int16).copy_(token_kv(tokens, index * BLOCK + slot, li))
+            out.append(scratch[0].contiguous().view(torch.uint8).numpy().tobytes())
+        return out
+
+
+def engine(
+    socket: str,
+    role: str = "kv_both",
+    extra: dict[str, Any] | None = None,
+    *,
+    model_dir: str,
+    num_blocks: int = 64,
+    prefix_caching: bool = True,
+    layout: str = "LBHNC",
+    batched_tokens: int = 64,
+) -> Engine:
+    cfg = vllm_config(
+        socket, role, extra, model_dir=model_dir, prefix_caching=prefix_caching, layout=layout,
+        batched_tokens=batched_tokens,
+    )  # fmt: skip
+    kcfg = kv_cache_config(cfg, num_blocks)
+    sched = Scheduler(
+        vllm_config=cfg, kv_cache_config=kcfg, log_stats=True,
+        structured_output_manager=StructuredOutputManager(cfg), block_size=BLOCK,
+    )  # fmt: skip
+    assert type(sched.connector) is KvcachedConnector, type(sched.connector)
+    worker = KvcachedConnector(cfg, KVConnectorRole.WORKER, kcfg)
+    kv_layout = KVCacheLayout[layout]
+    try:
+        # As vLLM's model runner does (initialize_kv_cache_tensors, then register_kv_caches).
+        ctx = worker.get_mem_pool_context()
+        assert ctx is not None
+        with ctx:
+            kv = allocate_kv_cache(kcfg, torch.device("cpu"), kv_layout)
+        worker.register_kv_caches(kv)
+    except BaseException:
+        sched.connector.shutdown()
+        raise
+    return Engine(sched, worker, kv, kv_layout)
