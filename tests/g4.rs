@@ -321,6 +321,32 @@ async fn the_object_store_killed_mid_write_and_restarted() {
     a.stop();
 }
 
+/// A handoff whose prefill node dies mid-transfer: the decode node keeps the blocks that
+/// arrived whole from the peer and reads the rest of the chain from G4, byte for byte.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pull_cut_short_finishes_from_g4() {
+    let d = tempfile::tempdir().unwrap();
+    let s3 = SeaweedFs::start(&d.path().join("s3"));
+    let a = spawn(&d.path().join("a"), &Setup::new(&s3, "handoff"));
+    let (ea, _ma) = engine(&a, &ns(), 11, 32).await;
+    let tokens = prompt(11, 32);
+    assert_eq!(ea.save(&tokens, 0, &(0..32).collect::<Vec<_>>()).await.unwrap().stored, 32);
+    a.wait_metric(G4_WRITTEN, 32.0, 30).await;
+    // The "prefill node" B pulls from: it sends the first 10 blocks (the same bytes A saved)
+    // and dies.
+    let len = layout().block_bytes() as usize;
+    let (dying, _) = kvtests::fake_peer::fake_peer(kvtests::fake_peer::Fake::DiesAfter(10), 11, len);
+    let b = spawn(&d.path().join("b"), &Setup::new(&s3, "handoff"));
+    let (eb, mb) = engine(&b, &ns(), 0, 0).await;
+    let slots: Vec<u32> = (32..64).collect();
+    let done = eb.load_from(&tokens, 0, &slots, &[dying]).await.unwrap();
+    assert_eq!((done.loaded_blocks, done.from_peer, done.from_g4), (32, 10, 22), "{done:?}\n{}", b.log());
+    check(&mb, 11, 32, 32);
+    drop((ea, eb));
+    a.stop();
+    b.stop();
+}
+
 /// Flipped bytes in an object: a miss, counted, and the object deleted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_corrupted_object_is_a_counted_miss_and_deleted() {

@@ -4,16 +4,13 @@
 //! (a wrong token, another tenant's namespace, an expired certificate).
 #![allow(clippy::unwrap_used)]
 
-use std::io::Write;
-use std::net::TcpListener;
 use std::path::Path;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use kvcached::peer::protocol::{self as p, BlockHeader};
 use kvclient::{Client, KvMemory, synthetic_block};
 use kvproto::{Dtype, KvLayout, LayoutKind, Namespace};
+use kvtests::fake_peer::{Fake, fake_peer};
 use kvtests::proc::{DaemonProc, free_port, http_request};
 
 fn layout() -> KvLayout {
@@ -127,72 +124,11 @@ async fn the_decode_node_pulls_what_the_prefill_node_saved_and_prefetch_brings_i
     b.stop();
 }
 
-/// What a fake peer does after the hello, per PULL.
-#[derive(Clone, Copy)]
-enum Fake {
-    /// Every block, with a checksum that does not match its bytes.
-    WrongChecksum,
-    /// The first `n` blocks intact (synthetic KV of seed 21), then the connection closes.
-    DiesAfter(usize),
-    /// The first `n` blocks intact, then nothing for a minute.
-    StallsAfter(usize),
-}
-
-/// A peer speaking the protocol, misbehaving as told; counts its connections.
-fn fake_peer(how: Fake) -> (String, Arc<AtomicUsize>) {
-    let l = TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = l.local_addr().unwrap().to_string();
-    let conns = Arc::new(AtomicUsize::new(0));
-    let counter = Arc::clone(&conns);
-    std::thread::spawn(move || {
-        for s in l.incoming() {
-            let Ok(mut s) = s else { return };
-            counter.fetch_add(1, Ordering::SeqCst);
-            std::thread::spawn(move || {
-                if p::read_hello(&mut s).is_err() {
-                    return;
-                }
-                let _ = s.write_all(&[0, 0, 0]);
-                while let Ok(op) = p::read_u8(&mut s) {
-                    if op != p::OP_PULL {
-                        return;
-                    }
-                    let Ok((_, keys)) = p::read_pull(&mut s) else { return };
-                    for (i, k) in keys.iter().enumerate() {
-                        let data = synthetic_block(21, i as u32, block_len());
-                        let good = crc_fast::checksum(crc_fast::CrcAlgorithm::Crc64Nvme, &data);
-                        let sum = match how {
-                            Fake::WrongChecksum => good ^ 1,
-                            Fake::DiesAfter(n) | Fake::StallsAfter(n) if i >= n => {
-                                if let Fake::StallsAfter(_) = how {
-                                    std::thread::sleep(Duration::from_secs(60));
-                                }
-                                return;
-                            }
-                            _ => good,
-                        };
-                        let h = BlockHeader { key: *k, parent: None, len: data.len() as u64 };
-                        let sent = s
-                            .write_all(&h.encode())
-                            .and_then(|()| s.write_all(&data))
-                            .and_then(|()| s.write_all(&sum.to_le_bytes()));
-                        if sent.is_err() {
-                            return;
-                        }
-                    }
-                    let _ = p::write_end(&mut s, keys.len() as u32);
-                }
-            });
-        }
-    });
-    (addr, conns)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_sending_wrong_bytes_is_a_counted_miss_and_not_asked_again() {
     let d = tempfile::tempdir().unwrap();
     let b = daemon(&d.path().join("b"), "");
-    let (bad, conns) = fake_peer(Fake::WrongChecksum);
+    let (bad, conns) = fake_peer(Fake::WrongChecksum, 21, block_len());
     let (eb, mb) = engine(&b, &ns(), 0, 0, 16).await;
     let tokens = prompt(21, 16);
     let done = eb.load_from(&tokens, 0, &(0..16).collect::<Vec<_>>(), std::slice::from_ref(&bad)).await.unwrap();
@@ -218,7 +154,7 @@ async fn a_peer_dying_or_stalling_mid_transfer_leaves_the_intact_prefix() {
     let tokens = prompt(21, 32);
     let slots: Vec<u32> = (0..32).collect();
 
-    let (dies, _) = fake_peer(Fake::DiesAfter(10));
+    let (dies, _) = fake_peer(Fake::DiesAfter(10), 21, block_len());
     let done = eb.load_from(&tokens, 0, &slots, &[dies]).await.unwrap();
     assert_eq!((done.loaded_blocks, done.from_peer), (10, 10), "{done:?}");
     check(&mb, 21, 10, 0);
@@ -226,7 +162,7 @@ async fn a_peer_dying_or_stalling_mid_transfer_leaves_the_intact_prefix() {
     // A stalled peer costs at most the deadline; what arrived before is kept (another prompt:
     // the first one's ten blocks are in G2 now).
     let tokens = prompt(22, 32);
-    let (stalls, _) = fake_peer(Fake::StallsAfter(12));
+    let (stalls, _) = fake_peer(Fake::StallsAfter(12), 21, block_len());
     let t0 = Instant::now();
     let done = eb.load_from(&tokens, 0, &slots, &[stalls]).await.unwrap();
     let took = t0.elapsed();

@@ -11,6 +11,7 @@
 //! - [`router_harness`]: a router on port 0 and a JSON client of its API.
 //! - [`s3`]: a real S3-compatible server (SeaweedFS) on ports of its own.
 //! - `g4.rs`: G4 against it: daemons sharing a bucket, tenants, faults, restarts.
+//! - [`fake_peer`]: a peer daemon that misbehaves as told (fault injection for pulls).
 //! - [`proc`]: a daemon as a process (optionally in a network namespace), and plain HTTP.
 //! - [`netns`]: two "nodes" as network namespaces joined by a shaped veth pair.
 //! - `peer.rs`: daemons pulling blocks from each other (handoff, prefetch, faults, credentials).
@@ -19,6 +20,7 @@
 //! - `src/bin/`: `daemon` and `router` (the real kvcached and kvrouter command lines) and `engine`, an engine in
 //!   a process of its own.
 
+pub mod fake_peer;
 pub mod h2raw;
 pub mod netns;
 pub mod proc;

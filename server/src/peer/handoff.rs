@@ -23,9 +23,10 @@ pub struct Incoming {
 }
 
 impl Incoming {
-    /// Plans the peer part of loading `keys`: none when the node's tiers hold the whole chain
-    /// or no source is usable; else a pull (joined or started) of the keys from the first the
-    /// node lacks.
+    /// Plans the peer part of loading `keys`: none when the node's own tiers (G2, G3) hold the
+    /// whole chain or no source is usable; else a pull (joined or started) of the keys from the
+    /// first the node lacks. Blocks G4 holds are pulled too when a source is named: a peer's G2
+    /// is usually the faster copy, and G4 is where the load turns if the pull comes up short.
     pub fn plan(
         peers: &Arc<Peers>,
         store: &BlockStore,
@@ -35,7 +36,9 @@ impl Incoming {
         sources: &[String],
         deadline: Instant,
     ) -> Option<Self> {
-        let offset = store.held_prefix(keys).len();
+        let local = (1u8 << kvproto::TierKind::G2Host.index()) | (1u8 << kvproto::TierKind::G3Disk.index());
+        let held = store.held_prefix(keys);
+        let offset = held.iter().position(|h| h & local == 0).unwrap_or(held.len());
         if offset >= keys.len() {
             return None;
         }
