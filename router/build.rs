@@ -7,6 +7,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         unsafe { std::env::set_var("PROTOC", protoc_bin_vendored::protoc_bin_path()?) };
     }
     println!("cargo:rerun-if-changed=proto/kvrouter.proto");
-    tonic_prost_build::configure().compile_protos(&["proto/kvrouter.proto"], &["proto"])?;
+    // kvproto's codec: a body that is not the message is the caller's error (INVALID_ARGUMENT),
+    // not the router's (tonic_prost's INTERNAL; found by tests/fuzz_router.rs).
+    tonic_prost_build::configure()
+        .codec_path("kvproto::codec::KvCodec")
+        .compile_protos(&["proto/kvrouter.proto"], &["proto"])?;
     Ok(())
 }

@@ -53,3 +53,20 @@ impl<U: Message + Default> Decoder for KvDecoder<U> {
         BufferSettings::default()
     }
 }
+
+/// Rewrites tonic's answers to request bodies that hold no whole message ("Missing request
+/// message.", "Unexpected EOF decoding stream.": INTERNAL) into INVALID_ARGUMENT, the caller's
+/// error like any other malformed request (found by `tests/fuzz_router.rs`). The INTERNAL that
+/// gRPC's specification prescribes for a compressed flag without an encoding stays.
+pub fn truncated_request_is_invalid(headers: &mut tonic::codegen::http::HeaderMap) {
+    use tonic::codegen::http::HeaderValue;
+    let truncated = headers.get("grpc-status").is_some_and(|s| s == "13")
+        && headers
+            .get("grpc-message")
+            .and_then(|m| m.to_str().ok())
+            .is_some_and(|m| m.starts_with("Missing%20request%20message") || m.starts_with("Unexpected%20EOF"));
+    if truncated {
+        headers.insert("grpc-status", HeaderValue::from_static("3"));
+        headers.insert("grpc-message", HeaderValue::from_static("malformed%20request:%20no%20whole%20message"));
+    }
+}

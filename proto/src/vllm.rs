@@ -183,9 +183,15 @@ fn event(v: &Value) -> Result<VllmEvent, ProtoError> {
     }
 }
 
+/// Deepest msgpack nesting a batch may have. vLLM's are 4 deep (batch, events, event, hashes);
+/// rmpv's own limit (1024) let a 1 KB payload of nested arrays overflow a 2 MiB thread stack
+/// (found by `proto/tests/fuzz.rs`).
+pub const MAX_DEPTH: usize = 16;
+
 /// Decodes a msgpack `KVEventBatch` payload. Unknown event types fail the batch.
 pub fn decode_batch(payload: &[u8]) -> Result<VllmBatch, ProtoError> {
-    let v = rmpv::decode::read_value(&mut Cursor::new(payload)).map_err(|e| bad(format!("msgpack: {e}")))?;
+    let v = rmpv::decode::read_value_with_max_depth(&mut Cursor::new(payload), MAX_DEPTH)
+        .map_err(|e| bad(format!("msgpack: {e}")))?;
     let (ts, events, rank) = match &v {
         Value::Array(a) => (a.first(), a.get(1), a.get(2)),
         Value::Map(m) => {

@@ -87,6 +87,13 @@ async fn metrics(State(r): State<Arc<Router>>) -> Response {
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], r.metrics_text()).into_response()
 }
 
+/// A gRPC body without a whole message is the caller's error (INVALID_ARGUMENT), not tonic's
+/// INTERNAL ([`kvproto::codec::truncated_request_is_invalid`]).
+async fn no_message_is_invalid(mut r: Response) -> Response {
+    kvproto::codec::truncated_request_is_invalid(r.headers_mut());
+    r
+}
+
 async fn not_found() -> Response {
     (StatusCode::NOT_FOUND, Json(serde_json::json!({ "error": "no such endpoint" }))).into_response()
 }
@@ -100,7 +107,9 @@ pub fn app(router: Arc<Router>) -> AxumRouter {
 /// The routes of a router with the given indexer registry.
 pub fn app_with(router: Arc<Router>, indexer: Arc<IndexerApi>) -> AxumRouter {
     let limit = router.config().max_body_bytes;
-    let grpc = tonic::service::Routes::new(RouterService::server(router.clone())).into_axum_router();
+    let grpc = tonic::service::Routes::new(RouterService::server(router.clone()))
+        .into_axum_router()
+        .layer(axum::middleware::map_response(no_message_is_invalid));
     // Publishing and the indexer API span namespaces: with grants, only for identities granted
     // every one (a tenant must not rewrite what the index says of another's blocks).
     let indexer = if router.config().indexer.enabled {

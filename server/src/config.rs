@@ -36,6 +36,13 @@ pub struct Config {
     pub router: RouterConfig,
     /// Peer transfer: blocks pulled from and served to other daemons.
     pub peer: crate::peer::PeerConfig,
+    /// For the fault suites only, never in production: a file naming faults to inject into G3's
+    /// I/O and G4's requests, read again whenever it changes (`server/src/faults.rs`). Unset
+    /// (the default): nothing is wrapped.
+    pub inject_faults: Option<PathBuf>,
+    /// Tenants: who may name which tenant salt, and their G2/G3 quotas (`[[tenants]]`,
+    /// `server/src/tenants.rs`). None: every uid is a tenant of its own, without quotas.
+    pub tenants: Vec<crate::tenants::TenantConfig>,
 }
 
 /// What one client (one uid on the Unix socket) and all of them together may hold, and how long
@@ -272,6 +279,8 @@ impl Default for Config {
             limits: LimitsConfig::default(),
             router: RouterConfig::default(),
             peer: crate::peer::PeerConfig::default(),
+            inject_faults: None,
+            tenants: Vec::new(),
         }
     }
 }
@@ -436,6 +445,7 @@ impl Config {
         }
         self.socket_mode_bits()?;
         self.check_peer()?;
+        crate::tenants::Tenants::new(&self.tenants)?;
         for (f, v) in [("g2.page_size", self.g2.page_size), ("g3.page_size", self.g3.page_size)] {
             if v == 0 || !v.is_multiple_of(4096) {
                 return Err(bad(f, format!("{v} is not a positive multiple of 4096")));

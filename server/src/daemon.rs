@@ -217,6 +217,8 @@ impl Daemon {
         let len = engine.block_bytes();
         let end = req.first_block as usize + req.block_ids.len();
         let vllm = self.reports.vllm();
+        // A tenant with quotas makes room among its own blocks first (`tenants.rs`).
+        let quota = self.engines.tenants().quota_of(who);
         if let Some(v) = vllm {
             let tpb = engine.namespace.layout.tokens_per_block as usize;
             v.note_save(&keys, &kvproto::tokens_from_le(&req.tokens)?, tpb, req.first_block as usize, end);
@@ -224,13 +226,27 @@ impl Daemon {
         for (i, &slot) in req.block_ids.iter().enumerate() {
             let idx = req.first_block as usize + i;
             let meta = BlockMeta { namespace: engine.namespace_id, parent: idx.checked_sub(1).map(|p| keys[p]), len };
+            if let Some(q) = &quota
+                && !q.make_room(&self.store, len)
+            {
+                resp.failed += 1;
+                if resp.error.is_empty() {
+                    resp.error = "a block is larger than the tenant's quota".into();
+                }
+                continue;
+            }
             // Straight from the engine's segments into the block's G2 pages: one copy (DMA for
             // GPU memory).
             let put = self.store.put_with(keys[idx], meta, |dst| {
                 engine.read_slot_into(slot, dst).map_err(|e| kvtiers::TierError::Fill(e.to_string()))
             });
             match put {
-                Ok(true) => resp.stored += 1,
+                Ok(true) => {
+                    resp.stored += 1;
+                    if let Some(q) = &quota {
+                        q.charge(keys[idx], len);
+                    }
+                }
                 Ok(false) => resp.already_present += 1,
                 Err(e) => {
                     resp.failed += 1;
@@ -494,14 +510,14 @@ impl Daemon {
         // Chunk by chunk: blocks not in G2 come up from G3 in one batch read per chunk, then
         // the chunk is copied out of G2.
         'chain: for (c, (keys, slots)) in wanted.chunks(LOAD_CHUNK).zip(req.block_ids.chunks(LOAD_CHUNK)).enumerate() {
-            let promoted = match self.store.promote_batch(keys) {
-                Ok(p) => p,
-                Err(e) => {
-                    self.store.release(lease);
-                    return Err(e.into());
-                }
-            };
+            // A lower tier failing (a disk error, a store down or hung) is a miss from the
+            // first block it failed on: counted and logged by the store, never a failed load
+            // (the blocks before it are served), and not asked again.
+            let kvtiers::store::Promoted { promoted, failed, unplaced, .. } = self.store.promote_batch_lossy(keys);
             for (i, (key, &slot)) in keys.iter().zip(slots).enumerate() {
+                if failed.contains(key) && incoming.as_ref().is_none_or(|inc| c * LOAD_CHUNK + i < inc.offset) {
+                    break 'chain;
+                }
                 let j = c * LOAD_CHUNK + i;
                 let mut pulled = false;
                 if let Some(inc) = incoming.as_ref().filter(|inc| j >= inc.offset) {
@@ -518,14 +534,20 @@ impl Daemon {
                         }
                     }
                 }
-                let got = self.store.read_with(key, &mut buf, |meta, pieces| {
+                let copy = |meta: &kvtiers::BlockMeta, pieces: &[&[u8]]| {
                     // Defence in depth: keys already bind the namespace, but a block of another
                     // namespace or size is never copied into an engine.
                     if meta.namespace != engine.namespace_id || meta.len != want_len {
                         return Ok(false);
                     }
                     engine.write_slot_from(slot, pieces).map(|()| true)
-                });
+                };
+                // A block read from below that G2 had no room for is served from its buffer,
+                // not read a second time.
+                let got = match unplaced.iter().find(|(k, ..)| k == key) {
+                    Some((_, meta, tier, b)) => Ok(Some((*tier, copy(meta, &[&b[..]])))),
+                    None => self.store.read_with(key, &mut buf, copy),
+                };
                 match got {
                     Ok(Some((_, Err(e)))) => {
                         self.store.release(lease);
@@ -670,6 +692,13 @@ impl Daemon {
             }
         }
         reasons.extend(self.store.degraded());
+        if let Some(peers) = &self.peers {
+            let mut bad = peers.book.bad_peers();
+            bad.sort();
+            reasons.extend(bad.into_iter().map(|(peer, why)| {
+                format!("peer {peer} failed and is not asked for now: {}", kvproto::limits::clip(&why, 200))
+            }));
+        }
         pb::HealthResponse { ok: reasons.is_empty(), reasons }
     }
 }

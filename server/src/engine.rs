@@ -353,6 +353,8 @@ pub struct Registry {
     max: usize,
     pub lease: Duration,
     prefault: bool,
+    /// Who may name which tenant salt, and the tenants' quotas.
+    tenants: Arc<crate::tenants::Tenants>,
 }
 
 /// A first id for a counter that must not repeat the ids of a previous daemon process: the
@@ -375,7 +377,19 @@ impl Registry {
             max,
             lease,
             prefault: false,
+            tenants: Arc::default(),
         }
+    }
+
+    /// Sets the tenants registrations are checked against (`[[tenants]]`).
+    pub fn with_tenants(mut self, tenants: Arc<crate::tenants::Tenants>) -> Self {
+        self.tenants = tenants;
+        self
+    }
+
+    /// The tenants registrations are checked against.
+    pub fn tenants(&self) -> &crate::tenants::Tenants {
+        &self.tenants
     }
 
     /// Whether shared-memory regions are mapped with their page tables filled at register
@@ -401,6 +415,8 @@ impl Registry {
             return Err(self.full());
         }
         let held = self.limits.engine(owner)?;
+        // Before anything is mapped: a salt of another tenant's is refused.
+        self.tenants.admit(owner, req.namespace.as_ref().and_then(|s| s.tenant_salt.as_deref()))?;
         // Random, unguessable and never 0; not derived from the time, so a restarted daemon
         // does not hand out its previous life's ids either. Distinct counters give distinct ids
         // but for a 2^-64 hash collision.

@@ -34,6 +34,8 @@
 //! - `vllm_origins`: the export's records of G3 blocks, kept in a file across restarts.
 //! - [`zmq_export`]: the ZMQ PUB socket (and replay socket) the export writes to.
 //! - [`signals`]: SIGTERM / SIGINT.
+//! - [`faults`]: fault injection into G3's I/O and G4's requests, for the fault suites only
+//!   (`inject_faults`).
 //! - [`error`]: the [`ServerError`] enum and the gRPC status and reason each variant becomes.
 
 pub mod attach;
@@ -44,6 +46,7 @@ pub mod edge;
 pub mod engine;
 pub mod error;
 pub mod fault_guard;
+pub mod faults;
 pub mod h2_authority;
 pub mod http;
 pub mod key_memo;
@@ -57,6 +60,7 @@ pub mod reports;
 mod serve;
 pub mod service;
 pub mod signals;
+pub mod tenants;
 pub mod token_area;
 pub mod vllm_export;
 mod vllm_origins;

@@ -63,7 +63,10 @@ pub async fn serve(
 /// Opens G2 and G3 (RocksDB and the data file take a while: off the runtime), and prefaults
 /// the G2 pool in the background when configured.
 async fn open_store(config: &Config) -> Result<Arc<kvtiers::BlockStore>, ServerError> {
-    let store_cfg = config.store_config();
+    let mut store_cfg = config.store_config();
+    if let Some(path) = &config.inject_faults {
+        crate::faults::install(path, &mut store_cfg);
+    }
     let store = tokio::task::spawn_blocking(move || kvtiers::BlockStore::open(&store_cfg))
         .await
         .map_err(|e| ServerError::Io(std::io::Error::other(e)))??;
@@ -101,7 +104,8 @@ async fn start_daemon(
         tickets,
         Arc::clone(&limits),
     )
-    .prefault_memory(config.engines.prefault_memory);
+    .prefault_memory(config.engines.prefault_memory)
+    .with_tenants(Arc::new(crate::tenants::Tenants::new(&config.tenants)?));
     let http_addr = listeners.http.as_ref().and_then(|l| l.local_addr().ok());
     let recovery_url = if config.router.advertise_url.is_empty() {
         let scheme = if config.metrics_auth.tls() { "https" } else { "http" };
@@ -168,10 +172,25 @@ async fn start_daemon(
 /// large HTTP/2 frames and windows let it arrive in a few frames without waiting for window
 /// updates (the defaults are 16 KiB frames). Every request is bounded in time and in the
 /// bytes its principal may have arriving at once.
+/// The answer of a request body without a whole message: INVALID_ARGUMENT, not tonic's INTERNAL
+/// ([`kvproto::codec::truncated_request_is_invalid`]).
+type Answer = ::http::Response<tonic::body::Body>;
+type TruncatedIsInvalid = tower::util::MapResponseLayer<fn(Answer) -> Answer>;
+
+fn truncated_is_invalid(mut r: Answer) -> Answer {
+    kvproto::codec::truncated_request_is_invalid(r.headers_mut());
+    r
+}
+
 fn grpc_server(
     config: &Config,
     limits: &Arc<Limits>,
-) -> tonic::transport::Server<tower::layer::util::Stack<BufferedLayer, tower::layer::util::Identity>> {
+) -> tonic::transport::Server<
+    tower::layer::util::Stack<
+        TruncatedIsInvalid,
+        tower::layer::util::Stack<BufferedLayer, tower::layer::util::Identity>,
+    >,
+> {
     let l = &config.limits;
     tonic::transport::Server::builder()
         .max_frame_size(1 << 20)
@@ -183,6 +202,7 @@ fn grpc_server(
         .http2_keepalive_timeout(Some(Duration::from_secs(20)))
         .timeout(Duration::from_millis(l.request_timeout_ms))
         .layer(BufferedLayer { limits: Arc::clone(limits) })
+        .layer(tower::util::MapResponseLayer::new(truncated_is_invalid as fn(Answer) -> Answer))
 }
 
 /// Serves gRPC on the Unix socket (and, Health only, on TCP), HTTP on the metrics listener, and

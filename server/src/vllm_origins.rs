@@ -260,6 +260,21 @@ mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
 
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig {
+            cases: std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(256),
+            failure_persistence: None,
+            ..Default::default()
+        })]
+        /// The log from arbitrary bytes (a damaged file): records up to the first bad one, and no
+        /// panic (`docs/operations.md`, "Fuzzing").
+        #[test]
+        fn arbitrary_logs_decode_without_panic(b in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..400)) {
+            let _ = decode_all(&b);
+            let _ = decode_body(&b);
+        }
+    }
+
     #[test]
     fn records_round_trip_and_a_damaged_tail_is_dropped() {
         let recs = [

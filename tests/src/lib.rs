@@ -12,9 +12,17 @@
 //! - [`s3`]: a real S3-compatible server (SeaweedFS) on ports of its own.
 //! - `g4.rs`: G4 against it: daemons sharing a bucket, tenants, faults, restarts.
 //! - [`fake_peer`]: a peer daemon that misbehaves as told (fault injection for pulls).
+//! - [`oracle`]: engines that know what they saved (prompts and KV from a seed), so every block
+//!   served is checked byte for byte.
+//! - [`node`]: a daemon process restarted (cleanly or by `kill -9`) with the same
+//!   configuration, and a fault file switching injected faults while it runs.
+//! - `crash.rs`: crash loops: the daemon killed at random moments under load, cycle after cycle.
+//! - `faults.rs`, `faults_remote.rs`: faults injected into G3's I/O, a disk that fills up, G4 down,
+//!   hung or slow, a peer stalling mid-stream.
 //! - [`proc`]: a daemon as a process (optionally in a network namespace), and plain HTTP.
 //! - [`netns`]: two "nodes" as network namespaces joined by a shaped veth pair.
 //! - `peer.rs`: daemons pulling blocks from each other (handoff, prefetch, faults, credentials).
+//! - `replay.rs`: a short `kvbench replay`: a trace through daemon processes and a router process.
 //! - [`h2raw`]: HTTP/2 frames by hand, for requests no gRPC client would send.
 //! - `security.rs`: the daemon against hostile local clients (another uid, TCP, floods).
 //! - `src/bin/`: `daemon` and `router` (the real kvcached and kvrouter command lines) and `engine`, an engine in
@@ -23,6 +31,25 @@
 pub mod fake_peer;
 pub mod h2raw;
 pub mod netns;
+pub mod node;
+pub mod oracle;
 pub mod proc;
 pub mod router_harness;
 pub mod s3;
+
+/// The layout of `tests/tenants.rs`'s engines (16 KiB blocks of 16 tokens).
+pub fn tenant_layout() -> kvproto::KvLayout {
+    kvproto::KvLayout {
+        num_layers: 2,
+        kv_heads: 2,
+        head_dim: 64,
+        dtype: kvproto::Dtype::Bf16,
+        tokens_per_block: 16,
+        kind: kvproto::LayoutKind::LayerSeparate,
+    }
+}
+
+/// The prompt of `tests/tenants.rs`: `blocks` blocks of 16 tokens.
+pub fn tenant_prompt(blocks: u32) -> Vec<u32> {
+    (0..blocks * 16).map(|i| i.wrapping_mul(2_654_435_761) % 150_000).collect()
+}

@@ -120,9 +120,28 @@ impl SeaweedFs {
 
     /// Kills the server (as a crash would).
     pub fn kill(&mut self) {
+        self.resume();
         if let Some(mut c) = self.child.take() {
             let _ = c.kill();
             let _ = c.wait();
+        }
+    }
+
+    /// Stops the server without closing anything (SIGSTOP): connections are accepted by the
+    /// kernel and never answered, as a hung store's are.
+    pub fn pause(&self) {
+        self.signal(libc::SIGSTOP);
+    }
+
+    /// Lets a paused server run again (SIGCONT).
+    pub fn resume(&self) {
+        self.signal(libc::SIGCONT);
+    }
+
+    fn signal(&self, sig: i32) {
+        if let Some(c) = &self.child {
+            // SAFETY: kill(2) on our own child's pid.
+            unsafe { libc::kill(c.id() as i32, sig) };
         }
     }
 

@@ -178,6 +178,37 @@ impl Drop for SharedRegion {
     }
 }
 
+/// Pages reserved for one block that the caller is filling ([`HostTier::begin_fill`]).
+#[derive(Debug)]
+pub struct Filling {
+    key: BlockKey,
+    meta: BlockMeta,
+    slot: Arc<HostSlot>,
+    pieces: Vec<(*mut u8, usize)>,
+    t0: Instant,
+}
+
+impl Filling {
+    /// Where the block's bytes go, in order: (start, bytes of the block there). Every piece
+    /// starts on a page boundary (aligned for O_DIRECT), and a piece's pages extend at least
+    /// to the next multiple of the page size, so a read padded to 4 KiB stays inside them.
+    pub fn pieces(&self) -> &[(*mut u8, usize)] {
+        &self.pieces
+    }
+
+    pub fn key(&self) -> &BlockKey {
+        &self.key
+    }
+
+    pub fn meta(&self) -> &BlockMeta {
+        &self.meta
+    }
+}
+
+// SAFETY: the pointers name pages of the shared pool that this reservation alone may write
+// until it is finished or aborted; moving the reservation to another thread moves that right.
+unsafe impl Send for Filling {}
+
 #[derive(Debug)]
 struct HostSlot {
     pages: Pages,
@@ -467,6 +498,22 @@ impl HostTier {
         dirty: bool,
         fill: impl FnOnce(&[(*mut u8, usize)]) -> Result<()>,
     ) -> Result<bool> {
+        let Some(filling) = self.begin_fill(key, meta, dirty)? else { return Ok(false) };
+        match fill(filling.pieces()) {
+            Ok(()) => Ok(self.finish_fill(filling)),
+            Err(e) => {
+                self.abort_fill(filling);
+                self.counters.put_errors.add(1);
+                Err(e)
+            }
+        }
+    }
+
+    /// Reserves pages for a block that the caller then fills through [`Filling::pieces`] (no
+    /// lock held; invisible until [`HostTier::finish_fill`], dropped by
+    /// [`HostTier::abort_fill`]). `Ok(None)` when the key is already present. G3 reads blocks
+    /// straight into these pages.
+    pub fn begin_fill(&self, key: BlockKey, meta: BlockMeta, dirty: bool) -> Result<Option<Filling>> {
         let t0 = Instant::now();
         let n = self.pool.pages_for(meta.len);
         let slot = {
@@ -478,7 +525,7 @@ impl HostTier {
                 self.committed.wait_until(&mut st, deadline);
             }
             if st.has_entry(&key) {
-                return Ok(false);
+                return Ok(None);
             }
             if let Err(e) = self.make_room(&mut st, n) {
                 self.counters.put_errors.add(1);
@@ -491,25 +538,25 @@ impl HostTier {
             let slot = Arc::new(HostSlot { pages });
             if !st.reserve(key, meta, Arc::clone(&slot), dirty) {
                 // Another writer reserved the key while this one waited for space.
-                return Ok(false);
+                return Ok(None);
             }
             slot
         };
-        // Fill with no lock held: the pages are exclusively this reservation's.
         let ps = self.pool.page_size();
-        let mut dst: Vec<(*mut u8, usize)> = Vec::new();
+        let mut pieces: Vec<(*mut u8, usize)> = Vec::new();
         let mut left = meta.len as usize;
         for (first, count) in slot.pages.runs() {
             let take = left.min(count as usize * ps);
-            dst.push((self.page_ptr(first), take));
+            pieces.push((self.page_ptr(first), take));
             left -= take;
         }
-        if let Err(e) = fill(&dst) {
-            self.state.lock().abort(&key, &slot);
-            self.committed.notify_all();
-            self.counters.put_errors.add(1);
-            return Err(e);
-        }
+        Ok(Some(Filling { key, meta, slot, pieces, t0 }))
+    }
+
+    /// Makes a filled block visible. False if it was removed meanwhile.
+    pub fn finish_fill(&self, filling: Filling) -> bool {
+        let Filling { key, meta, slot, t0, .. } = filling;
+        let ps = self.pool.page_size();
         let committed = {
             let mut st = self.state.lock();
             let ok = st.commit(&key, &slot);
@@ -522,7 +569,13 @@ impl HostTier {
         self.committed.notify_all();
         self.counters.bytes_written.add(meta.len);
         self.counters.put_took(t0.elapsed());
-        Ok(committed)
+        committed
+    }
+
+    /// Drops a reservation whose filling failed or found nothing: nothing becomes visible.
+    pub fn abort_fill(&self, filling: Filling) {
+        self.state.lock().abort(&filling.key, &filling.slot);
+        self.committed.notify_all();
     }
 
     /// Blocks evicted from G2 before write-through reached them (their lower copy was lost).

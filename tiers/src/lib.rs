@@ -44,11 +44,11 @@ pub mod store;
 pub mod tier;
 pub mod writethrough;
 
-pub use block::{BlockMeta, LeaseId, checksum};
+pub use block::{BlockMeta, LeaseId, SumKind, checksum, checksum_of};
 pub use buf::BlockBuf;
 pub use disk::{DiskTier, DiskTierConfig};
 pub use error::{Result, TierError};
-pub use host::{CudaRegister, HostTier, HostTierConfig};
+pub use host::{CudaRegister, Filling, HostTier, HostTierConfig};
 pub use listener::TierListener;
 pub use object::{ObjectTier, ObjectTierConfig};
 pub use stats::{TierStats, TierUsage};

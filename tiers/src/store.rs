@@ -70,6 +70,32 @@ pub struct StoreStats {
     pub writethrough_by_tier: Vec<(TierKind, u64, u64, u64, u64)>,
 }
 
+/// What [`BlockStore::promote_batch_lossy`] did.
+#[derive(Debug, Default)]
+pub struct Promoted {
+    /// Keys promoted into G2, and the tier each came from.
+    pub promoted: Vec<(BlockKey, TierKind)>,
+    /// Keys a tier failed to read and no later tier had.
+    pub failed: Vec<BlockKey>,
+    /// The first failure.
+    pub error: Option<TierError>,
+    /// Blocks read from a lower tier that G2 had no room for (every page pinned or waiting for
+    /// write-through): the caller serves them from these buffers instead of reading them again.
+    pub unplaced: Vec<(BlockKey, BlockMeta, TierKind, BlockBuf)>,
+}
+
+/// What became of one key in [`BlockStore::read_into_g2`].
+enum Direct {
+    /// Not read this way; read through a buffer instead.
+    NotTried,
+    /// Read and in G2 now (false: it was already there, put by someone else).
+    Read(bool),
+    /// Read, but G2 had no room: in [`Promoted::unplaced`].
+    Unplaced,
+    Miss,
+    Failed(TierError),
+}
+
 /// The tiered block store.
 #[derive(Debug)]
 pub struct BlockStore {
@@ -245,35 +271,153 @@ impl BlockStore {
 
     /// Brings the blocks of `keys` that are not in G2 up from the tiers below, each tier's share
     /// read in one batch (one I/O hand-off, all reads in flight together, instead of one round
-    /// trip per block). Returns the keys promoted and the tier each came from. Loads of chains
-    /// from G3 or G4 call this per chunk before copying the chunk out of G2.
+    /// trip per block). Returns the keys promoted and the tier each came from; fails on the
+    /// first read a tier fails ([`BlockStore::promote_batch_lossy`] takes those as misses).
     pub fn promote_batch(&self, keys: &[BlockKey]) -> Result<Vec<(BlockKey, TierKind)>> {
+        let p = self.promote_batch_lossy(keys);
+        match p.error {
+            Some(e) => Err(e),
+            None => Ok(p.promoted),
+        }
+    }
+
+    /// [`BlockStore::promote_batch`] with a tier's failed reads (an I/O error, a store that is
+    /// down or does not answer in time) taken as misses of that tier: those keys are asked of
+    /// the next tier, and the ones no tier gave are returned as `failed`, so that the caller
+    /// does not ask the failing tier again for them. Each failed read is counted in
+    /// `kvcached_tier_read_errors_total`. Loads of chains from G3 or G4 call this per chunk
+    /// before copying the chunk out of G2.
+    pub fn promote_batch_lossy(&self, keys: &[BlockKey]) -> Promoted {
         let present = self.g2.contains_each(keys);
         let mut left: Vec<BlockKey> = keys.iter().zip(present).filter(|(_, p)| !p).map(|(k, _)| *k).collect();
-        let mut promoted = Vec::new();
+        let mut out = Promoted::default();
         if left.is_empty() || self.lower.is_empty() {
-            return Ok(promoted);
+            return out;
         }
-        let mut bufs: Vec<BlockBuf> = left.iter().map(|_| BlockBuf::new()).collect();
+        let mut failed: Vec<BlockKey> = Vec::new();
         for tier in self.lower.iter() {
             if left.is_empty() {
                 break;
             }
-            let got = tier.get_batch(&left, &mut bufs[..left.len()]);
+            let kind = tier.kind();
+            // Straight into G2's pages where the tier can; the rest through buffers.
+            let direct = self.read_into_g2(tier.as_ref(), &left);
+            let through: Vec<BlockKey> =
+                left.iter().zip(&direct).filter(|(_, d)| matches!(d, Direct::NotTried)).map(|(k, _)| *k).collect();
+            let mut bufs: Vec<BlockBuf> = through.iter().map(|_| BlockBuf::new()).collect();
+            let results = tier.get_batch(&through, &mut bufs);
+            let mut got = results.into_iter().zip(bufs);
             let mut still = Vec::new();
-            for ((key, r), buf) in left.iter().zip(got).zip(bufs.iter()) {
-                match r? {
-                    Some(meta) => {
-                        if self.promote(key, meta, buf, tier.kind()) {
-                            promoted.push((*key, tier.kind()));
+            let mut errors = 0u64;
+            for (key, d) in left.iter().zip(direct) {
+                let outcome = match d {
+                    Direct::NotTried => match got.next() {
+                        Some((Ok(Some(meta)), buf)) => {
+                            if self.promote(key, meta, &buf, kind) {
+                                Direct::Read(true)
+                            } else {
+                                out.unplaced.push((*key, meta, kind, buf));
+                                Direct::Unplaced
+                            }
                         }
+                        Some((Ok(None), _)) | None => Direct::Miss,
+                        Some((Err(e), _)) => Direct::Failed(e),
+                    },
+                    d => d,
+                };
+                match outcome {
+                    Direct::Read(promoted) => {
+                        if promoted {
+                            out.promoted.push((*key, kind));
+                        }
+                        failed.retain(|k| k != key);
                     }
-                    None => still.push(*key),
+                    Direct::Unplaced => failed.retain(|k| k != key),
+                    Direct::Miss | Direct::NotTried => still.push(*key),
+                    Direct::Failed(e) => {
+                        errors += 1;
+                        if !failed.contains(key) {
+                            failed.push(*key);
+                        }
+                        still.push(*key);
+                        out.error.get_or_insert(e);
+                    }
+                }
+            }
+            if errors > 0 {
+                metrics::counter!("kvcached_tier_read_errors_total", "tier" => kind.label()).increment(errors);
+                if let Some(e) = &out.error {
+                    tracing::warn!("{errors} block reads of {} failed, served as misses: {e}", kind.label());
                 }
             }
             left = still;
         }
-        Ok(promoted)
+        failed.retain(|k| left.contains(k));
+        out.failed = failed;
+        out
+    }
+
+    /// Reads what `tier` holds of `keys` straight into pages reserved in G2 (no buffer between,
+    /// no copy: the block is verified where it will stay). Keys the tier cannot read this way
+    /// (it cannot tell their length without a read, G2 has no room, an empty block) are
+    /// `NotTried`.
+    fn read_into_g2(&self, tier: &dyn Tier, keys: &[BlockKey]) -> Vec<Direct> {
+        let mut outcome: Vec<Direct> = keys.iter().map(|_| Direct::NotTried).collect();
+        let metas = tier.peek_each(keys);
+        if metas.iter().all(Option::is_none) {
+            return outcome;
+        }
+        let dirty = self.writers.first().is_some_and(|w| w.tier.index() < tier.kind().index());
+        let mut fills = Vec::new();
+        for (i, (key, meta)) in keys.iter().zip(metas).enumerate() {
+            let Some(meta) = meta.filter(|m| m.len > 0) else { continue };
+            match self.g2.begin_fill(*key, meta, dirty) {
+                Ok(Some(f)) => fills.push((i, f)),
+                // Put there meanwhile by someone else: served from G2, not promoted by us.
+                Ok(None) => outcome[i] = Direct::Read(false),
+                Err(_) => {}
+            }
+        }
+        if fills.is_empty() {
+            return outcome;
+        }
+        let fill_keys: Vec<BlockKey> = fills.iter().map(|(_, f)| *f.key()).collect();
+        let dests: Vec<&[(*mut u8, usize)]> = fills.iter().map(|(_, f)| f.pieces()).collect();
+        // SAFETY: each destination is the pages of a G2 reservation (`Filling`): aligned to
+        // G2's page size (a multiple of 4 KiB), each piece whole pages but the last, whose pages
+        // extend to the next page boundary; nothing else writes them until finished or aborted.
+        let read = unsafe { tier.get_batch_into(&fill_keys, &dests) };
+        drop(dests);
+        let Some(read) = read else {
+            for (_, f) in fills {
+                self.g2.abort_fill(f);
+            }
+            return outcome;
+        };
+        for ((i, f), r) in fills.into_iter().zip(read) {
+            let key = *f.key();
+            outcome[i] = match r {
+                Ok(Some(_)) => {
+                    let stored = self.g2.finish_fill(f);
+                    if stored {
+                        self.promotions.add(1);
+                        if dirty {
+                            self.write_through(&key, Some(tier.kind()));
+                        }
+                    }
+                    Direct::Read(stored)
+                }
+                Ok(None) => {
+                    self.g2.abort_fill(f);
+                    Direct::Miss
+                }
+                Err(e) => {
+                    self.g2.abort_fill(f);
+                    Direct::Failed(e)
+                }
+            };
+        }
+        outcome
     }
 
     /// The fastest tier holding each block of the longest cached prefix of `keys` (as long as
@@ -371,11 +515,17 @@ impl BlockStore {
         Ok(any)
     }
 
-    /// Waits for queued write-through and makes the lower tiers durable.
-    pub fn flush(&self) -> Result<()> {
+    /// Waits until every queued write-through has been written (or has failed), without
+    /// making the lower tiers durable (that is [`Self::flush`]).
+    pub fn wait_writethrough(&self) {
         for w in &self.writers {
             w.wait_idle();
         }
+    }
+
+    /// Waits for queued write-through and makes the lower tiers durable.
+    pub fn flush(&self) -> Result<()> {
+        self.wait_writethrough();
         for t in self.lower.iter() {
             t.flush()?;
         }

@@ -51,6 +51,30 @@ pub trait Tier: Send + Sync + std::fmt::Debug {
     }
 
     /// Whether the block is visible. Touches no block data.
+    /// The metadata of each block of `keys` this tier holds, without reading it (None where
+    /// absent, or where the tier cannot tell without a read: the default). Lets G2 reserve
+    /// pages for a block before [`Tier::get_batch_into`] reads it straight into them.
+    fn peek_each(&self, keys: &[BlockKey]) -> Vec<Option<BlockMeta>> {
+        vec![None; keys.len()]
+    }
+
+    /// Reads blocks straight into memory the caller names: for each key, (start, bytes) pieces
+    /// in block order, adding up to the block's length (a block whose length differs is not
+    /// read: a miss). Verified like [`Tier::get_batch`]. `None` when the tier cannot (the
+    /// default): the caller reads through [`Tier::get_batch`] instead.
+    ///
+    /// # Safety
+    /// Every piece must start 4 KiB-aligned, every piece but the last be a multiple of 4 KiB
+    /// long, the last have room up to the next multiple of 4 KiB, and all of it be writable and
+    /// untouched by anything else until this returns (G2 pages of a [`crate::Filling`] are).
+    unsafe fn get_batch_into(
+        &self,
+        _keys: &[BlockKey],
+        _dests: &[&[(*mut u8, usize)]],
+    ) -> Option<Vec<Result<Option<BlockMeta>>>> {
+        None
+    }
+
     fn contains(&self, key: &BlockKey) -> bool;
 
     /// [`Tier::contains`] of each key, in order (tiers override this to take their lock once).

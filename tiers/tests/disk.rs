@@ -427,6 +427,7 @@ fn restart_drops_huge_duplicated_and_stale_records_and_keeps_the_newer_block() {
         let record = |len: u64, runs: Vec<(u32, u32)>| IndexEntry {
             meta: kvtiers::BlockMeta { namespace: NS, parent: None, len },
             checksum: 1,
+            sum_kind: kvtiers::SumKind::Crc64,
             tick: 0, // older than every block put above
             runs,
         };
@@ -453,6 +454,43 @@ fn restart_drops_huge_duplicated_and_stale_records_and_keeps_the_newer_block() {
     }
     assert_eq!(t.usage().blocks, 15);
     assert_eq!(t.stats().checksum_failures, 0);
+}
+
+/// Blocks indexed before G3 summed with CRC-64 (records of version 1, XXH3-64) are still
+/// served after an upgrade, verified with XXH3; one whose XXH3 does not match is a miss.
+#[test]
+fn blocks_of_the_xxh3_record_version_are_still_served() {
+    use kvtiers::disk::index::DiskIndex;
+    let d = tempfile::tempdir().unwrap();
+    {
+        let t = disk(d.path(), 16 * PAGE as u64, IoBackend::Psync);
+        put(&*t, 1, 0, PAGE);
+        put(&*t, 1, 1, PAGE);
+        t.flush().unwrap();
+    }
+    {
+        // Rewrite both records as the older version wrote them: XXH3 sums, version 1; the
+        // second with a sum that does not match its bytes.
+        let index = DiskIndex::open(&d.path().join("index"), PAGE).unwrap();
+        let mut puts = Vec::new();
+        for rec in index.scan().unwrap() {
+            let (k, mut e) = rec.unwrap();
+            e.sum_kind = kvtiers::SumKind::Xxh3;
+            e.checksum = kvtiers::checksum_of(kvtiers::SumKind::Xxh3, &content(&k, PAGE));
+            if k == key(1, 1) {
+                e.checksum ^= 1;
+            }
+            puts.push((k, e));
+        }
+        assert_eq!(puts.len(), 2);
+        index.write(&puts, &[], true).unwrap();
+    }
+    let t = disk(d.path(), 16 * PAGE as u64, IoBackend::Psync);
+    let mut out = BlockBuf::new();
+    assert!(t.get(&key(1, 0), &mut out).unwrap().is_some(), "an XXH3-era block is served");
+    assert_eq!(&out[..], &content(&key(1, 0), PAGE)[..]);
+    assert!(t.get(&key(1, 1), &mut out).unwrap().is_none(), "a wrong XXH3 sum is a miss");
+    assert_eq!(t.stats().checksum_failures, 1);
 }
 
 /// An engine that fails whole batches before running any op while `broken` is set.

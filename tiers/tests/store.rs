@@ -59,6 +59,76 @@ fn write_through_then_promotion_on_use() {
 }
 
 #[test]
+fn promote_batch_reads_g3_straight_into_g2_pages_byte_exact() {
+    let d = tempfile::tempdir().unwrap();
+    let s = store_in(d.path(), 64 * PAGE as u64, 64 << 20);
+    let g3 = Arc::clone(&s.lower()[0]);
+    // Lengths of whole pages, of a partial last page, and not a multiple of 4 KiB; put into
+    // G3 alone, so that only a promotion brings them into G2.
+    let lens = [PAGE, 3 * PAGE + 4096, 2 * PAGE + 17, 5000];
+    let keys: Vec<BlockKey> = lens
+        .iter()
+        .enumerate()
+        .map(|(i, &len)| {
+            let k = key(9, i as u32);
+            assert!(g3.put(BlockRef { key: k, meta: meta(9, i as u32, len), data: &content(&k, len) }).unwrap());
+            k
+        })
+        .collect();
+    assert!(keys.iter().all(|k| !s.g2().contains(k)));
+    let promoted = s.promote_batch(&keys).unwrap();
+    assert_eq!(promoted.len(), keys.len(), "every block promoted");
+    assert!(promoted.iter().all(|(_, t)| *t == TierKind::G3Disk));
+    for (k, &len) in keys.iter().zip(&lens) {
+        let bytes = s.g2().with_block(k, |m, pieces| (m.len, pieces.concat())).expect("in G2 now");
+        assert_eq!(bytes.0, len as u64);
+        assert!(bytes.1 == content(k, len), "block {k} differs after promotion");
+    }
+    // A block whose bytes on disk no longer match its checksum is a miss and never reaches
+    // G2: no reservation is left behind either (a later put of the key succeeds).
+    let k = key(9, 100);
+    let len = 2 * PAGE;
+    g3.put(BlockRef { key: k, meta: meta(9, 100, len), data: &content(&k, len) }).unwrap();
+    s.flush().unwrap();
+    let data_file = std::fs::read_dir(d.path().join("g3"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.file_name().is_some_and(|n| n == "blocks.dat"))
+        .expect("G3 data file");
+    let mut bytes = std::fs::read(&data_file).unwrap();
+    let needle = content(&k, len)[..64].to_vec();
+    let at = bytes.windows(64).position(|w| w == &needle[..]).expect("block on disk");
+    bytes[at] ^= 0xff;
+    std::fs::write(&data_file, &bytes).unwrap();
+    assert!(s.promote_batch(&[k]).unwrap().is_empty(), "a corrupt block is not promoted");
+    assert!(!s.g2().contains(&k));
+    assert!(s.g2().put(BlockRef { key: k, meta: meta(9, 100, len), data: &content(&k, len) }).unwrap());
+}
+
+#[test]
+fn a_block_g2_has_no_room_for_is_handed_back_not_read_twice() {
+    let d = tempfile::tempdir().unwrap();
+    let s = store_in(d.path(), 4 * PAGE as u64, 64 << 20);
+    // G2 full of pinned blocks: nothing can be evicted to make room.
+    let held = put_chain(&s, 10, 2, 2 * PAGE);
+    s.flush().unwrap();
+    let lease = s.pin(&held, Duration::from_secs(30));
+    let k = key(11, 0);
+    let len = 2 * PAGE;
+    s.lower()[0].put(BlockRef { key: k, meta: meta(11, 0, len), data: &content(&k, len) }).unwrap();
+    let reads_before = s.lower()[0].stats().hits;
+    let p = s.promote_batch_lossy(&[k]);
+    assert!(p.promoted.is_empty() && p.failed.is_empty() && p.error.is_none());
+    assert_eq!(p.unplaced.len(), 1, "read once and handed back");
+    let (got_key, got_meta, tier, buf) = &p.unplaced[0];
+    assert_eq!((*got_key, got_meta.len, *tier), (k, len as u64, TierKind::G3Disk));
+    assert!(buf[..] == content(&k, len)[..]);
+    assert_eq!(s.lower()[0].stats().hits, reads_before + 1);
+    assert!(!s.g2().contains(&k));
+    s.release(lease);
+}
+
+#[test]
 fn lookup_reports_longest_prefix_per_tier() {
     let d = tempfile::tempdir().unwrap();
     let s = store_in(d.path(), 32 << 20, 64 << 20);

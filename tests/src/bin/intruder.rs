@@ -5,6 +5,8 @@
 //! intruder SOCKET use ENGINE_ID        # heartbeat, load into, wait on, unregister another's engine
 //! intruder SOCKET register N           # register N engines of its own (memfd KV memory)
 //! intruder SOCKET hold N SECS          # open N connections and hold them
+//! intruder SOCKET tenant SALT SAVE LOOKUP  # an engine salted SALT ("-": none) saves the first SAVE
+//!                                       # blocks of tenant_prompt(8), then looks up LOOKUP of them
 //! ```
 //! Prints one line `key=value ...` of gRPC codes (or counts) and exits 0 when it could run.
 
@@ -88,7 +90,37 @@ async fn run(args: &[String]) -> Result<String, String> {
             tokio::time::sleep(Duration::from_secs(secs)).await;
             Ok(format!("held={}", open.len()))
         }
-        _ => Err("usage: intruder SOCKET use|register|hold ...".into()),
+        Some("tenant") => {
+            let (Some(salt), Some(save), Some(lookup)) = (
+                args.get(2),
+                args.get(3).and_then(|a| a.parse::<u32>().ok()),
+                args.get(4).and_then(|a| a.parse::<u32>().ok()),
+            ) else {
+                return Err("tenant SALT SAVE LOOKUP".into());
+            };
+            let layout = kvtests::tenant_layout();
+            let mut ns = Namespace::new("m", layout);
+            ns.tenant_salt = (salt != "-").then(|| salt.as_bytes().to_vec());
+            let mut mem = kvclient::KvMemory::anonymous(&layout, 8).map_err(|e| e.to_string())?;
+            for b in 0..8 {
+                mem.write_block(b, &kvclient::synthetic_block(9, b, layout.block_bytes() as usize));
+            }
+            let mut c = kvclient::Client::connect(&socket).await.map_err(|e| e.to_string())?;
+            c.set_token_area_bytes(0);
+            if let Err(e) = c.register("tenant", &ns, &mem).await {
+                return Ok(format!("register={}", e.to_string().replace(' ', "_")));
+            }
+            let prompt = kvtests::tenant_prompt(8);
+            let saved = if save > 0 {
+                let slots: Vec<u32> = (0..save).collect();
+                c.save(&prompt[..16 * save as usize], 0, &slots).await.map_err(|e| e.to_string())?.stored
+            } else {
+                0
+            };
+            let matched = c.lookup(&prompt[..16 * lookup as usize]).await.map_err(|e| e.to_string())?.matched_blocks;
+            Ok(format!("register=Ok saved={saved} matched={matched}"))
+        }
+        _ => Err("usage: intruder SOCKET use|register|hold|tenant ...".into()),
     }
 }
 

@@ -3,9 +3,10 @@
 //!
 //! An entry is written only after the block's bytes are on disk, so after any restart (clean or
 //! `kill -9`) every indexed block is complete; bytes without an entry are free space. Record
-//! format (version 1, little-endian):
-//! `1u8 | namespace id [16] | has_parent u8 | parent [16] | len u64 | checksum u64 | tick u64 |
-//!  n_runs u32 | (first_page u32, pages u32) * n_runs`.
+//! format (little-endian):
+//! `version u8 | namespace id [16] | has_parent u8 | parent [16] | len u64 | checksum u64 |
+//!  tick u64 | n_runs u32 | (first_page u32, pages u32) * n_runs`.
+//! Version 2 (written now): the checksum is CRC-64/NVME; version 1 (read): XXH3-64.
 //! The record under [`META_KEY`] holds the page size the data file was laid out with.
 
 use std::path::Path;
@@ -13,19 +14,28 @@ use std::path::Path;
 use kvproto::{BlockKey, NamespaceId};
 use rocksdb::{DB, Options, WriteBatch, WriteOptions};
 
-use crate::block::BlockMeta;
+use crate::block::{BlockMeta, SumKind};
 use crate::error::{Result, TierError};
 
 /// Key of the layout record (not 16 bytes long, so it never collides with a block key).
 pub const META_KEY: &[u8] = b"!kvcached-g3-meta";
-const RECORD_VERSION: u8 = 1;
+const RECORD_VERSION: u8 = 2;
+/// Records written before G3 summed with CRC-64: still read, verified with XXH3.
+const RECORD_VERSION_XXH3: u8 = 1;
 const META_VERSION: u8 = 1;
+/// The index's memtable (RocksDB's default is 64 MiB). RocksDB keeps this much free space in
+/// reserve: after a write fails for want of space it resumes by itself only once that much is
+/// free again, so a small memtable lets G3 write again soon after space is freed on a full disk
+/// (`tests/faults.rs`, `a_disk_that_fills_up`). 8 MiB holds ~100 000 records.
+const INDEX_MEMTABLE_BYTES: usize = 8 << 20;
 
 /// One decoded index entry.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct IndexEntry {
     pub meta: BlockMeta,
     pub checksum: u64,
+    /// What `checksum` is: the record's version says.
+    pub sum_kind: SumKind,
     pub tick: u64,
     pub runs: Vec<(u32, u32)>,
 }
@@ -36,7 +46,10 @@ fn index_err(e: rocksdb::Error) -> TierError {
 
 pub fn encode(e: &IndexEntry) -> Vec<u8> {
     let mut out = Vec::with_capacity(62 + 8 * e.runs.len());
-    out.push(RECORD_VERSION);
+    out.push(match e.sum_kind {
+        SumKind::Crc64 => RECORD_VERSION,
+        SumKind::Xxh3 => RECORD_VERSION_XXH3,
+    });
     out.extend_from_slice(&e.meta.namespace.0);
     match e.meta.parent {
         Some(p) => {
@@ -68,12 +81,19 @@ fn take<const N: usize>(b: &[u8], at: &mut usize) -> Option<[u8; N]> {
 /// Decodes a record; `None` if it is malformed (treated as a lost block).
 pub fn decode(b: &[u8]) -> Option<IndexEntry> {
     let mut at = 0;
-    if take::<1>(b, &mut at)?[0] != RECORD_VERSION {
-        return None;
-    }
+    let sum_kind = match take::<1>(b, &mut at)?[0] {
+        RECORD_VERSION => SumKind::Crc64,
+        RECORD_VERSION_XXH3 => SumKind::Xxh3,
+        _ => return None,
+    };
     let namespace = NamespaceId(take::<16>(b, &mut at)?);
     let has_parent = take::<1>(b, &mut at)?[0];
     let parent = take::<16>(b, &mut at)?;
+    // Exactly what `encode` writes: a damaged flag or a parent without its flag is a damaged
+    // record, not a block without a parent (found by `tiers/tests/fuzz.rs`).
+    if has_parent > 1 || (has_parent == 0 && parent != [0; 16]) {
+        return None;
+    }
     let len = u64::from_le_bytes(take::<8>(b, &mut at)?);
     let checksum = u64::from_le_bytes(take::<8>(b, &mut at)?);
     let tick = u64::from_le_bytes(take::<8>(b, &mut at)?);
@@ -90,6 +110,7 @@ pub fn decode(b: &[u8]) -> Option<IndexEntry> {
     Some(IndexEntry {
         meta: BlockMeta { namespace, parent: (has_parent == 1).then_some(BlockKey(parent)), len },
         checksum,
+        sum_kind,
         tick,
         runs,
     })
@@ -111,6 +132,7 @@ impl DiskIndex {
         opts.create_if_missing(true);
         opts.set_max_open_files(64);
         opts.set_keep_log_file_num(2);
+        opts.set_write_buffer_size(INDEX_MEMTABLE_BYTES);
         let db = DB::open(&opts, path).map_err(|e| {
             TierError::Index(format!(
                 "cannot open the G3 index at {}: {e} (is another kvcached using this directory?)",
@@ -214,14 +236,22 @@ mod tests {
         let e = IndexEntry {
             meta: BlockMeta { namespace: NamespaceId([7; 16]), parent: Some(BlockKey([9; 16])), len: 12345 },
             checksum: 0xdead_beef,
+            sum_kind: SumKind::Crc64,
             tick: 42,
             runs: vec![(3, 2), (10, 1)],
         };
         let b = encode(&e);
+        assert_eq!(b[0], 2);
         assert_eq!(decode(&b), Some(e.clone()));
         assert_eq!(decode(&b[..b.len() - 1]), None);
-        let root = IndexEntry { meta: BlockMeta { parent: None, ..e.meta }, ..e };
+        let root = IndexEntry { meta: BlockMeta { parent: None, ..e.meta }, ..e.clone() };
         assert_eq!(decode(&encode(&root)), Some(root));
         assert_eq!(decode(&[2, 0, 0]), None);
+        assert_eq!(decode(&[3]), None);
+        // A record of the XXH3 era (version 1) decodes as such, and round-trips.
+        let old = IndexEntry { sum_kind: SumKind::Xxh3, ..e };
+        let b = encode(&old);
+        assert_eq!(b[0], 1);
+        assert_eq!(decode(&b), Some(old));
     }
 }

@@ -6,6 +6,8 @@
 //! Write protocol: reserve pages (invisible) -> write bytes -> fdatasync (when `fsync`) ->
 //! index entry -> visible. Eviction deletes the index entry before the pages can be reused.
 
+pub mod faults;
+mod health;
 pub mod index;
 pub mod io;
 pub mod op;
@@ -27,7 +29,7 @@ use parking_lot::Mutex;
 use self::index::{DiskIndex, IndexEntry};
 use self::io::{EngineFactory, IoBackend, IoKind, IoOp, IoThreads, engine_factory};
 use self::verify::{VerifiedReads, WriteSums};
-use crate::block::{BlockMeta, LeaseId};
+use crate::block::{BlockMeta, LeaseId, SumKind};
 use crate::buf::{ALIGN, BlockBuf, align_up};
 use crate::error::{Result, TierError};
 use crate::host::validate_space;
@@ -64,6 +66,9 @@ pub struct DiskTierConfig {
     pub fsync: bool,
     pub high_watermark: f64,
     pub low_watermark: f64,
+    /// Fault injection into the tier's I/O, for the fault suites only ([`faults`]); None (the
+    /// default) opens the real engines unwrapped.
+    pub faults: Option<Arc<faults::DiskFaults>>,
 }
 
 impl DiskTierConfig {
@@ -82,6 +87,7 @@ impl DiskTierConfig {
             fsync: true,
             high_watermark: 0.98,
             low_watermark: 0.95,
+            faults: None,
         }
     }
 }
@@ -91,6 +97,8 @@ struct DiskSlot {
     pages: Pages,
     /// Set before the block becomes visible (computed while its write runs).
     checksum: AtomicU64,
+    /// What `checksum` is (blocks of an older record version were summed with XXH3).
+    sum_kind: SumKind,
     tick: AtomicU64,
 }
 
@@ -114,6 +122,8 @@ pub struct DiskTier {
     high_pages: usize,
     low_pages: usize,
     logged_corruption: AtomicBool,
+    /// Recent I/O failures, for `/healthz`.
+    health: health::DiskHealth,
     listener: ListenerSlot,
     /// Recency ticks not yet in the index, written in one batch per `TOUCH_BATCH` reads (and at
     /// flush): a RocksDB write per read would cost more than the checksum.
@@ -162,7 +172,12 @@ fn open_data_file(cfg: &DiskTierConfig, len: u64) -> Result<File> {
 impl DiskTier {
     /// Opens the tier with the standard I/O engine.
     pub fn open(cfg: &DiskTierConfig) -> Result<Self> {
-        Self::open_with_engine(cfg, engine_factory(cfg.backend, cfg.queue_depth))
+        let factory = engine_factory(cfg.backend, cfg.queue_depth);
+        let factory = match &cfg.faults {
+            Some(f) => faults::wrap(factory, f),
+            None => factory,
+        };
+        Self::open_with_engine(cfg, factory)
     }
 
     /// Opens the tier with a custom engine factory (fault injection in tests). Recovers every
@@ -237,6 +252,7 @@ impl DiskTier {
             let slot = Arc::new(DiskSlot {
                 pages: pool.adopt(pages),
                 checksum: AtomicU64::new(e.checksum),
+                sum_kind: e.sum_kind,
                 tick: AtomicU64::new(e.tick),
             });
             st.insert_ready(key, e.meta, slot);
@@ -257,6 +273,7 @@ impl DiskTier {
             cfg: cfg.clone(),
             next_tick: AtomicU64::new(max_tick + 1),
             logged_corruption: AtomicBool::new(false),
+            health: health::DiskHealth::default(),
             touched: Mutex::new(Vec::new()),
             listener: ListenerSlot::default(),
         })
@@ -378,6 +395,91 @@ impl DiskTier {
             }
         }
     }
+
+    /// Reads the blocks of `keys` in one I/O batch (one hand-off to the I/O threads, all reads
+    /// in flight at once) into the memory `dest` names for each block found (by its index in
+    /// `keys`; None: not read, a miss), then verifies each on its own: a block that fails is
+    /// dropped and is a miss, the others are served.
+    ///
+    /// # Safety
+    /// Each destination `dest` returns must meet [`VerifiedReads::add`]'s layout (aligned
+    /// starts, whole pages but the last, room for the padded tail), cover the block's length,
+    /// and be written by nothing else until this returns.
+    unsafe fn read_into(
+        &self,
+        keys: &[BlockKey],
+        mut dest: impl FnMut(usize, &BlockMeta) -> Option<Vec<(*mut u8, usize)>>,
+    ) -> Vec<Result<Option<BlockMeta>>> {
+        let t0 = Instant::now();
+        let mut found: Vec<Option<(Arc<DiskSlot>, BlockMeta)>> = {
+            let mut st = self.state.lock();
+            keys.iter().map(|k| st.get(k, true)).collect()
+        };
+        let ps = self.pool.page_size();
+        let mut reads = VerifiedReads::default();
+        let mut read_of = Vec::with_capacity(keys.len());
+        for (i, hit) in found.iter_mut().enumerate() {
+            let Some(to) = hit.as_ref().and_then(|(_, meta)| dest(i, meta)) else {
+                *hit = None;
+                read_of.push(usize::MAX);
+                continue;
+            };
+            let Some((slot, meta)) = hit else { continue };
+            let runs = slot.pages.runs().into_iter().map(|(first, n)| (first as u64 * ps as u64, n as usize * ps));
+            read_of.push(reads.add(&to, meta.len as usize, runs, slot.sum_kind));
+        }
+        // SAFETY: every op writes into a destination the caller vouched for (see above).
+        let io = unsafe { self.io.run(self.fd(), reads.take_ops(), &mut reads) };
+        let mut results = Vec::with_capacity(keys.len());
+        for ((key, hit), read) in keys.iter().zip(found).zip(read_of) {
+            let Some((slot, meta)) = hit else {
+                self.counters.misses.add(1);
+                results.push(Ok(None));
+                continue;
+            };
+            let expected = slot.checksum.load(Ordering::Relaxed);
+            let got = reads.checksum_of(read);
+            if got.is_none() && !reads.failed(read) {
+                // The batch failed before this block's reads ran (no engine, threads stopped):
+                // an error of this call, not of the block, which stays.
+                let why = match &io {
+                    Err(e) => e.to_string(),
+                    Ok(()) => "its reads did not run".to_string(),
+                };
+                self.health.read_failed(true, &why);
+                results.push(Err(TierError::io(TIER, "read", std::io::Error::other(why))));
+                continue;
+            }
+            if got != Some(expected) {
+                let why = match (&io, got) {
+                    (Err(e), None) => format!("read failed: {e}"),
+                    _ => "checksum mismatch".to_string(),
+                };
+                self.health.read_failed(got.is_none(), &why);
+                self.corrupt(key, &slot, &why);
+                self.counters.misses.add(1);
+                results.push(Ok(None));
+                continue;
+            }
+            let tick = self.tick();
+            slot.tick.store(tick, Ordering::Relaxed);
+            let entry = IndexEntry { meta, checksum: expected, sum_kind: slot.sum_kind, tick, runs: slot.pages.runs() };
+            let batch = {
+                let mut t = self.touched.lock();
+                t.push((*key, Arc::downgrade(&slot), entry));
+                (t.len() >= TOUCH_BATCH).then(|| std::mem::take(&mut *t))
+            };
+            if let Some(batch) = batch {
+                self.write_touches(batch);
+            }
+            self.counters.hits.add(1);
+            self.counters.bytes_read.add(meta.len);
+            results.push(Ok(Some(meta)));
+        }
+        self.counters.get_took(t0.elapsed());
+        self.health.took("read", t0.elapsed());
+        results
+    }
 }
 
 impl Tier for DiskTier {
@@ -419,7 +521,12 @@ impl Tier for DiskTier {
                         continue;
                     }
                 };
-                let slot = Arc::new(DiskSlot { pages, checksum: AtomicU64::new(0), tick: AtomicU64::new(self.tick()) });
+                let slot = Arc::new(DiskSlot {
+                    pages,
+                    checksum: AtomicU64::new(0),
+                    sum_kind: SumKind::Crc64,
+                    tick: AtomicU64::new(self.tick()),
+                });
                 st.reserve(b.key, b.meta, Arc::clone(&slot), false);
                 reserved.push((i, slot));
                 results.push(None);
@@ -467,6 +574,7 @@ impl Tier for DiskTier {
                 IndexEntry {
                     meta: b.meta,
                     checksum: sum,
+                    sum_kind: slot.sum_kind,
                     tick: slot.tick.load(Ordering::Relaxed),
                     runs: slot.pages.runs(),
                 },
@@ -500,7 +608,16 @@ impl Tier for DiskTier {
         drop(st);
         let out: Vec<Result<bool>> = results.into_iter().map(|r| r.unwrap_or(Ok(false))).collect();
         self.counters.put_errors.add(out.iter().filter(|r| r.is_err()).count() as u64);
+        // Failures of the disk or the index, not a full tier or a caller's mistake.
+        let mut io_errors = out
+            .iter()
+            .filter_map(|r| r.as_ref().err())
+            .filter(|e| !matches!(e, TierError::Full { .. } | TierError::LengthMismatch { .. }));
+        if let Some(first) = io_errors.next() {
+            self.health.write_failed(1 + io_errors.count(), &first.to_string());
+        }
         self.counters.put_took(t0.elapsed());
+        self.health.took("write", t0.elapsed());
         out
     }
 
@@ -512,74 +629,35 @@ impl Tier for DiskTier {
     /// at once), then verifies each on its own: a block that fails is dropped and is a miss,
     /// the others are served.
     fn get_batch(&self, keys: &[BlockKey], outs: &mut [BlockBuf]) -> Vec<Result<Option<BlockMeta>>> {
-        let t0 = Instant::now();
-        let found: Vec<Option<(Arc<DiskSlot>, BlockMeta)>> = {
-            let mut st = self.state.lock();
-            keys.iter().map(|k| st.get(k, true)).collect()
-        };
-        let ps = self.pool.page_size();
-        let mut reads = VerifiedReads::default();
-        let mut read_of = Vec::with_capacity(keys.len());
-        for (hit, out) in found.iter().zip(outs.iter_mut()) {
-            let Some((slot, meta)) = hit else {
-                read_of.push(usize::MAX);
-                continue;
-            };
-            out.resize(meta.len as usize);
-            // The buffer's capacity is aligned, so reading the padded tail stays inside it.
-            let base = out.full_mut().as_mut_ptr();
-            let runs = slot.pages.runs().into_iter().map(|(first, n)| (first as u64 * ps as u64, n as usize * ps));
-            read_of.push(reads.add(base, meta.len as usize, runs));
+        // SAFETY: every destination is one of `outs`' aligned buffers, sized to the block here
+        // (capacity covering the padded tail), which nothing else touches until this returns.
+        unsafe {
+            self.read_into(keys, |i, meta| {
+                let out = &mut outs[i];
+                out.resize(meta.len as usize);
+                Some(vec![(out.full_mut().as_mut_ptr(), meta.len as usize)])
+            })
         }
-        // SAFETY: every op writes into one of `outs`' aligned buffers (sized above, capacity
-        // covering the padded tail), which nothing else touches until `run` returns.
-        let io = unsafe { self.io.run(self.fd(), reads.take_ops(), &mut reads) };
-        let mut results = Vec::with_capacity(keys.len());
-        for ((key, hit), read) in keys.iter().zip(found).zip(read_of) {
-            let Some((slot, meta)) = hit else {
-                self.counters.misses.add(1);
-                results.push(Ok(None));
-                continue;
-            };
-            let expected = slot.checksum.load(Ordering::Relaxed);
-            let got = reads.checksum_of(read);
-            if got.is_none() && !reads.failed(read) {
-                // The batch failed before this block's reads ran (no engine, threads stopped):
-                // an error of this call, not of the block, which stays.
-                let why = match &io {
-                    Err(e) => e.to_string(),
-                    Ok(()) => "its reads did not run".to_string(),
-                };
-                results.push(Err(TierError::io(TIER, "read", std::io::Error::other(why))));
-                continue;
-            }
-            if got != Some(expected) {
-                let why = match (&io, got) {
-                    (Err(e), None) => format!("read failed: {e}"),
-                    _ => "checksum mismatch".to_string(),
-                };
-                self.corrupt(key, &slot, &why);
-                self.counters.misses.add(1);
-                results.push(Ok(None));
-                continue;
-            }
-            let tick = self.tick();
-            slot.tick.store(tick, Ordering::Relaxed);
-            let entry = IndexEntry { meta, checksum: expected, tick, runs: slot.pages.runs() };
-            let batch = {
-                let mut t = self.touched.lock();
-                t.push((*key, Arc::downgrade(&slot), entry));
-                (t.len() >= TOUCH_BATCH).then(|| std::mem::take(&mut *t))
-            };
-            if let Some(batch) = batch {
-                self.write_touches(batch);
-            }
-            self.counters.hits.add(1);
-            self.counters.bytes_read.add(meta.len);
-            results.push(Ok(Some(meta)));
-        }
-        self.counters.get_took(t0.elapsed());
-        results
+    }
+
+    fn peek_each(&self, keys: &[BlockKey]) -> Vec<Option<BlockMeta>> {
+        let mut st = self.state.lock();
+        keys.iter().map(|k| st.get(k, false).map(|(_, meta)| meta)).collect()
+    }
+
+    unsafe fn get_batch_into(
+        &self,
+        keys: &[BlockKey],
+        dests: &[&[(*mut u8, usize)]],
+    ) -> Option<Vec<Result<Option<BlockMeta>>>> {
+        // SAFETY: the caller's contract (see `Tier::get_batch_into`) is `read_into`'s; a
+        // destination that does not add up to the block's length is not read into.
+        Some(unsafe {
+            self.read_into(keys, |i, meta| {
+                let d = dests.get(i)?;
+                (d.iter().map(|(_, n)| *n as u64).sum::<u64>() == meta.len && meta.len > 0).then(|| d.to_vec())
+            })
+        })
     }
 
     fn contains(&self, key: &BlockKey) -> bool {
@@ -603,6 +681,10 @@ impl Tier for DiskTier {
 
     fn set_listener(&self, listener: Arc<dyn TierListener>) -> bool {
         self.listener.set(listener)
+    }
+
+    fn degraded(&self) -> Option<String> {
+        self.health.degraded()
     }
 
     fn pin(&self, lease: LeaseId, keys: &[BlockKey], deadline: Instant) -> usize {

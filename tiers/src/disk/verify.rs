@@ -7,7 +7,7 @@
 //! Writes hash their source once the I/O has started.
 
 use super::op::{IoKind, IoOp, IoProgress};
-use crate::block::{StreamingChecksum, checksum};
+use crate::block::{StreamingChecksum, SumKind, checksum};
 use crate::buf::{ALIGN, align_up};
 
 /// A block's read is cut into pieces of `max(len / PIECES, MIN_PIECE)` bytes (rounded up to
@@ -26,14 +26,13 @@ fn piece_len(len: usize) -> usize {
 #[derive(Debug, Clone, Copy)]
 struct Piece {
     block: usize,
-    /// Offset within the block and the bytes of it that belong to the block (the op itself is
+    /// Where the op's bytes land and how many of them belong to the block (the op itself is
     /// padded to [`ALIGN`]).
-    start: usize,
+    addr: usize,
     valid: usize,
 }
 
 struct BlockRead {
-    base: *const u8,
     /// The block's ops end before `end`; `next` is its first op not yet hashed (its ops are
     /// consecutive in the batch).
     next: usize,
@@ -58,38 +57,53 @@ pub(super) struct VerifiedReads {
 }
 
 impl VerifiedReads {
-    /// Adds a block of `len` bytes stored in `runs` (file offset, bytes) to be read into memory
-    /// at `base`, which must hold `align_up(len)` bytes and stay valid until the batch is done.
-    /// Returns the block's index.
-    pub(super) fn add(&mut self, base: *mut u8, len: usize, runs: impl Iterator<Item = (u64, usize)>) -> usize {
+    /// Adds a block of `len` bytes stored in `runs` (file offset, bytes) to be read into the
+    /// memory `dest` names: (start, bytes of the block there) in block order, covering `len`
+    /// bytes. Every start must be [`ALIGN`]ed, every piece but the last a multiple of
+    /// [`ALIGN`] long, and the last must have room up to the next multiple of [`ALIGN`] (the
+    /// padded tail); all of it valid until the batch is done. Returns the block's index.
+    pub(super) fn add(
+        &mut self,
+        dest: &[(*mut u8, usize)],
+        len: usize,
+        runs: impl Iterator<Item = (u64, usize)>,
+        kind: SumKind,
+    ) -> usize {
         let block = self.blocks.len();
         let first = self.ops.len();
         let piece = piece_len(len);
+        let (mut seg, mut seg_off) = (0usize, 0usize);
         let mut off = 0usize;
         for (file_off, run_len) in runs {
             let run_bytes = (len - off).min(run_len);
             let mut at = 0usize;
             // An empty block still reads one (padding) page, so it has an op like any other.
             while at < run_bytes || (run_bytes == 0 && at == 0) {
-                let valid = (run_bytes - at).min(piece);
+                while seg + 1 < dest.len() && seg_off >= dest[seg].1 {
+                    seg += 1;
+                    seg_off = 0;
+                }
+                let Some(&(base, seg_len)) = dest.get(seg) else { break };
+                let valid = (run_bytes - at).min(piece).min(seg_len - seg_off);
+                let addr = base as usize + seg_off;
                 self.ops.push(IoOp {
                     kind: IoKind::Read,
                     offset: file_off + at as u64,
-                    addr: base as usize + off + at,
+                    addr,
                     len: align_up(valid.max(1)),
                 });
-                self.pieces.push(Piece { block, start: off + at, valid });
+                self.pieces.push(Piece { block, addr, valid });
                 at += valid.max(ALIGN);
+                seg_off += valid;
             }
             off += run_bytes;
         }
         self.arrived.resize(self.ops.len(), false);
         self.blocks.push(BlockRead {
-            base,
             next: first,
             end: self.ops.len(),
             failed: false,
-            sum: StreamingChecksum::new(),
+            sum: StreamingChecksum::new(kind),
         });
         block
     }
@@ -126,8 +140,8 @@ impl IoProgress for VerifiedReads {
         while !b.failed && b.next < b.end && self.arrived[b.next] {
             let p = self.pieces[b.next];
             // SAFETY: the piece's bytes have arrived (its op completed) and nothing writes them
-            // again in this batch; `base` is valid for the block's length (see `add`).
-            let bytes = unsafe { std::slice::from_raw_parts(b.base.add(p.start), p.valid) };
+            // again in this batch; its memory is valid for `valid` bytes (see `add`).
+            let bytes = unsafe { std::slice::from_raw_parts(p.addr as *const u8, p.valid) };
             b.sum.update(bytes);
             b.next += 1;
         }
@@ -198,7 +212,7 @@ mod tests {
             let split = (len / 2) / MIN_PIECE * MIN_PIECE;
             let runs = [(1 << 30, split), (5 << 20, len - split)];
             let mut r = VerifiedReads::default();
-            let b = r.add(base, len, runs.into_iter().filter(|&(_, n)| n > 0 || len == 0));
+            let b = r.add(&[(base, len)], len, runs.into_iter().filter(|&(_, n)| n > 0 || len == 0), SumKind::Crc64);
             let ops = r.take_ops();
             let covered: usize = r.pieces.iter().map(|p| p.valid).sum();
             assert_eq!(covered, len);
@@ -213,11 +227,65 @@ mod tests {
     }
 
     #[test]
+    fn a_block_read_into_scattered_pages_arrives_whole_and_verified() {
+        // The block's bytes on "disk" in two runs; its memory in 64 KiB pages laid out in
+        // reverse order (as G2's free pages may be), the last one partly used.
+        let page = 64 << 10;
+        for len in [4096usize, 100_000, 256 << 10, (2 << 20) + 4096 + 17] {
+            let data: Vec<u8> = (0..len).map(|i| (i * 13 % 251) as u8).collect();
+            let split = (len / 2) / page * page;
+            let runs = [(1u64 << 20, split), (8u64 << 20, len - split)];
+            let mut file = vec![0u8; 16 << 20];
+            file[1 << 20..(1 << 20) + split].copy_from_slice(&data[..split]);
+            file[8 << 20..(8 << 20) + len - split].copy_from_slice(&data[split..]);
+            let pages = len.div_ceil(page);
+            let mut mem = crate::BlockBuf::zeroed(pages * page);
+            let base = mem.full_mut().as_mut_ptr();
+            let dest: Vec<(*mut u8, usize)> =
+                (0..pages).map(|i| (base.wrapping_add((pages - 1 - i) * page), page.min(len - i * page))).collect();
+            let mut r = VerifiedReads::default();
+            let b = r.add(&dest, len, runs.into_iter().filter(|&(_, n)| n > 0), SumKind::Crc64);
+            let ops = r.take_ops();
+            for (i, op) in ops.iter().enumerate() {
+                assert!(op.addr.is_multiple_of(ALIGN) && op.len.is_multiple_of(ALIGN), "{len}: op {i}");
+                let seg = dest.iter().find(|(p, n)| op.addr >= *p as usize && op.addr < *p as usize + n.max(&1));
+                let (p, _) = seg.expect("op lands in a destination page");
+                assert!(op.addr + op.len <= *p as usize + page, "{len}: op {i} leaves its page");
+                let from = op.offset as usize;
+                // SAFETY: inside `mem` (checked just above).
+                unsafe { std::ptr::copy_nonoverlapping(file[from..].as_ptr(), op.addr as *mut u8, op.len) };
+            }
+            for i in (0..ops.len()).rev() {
+                r.completed(i, true);
+            }
+            assert_eq!(r.checksum_of(b), Some(checksum(&data)), "len {len}");
+            let got: Vec<u8> = dest
+                .iter()
+                .flat_map(|(p, n)| {
+                    // SAFETY: each piece lies inside `mem`.
+                    unsafe { std::slice::from_raw_parts(*p as *const u8, *n) }.to_vec()
+                })
+                .collect();
+            assert!(got == data, "len {len}: bytes differ");
+        }
+    }
+
+    #[test]
     fn a_failed_piece_fails_only_its_block() {
         let mut bufs = [crate::BlockBuf::zeroed(300_000), crate::BlockBuf::zeroed(300_000)];
         let mut r = VerifiedReads::default();
-        let a = r.add(bufs[0].full_mut().as_mut_ptr(), 300_000, [(0u64, 300_000usize)].into_iter());
-        let b = r.add(bufs[1].full_mut().as_mut_ptr(), 300_000, [(1u64 << 20, 300_000usize)].into_iter());
+        let a = r.add(
+            &[(bufs[0].full_mut().as_mut_ptr(), 300_000)],
+            300_000,
+            [(0u64, 300_000usize)].into_iter(),
+            SumKind::Crc64,
+        );
+        let b = r.add(
+            &[(bufs[1].full_mut().as_mut_ptr(), 300_000)],
+            300_000,
+            [(1u64 << 20, 300_000usize)].into_iter(),
+            SumKind::Crc64,
+        );
         let n = r.take_ops().len();
         let a_ops = r.pieces.iter().filter(|p| p.block == a).count();
         for i in 0..n {

@@ -3,7 +3,7 @@
 //! benchmarks (`g4.inject_latency_ms`; the fault suites); production stores are not wrapped.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use futures_util::StreamExt;
@@ -19,6 +19,14 @@ use object_store::{
 pub struct Faults {
     /// Every request fails (as a store that is down would) while set.
     pub down: AtomicBool,
+    /// Milliseconds added to every request while set (a slow store), beside the fixed latency.
+    pub latency_ms: AtomicU64,
+}
+
+impl Faults {
+    fn latency(&self, fixed: Duration) -> Duration {
+        fixed + Duration::from_millis(self.latency_ms.load(Ordering::Relaxed))
+    }
 }
 
 /// `inner` with `latency` added to every request and the failures `faults` switches on.
@@ -35,8 +43,9 @@ impl FaultyStore {
     }
 
     async fn enter(&self) -> Result<()> {
-        if !self.latency.is_zero() {
-            tokio::time::sleep(self.latency).await;
+        let latency = self.faults.latency(self.latency);
+        if !latency.is_zero() {
+            tokio::time::sleep(latency).await;
         }
         if self.faults.down.load(Ordering::Relaxed) {
             return Err(object_store::Error::Generic {
@@ -72,7 +81,7 @@ impl ObjectStore for FaultyStore {
     }
 
     fn delete_stream(&self, locations: BoxStream<'static, Result<Path>>) -> BoxStream<'static, Result<Path>> {
-        let latency = self.latency;
+        let latency = self.faults.latency(self.latency);
         let down = self.faults.down.load(Ordering::Relaxed);
         let inner = Arc::clone(&self.inner);
         futures_util::stream::once(async move {
