@@ -1,5 +1,7 @@
 //! G2 put/get and G3 write/read for 256 KiB, 2 MiB and 16 MiB blocks, each beside memcpy and
-//! raw O_DIRECT on the same sizes in the same run.
+//! raw O_DIRECT on the same sizes in the same run; a G3 hit delivered into engine memory beside
+//! a raw read plus one memcpy (`g3_hit`); write-through of dirty G2 blocks into G3 beside raw
+//! batched writes (`g3_writethrough`).
 //!
 //! `cargo bench -p kvbench --bench tiers` (set `KVBENCH_DIR` to put the G3 files on a
 //! particular disk, the default being the system temp dir; `KVBENCH_G3_BACKEND=psync` or
@@ -15,13 +17,17 @@
 #![allow(clippy::unwrap_used)]
 
 use std::hint::black_box;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use kvbench::raw::RawDirectFile;
 use kvproto::{BlockKey, NamespaceId};
 use kvtiers::disk::io::IoBackend;
-use kvtiers::{BlockBuf, BlockMeta, BlockRef, CudaRegister, DiskTier, DiskTierConfig, HostTier, HostTierConfig, Tier};
+use kvtiers::{
+    BlockBuf, BlockMeta, BlockRef, BlockStore, CudaRegister, DiskTier, DiskTierConfig, HostTier, HostTierConfig, Tier,
+    WriteThroughConfig,
+};
 
 const SIZES: [(usize, &str); 3] = [(256 << 10, "256KiB"), (2 << 20, "2MiB"), (16 << 20, "16MiB")];
 
@@ -46,11 +52,54 @@ fn filled(len: usize) -> BlockBuf {
     b
 }
 
+/// Whether the filter given on the command line (criterion's, a regex) selects any of `ids`:
+/// groups it leaves out skip their set-up (G3's writes hundreds of MiB per size).
+fn wanted(ids: impl IntoIterator<Item = String>) -> bool {
+    const WITH_VALUE: [&str; 12] = [
+        "--warm-up-time",
+        "--measurement-time",
+        "--sample-size",
+        "--save-baseline",
+        "--baseline",
+        "--load-baseline",
+        "--noise-threshold",
+        "--confidence-level",
+        "--significance-level",
+        "--nresamples",
+        "--color",
+        "--profile-time",
+    ];
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mut filter = None;
+    let mut i = 0;
+    while i < args.len() {
+        if WITH_VALUE.contains(&args[i].as_str()) {
+            i += 1;
+        } else if !args[i].starts_with('-') {
+            filter = Some(args[i].clone());
+            break;
+        }
+        i += 1;
+    }
+    match filter.map(|f| regex::Regex::new(&f)) {
+        Some(Ok(re)) => ids.into_iter().any(|id| re.is_match(&id)),
+        _ => true,
+    }
+}
+
+/// Every `group/name/size` id of `names` over `sizes`.
+fn ids(group: &str, names: &[&str], sizes: &[(usize, &str)]) -> Vec<String> {
+    names.iter().flat_map(|n| sizes.iter().map(move |(_, s)| format!("{group}/{n}/{s}"))).collect()
+}
+
 fn bench_dir() -> std::path::PathBuf {
     std::env::var_os("KVBENCH_DIR").map(Into::into).unwrap_or_else(std::env::temp_dir)
 }
 
 fn g2(c: &mut Criterion) {
+    if !wanted(ids("g2", &["memcpy", "memcpy_pool", "put", "get"], &SIZES)) {
+        return;
+    }
     let shm = tempfile::tempdir().unwrap();
     let mut cfg = HostTierConfig::with_capacity(1 << 30);
     cfg.cuda_register = CudaRegister::Off;
@@ -103,15 +152,43 @@ impl PoolBaseline {
     }
 
     fn copy_next(&mut self, src: &[u8]) {
+        self.next_slot().copy_from_slice(src);
+    }
+
+    /// The next slot (rotating through the whole mapping, so it has usually left the cache).
+    fn next_slot(&mut self) -> &mut [u8] {
         let slots = self.map.len() / self.slot;
         let at = (self.next % slots) * self.slot;
         self.next += 1;
-        self.map[at..at + self.slot].copy_from_slice(src);
-        black_box(&self.map[at]);
+        &mut self.map[at..at + self.slot]
     }
 }
 
+/// Copies `pieces` (a block's bytes in order) into `dst`, as a load copies into engine memory.
+fn copy_pieces(dst: &mut [u8], pieces: &[&[u8]]) {
+    let mut at = 0;
+    for p in pieces {
+        dst[at..at + p.len()].copy_from_slice(p);
+        at += p.len();
+    }
+    black_box(&dst[0]);
+}
+
 fn g3(c: &mut Criterion) {
+    let names = [
+        "raw_odirect_write",
+        "raw_odirect_read",
+        "raw_odirect_read_verify",
+        "write",
+        "read",
+        "raw_odirect_write_batch16",
+        "write_batch16",
+        "raw_odirect_read_batch16",
+        "read_batch16",
+    ];
+    if !wanted(ids("g3", &names, &SIZES)) {
+        return;
+    }
     let dir = tempfile::tempdir_in(bench_dir()).unwrap();
     let mut cfg = DiskTierConfig::new(dir.path().join("g3"), 1 << 30);
     cfg.backend = match std::env::var("KVBENCH_G3_BACKEND").as_deref() {
@@ -140,11 +217,16 @@ fn g3(c: &mut Criterion) {
         let src = filled(len);
         let mut raw =
             RawDirectFile::create(&dir.path().join(format!("raw-{name}")), len, ((512 << 20) / len) as u64).unwrap();
+        // Every slot written once, so that the raw reads read data (an unwritten extent of the
+        // preallocated file reads as zeros without touching the disk) whatever the filter.
+        for _ in 0..(512 << 20) / len {
+            raw.write_next(&src).unwrap();
+        }
         g.bench_function(BenchmarkId::new("raw_odirect_write", name), |b| b.iter(|| raw.write_next(&src).unwrap()));
         let mut out = BlockBuf::zeroed(len);
         g.bench_function(BenchmarkId::new("raw_odirect_read", name), |b| b.iter(|| raw.read_next(&mut out).unwrap()));
         // The limit of a read that must verify (every G3 read checks the block's checksum):
-        // the same raw read, then the XXH3-64 of what arrived. The block has just arrived by
+        // the same raw read, then the CRC-64 of what arrived. The block has just arrived by
         // DMA and its first reading by the CPU, not the hash's arithmetic, is what this adds.
         g.bench_function(BenchmarkId::new("raw_odirect_read_verify", name), |b| {
             b.iter(|| {
@@ -189,7 +271,22 @@ fn g3(c: &mut Criterion) {
             b.iter(|| {
                 at = (at + 16) % (keys.len() - 15);
                 let got = tier.get_batch(&keys[at..at + 16], &mut outs);
-                black_box(got.iter().filter(|r| matches!(r, Ok(Some(_)))).count())
+                // Every block is there: a bench of misses would measure nothing.
+                assert_eq!(got.iter().filter(|r| matches!(r, Ok(Some(_)))).count(), 16);
+            })
+        });
+        // Batched writes last: they evict the blocks the reads above read.
+        let srcs: Vec<BlockBuf> = (0..16).map(|_| filled(len)).collect();
+        if let Ok(mut ring) = io_uring::IoUring::new(16) {
+            g.bench_function(BenchmarkId::new("raw_odirect_write_batch16", name), |b| {
+                b.iter(|| raw.write_batch(&mut ring, &srcs).unwrap())
+            });
+        }
+        g.bench_function(BenchmarkId::new("write_batch16", name), |b| {
+            b.iter(|| {
+                let blocks: Vec<BlockRef<'_>> =
+                    srcs.iter().map(|s| BlockRef { key: fresh_key(), meta: meta(len), data: &s[..] }).collect();
+                black_box(tier.put_batch(&blocks).iter().filter(|r| matches!(r, Ok(true))).count())
             })
         });
         drop(raw);
@@ -198,5 +295,178 @@ fn g3(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, g2, g3);
+/// A G3 hit delivered into engine memory (issues 20 and 23): blocks held only in G3 are loaded
+/// as the daemon loads them (brought up into G2 in one batch, then copied into the engine's
+/// memory, a shared-memory region larger than the cache), beside a raw O_DIRECT read of the same
+/// size followed by one memcpy into the same region. After each load the blocks are dropped from
+/// G2 again, outside the timing.
+fn g3_hit(c: &mut Criterion) {
+    let names = ["raw_read_memcpy", "promote", "load", "raw_read_memcpy_batch16", "promote_batch16", "load_batch16"];
+    if !wanted(ids("g3_hit", &names, &SIZES[..2])) {
+        return;
+    }
+    let dir = tempfile::tempdir_in(bench_dir()).unwrap();
+    let mut dcfg = DiskTierConfig::new(dir.path().join("g3"), 1 << 30);
+    dcfg.fsync = false;
+    let disk: Arc<dyn Tier> = Arc::new(DiskTier::open(&dcfg).unwrap());
+    let mut hcfg = HostTierConfig::with_capacity(1 << 30);
+    hcfg.cuda_register = CudaRegister::Off;
+    let shm = tempfile::tempdir().unwrap();
+    if !std::path::Path::new("/dev/shm").is_dir() {
+        hcfg.shm_dir = shm.path().to_path_buf();
+    }
+    let g2 = Arc::new(HostTier::open(&hcfg).unwrap());
+    let store =
+        BlockStore::with_tiers(Arc::clone(&g2), vec![Arc::clone(&disk)], WriteThroughConfig::default()).unwrap();
+    let mut g = c.benchmark_group("g3_hit");
+    g.sample_size(20);
+    for (len, name) in &SIZES[..2] {
+        let (len, name) = (*len, *name);
+        let src = filled(len);
+        let mut engine = PoolBaseline::new(&hcfg.shm_dir, 512 << 20, len);
+        let mut raw =
+            RawDirectFile::create(&dir.path().join(format!("raw-{name}")), len, ((512 << 20) / len) as u64).unwrap();
+        for _ in 0..(512 << 20) / len {
+            raw.write_next(&src).unwrap();
+        }
+        let keys: Vec<BlockKey> = (0..((512 << 20) / len))
+            .map(|_| {
+                let k = fresh_key();
+                disk.put(BlockRef { key: k, meta: meta(len), data: &src }).unwrap();
+                k
+            })
+            .collect();
+        let mut out = BlockBuf::zeroed(len);
+        let mut at = 0;
+        for n in [1usize, 16] {
+            g.throughput(Throughput::Bytes((n * len) as u64));
+            let suffix = if n == 1 { String::new() } else { format!("_batch{n}") };
+            let mut outs: Vec<BlockBuf> = (0..n).map(|_| BlockBuf::zeroed(len)).collect();
+            match io_uring::IoUring::new(16) {
+                Ok(mut ring) => {
+                    g.bench_function(BenchmarkId::new(format!("raw_read_memcpy{suffix}"), name), |b| {
+                        b.iter(|| {
+                            if n == 1 {
+                                raw.read_next(&mut outs[0]).unwrap();
+                            } else {
+                                raw.read_batch(&mut ring, &mut outs).unwrap();
+                            }
+                            for o in &outs {
+                                engine.copy_next(o);
+                            }
+                        })
+                    });
+                }
+                Err(e) => eprintln!("g3_hit/raw_read_memcpy skipped: io_uring unavailable here ({e})"),
+            }
+            // The promotion alone (G3 into G2, verified), to split a load's time.
+            g.bench_function(BenchmarkId::new(format!("promote{suffix}"), name), |b| {
+                b.iter_custom(|iters| {
+                    let mut took = std::time::Duration::ZERO;
+                    for _ in 0..iters {
+                        at = (at + n) % (keys.len() - n + 1);
+                        let batch = &keys[at..at + n];
+                        let t0 = std::time::Instant::now();
+                        store.promote_batch(batch).unwrap();
+                        took += t0.elapsed();
+                        for k in batch {
+                            g2.remove(k).unwrap();
+                        }
+                    }
+                    took
+                })
+            });
+            g.bench_function(BenchmarkId::new(format!("load{suffix}"), name), |b| {
+                b.iter_custom(|iters| {
+                    let mut took = std::time::Duration::ZERO;
+                    for _ in 0..iters {
+                        at = (at + n) % (keys.len() - n + 1);
+                        let batch = &keys[at..at + n];
+                        let t0 = std::time::Instant::now();
+                        store.promote_batch(batch).unwrap();
+                        for k in batch {
+                            let dst = engine.next_slot();
+                            store.read_with(k, &mut out, |_, pieces| copy_pieces(dst, pieces)).unwrap().unwrap();
+                        }
+                        took += t0.elapsed();
+                        for k in batch {
+                            g2.remove(k).unwrap();
+                        }
+                    }
+                    took
+                })
+            });
+        }
+        drop(raw);
+        let _ = std::fs::remove_file(dir.path().join(format!("raw-{name}")));
+        for k in &keys {
+            disk.remove(k).unwrap();
+        }
+    }
+    g.finish();
+}
+
+/// Write-through of dirty G2 blocks into G3 (issue 23): 64 blocks saved into G2, timed from the
+/// first save until the last of them is on disk and indexed (`BlockStore::wait_writethrough`;
+/// no fdatasync, as the raw side), beside 64 raw
+/// O_DIRECT writes of the same size, 16 in flight at a time.
+fn g3_writethrough(c: &mut Criterion) {
+    const N: usize = 64;
+    if !wanted(ids("g3_writethrough", &["raw_odirect_write_batch16", "save_and_write_through"], &SIZES[..2])) {
+        return;
+    }
+    let dir = tempfile::tempdir_in(bench_dir()).unwrap();
+    let mut dcfg = DiskTierConfig::new(dir.path().join("g3"), 1 << 30);
+    dcfg.fsync = false;
+    let disk: Arc<dyn Tier> = Arc::new(DiskTier::open(&dcfg).unwrap());
+    let mut hcfg = HostTierConfig::with_capacity(1 << 30);
+    hcfg.cuda_register = CudaRegister::Off;
+    let shm = tempfile::tempdir().unwrap();
+    if !std::path::Path::new("/dev/shm").is_dir() {
+        hcfg.shm_dir = shm.path().to_path_buf();
+    }
+    let g2 = Arc::new(HostTier::open(&hcfg).unwrap());
+    let store = BlockStore::with_tiers(g2, vec![disk], WriteThroughConfig::default()).unwrap();
+    let mut g = c.benchmark_group("g3_writethrough");
+    g.sample_size(10);
+    for (len, name) in &SIZES[..2] {
+        let (len, name) = (*len, *name);
+        g.throughput(Throughput::Bytes((N * len) as u64));
+        let srcs: Vec<BlockBuf> = (0..16).map(|_| filled(len)).collect();
+        let mut raw =
+            RawDirectFile::create(&dir.path().join(format!("raw-{name}")), len, ((512 << 20) / len) as u64).unwrap();
+        if let Ok(mut ring) = io_uring::IoUring::new(16) {
+            g.bench_function(BenchmarkId::new("raw_odirect_write_batch16", name), |b| {
+                b.iter(|| {
+                    for _ in 0..N / 16 {
+                        raw.write_batch(&mut ring, &srcs).unwrap();
+                    }
+                })
+            });
+        }
+        g.bench_function(BenchmarkId::new("save_and_write_through", name), |b| {
+            b.iter_custom(|iters| {
+                let mut took = std::time::Duration::ZERO;
+                for _ in 0..iters {
+                    let keys: Vec<BlockKey> = (0..N).map(|_| fresh_key()).collect();
+                    let t0 = std::time::Instant::now();
+                    for (i, k) in keys.iter().enumerate() {
+                        store.put(*k, meta(len), &srcs[i % 16]).unwrap();
+                    }
+                    store.wait_writethrough();
+                    took += t0.elapsed();
+                    for k in &keys {
+                        store.remove(k).unwrap();
+                    }
+                }
+                took
+            })
+        });
+        drop(raw);
+        let _ = std::fs::remove_file(dir.path().join(format!("raw-{name}")));
+    }
+    g.finish();
+}
+
+criterion_group!(benches, g2, g3, g3_hit, g3_writethrough);
 criterion_main!(benches);

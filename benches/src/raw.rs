@@ -71,7 +71,32 @@ impl RawDirectFile {
             // returns. The queue has room (checked above, and it is empty between calls).
             unsafe { ring.submission().push(&sqe) }.map_err(|_| io::Error::other("io_uring submission queue full"))?;
         }
-        let (mut left, mut short) = (bufs.len(), None);
+        self.reap(ring, bufs.len(), "read")
+    }
+
+    /// Writes `bufs` to the next `bufs.len()` slots with every write in flight at once through
+    /// `ring`: the limit of a batched G3 write at that queue depth.
+    pub fn write_batch(&mut self, ring: &mut io_uring::IoUring, bufs: &[BlockBuf]) -> io::Result<()> {
+        use io_uring::{opcode, types};
+        let len = u32::try_from(self.block).map_err(|_| io::Error::other("block over 4 GiB"))?;
+        if bufs.len() > ring.params().sq_entries() as usize {
+            return Err(io::Error::other("io_uring submission queue smaller than the batch"));
+        }
+        for (i, buf) in bufs.iter().enumerate() {
+            let off = self.slot();
+            let sqe = opcode::Write::new(types::Fd(self.file.as_raw_fd()), buf.as_ptr(), len)
+                .offset(off)
+                .build()
+                .user_data(i as u64);
+            // SAFETY: `buf` outlives the write: this function reaps every completion before it
+            // returns. The queue has room (checked above, and it is empty between calls).
+            unsafe { ring.submission().push(&sqe) }.map_err(|_| io::Error::other("io_uring submission queue full"))?;
+        }
+        self.reap(ring, bufs.len(), "write")
+    }
+
+    fn reap(&self, ring: &mut io_uring::IoUring, n: usize, what: &str) -> io::Result<()> {
+        let (mut left, mut short) = (n, None);
         while left > 0 {
             ring.submit_and_wait(1)?;
             for cqe in ring.completion() {
@@ -82,7 +107,7 @@ impl RawDirectFile {
             }
         }
         match short {
-            Some(r) => Err(io::Error::other(format!("raw batched read returned {r}"))),
+            Some(r) => Err(io::Error::other(format!("raw batched {what} returned {r}"))),
             None => Ok(()),
         }
     }

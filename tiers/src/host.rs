@@ -209,6 +209,23 @@ impl Filling {
 // until it is finished or aborted; moving the reservation to another thread moves that right.
 unsafe impl Send for Filling {}
 
+/// A G2 block held by [`HostTier::hold_uncounted`].
+#[derive(Debug)]
+pub(crate) struct HeldBlock {
+    _slot: Arc<HostSlot>,
+    pub meta: BlockMeta,
+    pieces: Vec<(*const u8, usize)>,
+}
+
+impl HeldBlock {
+    /// The block's bytes, in order, where they lie in the pool.
+    pub fn parts(&self) -> Vec<&[u8]> {
+        // SAFETY: each piece lies inside the pool's mapping, in pages the held slot keeps
+        // allocated; a committed block is never written again, so the bytes do not change.
+        self.pieces.iter().map(|&(p, n)| unsafe { std::slice::from_raw_parts(p, n) }).collect()
+    }
+}
+
 #[derive(Debug)]
 struct HostSlot {
     pages: Pages,
@@ -401,7 +418,23 @@ impl HostTier {
         r
     }
 
-    /// [`HostTier::with_block`] without counting a hit (the write-through's own reads).
+    /// Holds a block for reading outside the tier's lock, without counting a hit (the
+    /// write-through's own reads): its pages stay allocated and unchanged while the hold lives.
+    pub(crate) fn hold_uncounted(&self, key: &BlockKey) -> Option<HeldBlock> {
+        let (slot, meta) = self.state.lock().get(key, true)?;
+        let ps = self.pool.page_size();
+        let mut left = meta.len as usize;
+        let mut pieces = Vec::new();
+        for (first, n) in slot.pages.runs() {
+            let take = left.min(n as usize * ps);
+            pieces.push((self.page_ptr(first).cast_const(), take));
+            left -= take;
+        }
+        self.counters.bytes_read.add(meta.len);
+        Some(HeldBlock { _slot: slot, meta, pieces })
+    }
+
+    /// [`HostTier::with_block`] without counting a hit.
     pub(crate) fn with_block_uncounted<R>(
         &self,
         key: &BlockKey,

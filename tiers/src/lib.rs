@@ -53,5 +53,5 @@ pub use listener::TierListener;
 pub use object::{ObjectTier, ObjectTierConfig};
 pub use stats::{TierStats, TierUsage};
 pub use store::{BlockStore, BlockStoreConfig, Hit, PrefixMatch, StoreStats};
-pub use tier::{BlockRef, Tier};
+pub use tier::{BlockRef, PartsRef, Tier};
 pub use writethrough::WriteThroughConfig;

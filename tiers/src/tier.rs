@@ -18,6 +18,14 @@ pub struct BlockRef<'a> {
     pub data: &'a [u8],
 }
 
+/// One block to put, given as pieces concatenated in order (a G2 block's page runs).
+#[derive(Debug, Clone, Copy)]
+pub struct PartsRef<'a> {
+    pub key: BlockKey,
+    pub meta: BlockMeta,
+    pub parts: &'a [&'a [u8]],
+}
+
 /// A storage tier: G1 engine GPU memory, G2 host pool, G3 disk, G4 object storage.
 ///
 /// Contract (checked by the conformance suite in `tiers/tests/conformance.rs`):
@@ -38,6 +46,27 @@ pub trait Tier: Send + Sync + std::fmt::Debug {
     /// this. Returns, per block, what `put` would have.
     fn put_batch(&self, blocks: &[BlockRef<'_>]) -> Vec<Result<bool>> {
         blocks.iter().map(|b| self.put(*b)).collect()
+    }
+
+    /// [`Tier::put_batch`] of blocks given as pieces: write-through hands G2's pages over as
+    /// they are. The default gathers each block into one buffer; G3 writes the pages to disk
+    /// without a copy.
+    fn put_batch_parts(&self, blocks: &[PartsRef<'_>]) -> Vec<Result<bool>> {
+        let bufs: Vec<BlockBuf> = blocks
+            .iter()
+            .map(|b| {
+                let mut buf = BlockBuf::zeroed(b.parts.iter().map(|p| p.len()).sum());
+                let mut at = 0;
+                for p in b.parts {
+                    buf[at..at + p.len()].copy_from_slice(p);
+                    at += p.len();
+                }
+                buf
+            })
+            .collect();
+        let refs: Vec<BlockRef<'_>> =
+            blocks.iter().zip(&bufs).map(|(b, buf)| BlockRef { key: b.key, meta: b.meta, data: &buf[..] }).collect();
+        self.put_batch(&refs)
     }
 
     /// Reads a block into `out` (resized to the block's length).

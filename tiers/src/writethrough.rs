@@ -18,9 +18,9 @@ use parking_lot::{Condvar, Mutex};
 
 use crate::block::BlockMeta;
 use crate::buf::BlockBuf;
-use crate::host::HostTier;
+use crate::host::{HeldBlock, HostTier};
 use crate::stats::Count;
-use crate::tier::{BlockRef, Tier};
+use crate::tier::{PartsRef, Tier};
 
 /// Tuning of one tier's write-through.
 #[derive(Debug, Clone, Copy)]
@@ -152,21 +152,12 @@ impl Drop for WriteThrough {
     }
 }
 
-/// Copies `key`'s bytes into `buf` from G2, else from a tier above the target.
-fn copy_out(w: &Writer, key: &BlockKey, buf: &mut BlockBuf) -> Option<BlockMeta> {
-    let got = w.g2.with_block_uncounted(key, |meta, pieces| {
-        buf.resize(meta.len as usize);
-        let mut off = 0;
-        for p in pieces {
-            buf[off..off + p.len()].copy_from_slice(p);
-            off += p.len();
-        }
-        *meta
-    });
-    if got.is_some() {
-        return got;
-    }
-    w.above.iter().find_map(|t| t.get(key, buf).ok().flatten())
+/// Where a block being written through is read from.
+enum Source {
+    /// G2's own pages, held: written out as they are, no copy.
+    G2(HeldBlock),
+    /// Gone from G2: read into this buffer from a tier above the target.
+    Above(BlockMeta, usize),
 }
 
 fn writer_loop(rx: &Receiver<(BlockKey, Instant)>, batch: usize, w: &Writer, pending: &Pending, counters: &WtCounters) {
@@ -181,17 +172,31 @@ fn writer_loop(rx: &Receiver<(BlockKey, Instant)>, batch: usize, w: &Writer, pen
         }
         counters.lag.set(keys.iter().map(|(_, t)| t.elapsed().as_secs_f64()).fold(0.0, f64::max));
         bufs.resize_with(keys.len().max(bufs.len()), BlockBuf::new);
-        let mut found: Vec<(BlockKey, BlockMeta, usize)> = Vec::new();
+        let mut found: Vec<(BlockKey, Source)> = Vec::new();
         for (i, (k, _)) in keys.iter().enumerate() {
-            match copy_out(w, k, &mut bufs[i]) {
-                Some(meta) => found.push((*k, meta, i)),
+            if let Some(held) = w.g2.hold_uncounted(k) {
+                found.push((*k, Source::G2(held)));
+                continue;
+            }
+            match w.above.iter().find_map(|t| t.get(k, &mut bufs[i]).ok().flatten()) {
+                Some(meta) => found.push((*k, Source::Above(meta, i))),
                 None => counters.vanished.add(1),
             }
         }
-        let refs: Vec<BlockRef<'_>> =
-            found.iter().map(|(key, meta, i)| BlockRef { key: *key, meta: *meta, data: &bufs[*i] }).collect();
+        let parts: Vec<(BlockMeta, Vec<&[u8]>)> = found
+            .iter()
+            .map(|(_, src)| match src {
+                Source::G2(held) => (held.meta, held.parts()),
+                Source::Above(meta, i) => (*meta, vec![&bufs[*i][..]]),
+            })
+            .collect();
+        let refs: Vec<PartsRef<'_>> = found
+            .iter()
+            .zip(&parts)
+            .map(|((key, _), (meta, p))| PartsRef { key: *key, meta: *meta, parts: p })
+            .collect();
         let mut ok = 0u64;
-        for (j, r) in w.target.put_batch(&refs).into_iter().enumerate() {
+        for (j, r) in w.target.put_batch_parts(&refs).into_iter().enumerate() {
             match r {
                 Ok(_) => ok += 1,
                 Err(e) => {
@@ -204,7 +209,7 @@ fn writer_loop(rx: &Receiver<(BlockKey, Instant)>, batch: usize, w: &Writer, pen
         // A failed write-through leaves the block clean too: retrying a full or broken tier
         // would only pin G2. The failure is counted above.
         if w.marks_clean {
-            for (k, _, _) in &found {
+            for (k, _) in &found {
                 w.g2.mark_clean(k);
             }
         }

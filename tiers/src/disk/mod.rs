@@ -38,7 +38,7 @@ use crate::lru_policy::LruPolicy;
 use crate::pages::{PagePool, Pages};
 use crate::residency::{Residency, SlotBytes};
 use crate::stats::{TierCounters, TierStats, TierUsage};
-use crate::tier::{BlockRef, Tier};
+use crate::tier::{BlockRef, PartsRef, Tier};
 
 const TIER: TierKind = TierKind::G3Disk;
 
@@ -330,36 +330,52 @@ impl DiskTier {
 
     /// Builds the write ops of one block. Full pages are written straight from `data` when it
     /// is aligned; the rest goes through `bounce`.
-    fn write_ops(&self, data: &[u8], pages: &Pages, bounce: &mut Vec<BlockBuf>, ops: &mut Vec<IoOp>) {
+    /// The write ops of a block given as `parts` (each starting on a 4 KiB boundary and all but
+    /// the last whole 4 KiB units, or a single part of any kind) into `pages`: straight from the
+    /// caller's memory where it is aligned, through a padded bounce buffer for the rest.
+    fn write_ops(&self, parts: &[&[u8]], pages: &Pages, bounce: &mut Vec<BlockBuf>, ops: &mut Vec<IoOp>) {
         let ps = self.pool.page_size();
-        let aligned = (data.as_ptr() as usize).is_multiple_of(ALIGN);
+        let len: usize = parts.iter().map(|p| p.len()).sum();
+        let (mut seg, mut seg_off) = (0usize, 0usize);
         let mut off = 0usize;
         for (first, n) in pages.runs() {
-            let run_bytes = (data.len() - off).min(n as usize * ps);
-            let file_off = first as u64 * ps as u64;
-            let direct = if aligned { run_bytes / ALIGN * ALIGN } else { 0 };
-            if direct > 0 {
-                ops.push(IoOp {
-                    kind: IoKind::Write,
-                    offset: file_off,
-                    addr: data.as_ptr() as usize + off,
-                    len: direct,
-                });
-            }
-            let rest = run_bytes - direct;
-            if rest > 0 || run_bytes == 0 {
-                let b = BlockBuf::from_slice(&data[off + direct..off + run_bytes]);
-                let mut b = b;
-                let padded = align_up(rest.max(1));
-                b.resize(padded);
-                b[rest..].fill(0);
-                ops.push(IoOp {
-                    kind: IoKind::Write,
-                    offset: file_off + direct as u64,
-                    addr: b.as_ptr() as usize,
-                    len: padded,
-                });
+            let run_bytes = (len - off).min(n as usize * ps);
+            let mut file_off = first as u64 * ps as u64;
+            if run_bytes == 0 {
+                // An empty block still writes one (zero) page, like any other.
+                let b = BlockBuf::zeroed(ALIGN);
+                ops.push(IoOp { kind: IoKind::Write, offset: file_off, addr: b.as_ptr() as usize, len: ALIGN });
                 bounce.push(b);
+            }
+            let mut left = run_bytes;
+            while left > 0 {
+                while seg_off >= parts[seg].len() {
+                    seg += 1;
+                    seg_off = 0;
+                }
+                let take = left.min(parts[seg].len() - seg_off);
+                let src = &parts[seg][seg_off..seg_off + take];
+                let direct = if (src.as_ptr() as usize).is_multiple_of(ALIGN) { take / ALIGN * ALIGN } else { 0 };
+                if direct > 0 {
+                    ops.push(IoOp { kind: IoKind::Write, offset: file_off, addr: src.as_ptr() as usize, len: direct });
+                }
+                let rest = take - direct;
+                if rest > 0 {
+                    let mut b = BlockBuf::from_slice(&src[direct..]);
+                    let padded = align_up(rest);
+                    b.resize(padded);
+                    b[rest..].fill(0);
+                    ops.push(IoOp {
+                        kind: IoKind::Write,
+                        offset: file_off + direct as u64,
+                        addr: b.as_ptr() as usize,
+                        len: padded,
+                    });
+                    bounce.push(b);
+                }
+                file_off += take as u64;
+                seg_off += take;
+                left -= take;
             }
             off += run_bytes;
         }
@@ -492,17 +508,22 @@ impl Tier for DiskTier {
     }
 
     fn put_batch(&self, blocks: &[BlockRef<'_>]) -> Vec<Result<bool>> {
+        let parts: Vec<[&[u8]; 1]> = blocks.iter().map(|b| [b.data]).collect();
+        let refs: Vec<PartsRef<'_>> =
+            blocks.iter().zip(&parts).map(|(b, p)| PartsRef { key: b.key, meta: b.meta, parts: p }).collect();
+        self.put_batch_parts(&refs)
+    }
+
+    fn put_batch_parts(&self, blocks: &[PartsRef<'_>]) -> Vec<Result<bool>> {
         let t0 = Instant::now();
         let mut results: Vec<Option<Result<bool>>> = Vec::with_capacity(blocks.len());
         let mut reserved: Vec<(usize, Arc<DiskSlot>)> = Vec::new();
         {
             let mut st = self.state.lock();
             for (i, b) in blocks.iter().enumerate() {
-                if b.meta.len != b.data.len() as u64 {
-                    results.push(Some(Err(TierError::LengthMismatch {
-                        expected: b.meta.len,
-                        actual: b.data.len() as u64,
-                    })));
+                let len: u64 = b.parts.iter().map(|p| p.len() as u64).sum();
+                if b.meta.len != len {
+                    results.push(Some(Err(TierError::LengthMismatch { expected: b.meta.len, actual: len })));
                     continue;
                 }
                 if st.has_entry(&b.key) {
@@ -533,13 +554,25 @@ impl Tier for DiskTier {
             }
         }
         // Bytes out with no lock held; checksums computed while the writes run.
+        // Pieces go to disk as they are when each starts on a 4 KiB boundary and all but the
+        // last are whole 4 KiB units (G2's pages are); other pieced blocks are gathered first.
+        let gathered: Vec<Option<BlockBuf>> =
+            reserved.iter().map(|(i, _)| gather_unless_direct(blocks[*i].parts)).collect();
+        let views: Vec<Vec<&[u8]>> = reserved
+            .iter()
+            .zip(&gathered)
+            .map(|((i, _), g)| match g {
+                Some(b) => vec![&b[..]],
+                None => blocks[*i].parts.to_vec(),
+            })
+            .collect();
         let mut ops = Vec::new();
         let mut bounce = Vec::new();
         let mut sums = WriteSums::new();
-        for (i, slot) in &reserved {
+        for ((_, slot), parts) in reserved.iter().zip(&views) {
             let before = ops.len();
-            self.write_ops(blocks[*i].data, &slot.pages, &mut bounce, &mut ops);
-            sums.add(blocks[*i].data, ops.len() - before);
+            self.write_ops(parts, &slot.pages, &mut bounce, &mut ops);
+            sums.add(parts.clone(), ops.len() - before);
         }
         // SAFETY: every op reads a block's caller-owned bytes or a bounce buffer in `bounce`,
         // both alive and unmodified until `run` returns.
@@ -721,4 +754,23 @@ impl Tier for DiskTier {
         }
         self.index.flush()
     }
+}
+
+/// `parts` gathered into one buffer, unless they can be written as they are: a single part, or
+/// parts each starting on a 4 KiB boundary and all but the last whole 4 KiB units.
+fn gather_unless_direct(parts: &[&[u8]]) -> Option<BlockBuf> {
+    let direct = parts.len() <= 1
+        || parts.iter().enumerate().all(|(i, p)| {
+            (p.as_ptr() as usize).is_multiple_of(ALIGN) && (i + 1 == parts.len() || p.len().is_multiple_of(ALIGN))
+        });
+    if direct {
+        return None;
+    }
+    let mut b = BlockBuf::zeroed(parts.iter().map(|p| p.len()).sum());
+    let mut at = 0;
+    for p in parts {
+        b[at..at + p.len()].copy_from_slice(p);
+        at += p.len();
+    }
+    Some(b)
 }

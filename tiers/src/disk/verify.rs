@@ -151,7 +151,8 @@ impl IoProgress for VerifiedReads {
 /// Checksums of blocks being written, computed once their writes are in flight.
 #[derive(Debug)]
 pub(super) struct WriteSums<'a> {
-    blocks: Vec<&'a [u8]>,
+    /// Each block's bytes, as pieces in order.
+    blocks: Vec<Vec<&'a [u8]>>,
     /// Block of each op, so that a failed op fails only its block.
     op_block: Vec<usize>,
     sums: Vec<Option<u64>>,
@@ -159,15 +160,30 @@ pub(super) struct WriteSums<'a> {
     left: Vec<usize>,
 }
 
+/// The checksum G3 stores of a block given as pieces.
+fn sum_of(parts: &[&[u8]]) -> u64 {
+    match parts {
+        [one] => checksum(one),
+        _ => {
+            let mut sum = StreamingChecksum::new(SumKind::Crc64);
+            for p in parts {
+                sum.update(p);
+            }
+            sum.digest()
+        }
+    }
+}
+
 impl<'a> WriteSums<'a> {
     pub(super) fn new() -> Self {
         Self { blocks: Vec::new(), op_block: Vec::new(), sums: Vec::new(), left: Vec::new() }
     }
 
-    /// Adds a block whose write ops are the next `ops` of the batch.
-    pub(super) fn add(&mut self, data: &'a [u8], ops: usize) {
+    /// Adds a block (its bytes as pieces in order) whose write ops are the next `ops` of the
+    /// batch.
+    pub(super) fn add(&mut self, parts: Vec<&'a [u8]>, ops: usize) {
         let block = self.blocks.len();
-        self.blocks.push(data);
+        self.blocks.push(parts);
         self.op_block.extend(std::iter::repeat_n(block, ops));
         self.sums.push(None);
         self.left.push(ops);
@@ -178,14 +194,14 @@ impl<'a> WriteSums<'a> {
         if self.left[block] != 0 {
             return None;
         }
-        Some(*self.sums[block].get_or_insert_with(|| checksum(self.blocks[block])))
+        Some(*self.sums[block].get_or_insert_with(|| sum_of(&self.blocks[block])))
     }
 }
 
 impl IoProgress for WriteSums<'_> {
     fn started(&mut self) {
-        for (sum, data) in self.sums.iter_mut().zip(&self.blocks) {
-            sum.get_or_insert_with(|| checksum(data));
+        for (sum, parts) in self.sums.iter_mut().zip(&self.blocks) {
+            sum.get_or_insert_with(|| sum_of(parts));
         }
     }
 
