@@ -1,11 +1,14 @@
 //! `kvbench`: drives a kvcached daemon through its real socket and prints Markdown tables.
 //!
 //! `cargo run --release -p kvbench -- socket` starts a daemon in this process on a temp socket
-//! (G3 off unless `--g3`); `--socket PATH` measures a running daemon instead.
+//! (G3 off unless `--g3`); `--socket PATH` measures a running daemon instead. `kvbench replay`
+//! replays a Mooncake trace through real daemon processes and a real router (peers behind
+//! `--lmcache`, `--redis`); `kvbench many` runs many engines at once on one daemon.
 
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+use kvbench::replay::cli::{ManyArgs, ReplayArgs};
 use kvbench::socket::{SocketBench, markdown, run};
 
 #[derive(Debug, Parser)]
@@ -71,6 +74,38 @@ enum Command {
         #[arg(long, default_value_t = 16)]
         concurrency: usize,
     },
+    /// A Mooncake-format trace through real kvcached daemons (processes) and a real router,
+    /// beside the router's simulation; peers (LMCache, Redis) on the same blocks behind flags.
+    Replay(Box<ReplayArgs>),
+    /// Many engines saving and loading at once on one daemon, beside a 2-thread memcpy.
+    Many(ManyArgs),
+    /// A real kvcached and kvrouter under sustained mixed load for minutes: RSS, descriptors,
+    /// threads, /dev/shm and latency sampled; fails when one keeps growing (scripts/soak).
+    Soak(kvbench::soak::SoakArgs),
+}
+
+/// Runs an async command on a 2-thread runtime and prints its Markdown.
+fn run_async<F>(f: F) -> ExitCode
+where
+    F: std::future::Future<Output = Result<String, String>>,
+{
+    let rt = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("kvbench: cannot start a runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match rt.block_on(f) {
+        Ok(md) => {
+            print!("{md}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("kvbench: {e}");
+            ExitCode::FAILURE
+        }
+    }
 }
 
 fn g4(count: u32, concurrency: usize) -> ExitCode {
@@ -121,6 +156,9 @@ fn main() -> ExitCode {
             (socket, dir, calls, warmup, samples, g3, key_memo_bytes, token_area_bytes)
         }
         Command::G4 { count, concurrency } => return g4(count, concurrency),
+        Command::Replay(a) => return run_async(kvbench::replay::cli::replay(&a)),
+        Command::Many(a) => return run_async(kvbench::replay::cli::many(&a)),
+        Command::Soak(a) => return kvbench::soak::main(&a),
         Command::Peer { blocks, netns_mbit } => {
             return match kvbench::peer::run(blocks.max(8), netns_mbit) {
                 Ok(r) => {
