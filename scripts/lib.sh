@@ -54,7 +54,7 @@ ensure_rocksdb() {
   dir="$KVCACHED_CACHE/rocksdb/$ver"
   if [ ! -f "$dir/librocksdb.a" ]; then
     build="$KVCACHED_CACHE/rocksdb-build"
-    say "building RocksDB ($ver) once into $dir: about 9 minutes on 2 cores; later runs reuse it"
+    say "building RocksDB ($ver) once into $dir: about 15 minutes on 2 cores; later runs reuse it"
     (cd "$REPO" && ROCKSDB_COMPILE=1 CARGO_TARGET_DIR="$build" cargo build --release --locked -q -p librocksdb-sys) \
       || die "the RocksDB build failed (see above)"
     lib="$(ls -t "$build"/release/build/librocksdb-sys-*/out/librocksdb.a 2>/dev/null | head -n1)"

@@ -618,9 +618,11 @@ fn blocks_put_as_pieces_read_back_whole_after_a_restart() {
     let cfg = disk_cfg(d.path(), 64 << 20);
     // A pool of aligned 64 KiB pages to cut blocks from, as G2's page runs are.
     let mut pool = BlockBuf::zeroed(64 * PAGE);
-    let cases: Vec<(u32, usize, Vec<(usize, usize)>)> = vec![
+    // (block, length, where its pieces lie in the pool: (start, bytes))
+    type Case = (u32, usize, Vec<(usize, usize)>);
+    let cases: Vec<Case> = vec![
         // Whole pages out of order, the last partly used: written as they are.
-        (0, 3 * PAGE + 100, vec![(5 * PAGE, PAGE), (1 * PAGE, PAGE), (9 * PAGE, PAGE), (2 * PAGE, 100)]),
+        (0, 3 * PAGE + 100, vec![(5 * PAGE, PAGE), (PAGE, PAGE), (9 * PAGE, PAGE), (2 * PAGE, 100)]),
         // Pieces that are not 4 KiB units: gathered before writing.
         (1, 3000 + 5000 + 70_000, vec![(20 * PAGE + 8, 3000), (30 * PAGE, 5000), (40 * PAGE + 3, 70_000)]),
         // An empty block.
