@@ -295,6 +295,36 @@ fn g3(c: &mut Criterion) {
     g.finish();
 }
 
+/// A block store of a 1 GiB G2 (in `/dev/shm` where there is one) over a 1 GiB G3 under
+/// `KVBENCH_DIR`, without fdatasync (as the raw baselines).
+struct G2G3 {
+    dir: tempfile::TempDir,
+    _shm: tempfile::TempDir,
+    shm_dir: std::path::PathBuf,
+    g2: Arc<HostTier>,
+    disk: Arc<dyn Tier>,
+    store: BlockStore,
+}
+
+impl G2G3 {
+    fn open() -> Self {
+        let dir = tempfile::tempdir_in(bench_dir()).unwrap();
+        let mut dcfg = DiskTierConfig::new(dir.path().join("g3"), 1 << 30);
+        dcfg.fsync = false;
+        let disk: Arc<dyn Tier> = Arc::new(DiskTier::open(&dcfg).unwrap());
+        let mut hcfg = HostTierConfig::with_capacity(1 << 30);
+        hcfg.cuda_register = CudaRegister::Off;
+        let shm = tempfile::tempdir().unwrap();
+        if !std::path::Path::new("/dev/shm").is_dir() {
+            hcfg.shm_dir = shm.path().to_path_buf();
+        }
+        let g2 = Arc::new(HostTier::open(&hcfg).unwrap());
+        let store =
+            BlockStore::with_tiers(Arc::clone(&g2), vec![Arc::clone(&disk)], WriteThroughConfig::default()).unwrap();
+        Self { dir, _shm: shm, shm_dir: hcfg.shm_dir, g2, disk, store }
+    }
+}
+
 /// A G3 hit delivered into engine memory (issues 20 and 23): blocks held only in G3 are loaded
 /// as the daemon loads them (brought up into G2 in one batch, then copied into the engine's
 /// memory, a shared-memory region larger than the cache), beside a raw O_DIRECT read of the same
@@ -305,25 +335,13 @@ fn g3_hit(c: &mut Criterion) {
     if !wanted(ids("g3_hit", &names, &SIZES[..2])) {
         return;
     }
-    let dir = tempfile::tempdir_in(bench_dir()).unwrap();
-    let mut dcfg = DiskTierConfig::new(dir.path().join("g3"), 1 << 30);
-    dcfg.fsync = false;
-    let disk: Arc<dyn Tier> = Arc::new(DiskTier::open(&dcfg).unwrap());
-    let mut hcfg = HostTierConfig::with_capacity(1 << 30);
-    hcfg.cuda_register = CudaRegister::Off;
-    let shm = tempfile::tempdir().unwrap();
-    if !std::path::Path::new("/dev/shm").is_dir() {
-        hcfg.shm_dir = shm.path().to_path_buf();
-    }
-    let g2 = Arc::new(HostTier::open(&hcfg).unwrap());
-    let store =
-        BlockStore::with_tiers(Arc::clone(&g2), vec![Arc::clone(&disk)], WriteThroughConfig::default()).unwrap();
+    let G2G3 { dir, _shm, shm_dir, g2, disk, store } = G2G3::open();
     let mut g = c.benchmark_group("g3_hit");
     g.sample_size(20);
     for (len, name) in &SIZES[..2] {
         let (len, name) = (*len, *name);
         let src = filled(len);
-        let mut engine = PoolBaseline::new(&hcfg.shm_dir, 512 << 20, len);
+        let mut engine = PoolBaseline::new(&shm_dir, 512 << 20, len);
         let mut raw =
             RawDirectFile::create(&dir.path().join(format!("raw-{name}")), len, ((512 << 20) / len) as u64).unwrap();
         for _ in 0..(512 << 20) / len {
@@ -415,18 +433,7 @@ fn g3_writethrough(c: &mut Criterion) {
     if !wanted(ids("g3_writethrough", &["raw_odirect_write_batch16", "save_and_write_through"], &SIZES[..2])) {
         return;
     }
-    let dir = tempfile::tempdir_in(bench_dir()).unwrap();
-    let mut dcfg = DiskTierConfig::new(dir.path().join("g3"), 1 << 30);
-    dcfg.fsync = false;
-    let disk: Arc<dyn Tier> = Arc::new(DiskTier::open(&dcfg).unwrap());
-    let mut hcfg = HostTierConfig::with_capacity(1 << 30);
-    hcfg.cuda_register = CudaRegister::Off;
-    let shm = tempfile::tempdir().unwrap();
-    if !std::path::Path::new("/dev/shm").is_dir() {
-        hcfg.shm_dir = shm.path().to_path_buf();
-    }
-    let g2 = Arc::new(HostTier::open(&hcfg).unwrap());
-    let store = BlockStore::with_tiers(g2, vec![disk], WriteThroughConfig::default()).unwrap();
+    let G2G3 { dir, _shm, store, .. } = G2G3::open();
     let mut g = c.benchmark_group("g3_writethrough");
     g.sample_size(10);
     for (len, name) in &SIZES[..2] {
