@@ -206,10 +206,16 @@ fn writer_loop(rx: &Receiver<(BlockKey, Instant)>, batch: usize, w: &Writer, pen
             }
         }
         counters.written.add(ok);
+        // The holds go before the blocks turn clean: a save waiting for G2 space evicts a
+        // block as soon as it is clean, and its pages are free only once nothing holds it.
+        let done: Vec<BlockKey> = found.iter().map(|(k, _)| *k).collect();
+        drop(refs);
+        drop(parts);
+        drop(found);
         // A failed write-through leaves the block clean too: retrying a full or broken tier
         // would only pin G2. The failure is counted above.
         if w.marks_clean {
-            for (k, _) in &found {
+            for k in &done {
                 w.g2.mark_clean(k);
             }
         }
