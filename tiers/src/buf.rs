@@ -49,6 +49,17 @@ impl BlockBuf {
         b
     }
 
+    /// An aligned buffer holding `parts` concatenated in order (a block given as pieces).
+    pub fn from_parts(parts: &[&[u8]]) -> Self {
+        let mut b = Self::zeroed(parts.iter().map(|p| p.len()).sum());
+        let mut at = 0;
+        for p in parts {
+            b[at..at + p.len()].copy_from_slice(p);
+            at += p.len();
+        }
+        b
+    }
+
     /// Sets the length, growing the allocation if needed. New bytes are unspecified (zero on a
     /// fresh allocation, old contents otherwise).
     pub fn resize(&mut self, len: usize) {

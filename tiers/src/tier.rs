@@ -52,18 +52,7 @@ pub trait Tier: Send + Sync + std::fmt::Debug {
     /// they are. The default gathers each block into one buffer; G3 writes the pages to disk
     /// without a copy.
     fn put_batch_parts(&self, blocks: &[PartsRef<'_>]) -> Vec<Result<bool>> {
-        let bufs: Vec<BlockBuf> = blocks
-            .iter()
-            .map(|b| {
-                let mut buf = BlockBuf::zeroed(b.parts.iter().map(|p| p.len()).sum());
-                let mut at = 0;
-                for p in b.parts {
-                    buf[at..at + p.len()].copy_from_slice(p);
-                    at += p.len();
-                }
-                buf
-            })
-            .collect();
+        let bufs: Vec<BlockBuf> = blocks.iter().map(|b| BlockBuf::from_parts(b.parts)).collect();
         let refs: Vec<BlockRef<'_>> =
             blocks.iter().zip(&bufs).map(|(b, buf)| BlockRef { key: b.key, meta: b.meta, data: &buf[..] }).collect();
         self.put_batch(&refs)

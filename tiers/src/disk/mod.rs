@@ -766,11 +766,5 @@ fn gather_unless_direct(parts: &[&[u8]]) -> Option<BlockBuf> {
     if direct {
         return None;
     }
-    let mut b = BlockBuf::zeroed(parts.iter().map(|p| p.len()).sum());
-    let mut at = 0;
-    for p in parts {
-        b[at..at + p.len()].copy_from_slice(p);
-        at += p.len();
-    }
-    Some(b)
+    Some(BlockBuf::from_parts(parts))
 }
