@@ -3,6 +3,7 @@
 //! # Layout
 //! - `benches/tiers.rs`: criterion benches of G2 put/get and G3 write/read beside memcpy and
 //!   raw O_DIRECT I/O on the same sizes, in the same run.
+//! - [`child`]: a daemon or router process of a run, with its log, stopped and checked.
 //! - [`g4`]: G4 against a real S3-compatible server beside raw `object_store` at the same
 //!   concurrency; object granularity; the probe through a slow store (`kvbench g4`).
 //! - [`many`]: many engines saving and loading at once on one daemon process, beside a 2-thread
@@ -23,6 +24,7 @@
 //!   router, beside the router's simulation of it (`kvbench replay`; `tests/replay.rs` runs a
 //!   short one).
 
+pub mod child;
 pub mod g4;
 pub mod many;
 pub mod peer;

@@ -18,19 +18,13 @@ pub fn free_port() -> Result<u16, String> {
         .map_err(|e| format!("no free port: {e}"))
 }
 
-/// The last `n` bytes of a log file, for error messages.
-pub fn tail(path: &Path, n: usize) -> String {
-    let s = std::fs::read_to_string(path).unwrap_or_default();
-    let start = s.len().saturating_sub(n);
-    // Cut on a character boundary.
-    let start = (start..=s.len()).find(|i| s.is_char_boundary(*i)).unwrap_or(s.len());
-    s[start..].to_string()
-}
+use crate::child::Managed;
+pub use crate::child::tail;
 
 /// A `kvcached` process; killed if dropped without [`DaemonProcess::stop`].
 #[derive(Debug)]
 pub struct DaemonProcess {
-    child: Option<Child>,
+    proc: Managed,
     pub name: String,
     pub socket: PathBuf,
     /// `host:port` of its HTTP listener (metrics, health, the routers' recovery routes).
@@ -57,15 +51,13 @@ impl DaemonProcess {
         std::fs::write(&cfg_path, text).map_err(|e| format!("{}: {e}", cfg_path.display()))?;
         let _ = std::fs::remove_file(&config.socket);
         let log = dir.join("daemon.log");
-        let log_file = std::fs::File::create(&log).map_err(|e| format!("{}: {e}", log.display()))?;
         let mut cmd = Command::new(bin);
-        cmd.arg("--config").arg(&cfg_path).stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::from(log_file));
+        cmd.arg("--config").arg(&cfg_path);
         for (k, v) in env {
             cmd.env(k, v);
         }
-        let child = cmd.spawn().map_err(|e| format!("starting {}: {e}", bin.display()))?;
         let mut d = Self {
-            child: Some(child),
+            proc: Managed::spawn(name, &mut cmd, log.clone())?,
             name: name.to_string(),
             socket: config.socket.clone(),
             http: format!("127.0.0.1:{port}"),
@@ -73,8 +65,7 @@ impl DaemonProcess {
         };
         let deadline = Instant::now() + Duration::from_secs(60);
         while std::os::unix::net::UnixStream::connect(&d.socket).is_err() {
-            let exited = d.child.as_mut().and_then(|c| c.try_wait().ok().flatten());
-            if let Some(status) = exited {
+            if let Some(status) = d.proc.exited() {
                 return Err(format!("{name} exited at start ({status}): {}", tail(&d.log, 2000)));
             }
             if Instant::now() > deadline {
@@ -104,32 +95,8 @@ impl DaemonProcess {
     }
 
     /// SIGTERM, then waits (the daemon drains and flushes; killed after 30 s).
-    pub fn stop(mut self) -> Result<(), String> {
-        let Some(mut c) = self.child.take() else { return Ok(()) };
-        // SAFETY: kill(2) on our own child's pid.
-        unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            match c.try_wait() {
-                Ok(Some(s)) if s.success() => return Ok(()),
-                Ok(Some(s)) => return Err(format!("{} exited with {s}: {}", self.name, tail(&self.log, 2000))),
-                Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(20)),
-                _ => {
-                    let _ = c.kill();
-                    let _ = c.wait();
-                    return Err(format!("{} did not stop in 30 s after SIGTERM: killed", self.name));
-                }
-            }
-        }
-    }
-}
-
-impl Drop for DaemonProcess {
-    fn drop(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
+    pub fn stop(self) -> Result<(), String> {
+        self.proc.stop(Duration::from_secs(30))
     }
 }
 

@@ -23,7 +23,7 @@ pub mod engine;
 pub mod sample;
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitCode, Stdio};
+use std::process::{Command, ExitCode};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -98,73 +98,11 @@ pub fn layout() -> KvLayout {
     }
 }
 
-/// A process of the run (daemon or router): killed if dropped without [`Proc::stop`].
-#[derive(Debug)]
-pub struct Proc {
-    child: Option<Child>,
-    pub name: &'static str,
-    pub pid: u32,
-    pub log: PathBuf,
-}
-
-impl Proc {
-    fn spawn(name: &'static str, cmd: &mut Command, log: PathBuf) -> Result<Self, String> {
-        let f = std::fs::File::create(&log).map_err(|e| format!("{}: {e}", log.display()))?;
-        let child = cmd
-            .stdin(Stdio::null())
-            .stdout(Stdio::from(f.try_clone().map_err(|e| e.to_string())?))
-            .stderr(Stdio::from(f))
-            .spawn()
-            .map_err(|e| format!("starting {name}: {e}"))?;
-        Ok(Self { pid: child.id(), child: Some(child), name, log })
-    }
-
-    /// `None` while it runs; its exit status once it exited.
-    pub fn exited(&mut self) -> Option<String> {
-        let c = self.child.as_mut()?;
-        match c.try_wait() {
-            Ok(Some(s)) => Some(s.to_string()),
-            Ok(None) => None,
-            Err(e) => Some(e.to_string()),
-        }
-    }
-
-    /// SIGTERM, then waits up to `within`; an error unless it exits with status 0.
-    pub fn stop(mut self, within: Duration) -> Result<(), String> {
-        let Some(mut c) = self.child.take() else { return Ok(()) };
-        // SAFETY: kill(2) on our own child's pid.
-        unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
-        let deadline = Instant::now() + within;
-        loop {
-            match c.try_wait() {
-                Ok(Some(s)) if s.success() => return Ok(()),
-                Ok(Some(s)) => return Err(format!("{} exited with {s}: {}", self.name, tail(&self.log))),
-                Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(20)),
-                _ => {
-                    let _ = c.kill();
-                    let _ = c.wait();
-                    return Err(format!("{} did not stop in {within:?} after SIGTERM: killed", self.name));
-                }
-            }
-        }
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
+use crate::child::{Managed as Proc, tail as tail_n};
 
 /// The last 2000 bytes of a log.
 fn tail(path: &Path) -> String {
-    let s = std::fs::read_to_string(path).unwrap_or_default();
-    let start = s.len().saturating_sub(2000);
-    let start = (start..=s.len()).find(|i| s.is_char_boundary(*i)).unwrap_or(s.len());
-    s[start..].to_string()
+    tail_n(path, 2000)
 }
 
 fn free_port() -> Result<u16, String> {
