@@ -442,3 +442,88 @@ impl tonic::codec::Decoder for RawDecoder {
         prost::Message::decode(src).map(Some).map_err(|e| tonic::Status::internal(e.to_string()))
     }
 }
+
+/// A TCP peer that accepts and never answers: a load naming it as a source stays pending until
+/// the daemon's `peer.pull_deadline_ms` (or its request timeout).
+fn stalled_peer() -> (std::net::TcpListener, String) {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    (l, addr)
+}
+
+/// Blocks no engine saved: loads of them go to the named sources.
+fn unseen(blocks: u32) -> Vec<u32> {
+    (0..blocks * 16).map(|i| 200_000 + i).collect()
+}
+
+/// Finding 4: loads in flight are bounded per uid over all its engines
+/// (`limits.max_pending_loads_per_uid`): past it a load is refused `RESOURCE_EXHAUSTED`, reason
+/// `limit-reached`, counted; when the pending ones end the uid loads again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pending_loads_are_bounded_per_uid_over_its_engines() {
+    let (_stall, src) = stalled_peer();
+    let d = start(|c| {
+        c.limits.max_pending_loads_per_uid = 2;
+        c.peer.pull_deadline_ms = 3000;
+        c.peer.io_timeout_ms = 3000;
+    })
+    .await;
+    let (a, _ma) = d.engine().await;
+    let (b, _mb) = d.engine().await;
+    let mut pending = Vec::new();
+    for c in [a.clone(), b.clone()] {
+        let src = src.clone();
+        pending.push(tokio::spawn(async move { c.load_from(&unseen(2), 0, &[4, 5], &[src]).await }));
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    for c in [&a, &b] {
+        let e = c.load_now(&prompt(2), 0, &[2, 3]).await.unwrap_err();
+        assert_eq!(e.reason(), Some(kvproto::reason::Reason::LimitReached), "{e}");
+        assert!(e.to_string().contains("loads per uid"), "{e}");
+    }
+    assert!(d.metric("kvcached_limit_refusals_by_limit_total{limit=\"pending_loads_per_uid\"}").await >= 2.0);
+    // The stalled pulls end as misses (never wrong bytes); then the uid loads again.
+    for p in pending {
+        let st = p.await.unwrap().unwrap();
+        assert_eq!(st.loaded_blocks, 0, "{st:?}");
+    }
+    assert_eq!(a.load_now(&prompt(2), 0, &[2, 3]).await.unwrap().loaded_blocks, 2);
+    d.stop().await;
+}
+
+/// `limits.idle_timeout_ms`: a connection past its handshake that then sends nothing is
+/// closed; `limits.request_timeout_ms`: a request that runs longer is answered `CANCELLED`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_connections_are_closed_and_long_requests_cancelled() {
+    let (_stall, src) = stalled_peer();
+    let d = start(|c| {
+        c.limits.idle_timeout_ms = 1000;
+        c.limits.request_timeout_ms = 500;
+        c.peer.pull_deadline_ms = 10_000;
+        c.peer.io_timeout_ms = 10_000;
+    })
+    .await;
+    let mut s = tokio::net::UnixStream::connect(&d.socket).await.unwrap();
+    kvtests::h2raw::handshake(&mut s).await.unwrap();
+    let closed = tokio::time::timeout(Duration::from_secs(10), async {
+        let mut buf = [0u8; 4096];
+        loop {
+            match tokio::io::AsyncReadExt::read(&mut s, &mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+        }
+    })
+    .await;
+    assert!(closed.is_ok(), "an idle connection stayed open past limits.idle_timeout_ms");
+
+    let (a, _ma) = d.engine().await;
+    let t = std::time::Instant::now();
+    let e = a.load_from(&unseen(2), 0, &[4, 5], &[src]).await.unwrap_err();
+    match &e {
+        kvclient::ClientError::Rpc(s) => assert_eq!(s.code(), tonic::Code::Cancelled, "{e}"),
+        other => panic!("expected CANCELLED, got {other}"),
+    }
+    assert!(t.elapsed() < Duration::from_secs(8), "the request ran to the pull deadline: {:?}", t.elapsed());
+    d.stop().await;
+}

@@ -75,3 +75,42 @@ impl ClientAuthConfig {
         self.tls_ca.is_some() || self.tls_cert.is_some() || self.token_file.is_some()
     }
 }
+
+/// Bounds on an HTTP listener (`[http_limits]` in kvcached's and kvrouter's TOML): how many
+/// connections it holds, how long a client may take to send a request's headers, how many
+/// requests one HTTP/2 connection may have in flight. A client past a bound is disconnected and
+/// counted (`kvnet_http_refusals_total{endpoint,reason}`), and the others are still served.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct HttpLimits {
+    /// Connections open at once; one more is closed as soon as it is accepted.
+    pub max_connections: usize,
+    /// A connection must send its first bytes, and each HTTP/1.1 request its complete headers,
+    /// within this long (ms). Between HTTP/1.1 requests it is also how long an idle keep-alive
+    /// connection stays open.
+    pub header_timeout_ms: u64,
+    /// Requests in flight at once on one HTTP/2 connection.
+    pub max_concurrent_streams: u32,
+}
+
+impl Default for HttpLimits {
+    fn default() -> Self {
+        Self { max_connections: 1024, header_timeout_ms: 30_000, max_concurrent_streams: 256 }
+    }
+}
+
+impl HttpLimits {
+    /// Why these limits cannot be served with: the key at fault and what it must be.
+    pub fn validate(&self) -> Result<(), (&'static str, &'static str)> {
+        if self.max_connections == 0 {
+            return Err(("max_connections", "must be at least 1"));
+        }
+        if self.header_timeout_ms < 100 {
+            return Err(("header_timeout_ms", "must be at least 100 (ms)"));
+        }
+        if self.max_concurrent_streams == 0 {
+            return Err(("max_concurrent_streams", "must be at least 1"));
+        }
+        Ok(())
+    }
+}

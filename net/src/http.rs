@@ -1,6 +1,7 @@
 //! HTTP endpoints and clients through kvnet (feature `http`).
 //!
-//! Serving: [`serve`] runs an axum app behind a [`Guard`]. Connections are accepted by a
+//! Serving: [`serve`] runs an axum app behind a [`Guard`], within [`HttpLimits`] (connection
+//! cap, header and idle timeouts, HTTP/2 stream cap: `http_serve.rs`). Connections are accepted by a
 //! [`GuardedListener`], which runs each TLS handshake in a task of its own, bounded in time and
 //! in number, so a slow or hostile client never holds the accept loop; the verified client
 //! certificate travels with the connection ([`PeerInfo`]). [`protect`] then authenticates every
@@ -18,19 +19,19 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use axum::extract::connect_info::{ConnectInfo, Connected};
+use axum::extract::connect_info::ConnectInfo;
 use axum::extract::{Request, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-use axum::serve::{IncomingStream, Listener};
+use axum::serve::Listener;
 use rustls::ClientConfig;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Semaphore, mpsc};
 
-use crate::config::ClientAuthConfig;
+use crate::config::{ClientAuthConfig, HttpLimits};
 use crate::connector::Connector;
 use crate::error::NetError;
 use crate::guard::{Guard, Identity, Namespaces, PeerCert, bearer_of};
@@ -54,6 +55,9 @@ const MAX_HANDSHAKES: usize = 1024;
 
 /// Accepted connections waiting for the server to take them.
 const HANDOFF: usize = 64;
+
+/// How long an [`HttpClient`] keeps an idle connection for its next request.
+const POOL_IDLE: Duration = Duration::from_secs(20);
 
 /// What an [`HttpClient`] offers over TLS: it is built without HTTP/2.
 const CLIENT_ALPN: &[&[u8]] = &[b"http/1.1"];
@@ -184,24 +188,38 @@ impl Listener for GuardedListener {
     }
 }
 
-impl Connected<IncomingStream<'_, GuardedListener>> for PeerInfo {
-    fn connect_info(stream: IncomingStream<'_, GuardedListener>) -> Self {
-        stream.remote_addr().clone()
+impl GuardedListener {
+    /// The endpoint's name, for logs and metrics.
+    pub fn endpoint(&self) -> &str {
+        self.guard.endpoint()
     }
 }
 
-/// Serves `app` on `listener` through `guard` until `shutdown`: handshakes by
-/// [`GuardedListener`] (at most [`HANDSHAKE_TIMEOUT`] each), every request but
-/// [`PROBE_PATHS`] authenticated by [`protect`].
+/// Serves `app` on `listener` through `guard` until `shutdown`, within the default
+/// [`HttpLimits`]: see [`serve_with`].
 pub async fn serve(
     listener: TcpListener,
     guard: Arc<Guard>,
     app: axum::Router,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
+    serve_with(listener, guard, app, &HttpLimits::default(), shutdown).await
+}
+
+/// Serves `app` on `listener` through `guard` until `shutdown`: handshakes by
+/// [`GuardedListener`] (at most [`HANDSHAKE_TIMEOUT`] each), every request but
+/// [`PROBE_PATHS`] authenticated by [`protect`], connections and slow clients bounded by
+/// `limits` (`http_serve.rs`).
+pub async fn serve_with(
+    listener: TcpListener,
+    guard: Arc<Guard>,
+    app: axum::Router,
+    limits: &HttpLimits,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
     let listener = GuardedListener::new(listener, Arc::clone(&guard), HANDSHAKE_TIMEOUT);
     let app = protect(app, guard, PROBE_PATHS);
-    axum::serve(listener, app.into_make_service_with_connect_info::<PeerInfo>()).with_graceful_shutdown(shutdown).await
+    crate::http_serve::serve_connections(listener, app, limits, shutdown).await
 }
 
 #[derive(Clone)]
@@ -387,6 +405,9 @@ impl HttpClient {
         };
         reqwest::Client::builder()
             .timeout(timeout)
+            // Below the servers' header timeout (30 s by default), which closes keep-alive
+            // connections idle that long: the client lets go of them first.
+            .pool_idle_timeout(POOL_IDLE)
             .tls_backend_preconfigured(tls)
             .build()
             .map_err(|e| NetError::Http(format!("cannot build an HTTP client: {}", chain(&e))))

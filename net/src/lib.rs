@@ -12,7 +12,8 @@
 //!
 //! # Layout
 //!
-//! - [`config`]: [`AuthConfig`] (an endpoint), [`ClientAuthConfig`] (a client), [`Grant`].
+//! - [`config`]: [`AuthConfig`] (an endpoint), [`ClientAuthConfig`] (a client), [`Grant`],
+//!   [`HttpLimits`] (an HTTP listener's bounds).
 //! - [`guard`]: [`Guard`], [`Identity`], [`Refusal`]: the server side.
 //! - [`connector`]: [`Connector`]: the client side.
 //! - [`blocking`]: the same on blocking sockets ([`blocking::SyncStream`]), for data paths that
@@ -21,7 +22,7 @@
 //! - [`reload`]: [`reload::Reloading`], a value rebuilt when its files change.
 //! - [`http`] (feature `http`): axum serving through a [`Guard`] (TLS accepted in tasks of their
 //!   own, every request authenticated, probes left open) and an HTTP client presenting a
-//!   [`Connector`]'s credentials.
+//!   [`Connector`]'s credentials; `http_serve.rs`, its connection loop within [`HttpLimits`].
 //! - [`error`]: the [`NetError`] enum.
 //!
 //! # Features
@@ -41,6 +42,8 @@ pub mod error;
 pub mod guard;
 #[cfg(feature = "http")]
 pub mod http;
+#[cfg(feature = "http")]
+mod http_serve;
 #[cfg(feature = "runtime")]
 pub mod reload;
 #[cfg(feature = "testing")]
@@ -50,7 +53,7 @@ pub mod tls;
 
 #[cfg(feature = "runtime")]
 pub use blocking::SyncStream;
-pub use config::{AuthConfig, ClientAuthConfig, Grant};
+pub use config::{AuthConfig, ClientAuthConfig, Grant, HttpLimits};
 #[cfg(feature = "runtime")]
 pub use connector::Connector;
 pub use error::NetError;

@@ -115,3 +115,101 @@ async fn serve_authenticates_and_reloads_on_both_sides() {
     let _ = tx.send(());
     task.await.unwrap().unwrap();
 }
+
+/// A plain loopback server within `limits`; its port, its stop signal, its task.
+async fn limited(
+    limits: kvnet::HttpLimits,
+) -> (u16, tokio::sync::oneshot::Sender<()>, tokio::task::JoinHandle<std::io::Result<()>>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let guard = Arc::new(Guard::new("limited API", &AuthConfig::default(), addr, kvnet::http::SERVER_ALPN).unwrap());
+    let app = axum::Router::new().route("/healthz", get(|| async { "ok" }));
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(async move {
+        kvnet::http::serve_with(listener, guard, app, &limits, async move {
+            let _ = rx.await;
+        })
+        .await
+    });
+    (addr.port(), tx, task)
+}
+
+/// Reads until the server closes `s` (or resets it); what it sent. Fails after 10 s.
+async fn closed_by_server(s: &mut tokio::net::TcpStream) -> String {
+    use tokio::io::AsyncReadExt;
+    let mut got = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(10), async {
+        let mut buf = [0u8; 4096];
+        loop {
+            match s.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+            }
+        }
+    })
+    .await;
+    assert!(read.is_ok(), "the server kept the connection open; it sent {:?}", String::from_utf8_lossy(&got));
+    String::from_utf8_lossy(&got).into_owned()
+}
+
+async fn get_healthz(port: u16) -> Result<String, String> {
+    let c = HttpClient::plain(Duration::from_secs(5)).unwrap();
+    let url = format!("http://127.0.0.1:{port}/healthz");
+    status(&c, &url).await.map(|(_, body)| body)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_past_the_cap_are_closed_and_the_rest_served() {
+    let limits = kvnet::HttpLimits { max_connections: 2, ..kvnet::HttpLimits::default() };
+    let (port, stop, task) = limited(limits).await;
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        held.push(tokio::net::TcpStream::connect(("127.0.0.1", port)).await.unwrap());
+    }
+    // Give the loop time to take both before the third arrives.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let mut third = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+    assert_eq!(closed_by_server(&mut third).await, "");
+    assert!(get_healthz(port).await.is_err(), "a fourth connection was served past the cap of 2");
+    held.pop();
+    let mut served = None;
+    for _ in 0..50 {
+        if let Ok(body) = get_healthz(port).await {
+            served = Some(body);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(served.as_deref(), Some("ok"), "a slot given back was not reused");
+    let _ = stop.send(());
+    drop(held);
+    task.await.unwrap().unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn silent_slow_and_idle_clients_are_disconnected() {
+    use tokio::io::AsyncWriteExt;
+    let limits = kvnet::HttpLimits { max_connections: 4, header_timeout_ms: 300, ..kvnet::HttpLimits::default() };
+    let (port, stop, task) = limited(limits).await;
+
+    // Sends nothing.
+    let mut silent = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+    assert_eq!(closed_by_server(&mut silent).await, "");
+
+    // Starts a request and never finishes its headers.
+    let mut slow = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+    slow.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n").await.unwrap();
+    let said = closed_by_server(&mut slow).await;
+    assert!(!said.contains("200 OK"), "{said}");
+
+    // A whole request is answered; then the idle keep-alive connection is closed.
+    let mut idle = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+    idle.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n").await.unwrap();
+    let said = closed_by_server(&mut idle).await;
+    assert!(said.starts_with("HTTP/1.1 200 OK") && said.ends_with("ok"), "{said}");
+
+    // Three connections closed, so a fourth and fifth fit under the cap of 4 with room to spare.
+    assert_eq!(get_healthz(port).await.unwrap(), "ok");
+    let _ = stop.send(());
+    task.await.unwrap().unwrap();
+}

@@ -185,7 +185,9 @@ pub async fn serve_router(
         "kvrouter listening (HTTP and gRPC)"
     );
     let indexer = IndexerApi::new(router.clone());
-    let result = kvnet::http::serve(listener, Arc::new(guard), app_with(router, indexer.clone()), shutdown).await;
+    let limits = router.config().http_limits.clone();
+    let app = app_with(router, indexer.clone());
+    let result = kvnet::http::serve_with(listener, Arc::new(guard), app, &limits, shutdown).await;
     let _ = stop_tx.send(true);
     indexer.shutdown().await;
     while background.join_next().await.is_some() {}

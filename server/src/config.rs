@@ -28,6 +28,9 @@ pub struct Config {
     /// Who may use `metrics_addr` (`/metrics`, `/events/replay`, `/events/snapshot`; `/healthz`
     /// and `/livez` stay open for probes). The same rules as `tcp_auth`.
     pub metrics_auth: kvnet::AuthConfig,
+    /// Bounds on `metrics_addr`'s listener: connections, header and idle timeouts, HTTP/2
+    /// streams (`[http_limits]`).
+    pub http_limits: kvnet::HttpLimits,
     pub g2: G2Config,
     pub g3: G3Config,
     pub g4: G4Config,
@@ -272,6 +275,7 @@ impl Default for Config {
             tcp_auth: kvnet::AuthConfig::default(),
             metrics_addr: SocketAddr::from(([127, 0, 0, 1], 9464)),
             metrics_auth: kvnet::AuthConfig::default(),
+            http_limits: kvnet::HttpLimits::default(),
             g2: G2Config::default(),
             g3: G3Config::default(),
             g4: G4Config::default(),
@@ -492,6 +496,14 @@ impl Config {
             if v < 100 {
                 return Err(bad(field, "must be at least 100"));
             }
+        }
+        // A client waiting for an answer sends nothing: a shorter idle timeout would close
+        // connections under requests still within their time.
+        if l.idle_timeout_ms < l.request_timeout_ms {
+            return Err(bad("limits.idle_timeout_ms", "must be at least limits.request_timeout_ms"));
+        }
+        if let Err((key, reason)) = self.http_limits.validate() {
+            return Err(bad(&format!("http_limits.{key}"), reason));
         }
         if self.engines.lease_ms < 1000 {
             return Err(bad("engines.lease_ms", "must be at least 1000 (heartbeats are sent every third of it)"));

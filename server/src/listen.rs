@@ -356,3 +356,29 @@ pub fn tcp(
     });
     ReceiverStream::new(rx)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Finding 4 of issue 14: out of descriptors, the accept loop spun at 100% CPU. Each error
+    /// now waits, from 5 ms doubling to at most 1 s, and a success starts over.
+    #[tokio::test(start_paused = true)]
+    async fn accept_errors_back_off_doubling_to_a_second_and_reset_on_success() {
+        let mut errors = AcceptErrors::new("unix");
+        let emfile = io::Error::from_raw_os_error(libc::EMFILE);
+        let mut waited = Vec::new();
+        for _ in 0..10 {
+            let t = tokio::time::Instant::now();
+            errors.failed(&emfile).await;
+            waited.push(t.elapsed().as_millis());
+        }
+        assert_eq!(waited, [5, 10, 20, 40, 80, 160, 320, 640, 1000, 1000]);
+        // Ten errors in under 3.3 s of waiting: a loop of them cannot spin.
+        errors.ok();
+        let t = tokio::time::Instant::now();
+        errors.failed(&emfile).await;
+        assert_eq!(t.elapsed().as_millis(), 5);
+        assert_eq!(errors.unlogged, 10, "one log line for the first error, none since (at most every 10 s)");
+    }
+}

@@ -276,10 +276,10 @@ fn serve_listeners(
         match endpoint_guard("metrics_auth", http::ENDPOINT, &config.metrics_auth, &l, kvnet::http::SERVER_ALPN) {
             Ok(guard) => {
                 let app = http::router(Arc::clone(daemon), queue);
-                let rx = stop.clone();
-                tasks.spawn(
-                    async move { kvnet::http::serve(l, guard, app, stopped(rx)).await.map_err(ServerError::Io) },
-                );
+                let (rx, limits) = (stop.clone(), config.http_limits.clone());
+                tasks.spawn(async move {
+                    kvnet::http::serve_with(l, guard, app, &limits, stopped(rx)).await.map_err(ServerError::Io)
+                });
             }
             Err(e) => {
                 tasks.spawn(async move { Err(e) });

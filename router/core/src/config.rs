@@ -438,6 +438,8 @@ pub struct RouterConfig {
     /// tokens, grants of namespaces (docs/router.md section 8). A listener on a non-loopback
     /// address needs credentials here, or `open = true`.
     pub auth: kvnet::AuthConfig,
+    /// Bounds on the API's listener: connections, header and idle timeouts, HTTP/2 streams.
+    pub http_limits: kvnet::HttpLimits,
     /// What the router presents to daemons' recovery routes (`/events/replay`,
     /// `/events/snapshot`): the CA their certificates chain to, a client certificate, a token.
     pub daemon_auth: kvnet::ClientAuthConfig,
@@ -462,6 +464,7 @@ impl Default for RouterConfig {
             namespaces: Vec::new(),
             vllm_sources: Vec::new(),
             auth: kvnet::AuthConfig::default(),
+            http_limits: kvnet::HttpLimits::default(),
             daemon_auth: kvnet::ClientAuthConfig::default(),
         }
     }
@@ -479,6 +482,9 @@ impl RouterConfig {
     pub fn validate(&self) -> Result<(), CoreError> {
         self.weights.validate()?;
         self.split.validate()?;
+        if let Err((key, reason)) = self.http_limits.validate() {
+            return Err(CoreError::Config(format!("http_limits.{key} {reason}")));
+        }
         if !(self.approx_ttl_s.is_finite() && self.approx_ttl_s > 0.0) {
             return Err(CoreError::Config("approx_ttl_s must be > 0".into()));
         }
