@@ -42,6 +42,31 @@ fn is_root() -> bool {
     unsafe { libc::geteuid() == 0 }
 }
 
+/// Every line the daemons of this test binary log, at INFO and up as in production (one
+/// subscriber for the process: the tests' daemons share it).
+fn daemon_log() -> &'static std::sync::Mutex<Vec<u8>> {
+    static LOG: std::sync::OnceLock<&'static std::sync::Mutex<Vec<u8>>> = std::sync::OnceLock::new();
+    LOG.get_or_init(|| {
+        let log: &'static std::sync::Mutex<Vec<u8>> = Box::leak(Box::default());
+        struct Sink(&'static std::sync::Mutex<Vec<u8>>);
+        impl std::io::Write for Sink {
+            fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+                self.0.lock().unwrap().extend_from_slice(b);
+                Ok(b.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let _ = tracing_subscriber::fmt()
+            .with_max_level(tracing_subscriber::filter::LevelFilter::INFO)
+            .with_ansi(false)
+            .with_writer(move || Sink(log))
+            .try_init();
+        log
+    })
+}
+
 /// A root daemon in this process whose socket (mode 0666) and directory other uids can reach.
 struct Daemon {
     dir: tempfile::TempDir,
@@ -53,6 +78,7 @@ struct Daemon {
 }
 
 async fn start(tune: impl FnOnce(&mut Config)) -> Daemon {
+    daemon_log();
     let dir = tempfile::tempdir().unwrap();
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
     let mut c = Config {
@@ -302,6 +328,7 @@ async fn half_sent_requests_are_bounded() {
     // Eight streams, each announcing a 1.9 MB message and sending 1.5 MB of it: 12 MB in all,
     // three times the per-uid bound. The daemon refuses the stream that passes it (and may close
     // the connection): writes stop at the first error.
+    let mut sent = 0usize;
     'streams: for i in 0..8u32 {
         let stream = 2 * i + 1;
         let mut first = kvtests::h2raw::grpc_prefix(1_900_000);
@@ -315,6 +342,7 @@ async fn half_sent_requests_are_bounded() {
             if s.write_all(&kvtests::h2raw::data(stream, &chunk, false)).await.is_err() {
                 break 'streams;
             }
+            sent += chunk.len();
         }
     }
     let refused = tokio::time::timeout(Duration::from_secs(10), async {
@@ -326,7 +354,7 @@ async fn half_sent_requests_are_bounded() {
         }
     })
     .await;
-    assert!(refused.is_ok(), "the per-uid bound on bytes arriving was never reached");
+    assert!(refused.is_ok(), "the per-uid bound on bytes arriving was never reached ({sent} bytes of data sent)");
     // A message announced longer than the limit is refused from its prefix.
     let mut c = raw(&d.socket).await;
     let big = pb::SaveRequest { tokens: vec![0u8; 3 << 20].into(), ..Default::default() };
@@ -336,6 +364,7 @@ async fn half_sent_requests_are_bounded() {
     drop(s);
     let (owner, _mem) = d.engine().await;
     assert_eq!(owner.lookup(&prompt(2)).await.unwrap().matched_blocks, 2);
+    drop((c, owner));
     d.stop().await;
 }
 
@@ -357,7 +386,26 @@ async fn long_strings_are_refused_and_errors_stay_short() {
     let e = c.register(req).await.unwrap_err();
     assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
     assert!(e.message().len() < 512, "{} bytes", e.message().len());
+    // A name within its bound is logged; nothing the client sent is logged at length.
+    req_ok(&mut c, &d.socket, &"n".repeat(128)).await;
+    drop(c); // an open channel would hold the daemon's drain to its deadline
     d.stop().await;
+    let log = daemon_log().lock().unwrap();
+    let text = String::from_utf8_lossy(&log);
+    assert!(text.contains(&"n".repeat(128)), "the registration was not logged:\n{text}");
+    let longest = text.lines().map(str::len).max().unwrap_or(0);
+    assert!(longest < 2048, "a log line of {longest} bytes");
+    assert!(!text.contains(&"x".repeat(200)) && !text.contains(&"r".repeat(200)), "a hostile string was logged whole");
+}
+
+/// Registers an engine named `name` and unregisters it.
+async fn req_ok(c: &mut pb::kvcached_client::KvcachedClient<tonic::transport::Channel>, socket: &Path, name: &str) {
+    let mem = KvMemory::anonymous(&layout(), 8).unwrap();
+    let t = kvclient::attach::attach(socket, &[mem.file()]).unwrap();
+    let mut req = register_request(pb::memory_region::Kind::FdTicket(t[0].to_vec()), None);
+    req.engine_name = name.into();
+    let id = c.register(req).await.unwrap().into_inner().engine_id;
+    c.unregister(pb::EngineRef { engine_id: id }).await.unwrap();
 }
 
 /// Finding 5: malformed protobuf was INTERNAL; a load with bad slots answered OK with a FAILED

@@ -137,7 +137,7 @@ pub(crate) async fn serve_connections(
         });
     }
     // Closes the listening socket before draining: a restarted server can bind it at once.
-    drop(listener);
+    drop((listener, stop_rx));
     let _ = stop_tx.send(true);
     let drained = tokio::time::timeout(DRAIN, stop_tx.closed()).await;
     if drained.is_err() {
