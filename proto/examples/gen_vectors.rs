@@ -11,14 +11,15 @@
 use std::error::Error;
 use std::path::{Path, PathBuf};
 
+use kvproto::block_keys;
 use kvproto::dynamo::{DYNAMO_SEED, local_block_hash, sequence_hashes};
-use kvproto::{KvLayout, Namespace, block_keys};
 
 #[path = "../tests/common/schema.rs"]
 mod schema;
 
 use schema::{
-    BlockKeyFile, BlockKeyVector, DynamoFile, DynamoVector, NamespaceSpec, TOKEN_GENERATOR, TokenSegment, expand_tokens,
+    BlockKeyFile, BlockKeyVector, DynamoFile, DynamoVector, NamespaceSpec, RejectionVector, TOKEN_GENERATOR,
+    TokenSegment, expand_tokens, to_namespace,
 };
 
 const LLAMA8B: &str = "meta-llama/Llama-3.1-8B-Instruct@0e9e39f249a16976918f6564b8830bc894c89659";
@@ -62,28 +63,8 @@ fn ns(
     }
 }
 
-fn to_namespace(spec: &NamespaceSpec) -> Result<Namespace, Box<dyn Error>> {
-    let layout = KvLayout::from_names(
-        spec.num_layers,
-        spec.kv_heads,
-        spec.head_dim,
-        &spec.dtype,
-        spec.tokens_per_block,
-        &spec.layout_kind,
-    )?;
-    let ns = Namespace {
-        model_id: spec.model_id.clone(),
-        layout,
-        tenant_salt: spec.tenant_salt_hex.as_deref().map(hex::decode).transpose()?,
-        adapter_id: spec.adapter_id.clone(),
-        extra: spec.extra_hex.as_deref().map(hex::decode).transpose()?,
-    };
-    ns.validate()?;
-    Ok(ns)
-}
-
 fn key_vector(name: &str, spec: NamespaceSpec, tokens: Vec<TokenSegment>) -> Result<BlockKeyVector, Box<dyn Error>> {
-    let ns = to_namespace(&spec)?;
+    let ns = to_namespace(&spec).map_err(|(field, e)| format!("{name}: {field}: {e}"))?;
     let fp = ns.fingerprint();
     let toks = expand_tokens(&tokens);
     let keys = block_keys(&fp, spec.tokens_per_block as usize, &toks);
@@ -272,7 +253,72 @@ fn block_key_vectors() -> Result<Vec<BlockKeyVector>, Box<dyn Error>> {
         ns(QWEN, q, "bf16", 3, "contiguous", salt_b, None, None),
         vec![full(10, 9, GOLDEN)],
     )?);
+    // A 128k-token prompt: the longest chain an engine asks about in one lookup.
+    v.push(key_vector(
+        "bs16_8192_blocks_128k_prompt",
+        ns(LLAMA8B, l8, "bf16", 16, "layer_separate", None, None, None),
+        vec![TokenSegment::new(8192 * 16, 128_000, 7_919, VOCAB_LLAMA3)],
+    )?);
     Ok(v)
+}
+
+/// Namespaces the spec refuses, one per rule of section 2.
+fn rejection_vectors() -> Result<Vec<RejectionVector>, Box<dyn Error>> {
+    let l8 = (32, 8, 128);
+    let good = || ns(LLAMA8B, l8, "bf16", 16, "layer_separate", None, None, None);
+    let max = u32::MAX;
+    let cases: Vec<(&str, NamespaceSpec, &str, &str)> = vec![
+        ("empty_model_id", NamespaceSpec { model_id: String::new(), ..good() }, "model_id", "model_id is empty"),
+        ("zero_num_layers", NamespaceSpec { num_layers: 0, ..good() }, "num_layers", "a layout field is 0"),
+        ("zero_kv_heads", NamespaceSpec { kv_heads: 0, ..good() }, "kv_heads", "a layout field is 0"),
+        ("zero_head_dim", NamespaceSpec { head_dim: 0, ..good() }, "head_dim", "a layout field is 0"),
+        (
+            "zero_tokens_per_block",
+            NamespaceSpec { tokens_per_block: 0, ..good() },
+            "tokens_per_block",
+            "a layout field is 0",
+        ),
+        (
+            "bytes_per_block_overflow",
+            ns(LLAMA8B, (max, max, max), "f32", max, "layer_separate", None, None, None),
+            "layout",
+            "tokens_per_block * kv_heads * head_dim * dtype bytes * num_layers * 2 is above 2^64 - 1",
+        ),
+        (
+            "bytes_per_block_overflow_by_one_factor",
+            ns(LLAMA8B, (max, max, 2), "bf16", 1, "layer_separate", None, None, None),
+            "layout",
+            "2^32-1 * 2^32-1 * 2 * 2 * 2 is above 2^64 - 1 although each field fits in u32",
+        ),
+        ("unknown_dtype", NamespaceSpec { dtype: "f8".into(), ..good() }, "dtype", "not a name of the dtype table"),
+        (
+            "unknown_layout_kind",
+            NamespaceSpec { layout_kind: "paged".into(), ..good() },
+            "layout_kind",
+            "not a name of the layout-kind table",
+        ),
+        (
+            "salt_not_hex",
+            NamespaceSpec { tenant_salt_hex: Some("zz".into()), ..good() },
+            "tenant_salt_hex",
+            "not hexadecimal",
+        ),
+        (
+            "extra_odd_hex_length",
+            NamespaceSpec { extra_hex: Some("abc".into()), ..good() },
+            "extra_hex",
+            "an odd number of hex digits",
+        ),
+    ];
+    let mut out = Vec::new();
+    for (name, spec, field, reason) in cases {
+        match to_namespace(&spec) {
+            Err((f, _)) if f == field => {}
+            other => return Err(format!("rejection {name}: expected a refusal at {field}, got {other:?}").into()),
+        }
+        out.push(RejectionVector { name: name.into(), namespace: spec, field: field.into(), reason: reason.into() });
+    }
+    Ok(out)
 }
 
 fn dynamo_vector(name: &str, block_size: u32, seed: u64, tokens: Vec<TokenSegment>) -> DynamoVector {
@@ -347,6 +393,7 @@ fn main() -> Result<(), Box<dyn Error>> {
         format_version: 1,
         token_generator: TOKEN_GENERATOR.to_string(),
         vectors: block_key_vectors()?,
+        rejections: rejection_vectors()?,
     };
     let dynamo = DynamoFile {
         description: "Dynamo-compatible XXH3-64 chained block hashes (docs/block-keys.md, \

@@ -54,16 +54,44 @@ def enc_opt(b: bytes | None) -> bytes:
     return b"\x00" if b is None else b"\x01" + enc_bytes(b)
 
 
+DTYPE_BYTES = {"f16": 2, "bf16": 2, "f32": 4, "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1}
+
+
+class Refused(ValueError):
+    """A namespace the spec refuses; `field` is the field at fault (or `layout`)."""
+
+    def __init__(self, field: str, why: str) -> None:
+        super().__init__(f"{field}: {why}")
+        self.field = field
+
+
+def hex_field(ns: dict, field: str) -> bytes | None:
+    if ns[field] is None:
+        return None
+    try:
+        return bytes.fromhex(ns[field])
+    except ValueError as e:
+        raise Refused(field, f"not hex: {e}") from None
+
+
 def canonical_bytes(ns: dict) -> bytes:
     model = ns["model_id"].encode("utf-8")
     if not model:
-        raise ValueError("model_id must not be empty")
+        raise Refused("model_id", "must not be empty")
     for f in ("num_layers", "kv_heads", "head_dim", "tokens_per_block"):
         if not 0 < ns[f] <= U32_MAX:
-            raise ValueError(f"{f} out of range")
-    salt = None if ns["tenant_salt_hex"] is None else bytes.fromhex(ns["tenant_salt_hex"])
+            raise Refused(f, "out of range")
+    if ns["dtype"] not in DTYPE_CODES:
+        raise Refused("dtype", "unknown name")
+    if ns["layout_kind"] not in LAYOUT_KIND_CODES:
+        raise Refused("layout_kind", "unknown name")
+    block_bytes = (ns["tokens_per_block"] * ns["kv_heads"] * ns["head_dim"] * DTYPE_BYTES[ns["dtype"]]
+                   * ns["num_layers"] * 2)
+    if block_bytes > 2**64 - 1:
+        raise Refused("layout", "bytes per block overflow 64 bits")
+    salt = hex_field(ns, "tenant_salt_hex")
     adapter = None if ns["adapter_id"] is None else ns["adapter_id"].encode("utf-8")
-    extra = None if ns["extra_hex"] is None else bytes.fromhex(ns["extra_hex"])
+    extra = hex_field(ns, "extra_hex")
     return (
         bytes([ENCODING_VERSION])
         + enc_bytes(model)
@@ -169,7 +197,13 @@ def check_block_keys(c: Checker, path: Path) -> None:
         c.check(f"{name}: number of keys in file", len(v["keys"]), len(keys))
         for i, (got, want) in enumerate(zip(keys, v["keys"])):
             c.check(f"{name}: key {i}", got, want)
-    print(f"{path.name}: {len(doc['vectors'])} vectors")
+    for r in doc["rejections"]:
+        try:
+            canonical_bytes(r["namespace"])
+            c.check(f"rejection {r['name']}: refused", "accepted", f"refused at {r['field']}")
+        except Refused as e:
+            c.check(f"rejection {r['name']}: field at fault", e.field, r["field"])
+    print(f"{path.name}: {len(doc['vectors'])} vectors, {len(doc['rejections'])} rejections")
 
 
 def check_dynamo(c: Checker, path: Path) -> None:

@@ -33,21 +33,7 @@ fn load_dynamo() -> DynamoFile {
 }
 
 fn namespace_of(spec: &NamespaceSpec) -> Namespace {
-    let ns = Namespace {
-        model_id: spec.model_id.clone(),
-        layout: KvLayout {
-            num_layers: spec.num_layers,
-            kv_heads: spec.kv_heads,
-            head_dim: spec.head_dim,
-            dtype: Dtype::parse(&spec.dtype).unwrap(),
-            tokens_per_block: spec.tokens_per_block,
-            kind: LayoutKind::parse(&spec.layout_kind).unwrap(),
-        },
-        tenant_salt: spec.tenant_salt_hex.as_deref().map(|h| hex::decode(h).unwrap()),
-        adapter_id: spec.adapter_id.clone(),
-        extra: spec.extra_hex.as_deref().map(|h| hex::decode(h).unwrap()),
-    };
-    ns.validate().unwrap();
+    let ns = schema::to_namespace(spec).unwrap();
     // Names round-trip, so the JSON names are exactly the spec's table names.
     assert_eq!(ns.layout.dtype.name(), spec.dtype);
     assert_eq!(ns.layout.kind.name(), spec.layout_kind);
@@ -113,6 +99,7 @@ fn block_key_vectors_cover_the_spec() {
     assert!(any(&|v| v.keys.is_empty() && v.token_count > 0), "a partial-only prompt");
     assert!(any(&|v| v.keys.len() == 1));
     assert!(any(&|v| v.keys.len() >= 100));
+    assert!(any(&|v| v.keys.len() >= 8192), "a 128k-token chain");
     let dtypes: BTreeSet<&str> = vs.iter().map(|v| v.namespace.dtype.as_str()).collect();
     assert_eq!(dtypes.len(), 6, "every dtype: {dtypes:?}");
     let kinds: BTreeSet<&str> = vs.iter().map(|v| v.namespace.layout_kind.as_str()).collect();
@@ -120,6 +107,34 @@ fn block_key_vectors_cover_the_spec() {
     let max_token = vs.iter().flat_map(|v| expand_tokens(&v.tokens)).max().unwrap();
     assert_eq!(max_token, u32::MAX);
     assert!(vs.iter().any(|v| expand_tokens(&v.tokens).contains(&0x8000_0000)));
+}
+
+/// Every rejection vector is refused, at the field it names; together they cover each rule of
+/// section 2.
+#[test]
+fn rejection_vectors() {
+    let file = load_block_keys();
+    for r in &file.rejections {
+        match schema::to_namespace(&r.namespace) {
+            Err((field, why)) => assert_eq!(field, r.field, "{}: refused for {why}", r.name),
+            Ok(_) => panic!("{}: accepted a namespace the spec refuses ({})", r.name, r.reason),
+        }
+    }
+    let fields: BTreeSet<&str> = file.rejections.iter().map(|r| r.field.as_str()).collect();
+    for f in [
+        "model_id",
+        "num_layers",
+        "kv_heads",
+        "head_dim",
+        "tokens_per_block",
+        "layout",
+        "dtype",
+        "layout_kind",
+        "tenant_salt_hex",
+        "extra_hex",
+    ] {
+        assert!(fields.contains(f), "no rejection vector for {f}");
+    }
 }
 
 /// The worked example printed in docs/block-keys.md is the `worked_example` vector.

@@ -1,8 +1,7 @@
 //! Probing a long prompt's keys while they are still being derived.
 //!
-//! The first lookup of a 128k-token prompt derives 8192 keys, one dependent chain (~0.42 ms
-//! here), and probes every tier for each (~0.1 ms for G2 alone). The chain cannot be split; the
-//! probes can. Thread `kv-probe` probes each chunk of keys as soon as the lookup has derived
+//! The first lookup of a 128k-token prompt derives 8192 keys, one dependent chain, and probes
+//! every tier for each. The chain cannot be split; the probes can. Thread `kv-probe` probes each chunk of keys as soon as the lookup has derived
 //! it, while the lookup goes on deriving the next. The chunks the helper has not taken when the
 //! chain ends the lookup probes itself, so a helper that is busy with another lookup, or slow to
 //! wake, costs the lookup nothing but the wake-up call.

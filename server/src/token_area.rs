@@ -4,8 +4,8 @@
 //!
 //! The daemon maps the area read-only and copies a span into memory of its own as far as the
 //! request uses it ([`PromptTokens`]): a chunk at a time, just before the key chain reads it,
-//! with the next chunk prefetched. So the copy runs under the chain (a read of the whole span
-//! first cost ~80 us of a cold 128k lookup's ~1 ms here), and everything the daemon derives or
+//! with the next chunk prefetched. So the copy runs under the chain instead of before it
+//! (docs/benchmarks.md has the cold 128k lookup), and everything the daemon derives or
 //! remembers comes from its own copy: an engine that rewrites a span mid-request gets an answer
 //! for whatever bytes were copied, for its own request only, like sending other tokens. An
 //! engine that truncates its area does not kill the daemon with SIGBUS: the mapping is watched

@@ -74,6 +74,17 @@ pub struct BlockKeyVector {
     pub keys: Vec<String>,
 }
 
+/// A namespace the spec refuses: no canonical bytes, no fingerprint, no keys.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RejectionVector {
+    pub name: String,
+    pub namespace: NamespaceSpec,
+    /// The field at fault: a field of `namespace`, or `layout` (bytes per block overflow).
+    pub field: String,
+    /// What is wrong, for a reader.
+    pub reason: String,
+}
+
 /// `proto/tests/data/block_keys.json`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct BlockKeyFile {
@@ -81,6 +92,39 @@ pub struct BlockKeyFile {
     pub format_version: u32,
     pub token_generator: String,
     pub vectors: Vec<BlockKeyVector>,
+    pub rejections: Vec<RejectionVector>,
+}
+
+/// The namespace a spec names, or the field at fault and why (what a rejection vector lists).
+pub fn to_namespace(spec: &NamespaceSpec) -> Result<kvproto::Namespace, (String, String)> {
+    use kvproto::ProtoError;
+    let at = |field: &str, e: &dyn std::fmt::Display| (field.to_string(), e.to_string());
+    let dtype = kvproto::Dtype::parse(&spec.dtype).map_err(|e| at("dtype", &e))?;
+    let kind = kvproto::LayoutKind::parse(&spec.layout_kind).map_err(|e| at("layout_kind", &e))?;
+    let hex = |field: &str, h: &Option<String>| -> Result<Option<Vec<u8>>, (String, String)> {
+        h.as_deref().map(hex::decode).transpose().map_err(|e| at(field, &e))
+    };
+    let ns = kvproto::Namespace {
+        model_id: spec.model_id.clone(),
+        layout: kvproto::KvLayout {
+            num_layers: spec.num_layers,
+            kv_heads: spec.kv_heads,
+            head_dim: spec.head_dim,
+            dtype,
+            tokens_per_block: spec.tokens_per_block,
+            kind,
+        },
+        tenant_salt: hex("tenant_salt_hex", &spec.tenant_salt_hex)?,
+        adapter_id: spec.adapter_id.clone(),
+        extra: hex("extra_hex", &spec.extra_hex)?,
+    };
+    match ns.validate() {
+        Ok(()) => Ok(ns),
+        Err(e @ (ProtoError::InvalidLayout { field, .. } | ProtoError::InvalidNamespace { field, .. })) => {
+            Err(at(field, &e))
+        }
+        Err(e) => Err(at("?", &e)),
+    }
 }
 
 /// One Dynamo-hash vector. Hashes are u64 written as decimal strings and as 16 lowercase hex

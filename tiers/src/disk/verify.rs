@@ -1,9 +1,9 @@
 //! Checksums computed while G3 I/O runs.
 //!
 //! A block read from disk lands in memory the CPU has not seen, so its checksum is bound by
-//! memory bandwidth (50-70 us of a 256 KiB read's ~200 us here). Reads are
-//! therefore split into pieces that are all in flight at once; each piece is hashed as soon as
-//! it and every piece before it have arrived, while the later pieces are still on their way.
+//! memory bandwidth, a large share of a read's time on a fast drive. Reads are therefore split
+//! into pieces that are all in flight at once; each piece is hashed as soon as it and every
+//! piece before it have arrived, while the later pieces are still on their way.
 //! Writes hash their source once the I/O has started.
 
 use super::op::{IoKind, IoOp, IoProgress};
