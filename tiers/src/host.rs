@@ -26,6 +26,7 @@ use crate::lru_policy::LruPolicy;
 use crate::pages::{PagePool, Pages};
 use crate::pieces::copy_pieces;
 use crate::residency::{Residency, SlotBytes};
+use crate::room::{self, Room};
 use crate::stats::{Count, TierCounters, TierStats, TierUsage};
 use crate::tier::{BlockRef, Tier};
 
@@ -252,8 +253,8 @@ pub struct HostTier {
     committed: Condvar,
     dirty_wait: Duration,
     listener: ListenerSlot,
-    high_pages: usize,
-    low_pages: usize,
+    /// Capacity and watermarks (`room.rs`).
+    room: Room,
 }
 
 impl HostTier {
@@ -338,10 +339,11 @@ impl HostTier {
                 }
             },
         };
-        let total = pages as usize;
+        let pool = PagePool::new(cfg.page_size, pages);
         Ok(Self {
             region: SharedRegion { _cuda: cuda, map, path, _file: file },
-            pool: PagePool::new(cfg.page_size, pages),
+            room: Room::of_pool(TIER, &pool, cfg.high_watermark, cfg.low_watermark),
+            pool,
             state: Mutex::new(Residency::new(Box::new(LruPolicy::new()) as Box<dyn EvictionPolicy>)),
             counters: TierCounters::new(TIER, len as u64),
             cleaned: Condvar::new(),
@@ -352,8 +354,6 @@ impl HostTier {
                 "kvcached_writethrough_dropped_total",
                 &[("reason", "evicted_before_write")],
             ),
-            high_pages: ((total as f64) * cfg.high_watermark) as usize,
-            low_pages: ((total as f64) * cfg.low_watermark) as usize,
         })
     }
 
@@ -459,39 +459,30 @@ impl HostTier {
     /// Clean blocks go first; if only blocks still waiting for write-through could go, waits
     /// up to `dirty_wait` for the writer to clean some before dropping their write-through.
     fn make_room(&self, st: &mut MutexGuard<'_, Residency<HostSlot>>, pages: usize) -> Result<()> {
-        let total = self.pool.total_pages() as usize;
-        let full = |free: usize| TierError::Full {
-            tier: TIER,
-            needed: pages as u64 * self.pool.page_size() as u64,
-            free: free as u64 * self.pool.page_size() as u64,
-        };
-        if pages > total {
-            return Err(full(self.pool.free_pages()));
-        }
+        let page = self.pool.page_size() as u64;
+        let want = pages as u64 * page;
         let deadline = Instant::now() + self.dirty_wait;
         loop {
-            let used = self.pool.used_pages();
-            if used + pages <= self.high_pages && self.pool.free_pages() >= pages {
+            let free = self.pool.free_pages() as u64 * page;
+            let need = self.room.bytes_to_evict(self.pool.used_pages() as u64 * page, free, want)?;
+            if need == 0 {
                 return Ok(());
             }
             let now = Instant::now();
             let allow_dirty = now >= deadline || st.dirty() == 0;
-            // Free enough that, with this block, usage ends at the low watermark.
-            let need = (used + pages).saturating_sub(self.low_pages.min(total)) as u64 * self.pool.page_size() as u64;
             let (victims, _) = st.evict(need, now, allow_dirty);
             let dropped = victims.iter().filter(|(_, e)| e.dirty).count() as u64;
             if dropped > 0 {
                 self.evicted_dirty.add(dropped);
             }
-            self.counters.evictions.add(victims.len() as u64);
             let keys: Vec<BlockKey> = victims.iter().map(|(k, _)| *k).collect();
-            self.listener.removed(TIER, &keys);
+            room::evicted(TIER, &self.counters, &self.listener, &keys);
             drop(victims); // frees the pages (no reader holds them: evict skips blocks in use)
             if self.pool.free_pages() >= pages {
                 return Ok(());
             }
             if allow_dirty {
-                return Err(full(self.pool.free_pages()));
+                return Err(self.room.full(want, self.pool.free_pages() as u64 * page));
             }
             self.cleaned.wait_until(st, deadline);
         }
@@ -690,12 +681,8 @@ impl Tier for HostTier {
     }
 
     fn usage(&self) -> TierUsage {
-        let st = self.state.lock();
-        TierUsage {
-            used_bytes: self.pool.used_pages() as u64 * self.pool.page_size() as u64,
-            capacity_bytes: self.pool.total_pages() as u64 * self.pool.page_size() as u64,
-            blocks: st.len(),
-        }
+        let blocks = self.state.lock().len();
+        room::pool_usage(&self.pool, blocks)
     }
 
     fn stats(&self) -> TierStats {

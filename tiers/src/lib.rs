@@ -15,6 +15,8 @@
 //!   batches.
 //! - [`residency`]: reserve -> write -> commit states, child counts, leases and eviction
 //!   choice, shared by every tier.
+//! - `room`: capacity and watermarks (when an insert evicts, how much), what an eviction
+//!   reports, a page pool's usage: one piece for G2, G3 and G4.
 //! - [`eviction`] / [`lru_policy`]: recency order behind a small trait, LRU via the `lru`
 //!   crate.
 //! - [`pages`]: page-granular space allocation shared by G2 and G3.
@@ -39,6 +41,7 @@ pub mod object;
 pub mod pages;
 pub mod pieces;
 pub(crate) mod residency;
+pub(crate) mod room;
 pub mod stats;
 pub mod store;
 pub mod tier;

@@ -37,6 +37,7 @@ use crate::listener::{ListenerSlot, TierListener};
 use crate::lru_policy::LruPolicy;
 use crate::pages::{PagePool, Pages};
 use crate::residency::{Residency, SlotBytes};
+use crate::room::{self, Room};
 use crate::stats::{TierCounters, TierStats, TierUsage};
 use crate::tier::{BlockRef, PartsRef, Tier};
 
@@ -119,8 +120,8 @@ pub struct DiskTier {
     counters: TierCounters,
     cfg: DiskTierConfig,
     next_tick: AtomicU64,
-    high_pages: usize,
-    low_pages: usize,
+    /// Capacity and watermarks (`room.rs`).
+    room: Room,
     logged_corruption: AtomicBool,
     /// Recent I/O failures, for `/healthz`.
     health: health::DiskHealth,
@@ -265,8 +266,7 @@ impl DiskTier {
             file,
             index,
             io,
-            high_pages: (total as f64 * cfg.high_watermark) as usize,
-            low_pages: (total as f64 * cfg.low_watermark) as usize,
+            room: Room::of_pool(TIER, &pool, cfg.high_watermark, cfg.low_watermark),
             pool,
             state: Mutex::new(st),
             counters,
@@ -294,37 +294,28 @@ impl DiskTier {
 
     /// Evicts (index first, then space) so that `pages` more pages fit.
     fn make_room(&self, st: &mut Residency<DiskSlot>, pages: usize) -> Result<()> {
-        let used = self.pool.used_pages();
-        if used + pages <= self.high_pages && self.pool.free_pages() >= pages {
+        let page = self.pool.page_size() as u64;
+        let want = pages as u64 * page;
+        let need = self.room.bytes_to_evict(
+            self.pool.used_pages() as u64 * page,
+            self.pool.free_pages() as u64 * page,
+            want,
+        )?;
+        if need == 0 {
             return Ok(());
         }
-        let total = self.pool.total_pages() as usize;
-        if pages > total {
-            return Err(TierError::Full {
-                tier: TIER,
-                needed: pages as u64 * self.pool.page_size() as u64,
-                free: self.pool.free_pages() as u64 * self.pool.page_size() as u64,
-            });
-        }
-        // Free enough that, with this block, usage ends at the low watermark.
-        let need = (used + pages).saturating_sub(self.low_pages.min(total)) as u64 * self.pool.page_size() as u64;
         let (victims, _) = st.evict(need, Instant::now(), true);
         if !victims.is_empty() {
             let keys: Vec<BlockKey> = victims.iter().map(|(k, _)| *k).collect();
             // The deletions must be in the index before the pages can be reused.
             self.index.write(&[], &keys, false)?;
-            self.counters.evictions.add(victims.len() as u64);
-            self.listener.removed(TIER, &keys);
+            room::evicted(TIER, &self.counters, &self.listener, &keys);
         }
         drop(victims);
         if self.pool.free_pages() >= pages {
             Ok(())
         } else {
-            Err(TierError::Full {
-                tier: TIER,
-                needed: pages as u64 * self.pool.page_size() as u64,
-                free: self.pool.free_pages() as u64 * self.pool.page_size() as u64,
-            })
+            Err(self.room.full(want, self.pool.free_pages() as u64 * page))
         }
     }
 
@@ -729,12 +720,8 @@ impl Tier for DiskTier {
     }
 
     fn usage(&self) -> TierUsage {
-        let st = self.state.lock();
-        TierUsage {
-            used_bytes: self.pool.used_pages() as u64 * self.pool.page_size() as u64,
-            capacity_bytes: self.pool.total_pages() as u64 * self.pool.page_size() as u64,
-            blocks: st.len(),
-        }
+        let blocks = self.state.lock().len();
+        room::pool_usage(&self.pool, blocks)
     }
 
     fn stats(&self) -> TierStats {

@@ -38,6 +38,7 @@ use crate::eviction::EvictionPolicy;
 use crate::listener::{ListenerSlot, TierListener};
 use crate::lru_policy::LruPolicy;
 use crate::residency::{Residency, SlotBytes};
+use crate::room::Room;
 use crate::stats::{Count, TierCounters, TierStats, TierUsage};
 use crate::tier::{BlockRef, Tier};
 
@@ -479,14 +480,15 @@ impl ObjectTier {
     /// objects are deleted by the caller). `Err` when the budget cannot hold `need`.
     fn make_room(&self, idx: &mut Index, need: u64) -> Result<Vec<(BlockKey, NamespaceId)>> {
         let cap = self.cfg.capacity_bytes;
-        if cap == 0 || idx.used + need <= cap {
+        if cap == 0 {
             return Ok(Vec::new());
         }
-        let full = |free| TierError::Full { tier: TIER, needed: need, free };
-        if need > cap {
-            return Err(full(cap.saturating_sub(idx.used)));
+        let room = Room::budget(TIER, cap);
+        let evict = room.bytes_to_evict(idx.used, cap.saturating_sub(idx.used), need)?;
+        if evict == 0 {
+            return Ok(Vec::new());
         }
-        let (victims, enough) = idx.res.evict(idx.used + need - cap, Instant::now(), true);
+        let (victims, enough) = idx.res.evict(evict, Instant::now(), true);
         let out: Vec<(BlockKey, NamespaceId)> = victims
             .into_iter()
             .map(|(k, e)| {
@@ -494,10 +496,11 @@ impl ObjectTier {
                 (k, e.meta.namespace)
             })
             .collect();
+        // Counted here; the listener hears of them once their objects are deleted.
         self.counters.evictions.add(out.len() as u64);
         if !enough {
             // What went is gone from the index; its objects are still deleted.
-            return Err(full(cap.saturating_sub(idx.used)));
+            return Err(room.full(need, cap.saturating_sub(idx.used)));
         }
         Ok(out)
     }
