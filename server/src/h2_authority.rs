@@ -2,10 +2,12 @@
 //! encoded, as the HTTP/2 `:authority` (`tmp%2Fkvcached.sock`), which the daemon's HTTP/2 stack
 //! refuses (a `%` outside userinfo is not a valid host), so every call failed with "Stream
 //! removed". On the Unix socket the authority means nothing, so the daemon reads client header
-//! blocks through [`HeaderFix`]: each block is decoded (HPACK, with the client's dynamic table)
-//! and passed on as literal fields that never touch the server's dynamic table, with an
-//! unusable `:authority` replaced by `localhost`. Every other frame passes through untouched, and
-//! DATA frames' payloads without a copy.
+//! blocks through [`HeaderFix`]. The first block decides: when its `:authority` is usable (every
+//! Rust client, and grpcio given `grpc.default_authority`) it goes on as it came and the rest of
+//! the connection passes through untouched, at no cost. Otherwise each block is decoded (HPACK,
+//! with the client's dynamic table) and passed on as literal fields that never touch the
+//! server's dynamic table, with the unusable `:authority` replaced by `localhost`; every other
+//! frame passes through untouched, and DATA frames' payloads without a copy.
 
 use std::io;
 use std::pin::Pin;
@@ -56,7 +58,22 @@ pub struct HeaderFix<IO> {
     out: Vec<u8>,
     out_at: usize,
     decoder: loona_hpack::Decoder<'static>,
-    failed: bool,
+    mode: Mode,
+    /// While [`Mode::Deciding`]: the first header block's frames as they came.
+    raw: Vec<u8>,
+}
+
+/// What the reader does with the client's header blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    /// The first block is being collected.
+    Deciding,
+    /// Every block is decoded and passed on rewritten.
+    Rewriting,
+    /// Everything passes through untouched: the first block's authority was usable, or a block
+    /// could not be decoded (the server's own decoder then fails the connection, as it would
+    /// have without this reader).
+    Passthrough,
 }
 
 impl<IO: std::fmt::Debug> std::fmt::Debug for HeaderFix<IO> {
@@ -79,7 +96,8 @@ impl<IO> HeaderFix<IO> {
                 d.set_max_allowed_table_size(TABLE_SIZE);
                 d
             },
-            failed: false,
+            mode: Mode::Deciding,
+            raw: Vec::new(),
         }
     }
 
@@ -90,6 +108,10 @@ impl<IO> HeaderFix<IO> {
     /// Consumes bytes read from the client (not DATA payloads, which pass straight through).
     fn feed(&mut self, mut bytes: &[u8]) {
         while !bytes.is_empty() {
+            if self.mode == Mode::Passthrough {
+                self.out.extend_from_slice(bytes);
+                return;
+            }
             match self.state {
                 State::Preface(left) | State::Payload(left) => {
                     let n = left.min(bytes.len());
@@ -111,6 +133,9 @@ impl<IO> HeaderFix<IO> {
                 }
                 State::Block(left) => {
                     let n = left.min(bytes.len());
+                    if self.mode == Mode::Deciding {
+                        self.raw.extend_from_slice(&bytes[..n]);
+                    }
                     if let Some((_, _, b)) = self.block.as_mut() {
                         b.extend_from_slice(&bytes[..n]);
                     }
@@ -131,13 +156,16 @@ impl<IO> HeaderFix<IO> {
         let (kind, flags) = (h[3], h[4]);
         let stream = u32::from_be_bytes([h[5], h[6], h[7], h[8]]) & 0x7fff_ffff;
         let collecting = kind == HEADERS || (kind == CONTINUATION && self.block.is_some());
-        if !collecting || self.failed {
+        if !collecting {
             self.out.extend_from_slice(&h);
             self.state = if len == 0 { State::Header } else { State::Payload(len) };
             return;
         }
         if kind == HEADERS {
             self.block = Some((stream, flags & END_STREAM != 0, Vec::with_capacity(len)));
+        }
+        if self.mode == Mode::Deciding {
+            self.raw.extend_from_slice(&h);
         }
         self.head = h; // kept for `fragment_done` (flags, padding)
         self.state = State::Block(len);
@@ -194,15 +222,31 @@ impl<IO> HeaderFix<IO> {
             }
         });
         match r {
-            Ok(()) if !over => self.emit(stream, end_stream, &fields),
+            Ok(()) if !over => {
+                let usable = fields.iter().all(|(n, v)| n != b":authority" || valid_authority(v));
+                if self.mode == Mode::Deciding && usable {
+                    // The server decodes the original bytes with the client's table: from here
+                    // on the two stay in step without this reader.
+                    self.out.append(&mut self.raw);
+                    self.mode = Mode::Passthrough;
+                    return;
+                }
+                self.mode = Mode::Rewriting;
+                self.raw = Vec::new();
+                self.emit(stream, end_stream, &fields);
+            }
             _ => self.fail(),
         }
     }
 
-    /// From now on everything passes through untouched: the server's own HPACK decoder then
-    /// fails on the connection and closes it, as it would have without this reader.
+    /// From now on everything passes through untouched (the first block as it came, if it was
+    /// the first): the server's own HPACK decoder then fails on the connection and closes it, as
+    /// it would have without this reader.
     fn fail(&mut self) {
-        self.failed = true;
+        if self.mode == Mode::Deciding {
+            self.out.append(&mut self.raw);
+        }
+        self.mode = Mode::Passthrough;
         self.block = None;
     }
 
@@ -279,8 +323,14 @@ impl<IO: AsyncRead + Unpin> AsyncRead for HeaderFix<IO> {
                 if this.out_at == this.out.len() {
                     this.out.clear();
                     this.out_at = 0;
+                    if this.mode == Mode::Passthrough {
+                        this.out = Vec::new(); // its buffer is not needed again
+                    }
                 }
                 return Poll::Ready(Ok(()));
+            }
+            if this.mode == Mode::Passthrough {
+                return Pin::new(&mut this.io).poll_read(cx, buf);
             }
             // A DATA (or any non-header) payload: straight into the caller's buffer.
             if let State::Payload(left) = this.state {
@@ -435,7 +485,7 @@ mod tests {
         input.extend(frame(HEADERS, END_HEADERS, 1, &block));
         let mut fix = HeaderFix::new(());
         fix.feed(&input);
-        assert!(fix.failed);
+        assert_eq!(fix.mode, Mode::Passthrough);
         assert!(fix.out.len() < block.len() + 100, "nothing expanded: {} bytes out", fix.out.len());
     }
 
@@ -445,9 +495,12 @@ mod tests {
         let block = enc.encode(vec![(&b":authority"[..], &b"localhost:50051"[..])]);
         let mut input = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
         input.extend(frame(HEADERS, END_HEADERS, 1, &block));
-        let out = run(&input);
-        let fields = loona_hpack::Decoder::new().decode(&out[PREFACE_LEN + 9..]).unwrap();
-        assert_eq!(fields[0].1, b"localhost:50051");
+        // A usable first block: the connection passes through as it came, later blocks (which
+        // refer to the client's dynamic table) included.
+        let later = enc.encode(vec![(&b":authority"[..], &b"localhost:50051"[..])]);
+        input.extend(frame(0, 0, 1, b"abc"));
+        input.extend(frame(HEADERS, END_HEADERS, 3, &later));
+        assert_eq!(run(&input), input);
         // An undecodable block: passed on as it is (the server then refuses the connection).
         let mut input = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
         input.extend(frame(HEADERS, END_HEADERS, 1, &[0xff, 0xff, 0xff, 0xff]));

@@ -26,17 +26,21 @@ use crate::limits::{Held, Limits, Principal};
 const HANDOFF: usize = 64;
 
 /// An accepted connection: counted until dropped, closed after `idle` without a byte read.
+/// A read only notes its time; the timer is moved when it fires early (not on every read, which
+/// would cost a timer-wheel update per request).
 #[derive(Debug)]
 pub struct Conn<IO> {
     io: IO,
     _held: Held,
     idle: Duration,
+    last_read: tokio::time::Instant,
     deadline: Pin<Box<tokio::time::Sleep>>,
 }
 
 impl<IO> Conn<IO> {
     fn new(io: IO, held: Held, idle: Duration) -> Self {
-        Self { io, _held: held, idle, deadline: Box::pin(tokio::time::sleep(idle)) }
+        let now = tokio::time::Instant::now();
+        Self { io, _held: held, idle, last_read: now, deadline: Box::pin(tokio::time::sleep_until(now + idle)) }
     }
 }
 
@@ -46,17 +50,23 @@ impl<IO: AsyncRead + Unpin> AsyncRead for Conn<IO> {
         match Pin::new(&mut self.io).poll_read(cx, buf) {
             Poll::Ready(r) => {
                 if buf.filled().len() > before {
-                    let next = tokio::time::Instant::now() + self.idle;
-                    self.deadline.as_mut().reset(next);
+                    self.last_read = tokio::time::Instant::now();
                 }
                 Poll::Ready(r)
             }
-            Poll::Pending => match self.deadline.as_mut().poll(cx) {
-                Poll::Ready(()) => Poll::Ready(Err(io::Error::new(
-                    io::ErrorKind::TimedOut,
-                    "idle connection closed (limits.idle_timeout_ms)",
-                ))),
-                Poll::Pending => Poll::Pending,
+            Poll::Pending => loop {
+                if self.deadline.as_mut().poll(cx).is_pending() {
+                    return Poll::Pending;
+                }
+                let due = self.last_read + self.idle;
+                if due <= tokio::time::Instant::now() {
+                    return Poll::Ready(Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        "idle connection closed (limits.idle_timeout_ms)",
+                    )));
+                }
+                // Bytes came since the timer was set: it moves to their time plus `idle`.
+                self.deadline.as_mut().reset(due);
             },
         }
     }
