@@ -347,6 +347,74 @@ async fn a_pull_cut_short_finishes_from_g4() {
     b.stop();
 }
 
+/// A router's prefetch hint to `d`: the chain of `tokens`, pulled from `sources` where this node
+/// lacks it. The daemon's answer (`{"local": N, "pulling": M}`).
+async fn prefetch(d: &Daemon, tokens: &[u32], sources: &[String]) -> serde_json::Value {
+    let keys: Vec<String> = ns().block_keys(tokens).iter().map(|k| hex(&k.0)).collect();
+    let body = serde_json::json!({"namespace": hex(&ns().id().0), "keys": keys, "sources": sources});
+    let r = reqwest::Client::new().post(format!("{}/prefetch", d.http)).json(&body).send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    r.json().await.unwrap()
+}
+
+/// Prefetch from the tiers below G2: a hint brings a restarted node's G3 blocks, and blocks
+/// another daemon wrote to G4 after this one started, into G2 before the engine asks, and the
+/// load is then served from G2. A prefill daemon killed outright (SIGKILL) before the decode
+/// node pulls from it: the decode node reads the whole chain from G4, byte for byte.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefetch_lifts_g3_and_g4_and_a_killed_peer_is_replaced_by_g4() {
+    let d = tempfile::tempdir().unwrap();
+    let s3 = SeaweedFs::start(&d.path().join("s3"));
+    let setup_b = Setup { g3: true, ..Setup::new(&s3, "prefetch") };
+    let b = spawn(&d.path().join("b"), &setup_b);
+    let (eb, _mb) = engine(&b, &ns(), 12, 32).await;
+    let q = prompt(12, 32);
+    assert_eq!(eb.save(&q, 0, &(0..32).collect::<Vec<_>>()).await.unwrap().stored, 32);
+    b.wait_metric("kvcached_writethrough_blocks_total{tier=\"g3\"}", 32.0, 30).await;
+    drop(eb);
+    b.stop();
+
+    // Restarted: G2 is empty, G3 kept the prompt.
+    let b = spawn(&d.path().join("b"), &setup_b);
+    let (eb, mb) = engine(&b, &ns(), 0, 0).await;
+    let seen = eb.lookup(&q).await.unwrap();
+    assert_eq!((seen.g2_blocks, seen.g3_blocks), (0, 32), "{seen:?}");
+    let answer = prefetch(&b, &q, &[]).await;
+    assert_eq!(answer["local"], 32, "{answer}");
+    let seen = eb.lookup(&q).await.unwrap();
+    assert_eq!(seen.g2_blocks, 32, "the hint left blocks below G2: {seen:?}");
+    let done = eb.load_now(&q, 0, &(0..32).collect::<Vec<_>>()).await.unwrap();
+    assert_eq!((done.loaded_blocks, done.from_g2), (32, 32), "{done:?}");
+    check(&mb, 12, 32, 0);
+
+    // A (the prefill node, started after B) saves two prompts; B's index has never heard of them.
+    let peer = format!("127.0.0.1:{}", free_port());
+    let listen = format!("[peer]\nlisten = \"{peer}\"\n");
+    let a = spawn(&d.path().join("a"), &Setup { extra: &listen, ..Setup::new(&s3, "prefetch") });
+    let (ea, _ma) = engine(&a, &ns(), 11, 32).await;
+    let (ea2, _ma2) = engine(&a, &ns(), 13, 32).await;
+    let (p, r) = (prompt(11, 32), prompt(13, 32));
+    assert_eq!(ea.save(&p, 0, &(0..32).collect::<Vec<_>>()).await.unwrap().stored, 32);
+    assert_eq!(ea2.save(&r, 0, &(0..32).collect::<Vec<_>>()).await.unwrap().stored, 32);
+    a.wait_metric(G4_WRITTEN, 64.0, 30).await;
+    let answer = prefetch(&b, &p, &[]).await;
+    assert_eq!(answer["local"], 32, "the hint did not find A's blocks in G4: {answer}\n{}", b.log());
+    let seen = eb.lookup(&p).await.unwrap();
+    assert_eq!(seen.g2_blocks, 32, "{seen:?}");
+    let done = eb.load_now(&p, 0, &(32..64).collect::<Vec<_>>()).await.unwrap();
+    assert_eq!((done.loaded_blocks, done.from_g2), (32, 32), "{done:?}");
+    check(&mb, 11, 32, 32);
+
+    // A dies; B's engine asks for R naming A as the source: all of it from G4.
+    drop((ea, ea2));
+    drop(a); // SIGKILL
+    let done = eb.load_from(&r, 0, &(0..32).collect::<Vec<_>>(), std::slice::from_ref(&peer)).await.unwrap();
+    assert_eq!((done.loaded_blocks, done.from_peer, done.from_g4), (32, 0, 32), "{done:?}\n{}", b.log());
+    check(&mb, 13, 32, 0);
+    drop(eb);
+    b.stop();
+}
+
 /// Flipped bytes in an object: a miss, counted, and the object deleted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_corrupted_object_is_a_counted_miss_and_deleted() {

@@ -513,7 +513,8 @@ impl Daemon {
             // A lower tier failing (a disk error, a store down or hung) is a miss from the
             // first block it failed on: counted and logged by the store, never a failed load
             // (the blocks before it are served), and not asked again.
-            let kvtiers::store::Promoted { promoted, failed, unplaced, .. } = self.store.promote_batch_lossy(keys);
+            let kvtiers::store::Promoted { mut promoted, failed, mut unplaced, .. } =
+                self.store.promote_batch_lossy(keys);
             for (i, (key, &slot)) in keys.iter().zip(slots).enumerate() {
                 if failed.contains(key) && incoming.as_ref().is_none_or(|inc| c * LOAD_CHUNK + i < inc.offset) {
                     break 'chain;
@@ -528,9 +529,13 @@ impl Daemon {
                         fell_back = true;
                         if self.store.has_remote_tier() {
                             self.store.probe_lower(engine.namespace_id, &wanted[j..]);
-                            if let Err(e) = self.store.promote_batch(&keys[i..]) {
+                            let more = self.store.promote_batch_lossy(&keys[i..]);
+                            if let Some(e) = &more.error {
                                 tracing::debug!("G4 after a failed pull: {e}");
                             }
+                            // Counted for the tier they came from, like the chunk's own.
+                            promoted.extend(more.promoted);
+                            unplaced.extend(more.unplaced);
                         }
                     }
                 }
@@ -583,17 +588,23 @@ impl Daemon {
     }
 
     /// Starts bringing the chain `keys` of `namespace` into G2 before an engine asks: what
-    /// this node holds below G2 is promoted, the rest pulled from `sources` (when an engine of
-    /// the namespace is attached here: its block size is what a pull checks). Runs on a
-    /// blocking thread; the pull itself continues in the background.
+    /// this node holds below G2 (G3, and G4 as far as a probe finds it) is promoted, the rest
+    /// pulled from `sources` (when an engine of the namespace is attached here: its block size
+    /// is what a pull checks). Runs on a blocking thread; the pull itself continues in the
+    /// background.
     pub fn prefetch(
         &self,
         namespace: kvproto::NamespaceId,
         keys: Vec<kvproto::BlockKey>,
         sources: &[String],
     ) -> crate::peer::http::PrefetchStarted {
-        let held = self.store.held_prefix(&keys);
-        for chunk in keys[..held.len()].chunks(64) {
+        let mut held = self.store.held_prefix(&keys).len();
+        // Past what the tiers' indexes know, G4 may hold more (other daemons' writes), as a
+        // lookup would find.
+        if held < keys.len() && self.g4_lookup_probe && self.store.has_remote_tier() {
+            held += self.store.probe_lower(namespace, &keys[held..]);
+        }
+        for chunk in keys[..held].chunks(64) {
             if let Err(e) = self.store.promote_batch(chunk) {
                 tracing::debug!("prefetch: promotion stopped: {e}");
                 break;
@@ -602,7 +613,7 @@ impl Daemon {
         let mut pulling = 0;
         let block_len = self.engines.block_bytes_of(&namespace);
         if let (Some(peers), Some(len)) = (&self.peers, block_len)
-            && held.len() < keys.len()
+            && held < keys.len()
         {
             let deadline = Instant::now() + Duration::from_millis(peers.config().pull_deadline_ms);
             if let Some(inc) = Incoming::plan(peers, &self.store, namespace, &keys, len, sources, deadline) {
@@ -611,7 +622,7 @@ impl Daemon {
         }
         metrics::counter!("kvcached_prefetch_total", "result" => if pulling > 0 { "pulling" } else { "local" })
             .increment(1);
-        crate::peer::http::PrefetchStarted { local: held.len(), pulling }
+        crate::peer::http::PrefetchStarted { local: held, pulling }
     }
 
     /// The status of a load, waiting up to `timeout` for it to finish.
