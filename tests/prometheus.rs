@@ -180,7 +180,7 @@ fn spawn_node_b(dir: &Path, g4: &Path, router: &str, port: u16) -> Proc {
     let socket = dir.join("kvcached.sock");
     let log = dir.join("daemon.log");
     let child = Command::new(env!("CARGO_BIN_EXE_daemon"))
-        .args(["--config", cfg.to_str().unwrap(), "--socket", socket.to_str().unwrap()])
+        .args(["--config", cfg.to_str().unwrap(), "--socket", socket.to_str().unwrap(), "--log-format", "json"])
         .env("RUST_LOG", "info")
         .stdout(Stdio::null())
         .stderr(Stdio::from(std::fs::File::create(&log).unwrap()))
@@ -627,9 +627,24 @@ async fn every_dashboard_panel_and_alert_finds_its_series_in_a_real_prometheus()
         assert!(status.success(), "scripts/plot_dashboard.py failed");
     }
 
+    // node-b's own page: a HELP line for every family it exports.
+    let page = http.get(format!("http://127.0.0.1:{b_port}/metrics")).send().await.unwrap().text().await.unwrap();
+    let families: Vec<&str> = page.lines().filter_map(|l| l.strip_prefix("# TYPE ")?.split(' ').next()).collect();
+    assert!(families.len() > 20, "node-b exports only {} metric families", families.len());
+    let bare: Vec<&&str> = families.iter().filter(|f| !page.contains(&format!("# HELP {f} "))).collect();
+    assert!(bare.is_empty(), "metric families without a HELP line: {bare:?}");
+
     drop(prometheus);
     for c in [a0, a1, b0] {
         let _ = c.unregister().await;
+    }
+    // node-b logged into a file with --log-format json: one JSON object per line, no colour codes.
+    let log = std::fs::read_to_string(&node_b.log).unwrap();
+    assert!(log.lines().count() >= 2, "node-b logged nothing:\n{log}");
+    assert!(!log.contains('\u{1b}'), "colour codes in a log written to a file");
+    for line in log.lines().filter(|l| !l.trim().is_empty()) {
+        let v: Value = serde_json::from_str(line).unwrap_or_else(|e| panic!("not a JSON line ({e}): {line}"));
+        assert!(v["level"].is_string() && v["fields"].is_object(), "{line}");
     }
     node_b.sigterm();
     let _ = node_a.stop.send(());

@@ -195,6 +195,8 @@ impl GuardedListener {
     }
 }
 
+pub use crate::http_serve::describe_metrics;
+
 /// Serves `app` on `listener` through `guard` until `shutdown`, within the default
 /// [`HttpLimits`]: see [`serve_with`].
 pub async fn serve(

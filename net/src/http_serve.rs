@@ -67,6 +67,15 @@ impl Refusals {
     }
 }
 
+/// HELP lines of the series the connection loop records, on the installed recorder.
+pub fn describe_metrics() {
+    metrics::describe_gauge!("kvnet_http_connections", "HTTP connections open now, by endpoint.");
+    metrics::describe_counter!(
+        "kvnet_http_refusals_total",
+        "HTTP connections closed at accept, by endpoint and reason (http_limits)."
+    );
+}
+
 fn builder(limits: &HttpLimits) -> auto::Builder<TokioExecutor> {
     let mut b = auto::Builder::new(TokioExecutor::new());
     b.http1()

@@ -119,6 +119,7 @@ fn describe() {
         describe_gauge!(name, help);
     }
     describe_gauge!("kvrouter_index_bytes", Unit::Bytes, "Estimated heap bytes of the index.");
+    kvnet::http::describe_metrics();
 }
 
 /// Writes the state's facts into the current (local) recorder.

@@ -153,17 +153,18 @@ impl Cli {
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
     init_logging(&cli.log_format);
+    let json = cli.log_format == "json";
     let config = match cli.config() {
         Ok(c) => c,
         Err(e) => {
-            eprintln!("kvcached: invalid configuration: {e}");
+            say(json, true, &format!("kvcached: invalid configuration: {e}"));
             return ExitCode::from(2);
         }
     };
     let rt = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
         Err(e) => {
-            eprintln!("kvcached: cannot start the runtime: {e}");
+            say(json, true, &format!("kvcached: cannot start the runtime: {e}"));
             return ExitCode::FAILURE;
         }
     };
@@ -176,11 +177,12 @@ pub fn main() -> ExitCode {
             .block_on(async {
                 let shutdown = crate::signals::shutdown_signal();
                 let listeners = Listeners::bind(&config).await?;
-                eprintln!(
+                let banner = format!(
                     "kvcached listening on {} (metrics http://{}/metrics); try `cargo run --release -p kvclient --example demo` in another shell",
                     config.socket.display(),
                     config.metrics_addr
                 );
+                say(json, false, &banner);
                 crate::serve(config, listeners, shutdown).await
             })
             .map_err(|e| e.to_string()),
@@ -188,9 +190,19 @@ pub fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("kvcached: {e}");
+            say(json, true, &format!("kvcached: {e}"));
             ExitCode::FAILURE
         }
+    }
+}
+
+/// A line for whoever started the daemon, on stderr: as it is for a person, or as a log event
+/// with `--log-format json`, so that every line a log collector reads is one JSON object.
+fn say(json: bool, error: bool, line: &str) {
+    match (json, error) {
+        (false, _) => eprintln!("{line}"),
+        (true, false) => tracing::info!("{line}"),
+        (true, true) => tracing::error!("{line}"),
     }
 }
 

@@ -327,7 +327,9 @@ impl Daemon {
         }
         self.touch_soon(keys);
         metrics::histogram!("kvcached_lookup_hit_blocks").record(m.blocks as f64);
-        metrics::counter!("kvcached_lookups_total", "result" => if m.blocks > 0 { "hit" } else { "miss" }).increment(1);
+        let result = if m.blocks > 0 { "hit" } else { "miss" };
+        metrics::counter!("kvcached_lookups_total", "result" => result, "kv_namespace" => engine.kv_label.clone())
+            .increment(1);
         Ok(pb::LookupResponse {
             matched_blocks: to_u32(m.blocks),
             matched_tokens: to_u32(m.blocks * engine.namespace.layout.tokens_per_block as usize),
@@ -478,7 +480,7 @@ impl Daemon {
             [("g2", status.from_g2), ("g3", status.from_g3), ("g4", status.from_g4), ("peer", status.from_peer)]
         {
             if blocks > 0 {
-                metrics::counter!("kvcached_prefill_tokens_saved_total", "tier" => tier)
+                metrics::counter!("kvcached_prefill_tokens_saved_total", "tier" => tier, "kv_namespace" => engine.kv_label.clone())
                     .increment(u64::from(blocks) * tpb);
             }
         }

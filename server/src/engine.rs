@@ -74,6 +74,8 @@ pub struct Engine {
     pub namespace: Namespace,
     pub namespace_id: NamespaceId,
     pub(crate) fingerprint: NamespaceFingerprint,
+    /// The `kv_namespace` label of this engine's per-namespace series (`metrics_catalog.rs`).
+    pub kv_label: String,
     memory: EngineMemory,
     /// Where each block slot lies in the memory.
     slots: SlotLayout,
@@ -214,6 +216,7 @@ impl Engine {
         Ok(Self {
             id,
             name: req.engine_name.clone(),
+            kv_label: crate::metrics_catalog::kv_namespace_label(namespace.id(), &namespace.model_id),
             namespace_id: namespace.id(),
             fingerprint: namespace.fingerprint(),
             namespace,

@@ -2,7 +2,11 @@
 //! histograms, so they aggregate across a fleet), and the request-level series the service
 //! records ([`Rpc`]). docs/operations.md, "Metrics", lists them for operators.
 
+use std::collections::HashMap;
+use std::sync::{Mutex, OnceLock};
 use std::time::Instant;
+
+use kvproto::NamespaceId;
 
 use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
@@ -14,6 +18,33 @@ pub const LATENCY_BUCKETS: &[f64] =
 pub const HIT_BLOCK_BUCKETS: &[f64] = &[0.0, 1.0, 4.0, 16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0];
 /// Buckets of `kvcached_g4_probe_rounds`.
 pub const ROUND_BUCKETS: &[f64] = &[0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0];
+
+/// KV namespaces with series of their own; the ones seen later share `kv_namespace="other"`, so
+/// that tenants coming and going cannot grow the daemon's series without bound.
+pub const MAX_KV_NAMESPACES: usize = 64;
+
+/// The `kv_namespace` label of a namespace's per-namespace series (prefill tokens saved,
+/// lookups): its id (32 hex digits, as logs and hit reports name it) for the first
+/// [`MAX_KV_NAMESPACES`] namespaces this process has seen, else `other`. When a namespace gets a
+/// label of its own, `kvcached_kv_namespace_info{kv_namespace, model}` is set to 1, so that
+/// dashboards can name it by model (the tenant salt is never exported).
+pub fn kv_namespace_label(id: NamespaceId, model: &str) -> String {
+    static LABELS: OnceLock<Mutex<HashMap<NamespaceId, String>>> = OnceLock::new();
+    let mut labels = LABELS.get_or_init(Mutex::default).lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(l) = labels.get(&id) {
+        return l.clone();
+    }
+    if labels.len() >= MAX_KV_NAMESPACES {
+        metrics::gauge!("kvcached_kv_namespace_info", "kv_namespace" => "other", "model" => "(namespaces past the first 64)")
+            .set(1.0);
+        return "other".into();
+    }
+    let label = id.to_string();
+    let model = kvproto::limits::clip(model, 64).into_owned();
+    metrics::gauge!("kvcached_kv_namespace_info", "kv_namespace" => label.clone(), "model" => model).set(1.0);
+    labels.insert(id, label.clone());
+    label
+}
 
 /// The exporter with histogram buckets for every histogram the daemon records.
 pub fn builder() -> PrometheusBuilder {
@@ -45,9 +76,9 @@ pub fn describe() {
         ("kvcached_promotions_total", "Blocks promoted into G2 from a lower tier."),
         (
             "kvcached_prefill_tokens_saved_total",
-            "Prompt tokens loaded into engines instead of recomputed, by the tier they came from.",
+            "Prompt tokens loaded into engines instead of recomputed, by the tier they came from and KV namespace.",
         ),
-        ("kvcached_lookups_total", "Lookups, by whether they found at least one block."),
+        ("kvcached_lookups_total", "Lookups, by whether they found at least one block, and KV namespace."),
         ("kvcached_load_mismatch_total", "Blocks of another namespace or size refused by a load."),
         ("kvcached_block_keys_total", "Block keys derived or reused by the key memo."),
         ("kvcached_limit_refusals_total", "Requests or connections refused by a limit."),
@@ -64,9 +95,29 @@ pub fn describe() {
         ("kvcached_vllm_export_snapshots_total", "Snapshots sent to new vLLM-format subscribers."),
         ("kvcached_vllm_export_unknown_total", "Blocks not exported for want of a record of their tokens."),
         ("kvcached_vllm_export_unpersisted_total", "Export records not written to the origins log."),
+        ("kvcached_g3_io_errors_total", "G3 block reads or writes that failed, by op."),
+        ("kvcached_g3_slow_batches_total", "G3 I/O batches slower than 5 s."),
+        ("kvcached_g3_injected_faults_total", "Faults injected into G3 by the fault suites (inject_faults), by fault."),
+        ("kvcached_peer_pulled_blocks_total", "Blocks pulled from peer daemons, verified, into G2."),
+        ("kvcached_peer_served_blocks_total", "Blocks sent to peer daemons that pulled them."),
+        ("kvcached_peer_corrupt_blocks_total", "Blocks a peer sent that failed verification (a miss), by peer."),
+        (
+            "kvcached_peer_failures_total",
+            "Times a peer was marked bad (unreachable, refused, stalled, wrong bytes), by peer.",
+        ),
+        ("kvcached_peer_refused_total", "Pulls this daemon refused, by reason."),
+        ("kvcached_peer_pulls_refused_total", "Loads that could not start a pull (peer.max_pulls running)."),
+        ("kvcached_prefetch_total", "Prefetch hints taken, by result (pulling, local)."),
     ] {
         describe_counter!(name, help);
     }
+    describe_counter!("kvcached_peer_pulled_bytes_total", Unit::Bytes, "Bytes pulled from peer daemons.");
+    describe_gauge!(
+        "kvcached_peer_link_bytes_per_second",
+        "Measured throughput of the link from a peer (bytes/s, moving average), by peer."
+    );
+    describe_histogram!("kvcached_peer_pull_duration_seconds", Unit::Seconds, "One pull from a peer, start to end.");
+    kvnet::http::describe_metrics();
     describe_counter!("kvcached_tier_bytes_written_total", Unit::Bytes, "Bytes written into a tier.");
     describe_counter!("kvcached_tier_bytes_read_total", Unit::Bytes, "Bytes read from a tier.");
     for (name, help) in [
@@ -75,6 +126,7 @@ pub fn describe() {
         ("kvcached_connections", "Client connections open now."),
         ("kvcached_writethrough_queue_depth", "Blocks waiting for write-through, by tier."),
         ("kvcached_g2_prefault_done", "1 once the G2 pool is mapped."),
+        ("kvcached_kv_namespace_info", "1 per KV namespace with series of its own: its id and model."),
     ] {
         describe_gauge!(name, help);
     }
