@@ -708,6 +708,18 @@ mod tests {
             let e = c.resolve().unwrap_err().to_string();
             assert!(e.contains("engines.max_engines") && e.contains("1..=1024"), "{e}");
         }
+        let mut c = Config::default();
+        c.http_limits.header_timeout_ms = 10;
+        assert!(c.resolve().unwrap_err().to_string().contains("http_limits.header_timeout_ms"));
+        let mut c = Config::default();
+        c.http_limits.max_connections = 0;
+        assert!(c.resolve().unwrap_err().to_string().contains("http_limits.max_connections"));
+        // A client waiting for its answer sends nothing: the idle timeout may not be shorter.
+        let mut c = Config::default();
+        c.limits.idle_timeout_ms = 1000;
+        c.limits.request_timeout_ms = 2000;
+        let e = c.resolve().unwrap_err().to_string();
+        assert!(e.contains("limits.idle_timeout_ms") && e.contains("request_timeout_ms"), "{e}");
     }
 
     /// The daemon's client of the routers trusts only `router.auth.tls_ca`: an https:// URL needs

@@ -604,4 +604,19 @@ namespace = "v"
         assert!(e.contains("expected_blocks"), "{e}");
         assert!(RouterConfig::from_toml(SOURCE).is_ok_and(|c| c.namespaces[0].expected_blocks == 0));
     }
+
+    /// `[http_limits]` is read, and a bound that cannot serve is refused with its key.
+    #[test]
+    fn http_limits_are_read_and_checked() {
+        let c = RouterConfig::from_toml("[http_limits]\nmax_connections = 8\n").map_err(|e| e.to_string());
+        assert_eq!(c.map(|c| (c.http_limits.max_connections, c.http_limits.header_timeout_ms)), Ok((8, 30_000)));
+        for (bad, key) in [
+            ("max_connections = 0", "http_limits.max_connections"),
+            ("header_timeout_ms = 5", "http_limits.header_timeout_ms"),
+            ("max_concurrent_streams = 0", "http_limits.max_concurrent_streams"),
+        ] {
+            let e = RouterConfig::from_toml(&format!("[http_limits]\n{bad}\n")).err().map(|e| e.to_string());
+            assert!(e.as_deref().unwrap_or_default().contains(key), "{bad}: {e:?}");
+        }
+    }
 }
