@@ -393,8 +393,9 @@ fn daemon_survives_arbitrary_input() {
 
     // Still serving: health, and the real engine's blocks byte-exact.
     rt.block_on(async {
-        let status = reqwest::get(format!("http://{}/healthz", d.http)).await.unwrap().status();
-        assert!(status.is_success(), "{status}");
+        let r = reqwest::get(format!("http://{}/healthz", d.http)).await.unwrap();
+        let status = r.status();
+        assert!(status.is_success(), "{status}: {}", r.text().await.unwrap_or_default());
         let len = layout().block_bytes() as usize;
         for b in 2..4 {
             mem.write_block(b, &vec![0; len]);
