@@ -75,3 +75,23 @@ pub fn tail(path: &Path, n: usize) -> String {
     let start = (start..=s.len()).find(|i| s.is_char_boundary(*i)).unwrap_or(s.len());
     s[start..].to_string()
 }
+
+/// The router's namespace entry for the daemons a bench starts: `name` over `model`'s `layout`
+/// (bf16, layer-separate, no salt), kvcached's own key scheme.
+pub fn router_namespace(name: &str, model: &str, layout: &kvproto::KvLayout) -> kvrouter::NamespaceSpec {
+    kvrouter::NamespaceSpec {
+        name: Some(name.into()),
+        model_id: model.into(),
+        num_layers: layout.num_layers,
+        kv_heads: layout.kv_heads,
+        head_dim: layout.head_dim,
+        dtype: "bf16".into(),
+        tokens_per_block: layout.tokens_per_block,
+        layout_kind: "layer_separate".into(),
+        tenant_salt_hex: None,
+        adapter_id: None,
+        extra_hex: None,
+        key_scheme: kvproto::events::KEY_SCHEME_KVCACHED.into(),
+        expected_blocks: 0,
+    }
+}

@@ -223,13 +223,7 @@ pub async fn run(cfg: &ManyConfig) -> Result<ManyReport, String> {
     // Every engine and the probe at once.
     c.limits.max_engines_per_uid = c.limits.max_engines_per_uid.max(cfg.engines + 2);
     let (bin, d) = (cfg.kvcached_bin.clone(), work.path().join("kvcached"));
-    let daemon = tokio::task::spawn_blocking(move || {
-        let p = DaemonProcess::spawn(&bin, &d, "kvcached", c, &[])?;
-        p.wait_prefault(Duration::from_secs(300))?;
-        Ok::<_, String>(p)
-    })
-    .await
-    .map_err(|e| e.to_string())??;
+    let daemon = DaemonProcess::start_prefaulted(bin, d, c).await?;
     let r = measure(cfg, &daemon.socket).await;
     let stopped = tokio::task::spawn_blocking(move || daemon.stop()).await.map_err(|e| e.to_string())?;
     let mut r = r?;

@@ -73,13 +73,13 @@ pub struct PeerInfo {
 /// A warning at most every 10 s, with how many happened since the last one: a flood of bad
 /// handshakes must not flood the log.
 #[derive(Debug, Default)]
-struct Quiet {
+pub(crate) struct Quiet {
     since: u64,
     last: Option<Instant>,
 }
 
 impl Quiet {
-    fn note(&mut self, endpoint: &str, what: &str) {
+    pub(crate) fn note(&mut self, endpoint: &str, what: &str) {
         self.since += 1;
         if self.last.is_none_or(|t| t.elapsed() >= Duration::from_secs(10)) {
             tracing::warn!(endpoint, refused = self.since, "connection refused: {what}");

@@ -14,7 +14,7 @@ use std::io;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use axum::body::Body;
 use axum::extract::connect_info::ConnectInfo;
@@ -27,7 +27,7 @@ use tokio::sync::{Semaphore, watch};
 use tower::Service;
 
 use crate::config::HttpLimits;
-use crate::http::GuardedListener;
+use crate::http::{GuardedListener, Quiet};
 
 /// How long shutdown waits for open connections to finish their requests.
 const DRAIN: Duration = Duration::from_secs(10);
@@ -42,30 +42,6 @@ const MAX_HEADER_LIST: u32 = 64 << 10;
 
 /// Headers one HTTP/1.1 request may send.
 const MAX_HEADERS: usize = 100;
-
-/// A warning at most every 10 s for connections refused at the cap.
-#[derive(Default)]
-struct Refusals {
-    since: u64,
-    last: Option<Instant>,
-}
-
-impl Refusals {
-    fn note(&mut self, endpoint: &str, max: usize) {
-        metrics::counter!("kvnet_http_refusals_total", "endpoint" => endpoint.to_string(), "reason" => "max_connections")
-            .increment(1);
-        self.since += 1;
-        if self.last.is_none_or(|t| t.elapsed() >= Duration::from_secs(10)) {
-            tracing::warn!(
-                endpoint,
-                refused = self.since,
-                "connection refused: {max} connections open (http_limits.max_connections)"
-            );
-            self.since = 0;
-            self.last = Some(Instant::now());
-        }
-    }
-}
 
 /// HELP lines of the series the connection loop records, on the installed recorder.
 pub fn describe_metrics() {
@@ -105,7 +81,7 @@ pub(crate) async fn serve_connections(
     let builder = Arc::new(builder(limits));
     let first_bytes = Duration::from_millis(limits.header_timeout_ms);
     let (stop_tx, stop_rx) = watch::channel(false);
-    let mut refusals = Refusals::default();
+    let mut refusals = Quiet::default();
     let open = metrics::gauge!("kvnet_http_connections", "endpoint" => endpoint.to_string());
     tokio::pin!(shutdown);
     loop {
@@ -114,7 +90,10 @@ pub(crate) async fn serve_connections(
             () = &mut shutdown => break,
         };
         let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
-            refusals.note(&endpoint, limits.max_connections);
+            metrics::counter!("kvnet_http_refusals_total", "endpoint" => endpoint.to_string(), "reason" => "max_connections")
+                .increment(1);
+            let why = format!("{} connections open (http_limits.max_connections)", limits.max_connections);
+            refusals.note(&endpoint, &why);
             continue;
         };
         let app = app.clone();

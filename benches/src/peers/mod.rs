@@ -274,13 +274,7 @@ pub async fn run_ours(cfg: &PeerConfig) -> Result<SystemResult, String> {
         cfg.capacity_bytes
     );
     let (bin, d) = (cfg.kvcached_bin.clone(), dir.clone());
-    let daemon = tokio::task::spawn_blocking(move || {
-        let p = DaemonProcess::spawn(&bin, &d, "kvcached", c, &[])?;
-        p.wait_prefault(Duration::from_secs(300))?;
-        Ok::<_, String>(p)
-    })
-    .await
-    .map_err(|e| e.to_string())??;
+    let daemon = DaemonProcess::start_prefaulted(bin, d, c).await?;
     let r = drive_ours(cfg, &daemon.socket).await;
     let stopped = tokio::task::spawn_blocking(move || daemon.stop()).await.map_err(|e| e.to_string())?;
     let (rec, warm) = r?;

@@ -76,6 +76,18 @@ impl DaemonProcess {
         Ok(d)
     }
 
+    /// [`DaemonProcess::spawn`] named `kvcached`, on a blocking thread, then
+    /// [`DaemonProcess::wait_prefault`] (up to 5 minutes): a daemon ready to be measured.
+    pub async fn start_prefaulted(bin: PathBuf, dir: PathBuf, config: kvcached::Config) -> Result<Self, String> {
+        tokio::task::spawn_blocking(move || {
+            let p = Self::spawn(&bin, &dir, "kvcached", config, &[])?;
+            p.wait_prefault(Duration::from_secs(300))?;
+            Ok(p)
+        })
+        .await
+        .map_err(|e| e.to_string())?
+    }
+
     /// Text of its `/metrics`.
     pub fn metrics_text(&self) -> String {
         kvtests::proc::http_get(&self.http, "/metrics").1
@@ -252,21 +264,7 @@ pub fn router_config(cfg: &ReplayConfig) -> kvrouter::RouterConfig {
     let l = cfg.layout();
     let mut c = kvrouter::RouterConfig {
         seed: Some(cfg.seed),
-        namespaces: vec![kvrouter::NamespaceSpec {
-            name: Some(super::NAMESPACE.into()),
-            model_id: super::MODEL_ID.into(),
-            num_layers: l.num_layers,
-            kv_heads: l.kv_heads,
-            head_dim: l.head_dim,
-            dtype: "bf16".into(),
-            tokens_per_block: l.tokens_per_block,
-            layout_kind: "layer_separate".into(),
-            tenant_salt_hex: None,
-            adapter_id: None,
-            extra_hex: None,
-            key_scheme: kvproto::events::KEY_SCHEME_KVCACHED.into(),
-            expected_blocks: 0,
-        }],
+        namespaces: vec![crate::child::router_namespace(super::NAMESPACE, super::MODEL_ID, &l)],
         ..kvrouter::RouterConfig::default()
     };
     c.health.default_report_interval_ms = cfg.report_interval_ms;

@@ -130,21 +130,7 @@ fn router_config() -> kvrouter::RouterConfig {
     let l = layout();
     let mut c = kvrouter::RouterConfig {
         seed: Some(1),
-        namespaces: vec![kvrouter::NamespaceSpec {
-            name: Some(NAMESPACE.into()),
-            model_id: MODEL_ID.into(),
-            num_layers: l.num_layers,
-            kv_heads: l.kv_heads,
-            head_dim: l.head_dim,
-            dtype: "bf16".into(),
-            tokens_per_block: l.tokens_per_block,
-            layout_kind: "layer_separate".into(),
-            tenant_salt_hex: None,
-            adapter_id: None,
-            extra_hex: None,
-            key_scheme: kvproto::events::KEY_SCHEME_KVCACHED.into(),
-            expected_blocks: 0,
-        }],
+        namespaces: vec![crate::child::router_namespace(NAMESPACE, MODEL_ID, &l)],
         ..kvrouter::RouterConfig::default()
     };
     c.health.default_report_interval_ms = 200;
