@@ -512,6 +512,7 @@ async fn pending_loads_are_bounded_per_uid_over_its_engines() {
     let (_stall, src) = stalled_peer();
     let d = start(|c| {
         c.limits.max_pending_loads_per_uid = 2;
+        c.peer.allowed_sources = vec!["127.0.0.0/8".into()];
         c.peer.pull_deadline_ms = 3000;
         c.peer.io_timeout_ms = 3000;
     })
@@ -547,6 +548,7 @@ async fn idle_connections_are_closed_and_long_requests_cancelled() {
     let d = start(|c| {
         c.limits.idle_timeout_ms = 1000;
         c.limits.request_timeout_ms = 500;
+        c.peer.allowed_sources = vec!["127.0.0.0/8".into()];
         c.peer.pull_deadline_ms = 10_000;
         c.peer.io_timeout_ms = 10_000;
     })
@@ -574,4 +576,73 @@ async fn idle_connections_are_closed_and_long_requests_cancelled() {
     }
     assert!(t.elapsed() < Duration::from_secs(8), "the request ran to the pull deadline: {:?}", t.elapsed());
     d.stop().await;
+}
+
+/// An engine (or anyone reaching `POST /prefetch`) names the sources of its blocks; the daemon
+/// dials only those in `peer.peers` / `peer.allowed_sources`. Otherwise an engine could make the
+/// daemon connect anywhere and present the daemon's own peer credentials there. A refused
+/// source is counted, never connected to, and leaves `/healthz` healthy; the load is a miss.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sources_outside_the_allowed_ones_are_never_dialed() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.set_nonblocking(true).unwrap();
+    let src = listener.local_addr().unwrap().to_string();
+    let dialed = || {
+        let mut n = 0;
+        while listener.accept().is_ok() {
+            n += 1;
+        }
+        n
+    };
+    let body = serde_json::json!({
+        "namespace": hex(&ns().id().0),
+        "keys": ns().block_keys(&unseen(2)).iter().map(|k| hex(&k.0)).collect::<Vec<_>>(),
+        "sources": [src.clone()],
+    })
+    .to_string();
+    let prefetch = |http: std::net::SocketAddr| {
+        let body = body.clone();
+        async move {
+            let r = reqwest::Client::new()
+                .post(format!("http://{http}/prefetch"))
+                .header("content-type", "application/json")
+                .body(body)
+                .send()
+                .await
+                .unwrap();
+            (r.status().as_u16(), r.text().await.unwrap())
+        }
+    };
+
+    // Default: nothing beyond peer.peers (empty).
+    let d = start(|c| c.peer.pull_deadline_ms = 1000).await;
+    let (a, _ma) = d.engine().await;
+    let done = a.load_from(&unseen(2), 0, &[4, 5], std::slice::from_ref(&src)).await.unwrap();
+    assert_eq!(done.loaded_blocks, 0, "{done:?}");
+    let (status, answer) = prefetch(d.http).await;
+    assert_eq!(status, 200, "{answer}");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(dialed(), 0, "the daemon dialed a source no one allowed");
+    assert!(d.metric("kvcached_peer_sources_refused_total").await >= 2.0);
+    assert_eq!(d.healthz().await, 200, "a refused source is the client's fault, not the daemon's");
+    drop(a);
+    d.stop().await;
+
+    // The same source allowed by network: dialed (so the check above can fail).
+    let d = start(|c| {
+        c.peer.allowed_sources = vec!["127.0.0.0/8".into()];
+        c.peer.pull_deadline_ms = 1000;
+        c.peer.io_timeout_ms = 500;
+    })
+    .await;
+    let (a, _ma) = d.engine().await;
+    let done = a.load_from(&unseen(2), 0, &[4, 5], std::slice::from_ref(&src)).await.unwrap();
+    assert_eq!(done.loaded_blocks, 0, "{done:?}");
+    assert!(dialed() >= 1, "an allowed source was not dialed");
+    drop(a);
+    d.stop().await;
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
 }

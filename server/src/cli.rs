@@ -76,6 +76,10 @@ struct Cli {
     /// host:port other daemons dial to reach the peer channel.
     #[arg(long, env = "KVCACHED_PEER_ADVERTISE", global = true)]
     peer_advertise: Option<String>,
+    /// Sources loads and hints may name beyond peer.peers: host:port or networks such as
+    /// 10.0.0.0/8 (comma-separated).
+    #[arg(long, env = "KVCACHED_PEER_ALLOWED_SOURCES", global = true, value_delimiter = ',')]
+    peer_allowed_sources: Option<Vec<String>>,
     /// Most engines attached at once.
     #[arg(long, env = "KVCACHED_MAX_ENGINES", global = true)]
     max_engines: Option<usize>,
@@ -140,6 +144,7 @@ impl Cli {
             c.peer.listen = self.peer_listen;
         }
         set!(self.peer_advertise => peer.advertise);
+        set!(self.peer_allowed_sources => peer.allowed_sources);
         set!(self.max_engines => engines.max_engines);
         set!(self.engine_lease_ms => engines.lease_ms);
         set!(self.router_urls => router.urls);

@@ -419,6 +419,8 @@ impl Config {
             })?;
         }
         kvnet::Connector::new(&p.client, &[]).map_err(|e| bad("peer.client", e.to_string()))?;
+        crate::peer::sources::SourcePolicy::new(&p.peers, &p.allowed_sources)
+            .map_err(|e| bad("peer.allowed_sources", e))?;
         for (f, v) in [
             ("peer.max_connections", p.max_connections as u64),
             ("peer.max_pulls", p.max_pulls as u64),

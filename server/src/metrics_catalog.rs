@@ -107,6 +107,10 @@ pub fn describe() {
         ),
         ("kvcached_peer_refused_total", "Pulls this daemon refused, by reason."),
         ("kvcached_peer_pulls_refused_total", "Loads that could not start a pull (peer.max_pulls running)."),
+        (
+            "kvcached_peer_sources_refused_total",
+            "Sources named by a load or a hint that are not in peer.peers or peer.allowed_sources (not dialed).",
+        ),
         ("kvcached_prefetch_total", "Prefetch hints taken, by result (pulling, local)."),
     ] {
         describe_counter!(name, help);

@@ -57,6 +57,8 @@ impl DaemonProc {
         cmd.args(["--config", &cfg.to_string_lossy(), "--socket", &socket.to_string_lossy()])
             .args(["--g2-capacity-bytes", "67108864", "--g2-shm-dir", &dir.to_string_lossy()])
             .args(["--engine-lease-ms", "3000"])
+            // The tests' peers (real daemons and fakes) listen on loopback.
+            .args(["--peer-allowed-sources", "127.0.0.0/8"])
             // G3 only where the test configures it (the default directory is shared).
             .args(if toml.contains("[g3]") { &[][..] } else { &["--g3-enabled", "false"][..] })
             .env("RUST_LOG", "info,kvcached=debug")

@@ -10,6 +10,7 @@
 //! - [`pull`]: the puller, its connections and its progress.
 //! - [`handoff`]: a load's (or prefetch's) use of pulls.
 //! - [`http`]: `POST /prefetch`, a router's hint.
+//! - [`sources`]: which addresses a load or a hint may make this daemon dial.
 //! - this file: configuration, link rates and peer health.
 
 pub mod handoff;
@@ -17,6 +18,7 @@ pub mod http;
 pub mod protocol;
 pub mod pull;
 pub mod server;
+pub mod sources;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -61,7 +63,11 @@ pub struct PeerConfig {
     pub probe_idle_s: u64,
     pub probe_bytes: u32,
     /// Other daemons' peer addresses to measure links to before any transfer (`host:port`).
+    /// Loads and hints may name them as sources.
     pub peers: Vec<String>,
+    /// Further sources loads and hints may name: `host:port`, or networks (`10.0.0.0/8`, any
+    /// port). Nothing else is dialed ([`sources`]).
+    pub allowed_sources: Vec<String>,
 }
 
 impl Default for PeerConfig {
@@ -80,6 +86,7 @@ impl Default for PeerConfig {
             probe_idle_s: 300,
             probe_bytes: 8 << 20,
             peers: Vec::new(),
+            allowed_sources: Vec::new(),
         }
     }
 }

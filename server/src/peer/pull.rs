@@ -93,6 +93,9 @@ impl Pull {
 #[derive(Debug)]
 pub struct Peers {
     cfg: PeerConfig,
+    sources: super::sources::SourcePolicy,
+    /// Refused sources, logged at most every 10 s.
+    refused_log: Mutex<Option<Instant>>,
     connector: Connector,
     pub book: PeerBook,
     idle: Mutex<HashMap<String, Vec<SyncStream>>>,
@@ -150,8 +153,12 @@ impl Peers {
     pub fn new(cfg: &PeerConfig, store: Arc<BlockStore>) -> Result<Self, ServerError> {
         let connector = kvnet::Connector::new(&cfg.client, &[])
             .map_err(|e| ServerError::Config { field: "peer.client".into(), reason: e.to_string() })?;
+        let sources = super::sources::SourcePolicy::new(&cfg.peers, &cfg.allowed_sources)
+            .map_err(|reason| ServerError::Config { field: "peer.allowed_sources".into(), reason })?;
         Ok(Self {
             cfg: cfg.clone(),
+            sources,
+            refused_log: Mutex::new(None),
             connector,
             book: PeerBook::default(),
             idle: Mutex::new(HashMap::new()),
@@ -180,7 +187,8 @@ impl Peers {
         block_len: u64,
         sources: &[String],
     ) -> Option<Arc<Pull>> {
-        let sources: Vec<String> = sources.iter().filter(|s| !self.book.is_bad(s)).cloned().collect();
+        let sources: Vec<String> =
+            sources.iter().filter(|s| self.allowed(s) && !self.book.is_bad(s)).cloned().collect();
         if keys.is_empty() || sources.is_empty() {
             return None;
         }
@@ -211,6 +219,23 @@ impl Peers {
             self.running.fetch_sub(1, Ordering::AcqRel);
         }
         Some(pull)
+    }
+
+    /// Whether `source` may be dialed; a refusal is counted and logged (rate-limited).
+    fn allowed(&self, source: &str) -> bool {
+        if self.sources.allows(source) {
+            return true;
+        }
+        metrics::counter!("kvcached_peer_sources_refused_total").increment(1);
+        let mut last = self.refused_log.lock();
+        if last.is_none_or(|t| t.elapsed() >= Duration::from_secs(10)) {
+            *last = Some(Instant::now());
+            tracing::warn!(
+                source = %kvproto::limits::clip(source, 100),
+                "a load or hint named a source that is not in peer.peers or peer.allowed_sources: not dialed"
+            );
+        }
+        false
     }
 
     fn forget(&self, pull: &Arc<Pull>) {
