@@ -1,6 +1,6 @@
 //! Tenants under load (`server/src/tenants.rs`): a tenant salt belongs to one tenant (the uid
-//! that registers engines), per-tenant G2 quotas make a tenant evict its own blocks rather than
-//! another's, and lookups of one tenant never reach another's entries. The daemon runs as root
+//! that registers engines), per-tenant G2, G3 and G4 quotas make a tenant evict its own blocks
+//! rather than another's, and lookups of one tenant never reach another's entries. The daemon runs as root
 //! in this process (tenant `a`); tenant `b` is `src/bin/intruder.rs` as uid 65534. Skipped (with
 //! a message) when not root, like `security.rs`.
 #![allow(clippy::unwrap_used)]
@@ -34,37 +34,21 @@ async fn salts_are_bound_to_tenants_and_quotas_evict_only_their_own() {
         return;
     }
     let block = tenant_layout().block_bytes();
-    let dir = tempfile::tempdir().unwrap();
-    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
-    let mut c = Config {
-        socket: dir.path().join("kvcached.sock"),
-        socket_mode: "0666".into(),
-        metrics_addr: "127.0.0.1:0".parse().unwrap(),
-        ..Default::default()
-    };
-    c.g2.capacity_bytes = 64 << 20;
-    c.g2.shm_dir = dir.path().to_path_buf();
-    c.g3.enabled = false;
-    c.tenants = vec![
-        TenantConfig { name: "a".into(), uids: vec![0], g2_quota_bytes: 4 * block, ..Default::default() },
-        TenantConfig { name: "b".into(), uids: vec![NOBODY], salts_blake3: vec![b3("salt-b")], ..Default::default() },
-    ];
-    let c = c.resolve().unwrap();
-    let l = Listeners::bind(&c).await.unwrap();
-    let http = l.http.as_ref().unwrap().local_addr().unwrap();
-    let socket = c.socket.clone();
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    let task = tokio::spawn(kvcached::serve(c, l, async move {
-        let _ = rx.await;
-    }));
-    let bin = dir.path().join("intruder");
-    std::fs::copy(env!("CARGO_BIN_EXE_intruder"), &bin).unwrap();
-    std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755)).unwrap();
-    let b = |args: &[&str]| {
-        let out = Command::new(&bin).arg(&socket).arg("tenant").args(args).uid(NOBODY).gid(NOBODY).output().unwrap();
-        assert!(out.status.success(), "{out:?}");
-        String::from_utf8_lossy(&out.stdout).trim().to_string()
-    };
+    let d = Daemon::start(
+        vec![
+            TenantConfig { name: "a".into(), uids: vec![0], g2_quota_bytes: 4 * block, ..Default::default() },
+            TenantConfig {
+                name: "b".into(),
+                uids: vec![NOBODY],
+                salts_blake3: vec![b3("salt-b")],
+                ..Default::default()
+            },
+        ],
+        |_| {},
+    )
+    .await;
+    let (socket, http) = (d.socket.clone(), d.http);
+    let b = |args: &[&str]| d.b(args);
 
     // Tenant b saves 6 blocks under its pinned salt and finds them.
     assert_eq!(b(&["salt-b", "6", "6"]), "register=Ok saved=6 matched=6");
@@ -94,17 +78,7 @@ async fn salts_are_bound_to_tenants_and_quotas_evict_only_their_own() {
     // Its first blocks went (a prefix lookup stops at the first miss): only 4 of its blocks
     // remain, the last ones.
     assert_eq!(a.lookup(&prompt).await.unwrap().matched_blocks, 0);
-    let evicted: f64 = reqwest::get(format!("http://{http}/metrics"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap()
-        .lines()
-        .filter(|l| l.starts_with("kvcached_tenant_quota_evictions_total"))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum();
-    assert_eq!(evicted, 4.0);
+    assert_eq!(metric(http, "kvcached_tenant_quota_evictions_total").await, 4.0);
     // Tenant b's blocks are all still there; a's lookups of the same tokens (unsalted, or its
     // own salt) never reach them.
     assert_eq!(b(&["salt-b", "0", "6"]), "register=Ok saved=0 matched=6");
@@ -114,6 +88,167 @@ async fn salts_are_bound_to_tenants_and_quotas_evict_only_their_own() {
     assert_eq!(plain.lookup(&prompt[..96]).await.unwrap().matched_blocks, 0);
 
     drop((a, plain));
-    let _ = tx.send(());
-    task.await.unwrap().unwrap();
+    d.stop().await;
+}
+
+/// G3 and G4 quotas charge a block when its write-through lands there, and remove the tenant's
+/// own oldest blocks of that tier past the quota; another tenant's blocks all stay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn g3_and_g4_quotas_charge_blocks_where_they_land() {
+    if !is_root() {
+        eprintln!("skipped: needs root (another uid plays tenant b)");
+        return;
+    }
+    let block = tenant_layout().block_bytes();
+    let g4 = tempfile::tempdir().unwrap();
+    let g4_dir = g4.path().to_path_buf();
+    let d = Daemon::start(
+        vec![
+            TenantConfig {
+                name: "a".into(),
+                uids: vec![0],
+                g3_quota_bytes: 4 * block,
+                g4_quota_bytes: 6 * block,
+                ..Default::default()
+            },
+            TenantConfig { name: "b".into(), uids: vec![NOBODY], ..Default::default() },
+        ],
+        |c| {
+            c.g3.enabled = true;
+            c.g3.dir = c.g2.shm_dir.join("g3");
+            c.g3.capacity_bytes = 64 << 20;
+            c.g4.enabled = true;
+            c.g4.url = format!("file://{}", g4_dir.display());
+        },
+    )
+    .await;
+    assert_eq!(d.b(&["salt-b", "6", "6"]), "register=Ok saved=6 matched=6");
+
+    let mut ns = Namespace::new("m", tenant_layout());
+    ns.tenant_salt = Some(b"salt-a".to_vec());
+    let mut mem = KvMemory::anonymous(&tenant_layout(), 16).unwrap();
+    for s in 0..16 {
+        mem.write_block(s, &synthetic_block(3, s, block as usize));
+    }
+    let a = Client::connect(&d.socket).await.unwrap();
+    a.register("a", &ns, &mem).await.unwrap();
+    let prompt: Vec<u32> = (0..256u32).map(|i| i.wrapping_mul(2_654_435_761) % 150_000).collect();
+    assert_eq!(a.save(&prompt, 0, &(0..16).collect::<Vec<_>>()).await.unwrap().stored, 16);
+
+    // Everything lands; a keeps its newest 4 blocks in G3 and 6 in G4, b all 6 in both.
+    let evictions = |tier: &'static str| {
+        let http = d.http;
+        async move { metric(http, &format!("kvcached_tenant_quota_evictions_total{{tenant=\"a\",tier=\"{tier}\"}}")).await }
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while evictions("g3").await < 12.0 || evictions("g4").await < 10.0 || objects(&g4_dir).len() > 12 {
+        assert!(std::time::Instant::now() < deadline, "the quotas were not applied: {:?}", objects(&g4_dir));
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+    assert_eq!((evictions("g3").await, evictions("g4").await), (12.0, 10.0), "no more than the quota asks");
+    let newest: std::collections::BTreeSet<String> =
+        ns.block_keys(&prompt)[10..].iter().map(|k| k.to_string()).collect();
+    let in_g4 = objects(&g4_dir);
+    let a_dir: String = ns.id().0.iter().map(|x| format!("{x:02x}")).collect();
+    let a_objects: std::collections::BTreeSet<String> =
+        in_g4.iter().filter(|(n, _)| *n == a_dir).map(|(_, k)| k.clone()).collect();
+    assert_eq!(a_objects, newest, "a keeps its newest 6 blocks in G4");
+    assert_eq!(in_g4.len(), 12, "b's 6 objects all stay: {in_g4:?}");
+    assert_eq!(metric(d.http, "kvcached_tier_blocks{tier=\"g3\"}").await, 10.0, "a's 4 and b's 6 in G3");
+    let charged = |tier: &'static str| {
+        let http = d.http;
+        async move { metric(http, &format!("kvcached_tenant_charged_bytes{{tenant=\"a\",tier=\"{tier}\"}}")).await }
+    };
+    assert_eq!((charged("g3").await, charged("g4").await), ((4 * block) as f64, (6 * block) as f64));
+    drop(a);
+    d.stop().await;
+}
+
+/// (namespace directory, object name) of every object under a `file://` G4.
+fn objects(root: &std::path::Path) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    let mut dirs = vec![root.to_path_buf()];
+    while let Some(d) = dirs.pop() {
+        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                dirs.push(p);
+            } else if let (Some(ns), Some(name)) = (
+                p.parent().and_then(|n| n.file_name()).map(|n| n.to_string_lossy().to_string()),
+                p.file_name().map(|n| n.to_string_lossy().to_string()),
+            ) && !name.starts_with('.')
+            {
+                out.push((ns, name));
+            }
+        }
+    }
+    out
+}
+
+async fn metric(http: std::net::SocketAddr, series: &str) -> f64 {
+    reqwest::get(format!("http://{http}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+        .lines()
+        .filter(|l| l.starts_with(series))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// A daemon in this process (tenant `a` is root, `b` is uid 65534 through `intruder`).
+struct Daemon {
+    dir: tempfile::TempDir,
+    socket: std::path::PathBuf,
+    http: std::net::SocketAddr,
+    stop: tokio::sync::oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<Result<(), kvcached::ServerError>>,
+}
+
+impl Daemon {
+    async fn start(tenants: Vec<TenantConfig>, tune: impl FnOnce(&mut Config)) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        let mut c = Config {
+            socket: dir.path().join("kvcached.sock"),
+            socket_mode: "0666".into(),
+            metrics_addr: "127.0.0.1:0".parse().unwrap(),
+            ..Default::default()
+        };
+        c.g2.capacity_bytes = 64 << 20;
+        c.g2.shm_dir = dir.path().to_path_buf();
+        c.g3.enabled = false;
+        c.tenants = tenants;
+        tune(&mut c);
+        let c = c.resolve().unwrap();
+        let l = Listeners::bind(&c).await.unwrap();
+        let http = l.http.as_ref().unwrap().local_addr().unwrap();
+        let socket = c.socket.clone();
+        let (stop, rx) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(kvcached::serve(c, l, async move {
+            let _ = rx.await;
+        }));
+        Self { dir, socket, http, stop, task }
+    }
+
+    /// `intruder SOCKET tenant ARGS` as uid 65534: tenant b's engine.
+    fn b(&self, args: &[&str]) -> String {
+        let bin = self.dir.path().join("intruder");
+        if !bin.exists() {
+            std::fs::copy(env!("CARGO_BIN_EXE_intruder"), &bin).unwrap();
+            std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755)).unwrap();
+        }
+        let out =
+            Command::new(&bin).arg(&self.socket).arg("tenant").args(args).uid(NOBODY).gid(NOBODY).output().unwrap();
+        assert!(out.status.success(), "{out:?}");
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    }
+
+    async fn stop(self) {
+        let _ = self.stop.send(());
+        self.task.await.unwrap().unwrap();
+    }
 }

@@ -43,8 +43,8 @@ pub struct Config {
     /// I/O and G4's requests, read again whenever it changes (`server/src/faults.rs`). Unset
     /// (the default): nothing is wrapped.
     pub inject_faults: Option<PathBuf>,
-    /// Tenants: who may name which tenant salt, and their G2/G3 quotas (`[[tenants]]`,
-    /// `server/src/tenants.rs`). None: every uid is a tenant of its own, without quotas.
+    /// Tenants: who may name which tenant salt, and their G2/G3/G4 quotas (`[[tenants]]`,
+    /// `tenants.rs`, `quota.rs`). None: every uid is a tenant of its own, without quotas.
     pub tenants: Vec<crate::tenants::TenantConfig>,
 }
 

@@ -107,6 +107,8 @@ pub struct Daemon {
     pub g4_queue: usize,
     /// Peer daemons this one pulls from (and their measured links).
     pub peers: Option<Arc<Peers>>,
+    /// The tenants' quotas, when any tenant has one.
+    pub ledger: Option<Arc<crate::quota::Ledger>>,
     namespace_mismatch: metrics::Counter,
     key_memo: KeyMemo,
     /// Probes long prompts' keys while lookups derive them (thread `kv-probe`).
@@ -180,6 +182,7 @@ impl Daemon {
             g4_lookup_probe: true,
             g4_queue: 0,
             peers: None,
+            ledger: None,
             namespace_mismatch: metrics::counter!("kvcached_load_mismatch_total"),
             key_memo: KeyMemo::new(key_memo_bytes),
             prober,
@@ -217,8 +220,8 @@ impl Daemon {
         let len = engine.block_bytes();
         let end = req.first_block as usize + req.block_ids.len();
         let vllm = self.reports.vllm();
-        // A tenant with quotas makes room among its own blocks first (`tenants.rs`).
-        let quota = self.engines.tenants().quota_of(who);
+        // A tenant with quotas makes room among its own blocks first (`quota.rs`).
+        let payer = self.ledger.as_ref().zip(self.engines.tenants().index_of(who));
         if let Some(v) = vllm {
             let tpb = engine.namespace.layout.tokens_per_block as usize;
             v.note_save(&keys, &kvproto::tokens_from_le(&req.tokens)?, tpb, req.first_block as usize, end);
@@ -226,27 +229,29 @@ impl Daemon {
         for (i, &slot) in req.block_ids.iter().enumerate() {
             let idx = req.first_block as usize + i;
             let meta = BlockMeta { namespace: engine.namespace_id, parent: idx.checked_sub(1).map(|p| keys[p]), len };
-            if let Some(q) = &quota
-                && !q.make_room(&self.store, len)
-            {
-                resp.failed += 1;
-                if resp.error.is_empty() {
-                    resp.error = "a block is larger than the tenant's quota".into();
-                }
-                continue;
-            }
+            let reserved = match payer {
+                Some((ledger, t)) => match ledger.reserve(&self.store, t, keys[idx], len) {
+                    Some(r) => Some(r),
+                    None => {
+                        resp.failed += 1;
+                        if resp.error.is_empty() {
+                            resp.error = "a block is larger than the tenant's G2 quota".into();
+                        }
+                        continue;
+                    }
+                },
+                None => None,
+            };
             // Straight from the engine's segments into the block's G2 pages: one copy (DMA for
             // GPU memory).
             let put = self.store.put_with(keys[idx], meta, |dst| {
                 engine.read_slot_into(slot, dst).map_err(|e| kvtiers::TierError::Fill(e.to_string()))
             });
+            if let (Some((ledger, _)), Some(r), Ok(false) | Err(_)) = (payer, reserved, &put) {
+                ledger.not_stored(&keys[idx], r);
+            }
             match put {
-                Ok(true) => {
-                    resp.stored += 1;
-                    if let Some(q) = &quota {
-                        q.charge(keys[idx], len);
-                    }
-                }
+                Ok(true) => resp.stored += 1,
                 Ok(false) => resp.already_present += 1,
                 Err(e) => {
                     resp.failed += 1;

@@ -356,7 +356,7 @@ pub struct Registry {
     max: usize,
     pub lease: Duration,
     prefault: bool,
-    /// Who may name which tenant salt, and the tenants' quotas.
+    /// Who may name which tenant salt.
     tenants: Arc<crate::tenants::Tenants>,
 }
 

@@ -23,6 +23,8 @@
 //! - [`key_memo`]: key chains of recent prompts, reused by later requests for the same tokens.
 //! - [`prefix_probe`]: thread `kv-probe`, probing a long prompt's keys while they are derived.
 //! - [`engine`]: attached engines, their memory mappings and heartbeat leases.
+//! - [`tenants`]: who may name which tenant salt; [`quota`]: what each tenant's blocks may take
+//!   in G2, G3 and G4, charged where they land.
 //! - [`fault_guard`]: a SIGBUS in an engine's mapping (the engine truncated its file) becomes
 //!   that engine's error instead of the daemon's death.
 //! - [`token_area`]: an engine's shared-memory file of long prompts' tokens (read-only here).
@@ -56,6 +58,7 @@ pub mod metrics_catalog;
 pub mod peer;
 pub mod prefix_probe;
 pub mod publish;
+pub mod quota;
 pub mod reports;
 mod serve;
 pub mod service;

@@ -136,6 +136,11 @@ pub fn describe() {
     }
     describe_gauge!("kvcached_tier_used_bytes", Unit::Bytes, "Bytes a tier holds.");
     describe_gauge!("kvcached_tier_capacity_bytes", Unit::Bytes, "Bytes a tier may hold (0: no budget).");
+    describe_gauge!(
+        "kvcached_tenant_charged_bytes",
+        Unit::Bytes,
+        "Bytes of a tenant's blocks charged against its quota, by tenant and tier."
+    );
     describe_gauge!("kvcached_g2_prefaulted_bytes", Unit::Bytes, "Bytes of the G2 pool mapped so far.");
     describe_gauge!(
         "kvcached_writethrough_lag_seconds",

@@ -145,8 +145,24 @@ async fn start_daemon(
         Some(Arc::clone(&peers)),
         vllm,
     )?);
+    let ledger = crate::quota::Ledger::start(&config.tenants, &store)?;
+    let mut listeners: Vec<Arc<dyn kvtiers::TierListener>> = Vec::new();
     if reports.listening() {
-        store.set_listener(Arc::clone(&reports) as Arc<dyn kvtiers::TierListener>);
+        listeners.push(Arc::clone(&reports) as Arc<dyn kvtiers::TierListener>);
+    }
+    if let Some(l) = &ledger {
+        listeners.push(Arc::clone(l) as Arc<dyn kvtiers::TierListener>);
+    }
+    match listeners.len() {
+        0 => {}
+        1 => {
+            store.set_listener(listeners.remove(0));
+        }
+        _ => {
+            store.set_listener(Arc::new(kvtiers::Fanout(listeners)));
+        }
+    }
+    if reports.listening() {
         let n = reports.announce(&store);
         tracing::info!(blocks = n, "announced the blocks kept across the restart");
     }
@@ -163,6 +179,7 @@ async fn start_daemon(
         config.engines.key_memo_bytes as usize,
     );
     daemon.peers = Some(peers);
+    daemon.ledger = ledger;
     daemon.g4_lookup_probe = config.g4.lookup_probe;
     daemon.g4_queue = if config.g4.enabled { config.g4.writethrough_queue } else { 0 };
     Ok(Arc::new(daemon))

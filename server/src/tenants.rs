@@ -11,17 +11,10 @@
 //! lookups can only ever reach blocks of its own salts (and of unsalted namespaces, which every
 //! tenant shares by design).
 //!
-//! Quotas: a tenant with `g2_quota_bytes` (`g3_quota_bytes`) keeps at most that many bytes of
-//! the blocks it saved in G2 (G3): a save that would pass the quota first removes the tenant's
-//! own oldest blocks from that tier, so a tenant at its quota evicts itself, never another. A
-//! block larger than the quota is not saved. Blocks are charged to the tenant whose save stored
-//! them; blocks recovered from G3 at start are charged to no one.
+//! Quotas (`g2_quota_bytes`, `g3_quota_bytes`, `g4_quota_bytes`) are kept by [`crate::quota`].
 
-use std::collections::{HashMap, VecDeque};
-use std::sync::Arc;
+use std::collections::HashMap;
 
-use kvproto::{BlockKey, TierKind};
-use kvtiers::{BlockStore, Tier};
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
@@ -43,89 +36,8 @@ pub struct TenantConfig {
     pub g2_quota_bytes: u64,
     /// Most bytes of this tenant's blocks in G3 (0: no quota).
     pub g3_quota_bytes: u64,
-}
-
-/// The blocks one tenant saved into one tier, oldest first, and their bytes.
-#[derive(Debug, Default)]
-struct Charged {
-    quota: u64,
-    bytes: u64,
-    blocks: VecDeque<(BlockKey, u64)>,
-}
-
-impl Charged {
-    /// Victims to remove so that `need` more bytes fit; `None` when `need` alone is over quota.
-    fn make_room(&mut self, need: u64) -> Option<Vec<BlockKey>> {
-        if need > self.quota {
-            return None;
-        }
-        let mut out = Vec::new();
-        while self.bytes + need > self.quota {
-            let Some((k, n)) = self.blocks.pop_front() else { break };
-            self.bytes -= n;
-            out.push(k);
-        }
-        Some(out)
-    }
-
-    fn charge(&mut self, key: BlockKey, n: u64) {
-        self.bytes += n;
-        self.blocks.push_back((key, n));
-    }
-}
-
-/// A configured tenant's quotas.
-#[derive(Debug)]
-pub struct Quota {
-    name: String,
-    g2: Mutex<Charged>,
-    g3: Mutex<Charged>,
-}
-
-impl Quota {
-    /// Makes room for one block of `bytes` in every tier with a quota, removing this tenant's
-    /// own oldest blocks; false when the block is larger than a quota (it is not to be saved).
-    pub fn make_room(&self, store: &BlockStore, bytes: u64) -> bool {
-        for (tier, charged) in [(TierKind::G2Host, &self.g2), (TierKind::G3Disk, &self.g3)] {
-            let victims = {
-                let mut c = charged.lock();
-                if c.quota == 0 {
-                    continue;
-                }
-                match c.make_room(bytes) {
-                    Some(v) => v,
-                    None => return false,
-                }
-            };
-            // Outside the lock: the tiers call their listeners while removing.
-            for k in &victims {
-                let removed = if tier == TierKind::G2Host {
-                    store.g2().remove(k).unwrap_or(false)
-                } else {
-                    store.lower().iter().filter(|t| t.kind() == tier).any(|t| t.remove(k).unwrap_or(false))
-                };
-                if removed {
-                    metrics::counter!("kvcached_tenant_quota_evictions_total", "tenant" => self.name.clone(), "tier" => tier.to_string()).increment(1);
-                }
-            }
-        }
-        true
-    }
-
-    /// Charges a block this tenant's save stored.
-    pub fn charge(&self, key: BlockKey, bytes: u64) {
-        for charged in [&self.g2, &self.g3] {
-            let mut c = charged.lock();
-            if c.quota > 0 {
-                c.charge(key, bytes);
-            }
-        }
-    }
-
-    /// Bytes charged to this tenant in G2 and G3.
-    pub fn charged(&self) -> (u64, u64) {
-        (self.g2.lock().bytes, self.g3.lock().bytes)
-    }
+    /// Most bytes of the blocks this tenant saved that this daemon keeps in G4 (0: no quota).
+    pub g4_quota_bytes: u64,
 }
 
 /// The tenants of a daemon.
@@ -134,7 +46,6 @@ pub struct Tenants {
     /// Configured tenant index of each listed uid.
     by_uid: HashMap<u32, usize>,
     names: Vec<String>,
-    quotas: Vec<Option<Arc<Quota>>>,
     /// BLAKE3 of a salt -> the tenant it belongs to (configured, or its first registrant).
     salts: Mutex<HashMap<[u8; 32], String>>,
 }
@@ -166,15 +77,7 @@ impl Tenants {
                     return Err(bad(format!("salt {h} is pinned to two tenants")));
                 }
             }
-            let quota = (c.g2_quota_bytes > 0 || c.g3_quota_bytes > 0).then(|| {
-                Arc::new(Quota {
-                    name: c.name.clone(),
-                    g2: Mutex::new(Charged { quota: c.g2_quota_bytes, ..Default::default() }),
-                    g3: Mutex::new(Charged { quota: c.g3_quota_bytes, ..Default::default() }),
-                })
-            });
             t.names.push(c.name.clone());
-            t.quotas.push(quota);
         }
         t.salts = Mutex::new(salts);
         Ok(t)
@@ -191,10 +94,11 @@ impl Tenants {
         }
     }
 
-    /// The quotas of `who`'s tenant, if it has any.
-    pub fn quota_of(&self, who: Principal) -> Option<Arc<Quota>> {
+    /// The index of `who`'s tenant in `[[tenants]]`, if it is listed there (the ledger's
+    /// tenant numbers, [`crate::quota::Ledger`]).
+    pub fn index_of(&self, who: Principal) -> Option<usize> {
         let Principal::Uid(uid) = who else { return None };
-        self.quotas.get(*self.by_uid.get(&uid)?)?.clone()
+        self.by_uid.get(&uid).copied()
     }
 
     /// Whether `who` may register a namespace with `salt`: an unsalted namespace always; a salt
@@ -249,7 +153,10 @@ mod tests {
             assert!(t.admit(who, None).is_ok(), "unsalted namespaces are shared");
         }
         assert_eq!(t.tenant_of(other), "uid:7");
-        assert!(t.quota_of(a0).is_some() && t.quota_of(b).is_none());
+        assert_eq!(
+            (t.index_of(a0), t.index_of(a1), t.index_of(b), t.index_of(other)),
+            (Some(0), Some(0), Some(1), None)
+        );
     }
 
     #[test]
@@ -266,17 +173,5 @@ mod tests {
         let mut c = cfg();
         c[0].salts_blake3 = vec!["xyz".into()];
         assert!(Tenants::new(&c).is_err());
-    }
-
-    #[test]
-    fn charges_evict_the_oldest_first_and_refuse_what_cannot_fit() {
-        let mut c = Charged { quota: 300, ..Default::default() };
-        for i in 0..3u8 {
-            assert!(c.make_room(100).unwrap().is_empty());
-            c.charge(BlockKey([i; 16]), 100);
-        }
-        assert_eq!(c.make_room(150).unwrap(), vec![BlockKey([0; 16]), BlockKey([1; 16])]);
-        assert_eq!(c.bytes, 100);
-        assert!(c.make_room(301).is_none());
     }
 }

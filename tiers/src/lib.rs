@@ -52,7 +52,7 @@ pub use buf::BlockBuf;
 pub use disk::{DiskTier, DiskTierConfig};
 pub use error::{Result, TierError};
 pub use host::{CudaRegister, Filling, HostTier, HostTierConfig};
-pub use listener::TierListener;
+pub use listener::{Fanout, TierListener};
 pub use object::{ObjectTier, ObjectTierConfig};
 pub use stats::{TierStats, TierUsage};
 pub use store::{BlockStore, BlockStoreConfig, Hit, PrefixMatch, StoreStats};
