@@ -241,11 +241,9 @@ fn call(real: u64) -> impl Strategy<Value = Call> {
                 sources,
             })
         ),
-        (engine_id(real), n64(), 0u32..20).prop_map(|(engine_id, op_id, timeout_ms)| Call::Wait(pb::WaitRequest {
-            engine_id,
-            op_id,
-            timeout_ms
-        })),
+        (engine_id(real), n64(), 0u32..20, n32()).prop_map(|(engine_id, op_id, timeout_ms, until_blocks)| Call::Wait(
+            pb::WaitRequest { engine_id, op_id, timeout_ms, until_blocks }
+        )),
         (engine_id(real), 0i32..4, tokens(), n32(), proptest::collection::vec(bytes(20), 0..4)).prop_map(
             |(engine_id, change, tokens, first_block, keys)| Call::Gpu(pb::GpuBlocksRequest {
                 engine_id,

@@ -9,7 +9,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use kvclient::{Client, KvMemory, synthetic_block};
-use kvproto::{Dtype, KvLayout, LayoutKind, Namespace};
+use kvproto::{Dtype, KvLayout, LayoutKind, Namespace, pb};
 use kvtests::fake_peer::{Fake, fake_peer};
 use kvtests::proc::{DaemonProc, free_port, http_request};
 
@@ -169,6 +169,34 @@ async fn a_peer_dying_or_stalling_mid_transfer_leaves_the_intact_prefix() {
     assert_eq!(done.loaded_blocks, 12, "{done:?}");
     assert!(took < Duration::from_secs(5), "a stalled peer held the load {took:?}");
     check(&mb, 21, 12, 0);
+    drop(eb);
+    b.stop();
+}
+
+/// The decode engine uses the first blocks while later ones are still on the wire: a load
+/// from a peer that sends 12 blocks and then stalls reports those 12 in the engine's slots
+/// (byte-exact) while it is still PENDING, and ends with them once the peer is given up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_engine_uses_the_first_blocks_while_later_ones_are_in_flight() {
+    let d = tempfile::tempdir().unwrap();
+    let b = daemon(&d.path().join("b"), "[peer]\npull_deadline_ms = 8000\nio_timeout_ms = 6000\n");
+    let (eb, mb) = engine(&b, &ns(), 0, 0, 32).await;
+    let tokens = prompt(23, 32);
+    let slots: Vec<u32> = (0..32).collect();
+    let (stalls, _) = fake_peer(Fake::StallsAfter(12), 23, block_len());
+    let op = eb.load_op(&tokens, 0, &slots, &[stalls]).await.unwrap();
+    let early = eb.wait_for_blocks(&op, 12, Duration::from_secs(30)).await.unwrap();
+    assert_eq!(
+        early.state,
+        pb::load_status::State::Pending as i32,
+        "the load ended before the peer stalled: {early:?}"
+    );
+    assert_eq!((early.loaded_blocks, early.from_peer), (12, 12), "{early:?}");
+    check(&mb, 23, 12, 0);
+    let more = eb.wait_for_blocks(&op, 13, Duration::from_millis(200)).await.unwrap();
+    assert_eq!((more.state, more.loaded_blocks), (early.state, 12), "nothing past the stall: {more:?}");
+    let done = eb.wait(&op, Duration::from_secs(30)).await.unwrap();
+    assert_eq!((done.state, done.loaded_blocks, done.from_peer), (pb::load_status::State::Done as i32, 12, 12));
     drop(eb);
     b.stop();
 }

@@ -29,6 +29,7 @@ pub struct LoadOp {
     tokens: bytes::Bytes,
     first_block: u32,
     slots: Arc<[u32]>,
+    sources: Arc<[String]>,
 }
 
 impl LoadOp {
@@ -495,15 +496,29 @@ impl Client {
     /// Starts loading blocks `[first_block, first_block + slots.len())` of `tokens` into engine
     /// slots; returns at once. The load stops at the first block that is not cached.
     pub async fn load(&self, tokens: &[u32], first_block: u32, slots: &[u32]) -> Result<LoadOp, ClientError> {
+        self.load_op(tokens, first_block, slots, &[]).await
+    }
+
+    /// [`Client::load`] with `sources`, the peer daemons that may hold blocks this node lacks
+    /// (a router's `prefill_peer`): returns at once; [`Client::wait_for_blocks`] tells when
+    /// the first blocks are in the engine's slots while later ones still arrive.
+    pub async fn load_op(
+        &self,
+        tokens: &[u32],
+        first_block: u32,
+        slots: &[u32],
+        sources: &[String],
+    ) -> Result<LoadOp, ClientError> {
         let le = kvproto::tokens_to_le(tokens);
         // The engine id the load was made under (a heartbeat may re-register right after it).
-        let (s, engine_id) = self.load_rpc_le(&le, first_block, slots, false, &[]).await?;
+        let (s, engine_id) = self.load_rpc_le(&le, first_block, slots, false, sources).await?;
         Ok(LoadOp {
             current: Arc::new(Mutex::new((s.op_id, engine_id))),
             restarting: Arc::new(tokio::sync::Mutex::new(())),
             tokens: le,
             first_block,
             slots: slots.into(),
+            sources: sources.into(),
         })
     }
 
@@ -568,10 +583,22 @@ impl Client {
     /// Waits up to `timeout` for a load; returns its status (state PENDING if still running).
     /// A load lost with a restarted daemon is started again (see [`LoadOp`]).
     pub async fn wait(&self, op: &LoadOp, timeout: Duration) -> Result<pb::LoadStatus, ClientError> {
+        self.wait_for_blocks(op, 0, timeout).await
+    }
+
+    /// Waits up to `timeout` until `blocks` blocks of the load are in the engine's slots (from
+    /// the first, in order) or the load ended; the status says which (`PENDING` with
+    /// `loaded_blocks`, or finished). `blocks` 0: [`Client::wait`].
+    pub async fn wait_for_blocks(
+        &self,
+        op: &LoadOp,
+        blocks: u32,
+        timeout: Duration,
+    ) -> Result<pb::LoadStatus, ClientError> {
         let timeout_ms = timeout.as_millis().min(u128::from(u32::MAX)) as u32;
         let (op_id, started_under) = *op.current.lock();
         if self.engine_id_now() == Some(started_under) {
-            match self.wait_rpc(op_id, timeout_ms).await {
+            match self.wait_rpc(op_id, timeout_ms, blocks).await {
                 Ok(s) => return finished(s),
                 // Registered again during the call: the load died with the old daemon.
                 Err(ClientError::Rpc(s))
@@ -583,16 +610,16 @@ impl Client {
         let now = *op.current.lock();
         if now != (op_id, started_under) && self.engine_id_now() == Some(now.1) {
             // Another waiter on this load started it again meanwhile.
-            return finished(self.wait_rpc(now.0, timeout_ms).await?);
+            return finished(self.wait_rpc(now.0, timeout_ms, blocks).await?);
         }
-        let (s, engine_id) = self.load_rpc_le(&op.tokens, op.first_block, &op.slots, false, &[]).await?;
+        let (s, engine_id) = self.load_rpc_le(&op.tokens, op.first_block, &op.slots, false, &op.sources).await?;
         *op.current.lock() = (s.op_id, engine_id);
-        finished(self.wait_rpc(s.op_id, timeout_ms).await?)
+        finished(self.wait_rpc(s.op_id, timeout_ms, blocks).await?)
     }
 
-    async fn wait_rpc(&self, op_id: u64, timeout_ms: u32) -> Result<pb::LoadStatus, ClientError> {
+    async fn wait_rpc(&self, op_id: u64, timeout_ms: u32, until_blocks: u32) -> Result<pb::LoadStatus, ClientError> {
         self.with_retry(|mut rpc, engine_id| {
-            let req = pb::WaitRequest { engine_id, op_id, timeout_ms };
+            let req = pb::WaitRequest { engine_id, op_id, timeout_ms, until_blocks };
             async move { rpc.wait(req).await }
         })
         .await

@@ -467,7 +467,7 @@ impl Daemon {
     pub fn run_load(&self, op: u64, engine: &Engine, req: &pb::LoadRequest, tx: &watch::Sender<pb::LoadStatus>) {
         // A load that panicked still finishes (failed): its engine's pending count, and the
         // wait at shutdown, must not count it for ever.
-        let loaded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.load_blocks(op, engine, req)))
+        let loaded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.load_blocks(op, engine, req, tx)))
             .unwrap_or_else(|_| {
                 Err(ServerError::Io(std::io::Error::other("the load failed inside kvcached (see its log)")))
             });
@@ -494,7 +494,15 @@ impl Daemon {
         let _ = tx.send(status);
     }
 
-    fn load_blocks(&self, op: u64, engine: &Engine, req: &pb::LoadRequest) -> Result<pb::LoadStatus, ServerError> {
+    /// Copies the blocks into the engine's slots; `progress` is told what is in so far (as
+    /// PENDING), after each block while blocks arrive from a peer, else after each chunk.
+    fn load_blocks(
+        &self,
+        op: u64,
+        engine: &Engine,
+        req: &pb::LoadRequest,
+        progress: &watch::Sender<pb::LoadStatus>,
+    ) -> Result<pb::LoadStatus, ServerError> {
         let keys = self.keys(engine, &req.tokens)?;
         Self::span(engine, keys.len(), req.first_block, &req.block_ids)?;
         let first = req.first_block as usize;
@@ -576,6 +584,9 @@ impl Daemon {
                             TierKind::G3Disk => st.from_g3 += 1,
                             _ => st.from_g2 += 1,
                         }
+                        if pulled || i + 1 == keys.len() {
+                            Self::tell(progress, &st);
+                        }
                     }
                     Ok(Some((_, Ok(false)))) => {
                         self.namespace_mismatch.increment(1);
@@ -592,6 +603,11 @@ impl Daemon {
         }
         self.store.release(lease);
         Ok(st)
+    }
+
+    /// Publishes a load's progress (PENDING) to its waiters.
+    fn tell(progress: &watch::Sender<pb::LoadStatus>, st: &pb::LoadStatus) {
+        progress.send_replace(pb::LoadStatus { state: pb::load_status::State::Pending as i32, ..st.clone() });
     }
 
     /// Starts bringing the chain `keys` of `namespace` into G2 before an engine asks: what
@@ -632,12 +648,14 @@ impl Daemon {
         crate::peer::http::PrefetchStarted { local: held, pulling }
     }
 
-    /// The status of a load, waiting up to `timeout` for it to finish.
+    /// The status of a load, waiting up to `timeout` for it to finish or (`until_blocks` > 0)
+    /// to have that many blocks in the engine's slots.
     pub async fn wait(
         &self,
         engine: u64,
         op: u64,
         timeout: Duration,
+        until_blocks: u32,
         who: Principal,
     ) -> Result<pb::LoadStatus, ServerError> {
         self.engines.get(engine, who)?;
@@ -647,7 +665,9 @@ impl Daemon {
         };
         let pending = pb::load_status::State::Pending as i32;
         if !timeout.is_zero() {
-            let _ = tokio::time::timeout(timeout, rx.wait_for(|s| s.state != pending)).await;
+            let enough =
+                |s: &pb::LoadStatus| s.state != pending || (until_blocks > 0 && s.loaded_blocks >= until_blocks);
+            let _ = tokio::time::timeout(timeout, rx.wait_for(enough)).await;
         }
         let s = rx.borrow().clone();
         Ok(s)

@@ -139,7 +139,10 @@ impl pb::kvcached_server::Kvcached for KvcachedService {
         let r: Result<Response<pb::LoadStatus>, Status> = async move {
             let who = principal(&req);
             let r = req.into_inner();
-            let s = self.daemon.wait(r.engine_id, r.op_id, Duration::from_millis(u64::from(r.timeout_ms)), who).await?;
+            let s = self
+                .daemon
+                .wait(r.engine_id, r.op_id, Duration::from_millis(u64::from(r.timeout_ms)), r.until_blocks, who)
+                .await?;
             Ok(Response::new(s))
         }
         .await;

@@ -47,7 +47,7 @@ async fn run(args: &[String]) -> Result<String, String> {
                 c.load(pb::LoadRequest { engine_id: id, tokens, block_ids: vec![0], wait: true, ..Default::default() })
                     .await,
             );
-            let wait = code(c.wait(pb::WaitRequest { engine_id: id, op_id: 1, timeout_ms: 0 }).await);
+            let wait = code(c.wait(pb::WaitRequest { engine_id: id, op_id: 1, timeout_ms: 0, until_blocks: 0 }).await);
             let unreg = code(c.unregister(pb::EngineRef { engine_id: id }).await);
             Ok(format!("heartbeat={hb} load={load} wait={wait} unregister={unreg}"))
         }
