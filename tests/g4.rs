@@ -105,6 +105,7 @@ fn spawn(dir: &Path, s: &Setup<'_>) -> Daemon {
     let child = Command::new(env!("CARGO_BIN_EXE_daemon"))
         .args(["--config", cfg.to_str().unwrap(), "--socket", socket.to_str().unwrap()])
         .args(["--g2-capacity-bytes", "67108864", "--g2-shm-dir", dir.to_str().unwrap(), "--engine-lease-ms", "3000"])
+        .args(["--peer-allowed-sources", "127.0.0.0/8"])
         .env_clear()
         .env("PATH", std::env::var("PATH").unwrap_or_default())
         .env("AWS_ACCESS_KEY_ID", ACCESS_KEY)
@@ -387,16 +388,19 @@ async fn prefetch_lifts_g3_and_g4_and_a_killed_peer_is_replaced_by_g4() {
     assert_eq!((done.loaded_blocks, done.from_g2), (32, 32), "{done:?}");
     check(&mb, 12, 32, 0);
 
-    // A (the prefill node, started after B) saves two prompts; B's index has never heard of them.
+    // A (the prefill node, started after B) saves three prompts; B's index has never heard of
+    // them.
     let peer = format!("127.0.0.1:{}", free_port());
     let listen = format!("[peer]\nlisten = \"{peer}\"\n");
     let a = spawn(&d.path().join("a"), &Setup { extra: &listen, ..Setup::new(&s3, "prefetch") });
     let (ea, _ma) = engine(&a, &ns(), 11, 32).await;
     let (ea2, _ma2) = engine(&a, &ns(), 13, 32).await;
-    let (p, r) = (prompt(11, 32), prompt(13, 32));
+    let (ea3, _ma3) = engine(&a, &ns(), 17, 32).await;
+    let (p, r, t) = (prompt(11, 32), prompt(13, 32), prompt(17, 32));
     assert_eq!(ea.save(&p, 0, &(0..32).collect::<Vec<_>>()).await.unwrap().stored, 32);
     assert_eq!(ea2.save(&r, 0, &(0..32).collect::<Vec<_>>()).await.unwrap().stored, 32);
-    a.wait_metric(G4_WRITTEN, 64.0, 30).await;
+    assert_eq!(ea3.save(&t, 0, &(0..32).collect::<Vec<_>>()).await.unwrap().stored, 32);
+    a.wait_metric(G4_WRITTEN, 96.0, 30).await;
     let answer = prefetch(&b, &p, &[]).await;
     assert_eq!(answer["local"], 32, "the hint did not find A's blocks in G4: {answer}\n{}", b.log());
     let seen = eb.lookup(&p).await.unwrap();
@@ -406,11 +410,15 @@ async fn prefetch_lifts_g3_and_g4_and_a_killed_peer_is_replaced_by_g4() {
     check(&mb, 11, 32, 32);
 
     // A dies; B's engine asks for R naming A as the source: all of it from G4.
-    drop((ea, ea2));
+    drop((ea, ea2, ea3));
     drop(a); // SIGKILL
     let done = eb.load_from(&r, 0, &(0..32).collect::<Vec<_>>(), std::slice::from_ref(&peer)).await.unwrap();
     assert_eq!((done.loaded_blocks, done.from_peer, done.from_g4), (32, 0, 32), "{done:?}\n{}", b.log());
     check(&mb, 13, 32, 0);
+    // A is marked bad now, so no pull starts for T: G4 still serves all of it.
+    let done = eb.load_from(&t, 0, &(32..64).collect::<Vec<_>>(), std::slice::from_ref(&peer)).await.unwrap();
+    assert_eq!((done.loaded_blocks, done.from_peer, done.from_g4), (32, 0, 32), "{done:?}\n{}", b.log());
+    check(&mb, 17, 32, 32);
     drop(eb);
     b.stop();
 }

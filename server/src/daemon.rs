@@ -521,6 +521,14 @@ impl Daemon {
             }
             _ => None,
         };
+        if incoming.is_none() && !req.sources.is_empty() && self.store.has_remote_tier() {
+            // Sources were named but no pull started (each refused, marked bad, or the pulls
+            // busy): what G4 holds of the rest is the next best, as after a failed pull.
+            let end = crate::peer::handoff::local_end(&self.store, wanted);
+            if end < wanted.len() {
+                self.store.probe_lower(engine.namespace_id, &wanted[end..]);
+            }
+        }
         let mut fell_back = false;
         // Chunk by chunk: blocks not in G2 come up from G3 in one batch read per chunk, then
         // the chunk is copied out of G2.

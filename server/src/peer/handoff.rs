@@ -22,6 +22,13 @@ pub struct Incoming {
     pub fell_back: bool,
 }
 
+/// How many of `keys` (from the first) the node's own tiers (G2, G3) hold.
+pub fn local_end(store: &BlockStore, keys: &[BlockKey]) -> usize {
+    let local = (1u8 << kvproto::TierKind::G2Host.index()) | (1u8 << kvproto::TierKind::G3Disk.index());
+    let held = store.held_prefix(keys);
+    held.iter().position(|h| h & local == 0).unwrap_or(held.len())
+}
+
 impl Incoming {
     /// Plans the peer part of loading `keys`: none when the node's own tiers (G2, G3) hold the
     /// whole chain or no source is usable; else a pull (joined or started) of the keys from the
@@ -36,9 +43,7 @@ impl Incoming {
         sources: &[String],
         deadline: Instant,
     ) -> Option<Self> {
-        let local = (1u8 << kvproto::TierKind::G2Host.index()) | (1u8 << kvproto::TierKind::G3Disk.index());
-        let held = store.held_prefix(keys);
-        let offset = held.iter().position(|h| h & local == 0).unwrap_or(held.len());
+        let offset = local_end(store, keys);
         if offset >= keys.len() {
             return None;
         }
