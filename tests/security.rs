@@ -4,16 +4,14 @@
 //! (docs/operations.md, "Security").
 #![allow(clippy::unwrap_used)]
 
-use std::os::unix::fs::PermissionsExt;
-use std::os::unix::process::CommandExt;
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::Path;
 use std::time::Duration;
 
-use kvcached::{Config, Listeners};
+use kvcached::Config;
 use kvclient::{Client, KvMemory, synthetic_block};
 use kvproto::pb;
 use kvproto::{Dtype, KvLayout, LayoutKind, Namespace};
+use kvtests::inproc::InProcess;
 use tokio::io::AsyncWriteExt;
 
 const NOBODY: u32 = 65534;
@@ -68,45 +66,23 @@ fn daemon_log() -> &'static std::sync::Mutex<Vec<u8>> {
 }
 
 /// A root daemon in this process whose socket (mode 0666) and directory other uids can reach.
-struct Daemon {
-    dir: tempfile::TempDir,
-    socket: PathBuf,
-    http: std::net::SocketAddr,
-    tcp: Option<std::net::SocketAddr>,
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
-    task: tokio::task::JoinHandle<Result<(), kvcached::ServerError>>,
+struct Daemon(InProcess);
+
+impl std::ops::Deref for Daemon {
+    type Target = InProcess;
+    fn deref(&self) -> &InProcess {
+        &self.0
+    }
 }
 
 async fn start(tune: impl FnOnce(&mut Config)) -> Daemon {
     daemon_log();
-    let dir = tempfile::tempdir().unwrap();
-    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
-    let mut c = Config {
-        socket: dir.path().join("kvcached.sock"),
-        socket_mode: "0666".into(),
-        metrics_addr: "127.0.0.1:0".parse().unwrap(),
-        ..Default::default()
-    };
-    c.g2.capacity_bytes = 64 << 20;
-    c.g2.shm_dir = dir.path().to_path_buf();
-    c.g3.enabled = false;
-    tune(&mut c);
-    let c = c.resolve().unwrap();
-    let l = Listeners::bind(&c).await.unwrap();
-    let http = l.http.as_ref().unwrap().local_addr().unwrap();
-    let tcp = l.tcp.as_ref().map(|t| t.local_addr().unwrap());
-    let socket = c.socket.clone();
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    let task = tokio::spawn(kvcached::serve(c, l, async move {
-        let _ = rx.await;
-    }));
-    Daemon { dir, socket, http, tcp, stop: Some(tx), task }
+    Daemon(InProcess::start(tune).await)
 }
 
 impl Daemon {
-    async fn stop(mut self) {
-        let _ = self.stop.take().unwrap().send(());
-        self.task.await.unwrap().unwrap();
+    async fn stop(self) {
+        self.0.stop().await;
     }
 
     /// An engine of this (root) process with 8 slots, the first 2 filled and saved.
@@ -122,18 +98,9 @@ impl Daemon {
         (c, mem)
     }
 
-    /// `intruder ARGS` as uid 65534 (from a copy of the binary it can execute).
+    /// `intruder ARGS` as uid 65534.
     fn intruder(&self, args: &[&str]) -> std::process::Child {
-        let bin = self.dir.path().join("intruder");
-        if !bin.exists() {
-            std::fs::copy(env!("CARGO_BIN_EXE_intruder"), &bin).unwrap();
-            std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755)).unwrap();
-        }
-        Command::new(&bin)
-            .arg(&self.socket)
-            .args(args)
-            .uid(NOBODY)
-            .gid(NOBODY)
+        self.as_uid(Path::new(env!("CARGO_BIN_EXE_intruder")), NOBODY, args)
             .stdout(std::process::Stdio::piped())
             .spawn()
             .unwrap()
@@ -143,15 +110,6 @@ impl Daemon {
         let out = self.intruder(args).wait_with_output().unwrap();
         assert!(out.status.success(), "intruder {args:?}: {out:?}");
         String::from_utf8_lossy(&out.stdout).trim().to_string()
-    }
-
-    async fn metric(&self, name: &str) -> f64 {
-        let text = reqwest::get(format!("http://{}/metrics", self.http)).await.unwrap().text().await.unwrap();
-        text.lines().filter(|l| l.starts_with(name)).filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok()).sum()
-    }
-
-    async fn healthz(&self) -> u16 {
-        reqwest::get(format!("http://{}/healthz", self.http)).await.unwrap().status().as_u16()
     }
 }
 
