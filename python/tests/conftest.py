@@ -122,7 +122,8 @@ def peer_pair():
     roots = [Path(tempfile.mkdtemp(prefix=f"kvcached-py-peer{i}-")) for i in range(2)]
     a = Daemon(roots[0], extra=["--peer-listen", f"127.0.0.1:{port}"])
     a.peer = f"127.0.0.1:{port}"
-    b = Daemon(roots[1])
+    # The second dials only sources it allows (peer.allowed_sources).
+    b = Daemon(roots[1], extra=["--peer-allowed-sources", a.peer])
     a.start()
     b.start()
     try:
