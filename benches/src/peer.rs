@@ -216,6 +216,7 @@ fn pull_timed(
     // Open: the bench measures the transfer; the namespaces it makes are its own.
     let mut cfg = PeerConfig::default();
     cfg.auth.open = true;
+    cfg.peers = vec![addr.to_string()];
     let guard = Arc::new(kvnet::Guard::new("peer.auth", &cfg.auth, addr, &[]).map_err(|e| e.to_string())?);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
