@@ -215,14 +215,16 @@ class Client:
     def save(self, tokens: Tokens, first_block: int, slots: Sequence[int]) -> SaveResult: ...
     def lookup(self, tokens: Tokens) -> LookupResult: ...
     def lookup_routed(self, tokens: Tokens, route_id: int, g1_blocks: int) -> LookupResult: ...
-    def load(self, tokens: Tokens, first_block: int, slots: Sequence[int]) -> LoadOp: ...
+    def load(self, tokens: Tokens, first_block: int, slots: Sequence[int], sources: Sequence[str] = ()) -> LoadOp:
+        """Returns at once; sources: peer daemons that may hold what this node lacks."""
     def load_now(self, tokens: Tokens, first_block: int, slots: Sequence[int]) -> LoadStatus:
         """Raises LoadFailedError if the load failed."""
     def load_from(self, tokens: Tokens, first_block: int, slots: Sequence[int], sources: Sequence[str]) -> LoadStatus:
         """load_now that pulls what this node lacks from peer daemons ("host:port" of their peer
         channels, e.g. a router's split.prefill_peer)."""
-    def wait(self, op: LoadOp, timeout: float = 30.0) -> LoadStatus:
-        """Raises LoadFailedError if the load failed; state "pending" if still running."""
+    def wait(self, op: LoadOp, timeout: float = 30.0, blocks: int = 0) -> LoadStatus:
+        """Raises LoadFailedError if the load failed; state "pending" if still running. With
+        blocks, returns once that many blocks (the first, in order) are in the slots."""
     def poll(self, op: LoadOp) -> LoadStatus: ...
     def stats(self) -> dict[str, Any]:
         """{"engines", "saves", "loads", "writethrough_dropped", "tiers": {name: {"hits",

@@ -84,14 +84,16 @@ class AsyncClient:
     async def lookup(self, tokens: Tokens) -> LookupResult:
         return await self._run(self.sync.lookup, tokens)
 
-    async def load(self, tokens: Tokens, first_block: int, slots: Sequence[int]) -> LoadOp:
-        return await self._run(self.sync.load, tokens, first_block, list(slots))
+    async def load(
+        self, tokens: Tokens, first_block: int, slots: Sequence[int], sources: Sequence[str] = ()
+    ) -> LoadOp:
+        return await self._run(self.sync.load, tokens, first_block, list(slots), list(sources))
 
     async def load_now(self, tokens: Tokens, first_block: int, slots: Sequence[int]) -> LoadStatus:
         return await self._run(self.sync.load_now, tokens, first_block, list(slots))
 
-    async def wait(self, op: LoadOp, timeout: float = 30.0) -> LoadStatus:
-        return await self._run(self.sync.wait, op, timeout)
+    async def wait(self, op: LoadOp, timeout: float = 30.0, blocks: int = 0) -> LoadStatus:
+        return await self._run(self.sync.wait, op, timeout, blocks)
 
     async def poll(self, op: LoadOp) -> LoadStatus:
         return await self._run(self.sync.poll, op)

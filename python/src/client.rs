@@ -223,10 +223,20 @@ impl PyClient {
     }
 
     /// Starts loading blocks `first_block .. first_block + len(slots)` of `tokens` into those
-    /// slots; returns at once. The load stops at the first block not cached.
-    fn load(&self, py: Python<'_>, tokens: &Bound<'_, PyAny>, first_block: u32, slots: Vec<u32>) -> PyResult<PyLoadOp> {
+    /// slots; returns at once. The load stops at the first block not cached. `sources`: peer
+    /// daemons that may hold the blocks this node lacks (as `load_from`).
+    #[pyo3(signature = (tokens, first_block, slots, sources = Vec::new()))]
+    fn load(
+        &self,
+        py: Python<'_>,
+        tokens: &Bound<'_, PyAny>,
+        first_block: u32,
+        slots: Vec<u32>,
+        sources: Vec<String>,
+    ) -> PyResult<PyLoadOp> {
         let tokens = tokens_of(tokens)?;
-        self.call(py, move |c| async move { c.load(&tokens, first_block, &slots).await }).map(|op| PyLoadOp { op })
+        self.call(py, move |c| async move { c.load_op(&tokens, first_block, &slots, &sources).await })
+            .map(|op| PyLoadOp { op })
     }
 
     /// Loads and waits in one call. Raises `LoadFailedError` if the load failed.
@@ -258,17 +268,19 @@ impl PyClient {
             .map(LoadStatus::from)
     }
 
-    /// Waits up to `timeout` seconds for a load; its status (state `"pending"` if it is still
-    /// running). Raises `LoadFailedError` if the load failed.
-    #[pyo3(signature = (op, timeout = 30.0))]
-    fn wait(&self, py: Python<'_>, op: &PyLoadOp, timeout: f64) -> PyResult<LoadStatus> {
+    /// Waits up to `timeout` seconds for a load to end or, with `blocks`, until that many of its
+    /// blocks are in the slots (the first, in order: usable while later ones still arrive); its
+    /// status (state `"pending"` if it is still running). Raises `LoadFailedError` if the load
+    /// failed.
+    #[pyo3(signature = (op, timeout = 30.0, blocks = 0))]
+    fn wait(&self, py: Python<'_>, op: &PyLoadOp, timeout: f64, blocks: u32) -> PyResult<LoadStatus> {
         let (op, timeout) = (op.op.clone(), seconds("timeout", timeout)?);
-        self.call(py, move |c| async move { c.wait(&op, timeout).await }).map(LoadStatus::from)
+        self.call(py, move |c| async move { c.wait_for_blocks(&op, blocks, timeout).await }).map(LoadStatus::from)
     }
 
     /// A load's status without waiting.
     fn poll(&self, py: Python<'_>, op: &PyLoadOp) -> PyResult<LoadStatus> {
-        self.wait(py, op, 0.0)
+        self.wait(py, op, 0.0, 0)
     }
 
     /// The daemon's counters (see `kvcached.Client.stats` in the stubs for the keys).

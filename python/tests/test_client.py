@@ -195,6 +195,18 @@ def test_a_decode_node_pulls_from_the_prefill_nodes_daemon(peer_pair):
     assert (status.loaded_blocks, status.from_peer) == (8, 8), status
     for i in range(8):
         assert mem_b.read_block(8 + i) == written[i], f"block {i}"
+    # The same as a load that returns at once: wait(blocks=4) answers once the first 4 are in
+    # the slots (possibly while later ones still arrive), wait() when all are.
+    tokens2 = prompt(8, 8)
+    written2 = fill_random(mem_a, range(8, 16))
+    assert prefill.save(tokens2, 0, list(range(8, 16))).stored == 8
+    op = decode.load(tokens2, 0, list(range(16, 24)), sources=[a.peer])
+    early = decode.wait(op, timeout=30, blocks=4)
+    assert early.loaded_blocks >= 4, early
+    for i in range(4):
+        assert mem_b.read_block(16 + i) == written2[8 + i], f"block {i}"
+    done = decode.wait(op)
+    assert (done.state, done.loaded_blocks, done.from_peer) == ("done", 8, 8), done
     # The rate an engine reports reaches its daemon (no error; routers read it from reports).
     decode.report_load_and_prefill(0, 0, 0, 32, 4096, 0.05)
 
