@@ -65,19 +65,24 @@ async fn salts_are_bound_to_tenants_and_quotas_evict_only_their_own() {
     let e = a.register("a", &salted("salt-b2"), &mem).await.unwrap_err().to_string();
     assert!(e.contains("belongs to another tenant"), "{e}");
 
-    // Tenant a, with its own salt, saves 8 blocks against a quota of 4: it evicts its own oldest.
+    // Tenant a, with its own salt, saves 8 blocks against a quota of 4: the first 4 are kept
+    // (the rest would have to remove their own prefix) and the prompt stays findable.
     a.register("a", &salted("salt-a"), &mem).await.unwrap();
     let prompt = tenant_prompt(8);
     let r = a.save(&prompt, 0, &(0..8).collect::<Vec<_>>()).await.unwrap();
-    assert_eq!(r.stored, 8, "{r:?}");
-    // Its first blocks went (a prefix lookup stops at the first miss): only 4 of its blocks
-    // remain, the last ones.
-    assert_eq!(a.lookup(&prompt).await.unwrap().matched_blocks, 0);
-    assert_eq!(d.metric("kvcached_tenant_quota_evictions_total{tenant=\"a\",tier=\"g2\"}").await, 4.0);
-    // Tenant b's blocks are all still there; a's lookups of the same tokens (unsalted, or its
-    // own salt) never reach them.
+    assert_eq!((r.stored, r.failed), (4, 4), "{r:?}");
+    assert!(r.error.contains("over the tenant's G2 quota"), "{r:?}");
+    assert_eq!(a.lookup(&prompt).await.unwrap().matched_blocks, 4);
+    // A second prompt of 2 blocks takes the room from the first one's end: its own blocks.
+    let second: Vec<u32> = prompt[..32].iter().map(|t| t + 1).collect();
+    assert_eq!(a.save(&second, 0, &[0, 1]).await.unwrap().stored, 2);
+    assert_eq!(a.lookup(&second).await.unwrap().matched_blocks, 2);
+    assert_eq!(a.lookup(&prompt).await.unwrap().matched_blocks, 2, "the first prompt keeps its first 2 blocks");
+    assert_eq!(d.metric("kvcached_tenant_quota_evictions_total{tenant=\"a\",tier=\"g2\"}").await, 2.0);
+    // Tenant b's blocks are all still there; a's lookups of the same tokens (its own salt, or
+    // unsalted) never reach them: a finds its own 2, an unsalted engine none.
     assert_eq!(b(&["salt-b", "0", "6"]), "register=Ok saved=0 matched=6");
-    assert_eq!(a.lookup(&prompt[..96]).await.unwrap().matched_blocks, 0);
+    assert_eq!(a.lookup(&prompt[..96]).await.unwrap().matched_blocks, 2);
     let plain = Client::connect(&socket).await.unwrap();
     plain.register("plain", &Namespace::new("m", tenant_layout()), &mem).await.unwrap();
     assert_eq!(plain.lookup(&prompt[..96]).await.unwrap().matched_blocks, 0);
@@ -86,8 +91,8 @@ async fn salts_are_bound_to_tenants_and_quotas_evict_only_their_own() {
     d.stop().await;
 }
 
-/// G3 and G4 quotas charge a block when its write-through lands there, and remove the tenant's
-/// own oldest blocks of that tier past the quota; another tenant's blocks all stay.
+/// G3 and G4 quotas charge a block when its write-through lands there, and remove blocks of the
+/// tenant's own in that tier past the quota; another tenant's blocks all stay.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn g3_and_g4_quotas_charge_blocks_where_they_land() {
     if !is_root() {
@@ -130,9 +135,9 @@ async fn g3_and_g4_quotas_charge_blocks_where_they_land() {
     let prompt: Vec<u32> = (0..256u32).map(|i| i.wrapping_mul(2_654_435_761) % 150_000).collect();
     assert_eq!(a.save(&prompt, 0, &(0..16).collect::<Vec<_>>()).await.unwrap().stored, 16);
 
-    // Everything lands; a keeps 4 blocks in G3 and 6 in G4 (the last to land: G4 writes run
-    // several at once, so not necessarily the last 6 of the prompt), b all 6 in both. Tenant a
-    // is named "lower" here: the tests share the process's metrics.
+    // Everything lands; a keeps 4 blocks in G3 and 6 in G4 (a prefix, as far as the order of
+    // landing allows: G4 writes run several at once), b all 6 in both. Tenant a is named
+    // "lower" here: the tests share the process's metrics.
     let evictions = |tier: &'static str| {
         d.metric(format!("kvcached_tenant_quota_evictions_total{{tenant=\"lower\",tier=\"{tier}\"}}"))
     };

@@ -226,21 +226,24 @@ impl Daemon {
             let tpb = engine.namespace.layout.tokens_per_block as usize;
             v.note_save(&keys, &kvproto::tokens_from_le(&req.tokens)?, tpb, req.first_block as usize, end);
         }
+        let mut over_quota = false;
         for (i, &slot) in req.block_ids.iter().enumerate() {
             let idx = req.first_block as usize + i;
             let meta = BlockMeta { namespace: engine.namespace_id, parent: idx.checked_sub(1).map(|p| keys[p]), len };
             let reserved = match payer {
-                Some((ledger, t)) => match ledger.reserve(&self.store, t, keys[idx], len) {
-                    Some(r) => Some(r),
-                    None => {
-                        resp.failed += 1;
-                        if resp.error.is_empty() {
-                            resp.error = "a block is larger than the tenant's G2 quota".into();
-                        }
-                        continue;
-                    }
-                },
-                None => None,
+                // Past a block the quota refused, the rest of the chain could only be stored
+                // by removing its own prefix: refused too.
+                Some(_) if over_quota => None,
+                Some((ledger, t)) => ledger.reserve(&self.store, t, keys[idx], meta.parent, len).map(Some),
+                None => Some(None),
+            };
+            let Some(reserved) = reserved else {
+                over_quota = true;
+                resp.failed += 1;
+                if resp.error.is_empty() {
+                    resp.error = crate::quota::OVER_G2_QUOTA.into();
+                }
+                continue;
             };
             // Straight from the engine's segments into the block's G2 pages: one copy (DMA for
             // GPU memory).

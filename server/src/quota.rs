@@ -4,23 +4,31 @@
 //!
 //! A block is charged to the tenant whose save stored it, in each tier it is in, for as long as
 //! it is there:
-//! - **G2 at the save.** A save that would pass the tenant's G2 quota first removes the tenant's
-//!   own oldest G2 blocks; a block larger than the quota is not saved.
+//! - **G2 at the save.** A save that would pass the tenant's G2 quota first removes blocks of
+//!   the tenant's own; a block larger than the quota, or one whose room only its own prefix
+//!   could make, is not saved.
 //! - **G3 and G4 when the write-through lands** (the tiers' listener). Past the quota, thread
-//!   `kv-quota` removes the tenant's own oldest blocks of that tier. Charging at landing, not at
+//!   `kv-quota` removes blocks of the tenant's own in that tier. Charging at landing, not at
 //!   the save, is what keeps the count true: a victim chosen while it was still queued for
 //!   write-through would otherwise land afterwards, uncharged.
 //! - **Uncharged** when the tier reports the block gone (its own eviction, a removal, a corrupt
 //!   block dropped), so global pressure never leaves a tenant paying for blocks it lost.
+//!
+//! Victims are the ends of the tenant's chains (blocks no block of its own in that tier
+//! continues), oldest first: an old prompt goes from its last block back, and a kept block
+//! keeps its prefix, so what a tenant keeps stays reachable by a lookup. A prompt longer than
+//! the quota keeps its first blocks.
 //!
 //! Who saved a block is known while the block is in G2 (write-through reads it from there) and,
 //! for a write that was reading it as it left, for the last [`RECENT`] blocks after. Blocks no
 //! save of this daemon stored (recovered from G3 at start, promoted from G4, or written to G4 by
 //! other daemons) are charged to no one: a daemon's G4 quota counts what it wrote.
 //!
-//! Cost: a map entry per charged block and tier (about 64 bytes), for tenants with quotas only.
+//! Cost: per charged block and tier, a map entry, a chain-end entry and a child count (about
+//! 100 bytes), for tenants with quotas only.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::hash_map::Entry;
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TrySendError};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
@@ -43,20 +51,44 @@ fn book_of(tier: TierKind) -> Option<usize> {
     TIERS.iter().position(|t| *t == tier)
 }
 
-/// One tenant's blocks in one tier: oldest first (with stale entries, skipped), and bytes.
+/// A block charged in one tier.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Charge {
+    tenant: usize,
+    bytes: u64,
+    parent: Option<BlockKey>,
+    /// Order of charging (the victims' order among chain ends).
+    seq: u64,
+}
+
+/// One tenant's quota in one tier: its bytes, and the ends of its chains there (blocks no block
+/// of its own in the tier continues), oldest first: the order victims are taken in. Taking ends
+/// only keeps every block's prefix before the block: a kept block stays reachable by a lookup.
 #[derive(Debug, Default)]
 struct Account {
     quota: u64,
     bytes: u64,
-    live: usize,
-    order: VecDeque<BlockKey>,
+    ends: BTreeMap<u64, BlockKey>,
+}
+
+/// Why a block cannot be charged.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Full {
+    /// The block alone is larger than the quota.
+    TooLarge,
+    /// Only the block's own prefix is left to remove: storing it would cut its chain.
+    OwnPrefix,
 }
 
 /// Who is charged for what in one tier.
 #[derive(Debug, Default)]
 struct Book {
-    charged: HashMap<BlockKey, (usize, u64)>,
+    charged: HashMap<BlockKey, Charge>,
+    /// Charged blocks of each tenant that continue a key (charged or not: in G4 a child may
+    /// land before its parent).
+    children: HashMap<(BlockKey, usize), u32>,
     accounts: Vec<Account>,
+    next_seq: u64,
 }
 
 impl Book {
@@ -64,61 +96,99 @@ impl Book {
         self.accounts.get(t).is_some_and(|a| a.quota > 0)
     }
 
-    /// Charges `key` to `t`; false (and nothing changed) if it is charged already.
-    fn charge(&mut self, t: usize, key: BlockKey, n: u64) -> bool {
-        if !self.has_quota(t) || self.charged.contains_key(&key) {
+    /// Charges `key` (continuing `parent`) to `t`; false (and nothing changed) if it is charged
+    /// already or `t` has no quota here.
+    fn charge(&mut self, t: usize, key: BlockKey, bytes: u64, parent: Option<BlockKey>) -> bool {
+        self.next_seq += 1;
+        let seq = self.next_seq;
+        self.insert(key, Charge { tenant: t, bytes, parent, seq })
+    }
+
+    fn insert(&mut self, key: BlockKey, c: Charge) -> bool {
+        if !self.has_quota(c.tenant) || self.charged.contains_key(&key) {
             return false;
         }
-        self.charged.insert(key, (t, n));
-        let a = &mut self.accounts[t];
-        a.bytes += n;
-        a.live += 1;
-        a.order.push_back(key);
+        self.charged.insert(key, c);
+        let t = c.tenant;
+        self.accounts[t].bytes += c.bytes;
+        if !self.children.contains_key(&(key, t)) {
+            self.accounts[t].ends.insert(c.seq, key);
+        }
+        if let Some(p) = c.parent {
+            let n = self.children.entry((p, t)).or_insert(0);
+            *n += 1;
+            if *n == 1
+                && let Some(pc) = self.charged.get(&p)
+                && pc.tenant == t
+            {
+                self.accounts[t].ends.remove(&pc.seq);
+            }
+        }
         true
     }
 
-    fn uncharge(&mut self, key: &BlockKey) {
-        let Some((t, n)) = self.charged.remove(key) else { return };
+    fn uncharge(&mut self, key: &BlockKey) -> Option<Charge> {
+        let c = self.charged.remove(key)?;
+        let t = c.tenant;
         let a = &mut self.accounts[t];
-        a.bytes -= n;
-        a.live -= 1;
-        // Stale entries are skipped when popped; drop them when they outnumber the live ones.
-        if a.order.len() > 2 * a.live + 64 {
-            let charged = &self.charged;
-            let mut seen = HashSet::with_capacity(a.live);
-            a.order.retain(|k| charged.get(k).is_some_and(|(o, _)| *o == t) && seen.insert(*k));
+        a.bytes -= c.bytes;
+        a.ends.remove(&c.seq);
+        if let Some(p) = c.parent
+            && let Entry::Occupied(mut e) = self.children.entry((p, t))
+        {
+            *e.get_mut() -= 1;
+            if *e.get() == 0 {
+                e.remove();
+                if let Some(pc) = self.charged.get(&p)
+                    && pc.tenant == t
+                {
+                    self.accounts[t].ends.insert(pc.seq, p);
+                }
+            }
         }
+        Some(c)
     }
 
-    /// Pops `t`'s oldest blocks (uncharged) until `need` more bytes fit; `None` (nothing
-    /// popped) when `need` alone is over the quota.
-    fn make_room(&mut self, t: usize, need: u64) -> Option<Vec<(BlockKey, u64)>> {
+    /// Takes `t`'s chain ends, oldest first (uncharged), until `need` more bytes fit. Refused
+    /// (nothing taken) when `need` alone is over the quota, or when the next end to take is
+    /// `keep`, the parent of the block that needs the room.
+    fn make_room(&mut self, t: usize, need: u64, keep: Option<BlockKey>) -> Result<Vec<(BlockKey, Charge)>, Full> {
         let quota = self.accounts[t].quota;
         if need > quota {
-            return None;
+            return Err(Full::TooLarge);
         }
         let mut out = Vec::new();
         while self.accounts[t].bytes + need > quota {
-            let Some(k) = self.accounts[t].order.pop_front() else { break };
-            if let Some(&(o, n)) = self.charged.get(&k)
-                && o == t
-            {
-                self.uncharge(&k);
-                out.push((k, n));
+            let Some((_, &k)) = self.accounts[t].ends.first_key_value() else { break };
+            if Some(k) == keep {
+                self.put_back(&out);
+                return Err(Full::OwnPrefix);
+            }
+            if let Some(c) = self.uncharge(&k) {
+                out.push((k, c));
             }
         }
-        Some(out)
+        Ok(out)
     }
 
-    /// Charges victims again (oldest first), when they could not be handed on for removal.
-    fn put_back(&mut self, t: usize, victims: &[(BlockKey, u64)]) {
-        for &(k, n) in victims.iter().rev() {
-            if self.charged.insert(k, (t, n)).is_none() {
-                let a = &mut self.accounts[t];
-                a.bytes += n;
-                a.live += 1;
-                a.order.push_front(k);
-            }
+    /// Charges a block of `t` that landed here (G3, G4) and returns the victims past the quota.
+    /// A block whose parent is not here (gone, or still to land) cannot be reached: it goes
+    /// first. Otherwise chain ends go, oldest first; the block itself is the newest end.
+    fn landed(&mut self, t: usize, key: BlockKey, bytes: u64, parent: Option<BlockKey>) -> Vec<(BlockKey, Charge)> {
+        if !self.charge(t, key, bytes, parent) || self.accounts[t].bytes <= self.accounts[t].quota {
+            return Vec::new();
+        }
+        let orphan = parent.is_some_and(|p| self.charged.get(&p).is_none_or(|c| c.tenant != t));
+        if orphan {
+            return self.uncharge(&key).map(|c| vec![(key, c)]).unwrap_or_default();
+        }
+        self.make_room(t, 0, None).unwrap_or_default()
+    }
+
+    /// Charges victims again, as they were, when they could not be removed after all.
+    fn put_back(&mut self, victims: &[(BlockKey, Charge)]) {
+        for &(k, c) in victims.iter().rev() {
+            self.insert(k, c);
         }
     }
 }
@@ -157,6 +227,10 @@ struct Victims {
     tenant: usize,
     keys: Vec<BlockKey>,
 }
+
+/// Why a save did not store a block ([`Ledger::reserve`]).
+pub const OVER_G2_QUOTA: &str =
+    "over the tenant's G2 quota (the block is larger than it, or only the prompt's own prefix is left to remove)";
 
 /// What a save reserved for one block ([`Ledger::reserve`]); handed back to
 /// [`Ledger::not_stored`] when the block was not stored after all.
@@ -203,15 +277,23 @@ impl Ledger {
         Ok(Some(ledger))
     }
 
-    /// Makes room in G2 for a block `key` of `bytes` that tenant `t` is saving (removing `t`'s
-    /// own oldest G2 blocks) and charges it; `None` when the block is larger than `t`'s G2
-    /// quota (it is not to be saved).
-    pub fn reserve(&self, store: &BlockStore, t: usize, key: BlockKey, bytes: u64) -> Option<Reserved> {
+    /// Makes room in G2 for a block `key` of `bytes` continuing `parent`, that tenant `t` is
+    /// saving (removing the ends of `t`'s own oldest chains) and charges it; `None` when it
+    /// cannot fit without cutting its own prefix, or is larger than the quota: it is not to be
+    /// saved ([`OVER_G2_QUOTA`]).
+    pub fn reserve(
+        &self,
+        store: &BlockStore,
+        t: usize,
+        key: BlockKey,
+        parent: Option<BlockKey>,
+        bytes: u64,
+    ) -> Option<Reserved> {
         let (victims, reserved) = {
             let mut s = self.state.lock();
             let g2 = &mut s.books[0];
-            let victims = if g2.has_quota(t) { g2.make_room(t, bytes)? } else { Vec::new() };
-            let charged = g2.charge(t, key, bytes);
+            let victims = if g2.has_quota(t) { g2.make_room(t, bytes, parent).ok()? } else { Vec::new() };
+            let charged = g2.charge(t, key, bytes, parent);
             let remembered = self.lower.get(t).copied().unwrap_or(false) && !s.saved_by.contains_key(&key);
             if remembered {
                 s.saved_by.insert(key, t);
@@ -271,14 +353,7 @@ impl TierListener for Ledger {
         let mut s = self.state.lock();
         let Some(t) = s.saver(&key) else { return };
         let book = &mut s.books[b];
-        if !book.charge(t, key, meta.len) {
-            return;
-        }
-        let quota = book.accounts[t].quota;
-        if book.accounts[t].bytes <= quota {
-            return;
-        }
-        let Some(victims) = book.make_room(t, 0) else { return };
+        let victims = book.landed(t, key, meta.len, meta.parent);
         if victims.is_empty() {
             return;
         }
@@ -287,7 +362,7 @@ impl TierListener for Ledger {
         if let Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) =
             self.victims.try_send(Victims { tier, tenant: t, keys })
         {
-            book.put_back(t, &victims);
+            book.put_back(&victims);
         }
     }
 
@@ -351,53 +426,82 @@ mod tests {
         Book { accounts: vec![Account { quota, ..Default::default() }, Account::default()], ..Default::default() }
     }
 
-    #[test]
-    fn charges_evict_the_oldest_first_and_refuse_what_cannot_fit() {
-        let mut b = book(300);
-        for i in 0..3 {
-            assert!(b.make_room(0, 100).unwrap().is_empty());
-            assert!(b.charge(0, key(i), 100));
+    /// Charges a chain `first..first+n` (each block continuing the previous), 10 bytes each.
+    fn chain(b: &mut Book, first: u8, n: u8) {
+        for i in first..first + n {
+            let parent = (i > first).then(|| key(i - 1));
+            assert!(b.charge(0, key(i), 10, parent));
         }
-        assert!(!b.charge(0, key(2), 100), "charged once");
-        assert!(!b.charge(1, key(9), 100), "tenant 1 has no quota here");
-        assert_eq!(b.make_room(0, 150).unwrap(), vec![(key(0), 100), (key(1), 100)]);
-        assert_eq!(b.accounts[0].bytes, 100);
-        assert!(b.make_room(0, 301).is_none());
+    }
+
+    fn victims(v: Result<Vec<(BlockKey, Charge)>, Full>) -> Vec<BlockKey> {
+        v.unwrap().into_iter().map(|(k, _)| k).collect()
     }
 
     #[test]
-    fn blocks_gone_are_uncharged_and_skipped_and_stale_entries_do_not_pile_up() {
-        let mut b = book(1 << 40);
-        for round in 0..100u32 {
-            for i in 0..10u8 {
-                b.charge(0, key(i), 10);
-            }
-            for i in 0..10u8 {
-                b.uncharge(&key(i));
-            }
-            assert_eq!((b.accounts[0].bytes, b.accounts[0].live), (0, 0), "round {round}");
+    fn old_chains_go_from_their_end_and_kept_blocks_keep_their_prefix() {
+        let mut b = book(60);
+        chain(&mut b, 0, 3); // old prompt 0-1-2
+        chain(&mut b, 10, 3); // newer prompt 10-11-12
+        assert!(!b.charge(0, key(12), 10, None), "charged once");
+        assert!(!b.charge(1, key(9), 10, None), "tenant 1 has no quota here");
+        // Room for 20 more: the old prompt's last two blocks, its first stays.
+        assert_eq!(victims(b.make_room(0, 20, None)), vec![key(2), key(1)]);
+        assert_eq!(b.accounts[0].bytes, 40);
+        // Then the old prompt's first, then the newer one's end.
+        assert_eq!(victims(b.make_room(0, 40, None)), vec![key(0), key(12)]);
+        assert_eq!(b.make_room(0, 61, None).unwrap_err(), Full::TooLarge);
+    }
+
+    #[test]
+    fn a_prompt_longer_than_the_quota_keeps_its_first_blocks() {
+        let mut b = book(30);
+        chain(&mut b, 0, 3);
+        // Block 3 would need block 2, its own parent, to go: refused, nothing taken.
+        assert_eq!(b.make_room(0, 10, Some(key(2))).unwrap_err(), Full::OwnPrefix);
+        assert_eq!((b.accounts[0].bytes, b.charged.len()), (30, 3));
+        // Landed past the quota (G3/G4), the newest end is the block itself.
+        assert!(b.charge(0, key(3), 10, Some(key(2))));
+        assert_eq!(victims(b.make_room(0, 0, None)), vec![key(3)]);
+    }
+
+    #[test]
+    fn blocks_landing_in_order_past_the_quota_leave_the_prompts_first_blocks() {
+        let mut b = book(40);
+        let mut gone = Vec::new();
+        for i in 0..10u8 {
+            let parent = (i > 0).then(|| key(i - 1));
+            gone.extend(b.landed(0, key(i), 10, parent).into_iter().map(|(k, _)| k));
         }
-        assert!(b.accounts[0].order.len() <= 64 + 10, "{}", b.accounts[0].order.len());
-        b.accounts[0].quota = 20;
-        for i in 0..3u8 {
-            b.charge(0, key(i), 10);
-        }
-        b.uncharge(&key(0));
-        // key 0 left by itself: the room comes from key 1, the oldest still charged.
-        assert_eq!(b.make_room(0, 10).unwrap(), vec![(key(1), 10)]);
+        assert_eq!(gone, (4..10).map(key).collect::<Vec<_>>(), "each block past the quota goes itself");
+        let mut kept: Vec<BlockKey> = b.charged.keys().copied().collect();
+        kept.sort_by_key(|k| k.0);
+        assert_eq!(kept, (0..4).map(key).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn a_child_landing_before_its_parent_keeps_the_parent_off_the_ends() {
+        let mut b = book(100);
+        assert!(b.charge(0, key(5), 10, Some(key(4))));
+        assert!(b.charge(0, key(4), 10, Some(key(3))));
+        assert_eq!(b.accounts[0].ends.values().copied().collect::<Vec<_>>(), vec![key(5)]);
+        // Gone by itself (a tier's own eviction): its parent is an end again.
+        b.uncharge(&key(5));
+        assert_eq!(b.accounts[0].ends.values().copied().collect::<Vec<_>>(), vec![key(4)]);
+        b.uncharge(&key(4));
+        assert!(b.children.is_empty() && b.accounts[0].ends.is_empty() && b.accounts[0].bytes == 0);
     }
 
     #[test]
     fn victims_put_back_are_the_first_chosen_again() {
         let mut b = book(20);
-        for i in 0..3u8 {
-            b.charge(0, key(i), 10);
-        }
-        let v = b.make_room(0, 0).unwrap();
-        assert_eq!(v, vec![(key(0), 10)]);
-        b.put_back(0, &v);
+        chain(&mut b, 0, 1);
+        chain(&mut b, 10, 2);
+        let v = b.make_room(0, 0, None).unwrap();
+        assert_eq!(v.iter().map(|(k, _)| *k).collect::<Vec<_>>(), vec![key(0)]);
+        b.put_back(&v);
         assert_eq!(b.accounts[0].bytes, 30);
-        assert_eq!(b.make_room(0, 0).unwrap(), vec![(key(0), 10)]);
+        assert_eq!(victims(b.make_room(0, 0, None)), vec![key(0)]);
     }
 
     #[test]
