@@ -79,6 +79,43 @@ impl NodePair {
     }
 }
 
+impl NodePair {
+    /// What a raw TCP copy loop moves from A to B now (bytes a second): `bytes` written in
+    /// 2 MiB pieces. The link a daemon can measure is at most this, whatever the shaping says.
+    pub fn raw_tcp_rate(&self, bytes: usize) -> f64 {
+        use std::io::{Read, Write};
+        let addr_a = self.addr_a.clone();
+        let listener = run_in(&self.a, move || std::net::TcpListener::bind(format!("{addr_a}:0")))
+            .unwrap_or_else(|e| panic!("bind in {}: {e}", self.a));
+        let addr = listener.local_addr().unwrap_or_else(|e| panic!("{e}"));
+        let sender = std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().unwrap_or_else(|e| panic!("accept: {e}"));
+            let buf = vec![7u8; 2 << 20];
+            let mut left = bytes;
+            while left > 0 {
+                let n = left.min(buf.len());
+                s.write_all(&buf[..n]).unwrap_or_else(|e| panic!("send: {e}"));
+                left -= n;
+            }
+        });
+        let rate = run_in(&self.b, move || {
+            let mut c = std::net::TcpStream::connect(addr).unwrap_or_else(|e| panic!("connect {addr}: {e}"));
+            let mut buf = vec![0u8; 2 << 20];
+            let (t, mut got) = (std::time::Instant::now(), 0usize);
+            while got < bytes {
+                match c.read(&mut buf) {
+                    Ok(0) => break,
+                    Ok(n) => got += n,
+                    Err(e) => panic!("receive: {e}"),
+                }
+            }
+            got as f64 / t.elapsed().as_secs_f64()
+        });
+        sender.join().unwrap_or_else(|e| std::panic::resume_unwind(e));
+        rate
+    }
+}
+
 impl Drop for NodePair {
     fn drop(&mut self) {
         let _ = Command::new("ip").args(["netns", "del", &self.a]).output();
