@@ -11,7 +11,7 @@ use kvcached::Config;
 use kvclient::{Client, KvMemory, synthetic_block};
 use kvproto::pb;
 use kvproto::{Dtype, KvLayout, LayoutKind, Namespace};
-use kvtests::inproc::InProcess;
+use kvtests::inproc::{InProcess, is_root};
 use tokio::io::AsyncWriteExt;
 
 const NOBODY: u32 = 65534;
@@ -33,11 +33,6 @@ fn ns() -> Namespace {
 
 fn prompt(blocks: u32) -> Vec<u32> {
     (0..blocks * 16).map(|i| i.wrapping_mul(2_654_435_761) % 150_000).collect()
-}
-
-fn is_root() -> bool {
-    // SAFETY: geteuid has no preconditions.
-    unsafe { libc::geteuid() == 0 }
 }
 
 /// Every line the daemons of this test binary log, at INFO and up as in production (one
@@ -107,9 +102,7 @@ impl Daemon {
     }
 
     fn intruder_says(&self, args: &[&str]) -> String {
-        let out = self.intruder(args).wait_with_output().unwrap();
-        assert!(out.status.success(), "intruder {args:?}: {out:?}");
-        String::from_utf8_lossy(&out.stdout).trim().to_string()
+        self.say_as(Path::new(env!("CARGO_BIN_EXE_intruder")), NOBODY, args)
     }
 }
 

@@ -8,15 +8,10 @@
 use kvcached::tenants::TenantConfig;
 use kvclient::{Client, KvMemory, synthetic_block};
 use kvproto::Namespace;
-use kvtests::inproc::InProcess;
+use kvtests::inproc::{InProcess, is_root};
 use kvtests::{tenant_layout, tenant_prompt};
 
 const NOBODY: u32 = 65534;
-
-fn is_root() -> bool {
-    // SAFETY: geteuid has no preconditions.
-    unsafe { libc::geteuid() == 0 }
-}
 
 /// BLAKE3 of a salt, as `[[tenants]] salts_blake3` holds it (`b3sum` of the salt's bytes).
 fn b3(salt: &str) -> String {
@@ -187,9 +182,6 @@ fn objects(root: &std::path::Path) -> Vec<(String, String)> {
 
 /// `intruder SOCKET tenant ARGS` as uid 65534: tenant b's engine.
 fn tenant_b(d: &InProcess, args: &[&str]) -> String {
-    let mut all = vec!["tenant"];
-    all.extend_from_slice(args);
-    let out = d.as_uid(std::path::Path::new(env!("CARGO_BIN_EXE_intruder")), NOBODY, &all).output().unwrap();
-    assert!(out.status.success(), "{out:?}");
-    String::from_utf8_lossy(&out.stdout).trim().to_string()
+    let all: Vec<&str> = std::iter::once("tenant").chain(args.iter().copied()).collect();
+    d.say_as(std::path::Path::new(env!("CARGO_BIN_EXE_intruder")), NOBODY, &all)
 }

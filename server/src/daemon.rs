@@ -231,19 +231,22 @@ impl Daemon {
             let idx = req.first_block as usize + i;
             let meta = BlockMeta { namespace: engine.namespace_id, parent: idx.checked_sub(1).map(|p| keys[p]), len };
             let reserved = match payer {
-                // Past a block the quota refused, the rest of the chain could only be stored
-                // by removing its own prefix: refused too.
-                Some(_) if over_quota => None,
-                Some((ledger, t)) => ledger.reserve(&self.store, t, keys[idx], meta.parent, len).map(Some),
-                None => Some(None),
-            };
-            let Some(reserved) = reserved else {
-                over_quota = true;
-                resp.failed += 1;
-                if resp.error.is_empty() {
-                    resp.error = crate::quota::OVER_G2_QUOTA.into();
+                None => None,
+                // Past a block the quota refused, the rest of the chain could only be stored by
+                // removing its own prefix: refused too.
+                Some((ledger, t)) => {
+                    match (!over_quota).then(|| ledger.reserve(&self.store, t, keys[idx], meta.parent, len)).flatten() {
+                        Some(r) => Some(r),
+                        None => {
+                            over_quota = true;
+                            resp.failed += 1;
+                            if resp.error.is_empty() {
+                                resp.error = crate::quota::OVER_G2_QUOTA.into();
+                            }
+                            continue;
+                        }
+                    }
                 }
-                continue;
             };
             // Straight from the engine's segments into the block's G2 pages: one copy (DMA for
             // GPU memory).
@@ -520,18 +523,17 @@ impl Daemon {
             (Some(peers), false) => {
                 let sources: Vec<String> = req.sources.iter().take(MAX_SOURCES).cloned().collect();
                 let deadline = Instant::now() + Duration::from_millis(peers.config().pull_deadline_ms);
-                Incoming::plan(peers, &self.store, engine.namespace_id, wanted, want_len, &sources, deadline)
+                let local = crate::peer::handoff::local_end(&self.store, wanted);
+                let incoming = Incoming::plan(peers, engine.namespace_id, wanted, local, want_len, &sources, deadline);
+                if incoming.is_none() && local < wanted.len() && self.store.has_remote_tier() {
+                    // No pull started (each source refused, marked bad, or the pulls busy):
+                    // what G4 holds of the rest is the next best, as after a failed pull.
+                    self.store.probe_lower(engine.namespace_id, &wanted[local..]);
+                }
+                incoming
             }
             _ => None,
         };
-        if incoming.is_none() && !req.sources.is_empty() && self.store.has_remote_tier() {
-            // Sources were named but no pull started (each refused, marked bad, or the pulls
-            // busy): what G4 holds of the rest is the next best, as after a failed pull.
-            let end = crate::peer::handoff::local_end(&self.store, wanted);
-            if end < wanted.len() {
-                self.store.probe_lower(engine.namespace_id, &wanted[end..]);
-            }
-        }
         let mut fell_back = false;
         // Chunk by chunk: blocks not in G2 come up from G3 in one batch read per chunk, then
         // the chunk is copied out of G2.
@@ -650,7 +652,8 @@ impl Daemon {
             && held < keys.len()
         {
             let deadline = Instant::now() + Duration::from_millis(peers.config().pull_deadline_ms);
-            if let Some(inc) = Incoming::plan(peers, &self.store, namespace, &keys, len, sources, deadline) {
+            let local = crate::peer::handoff::local_end(&self.store, &keys);
+            if let Some(inc) = Incoming::plan(peers, namespace, &keys, local, len, sources, deadline) {
                 pulling = keys.len() - inc.offset;
             }
         }

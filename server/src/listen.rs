@@ -139,7 +139,7 @@ impl AcceptErrors {
 
 /// A warning at most every 10 s, with how many happened since the last one.
 #[derive(Debug, Default)]
-struct RateLog {
+pub(crate) struct RateLog {
     since: u64,
     last: Option<Instant>,
 }
@@ -149,7 +149,7 @@ impl RateLog {
         self.note_as("connections refused by a limit", what);
     }
 
-    fn note_as(&mut self, head: &str, what: &str) {
+    pub(crate) fn note_as(&mut self, head: &str, what: &str) {
         self.since += 1;
         if self.last.is_none_or(|t| t.elapsed() >= Duration::from_secs(10)) {
             tracing::warn!(refused = self.since, "{head}: {what}");

@@ -29,7 +29,7 @@
 
 use std::collections::hash_map::Entry;
 use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TrySendError};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
@@ -359,9 +359,7 @@ impl TierListener for Ledger {
         }
         let keys = victims.iter().map(|(k, _)| *k).collect();
         // Never blocks: tiers call this while holding their state lock.
-        if let Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) =
-            self.victims.try_send(Victims { tier, tenant: t, keys })
-        {
+        if self.victims.try_send(Victims { tier, tenant: t, keys }).is_err() {
             book.put_back(&victims);
         }
     }

@@ -153,14 +153,8 @@ async fn start_daemon(
     if let Some(l) = &ledger {
         listeners.push(Arc::clone(l) as Arc<dyn kvtiers::TierListener>);
     }
-    match listeners.len() {
-        0 => {}
-        1 => {
-            store.set_listener(listeners.remove(0));
-        }
-        _ => {
-            store.set_listener(Arc::new(kvtiers::Fanout(listeners)));
-        }
+    if !listeners.is_empty() {
+        store.set_listener(Arc::new(kvtiers::Fanout(listeners)));
     }
     if reports.listening() {
         let n = reports.announce(&store);

@@ -9,6 +9,12 @@ use std::process::Command;
 
 use kvcached::{Config, Listeners};
 
+/// Whether this process runs as root (the tests that play another uid need it).
+pub fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() == 0 }
+}
+
 /// The daemon; [`InProcess::stop`] shuts it down and checks it ended cleanly.
 #[derive(Debug)]
 pub struct InProcess {
@@ -66,6 +72,13 @@ impl InProcess {
         let mut c = Command::new(&copy);
         c.arg(&self.socket).args(args).uid(uid).gid(uid);
         c
+    }
+
+    /// [`InProcess::as_uid`] run to its end: its stdout, trimmed (it must succeed).
+    pub fn say_as(&self, bin: &Path, uid: u32, args: &[&str]) -> String {
+        let out = self.as_uid(bin, uid, args).output().unwrap_or_else(|e| panic!("{}: {e}", bin.display()));
+        assert!(out.status.success(), "{} {args:?}: {out:?}", bin.display());
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
     }
 
     /// The sum of the `/metrics` lines starting with `series` (a name, or a name and labels).

@@ -30,20 +30,20 @@ pub fn local_end(store: &BlockStore, keys: &[BlockKey]) -> usize {
 }
 
 impl Incoming {
-    /// Plans the peer part of loading `keys`: none when the node's own tiers (G2, G3) hold the
-    /// whole chain or no source is usable; else a pull (joined or started) of the keys from the
-    /// first the node lacks. Blocks G4 holds are pulled too when a source is named: a peer's G2
-    /// is usually the faster copy, and G4 is where the load turns if the pull comes up short.
+    /// Plans the peer part of loading `keys`, of which the node's own tiers (G2, G3) hold the
+    /// first `offset` ([`local_end`]): none when they hold the whole chain or no source is
+    /// usable; else a pull (joined or started) of the keys from `offset` on. Blocks G4 holds
+    /// are pulled too when a source is named: a peer's G2 is usually the faster copy, and G4 is
+    /// where the load turns if the pull comes up short.
     pub fn plan(
         peers: &Arc<Peers>,
-        store: &BlockStore,
         namespace: NamespaceId,
         keys: &[BlockKey],
+        offset: usize,
         block_len: u64,
         sources: &[String],
         deadline: Instant,
     ) -> Option<Self> {
-        let offset = local_end(store, keys);
         if offset >= keys.len() {
             return None;
         }

@@ -95,7 +95,7 @@ pub struct Peers {
     cfg: PeerConfig,
     sources: super::sources::SourcePolicy,
     /// Refused sources, logged at most every 10 s.
-    refused_log: Mutex<Option<Instant>>,
+    refused_log: Mutex<crate::listen::RateLog>,
     connector: Connector,
     pub book: PeerBook,
     idle: Mutex<HashMap<String, Vec<SyncStream>>>,
@@ -158,7 +158,7 @@ impl Peers {
         Ok(Self {
             cfg: cfg.clone(),
             sources,
-            refused_log: Mutex::new(None),
+            refused_log: Mutex::default(),
             connector,
             book: PeerBook::default(),
             idle: Mutex::new(HashMap::new()),
@@ -227,14 +227,10 @@ impl Peers {
             return true;
         }
         metrics::counter!("kvcached_peer_sources_refused_total").increment(1);
-        let mut last = self.refused_log.lock();
-        if last.is_none_or(|t| t.elapsed() >= Duration::from_secs(10)) {
-            *last = Some(Instant::now());
-            tracing::warn!(
-                source = %kvproto::limits::clip(source, 100),
-                "a load or hint named a source that is not in peer.peers or peer.allowed_sources: not dialed"
-            );
-        }
+        self.refused_log.lock().note_as(
+            "a load or hint named a source that is not in peer.peers or peer.allowed_sources: not dialed",
+            &kvproto::limits::clip(source, 100),
+        );
         false
     }
 
