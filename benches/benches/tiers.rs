@@ -311,7 +311,8 @@ impl G2G3 {
         let dir = tempfile::tempdir_in(bench_dir()).unwrap();
         let mut dcfg = DiskTierConfig::new(dir.path().join("g3"), 1 << 30);
         dcfg.fsync = false;
-        let disk: Arc<dyn Tier> = Arc::new(DiskTier::open(&dcfg).unwrap());
+        let g3 = Arc::new(DiskTier::open(&dcfg).unwrap());
+        let disk: Arc<dyn Tier> = Arc::clone(&g3) as _;
         let mut hcfg = HostTierConfig::with_capacity(1 << 30);
         hcfg.cuda_register = CudaRegister::Off;
         let shm = tempfile::tempdir().unwrap();
@@ -321,6 +322,14 @@ impl G2G3 {
         let g2 = Arc::new(HostTier::open(&hcfg).unwrap());
         let store =
             BlockStore::with_tiers(Arc::clone(&g2), vec![Arc::clone(&disk)], WriteThroughConfig::default()).unwrap();
+        // As a daemon does once started: G3's rings use the G2 pool as registered buffers.
+        let t0 = std::time::Instant::now();
+        while g3.fixed_ops().is_none() && t0.elapsed() < std::time::Duration::from_secs(30) {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        if g3.fixed_ops().is_none() {
+            eprintln!("G2 pool not registered with io_uring: G3 pins pages per op in this run");
+        }
         Self { dir, _shm: shm, shm_dir: hcfg.shm_dir, g2, disk, store }
     }
 }

@@ -130,6 +130,7 @@ pub fn describe() {
         ("kvcached_connections", "Client connections open now."),
         ("kvcached_writethrough_queue_depth", "Blocks waiting for write-through, by tier."),
         ("kvcached_g2_prefault_done", "1 once the G2 pool is mapped."),
+        ("kvcached_g3_pool_registered", "1 once G3's io_uring rings use the G2 pool as registered buffers."),
         ("kvcached_kv_namespace_info", "1 per KV namespace with series of its own: its id and model."),
     ] {
         describe_gauge!(name, help);

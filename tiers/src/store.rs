@@ -129,6 +129,14 @@ impl BlockStore {
     /// A store over given tiers (fastest first) and their write-through settings.
     pub fn with_tiers_each(g2: Arc<HostTier>, lower: Vec<(Arc<dyn Tier>, WriteThroughConfig)>) -> Result<Self> {
         let tiers: Vec<Arc<dyn Tier>> = lower.iter().map(|(t, _)| Arc::clone(t)).collect();
+        let (base, len) = g2.region();
+        for t in &tiers {
+            let owner: Arc<dyn std::any::Any + Send + Sync> = Arc::clone(&g2) as _;
+            // SAFETY: G2's pool is one shared mapping, read and written, that keeps its pages
+            // for the tier's life (nothing remaps, truncates or punches it), and `owner` is
+            // that tier.
+            unsafe { t.adopt_host_memory(base, len, owner) };
+        }
         let mut writers = Vec::new();
         for (i, (target, wt)) in lower.into_iter().enumerate() {
             let w = Writer { g2: Arc::clone(&g2), target, above: tiers[..i].to_vec(), marks_clean: i == 0 };

@@ -134,6 +134,21 @@ pub trait Tier: Send + Sync + std::fmt::Debug {
         None
     }
 
+    /// Tells the tier that most of its transfers start or end in `len` bytes at `base` (G2's
+    /// pool), mapped while `owner` lives: G3 registers them with the kernel once instead of
+    /// pinning pages on every read and write. The default ignores it.
+    ///
+    /// # Safety
+    /// As [`crate::disk::io::FixedMemory::new`]: one readable, writable mapping that keeps its
+    /// pages (never remapped, truncated or hole-punched) while `owner` is alive.
+    unsafe fn adopt_host_memory(
+        &self,
+        _base: *const u8,
+        _len: usize,
+        _owner: std::sync::Arc<dyn std::any::Any + Send + Sync>,
+    ) {
+    }
+
     /// Makes every completed put durable (no-op for volatile tiers).
     fn flush(&self) -> Result<()> {
         Ok(())

@@ -106,6 +106,42 @@ fn promote_batch_reads_g3_straight_into_g2_pages_byte_exact() {
 }
 
 #[test]
+fn g3_reads_into_and_writes_from_g2_through_the_registered_pool() {
+    let d = tempfile::tempdir().unwrap();
+    // G2 in shared memory, as the daemon runs it: the kernel does not pin pages of a file on
+    // disk for good (registering a pool mapped from /tmp fails, and G3 pins per op there).
+    let shm = tempfile::tempdir_in("/dev/shm").unwrap();
+    let g2 = Arc::new(kvtiers::HostTier::open(&host_cfg(shm.path(), 32 * PAGE as u64)).unwrap());
+    let disk = Arc::new(kvtiers::DiskTier::open(&disk_cfg(&d.path().join("g3"), 64 << 20)).unwrap());
+    let lower: Vec<Arc<dyn Tier>> = vec![Arc::clone(&disk) as Arc<dyn Tier>];
+    let s = BlockStore::with_tiers(Arc::clone(&g2), lower, WriteThroughConfig::default()).unwrap();
+    // The pool is registered on a thread of its own; each ring shares it from its next batch.
+    let t0 = Instant::now();
+    while disk.fixed_ops().is_none() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "the G2 pool was never registered with io_uring (backend {}): as root on Linux 6.12 or later it is",
+            disk.backend()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let len = 2 * PAGE + 4096;
+    let chain = put_chain(&s, 3, 8, len);
+    s.flush().unwrap();
+    let written = disk.fixed_ops().unwrap();
+    assert!(written >= 8, "write-through wrote G2's pages through the registered pool ({written} ops)");
+    for k in &chain {
+        assert!(s.g2().remove(k).unwrap());
+    }
+    assert_eq!(s.promote_batch(&chain).unwrap().len(), chain.len(), "every block promoted");
+    assert!(disk.fixed_ops().unwrap() >= written + 8, "promotion read into G2's pages through the registered pool");
+    for k in &chain {
+        let bytes = s.g2().with_block(k, |_, pieces| pieces.concat()).expect("in G2 again");
+        assert!(bytes == content(k, len), "block {k} differs after a round trip through G3");
+    }
+}
+
+#[test]
 fn a_block_g2_has_no_room_for_is_handed_back_not_read_twice() {
     let d = tempfile::tempdir().unwrap();
     let s = store_in(d.path(), 4 * PAGE as u64, 64 << 20);

@@ -148,6 +148,10 @@ impl IoEngine for FaultyEngine {
         self.inner.name()
     }
 
+    fn use_fixed(&mut self, memory: &Arc<super::op::FixedMemory>) {
+        self.inner.use_fixed(memory);
+    }
+
     unsafe fn run(&mut self, fd: RawFd, ops: &[IoOp], progress: &mut dyn IoProgress) -> io::Result<()> {
         let f = Arc::clone(&self.faults);
         if self.roll(&f.latency) {

@@ -11,7 +11,7 @@ use std::thread::JoinHandle;
 
 use crossbeam_channel::{Receiver, Sender, bounded};
 
-pub use super::op::{IoEngine, IoKind, IoOp, IoProgress, NoProgress};
+pub use super::op::{FixedMemory, IoEngine, IoKind, IoOp, IoProgress, NoProgress};
 use super::psync::PsyncEngine;
 use super::uring::UringEngine;
 
@@ -124,6 +124,19 @@ pub struct IoThreads {
     inline_read_max: usize,
     inline_write_max: usize,
     factory: EngineFactory,
+    /// Memory offered to every engine for registration before its next batch.
+    fixed: Fixed,
+}
+
+/// The memory offered to the engines (none until [`IoThreads::offer_fixed`]).
+type Fixed = std::sync::Arc<parking_lot::RwLock<Option<std::sync::Arc<FixedMemory>>>>;
+
+/// Offers the current fixed memory, if any, to `engine`.
+fn offer(fixed: &Fixed, engine: &mut dyn IoEngine) {
+    let m = fixed.read().clone();
+    if let Some(m) = m {
+        engine.use_fixed(&m);
+    }
 }
 
 impl std::fmt::Debug for IoThreads {
@@ -163,8 +176,10 @@ impl IoThreads {
                 inline_read_max,
                 inline_write_max,
                 factory: std::sync::Arc::clone(factory),
+                fixed: Fixed::default(),
             });
         }
+        let fixed = Fixed::default();
         let (tx, rx) = bounded::<Batch>(queue.max(1));
         let mut threads = Vec::new();
         let mut backend = "none";
@@ -172,8 +187,10 @@ impl IoThreads {
             let mut engine = factory()?;
             backend = engine.name();
             let rx: Receiver<Batch> = rx.clone();
+            let fixed = std::sync::Arc::clone(&fixed);
             threads.push(std::thread::Builder::new().name(format!("kv-g3-io-{i}")).spawn(move || {
                 while let Some(b) = next_batch(&rx) {
+                    offer(&fixed, engine.as_mut());
                     let send_started = b.ops.iter().any(|op| op.kind == IoKind::Write);
                     let r =
                         // SAFETY: the submitter (`run`, whose caller vouches for the ops' memory)
@@ -196,7 +213,47 @@ impl IoThreads {
             inline_read_max,
             inline_write_max,
             factory: std::sync::Arc::clone(factory),
+            fixed,
         })
+    }
+
+    /// Offers `memory` to every engine, each registering it before its next batch (replacing
+    /// what was offered before).
+    ///
+    /// The memory is registered first, on a thread of its own (`kv-g3-pin`): pinning a large
+    /// pool takes seconds, and the engines meanwhile work as before. Only io_uring engines use
+    /// it; a registration that fails is logged and changes nothing.
+    pub fn offer_fixed(&self, memory: std::sync::Arc<FixedMemory>) {
+        if self.backend != "io_uring" || memory.is_empty() {
+            return;
+        }
+        metrics::gauge!("kvcached_g3_pool_registered").set(0.0);
+        let fixed = std::sync::Arc::clone(&self.fixed);
+        let pin = move || {
+            let t0 = std::time::Instant::now();
+            match super::uring::register_source(&memory) {
+                Ok(()) => {
+                    tracing::info!(
+                        bytes = memory.len(),
+                        took_ms = t0.elapsed().as_millis() as u64,
+                        "G2 pool registered with io_uring: G3 reads into it and writes from it pin no pages"
+                    );
+                    metrics::gauge!("kvcached_g3_pool_registered").set(1.0);
+                    *fixed.write() = Some(memory);
+                }
+                Err(e) => tracing::info!(
+                    "G3 transfers to and from G2 pin its pages per op: registering the pool with io_uring failed ({e}; it needs the pool in shared memory, `g2.shm_dir` on tmpfs, and CAP_IPC_LOCK or an RLIMIT_MEMLOCK as large as G2)"
+                ),
+            }
+        };
+        if let Err(e) = std::thread::Builder::new().name("kv-g3-pin".into()).spawn(pin) {
+            tracing::info!("G2 pool not registered with io_uring: {e}");
+        }
+    }
+
+    /// Ops that went through the offered memory's fixed buffers so far (None: none offered).
+    pub fn fixed_ops(&self) -> Option<u64> {
+        self.fixed.read().as_ref().map(|m| m.ops())
     }
 
     /// The backend in use.
@@ -221,6 +278,7 @@ impl IoThreads {
         ops: &[IoOp],
         progress: &mut dyn IoProgress,
     ) -> io::Result<()> {
+        offer(&self.fixed, engine.as_mut());
         // SAFETY: `run`'s caller vouches for the ops' memory.
         let r = abort_on_unwind(|| unsafe { engine.run(fd, ops, progress) });
         self.idle.lock().push(engine);

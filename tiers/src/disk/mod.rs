@@ -280,6 +280,11 @@ impl DiskTier {
     }
 
     /// The I/O backend in use (`io_uring` or `psync`).
+    /// G3 ops that went through the registered G2 memory (None: none offered).
+    pub fn fixed_ops(&self) -> Option<u64> {
+        self.io.fixed_ops()
+    }
+
     pub fn backend(&self) -> &'static str {
         self.io.backend()
     }
@@ -705,6 +710,16 @@ impl Tier for DiskTier {
 
     fn set_listener(&self, listener: Arc<dyn TierListener>) -> bool {
         self.listener.set(listener)
+    }
+
+    unsafe fn adopt_host_memory(
+        &self,
+        base: *const u8,
+        len: usize,
+        owner: std::sync::Arc<dyn std::any::Any + Send + Sync>,
+    ) {
+        // SAFETY: the caller's contract is `FixedMemory::new`'s.
+        self.io.offer_fixed(Arc::new(unsafe { io::FixedMemory::new(base, len, owner) }));
     }
 
     fn degraded(&self) -> Option<String> {

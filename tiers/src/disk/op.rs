@@ -7,6 +7,8 @@
 
 use std::io;
 use std::os::fd::RawFd;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Read or write.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -46,10 +48,104 @@ impl IoProgress for NoProgress {
     fn completed(&mut self, _index: usize, _ok: bool) {}
 }
 
+/// Memory an engine may register with the kernel once (io_uring fixed buffers: G2's pool),
+/// so that transfers into or out of it skip pinning its pages on every op. Pinning shared
+/// pages took ~200 us of a 2 MiB G3 read into G2 and a fifth of the write-through thread's CPU
+/// (docs/benchmarks.md). Kept alive, with what owns the mapping, while any engine holds it.
+pub struct FixedMemory {
+    base: usize,
+    len: usize,
+    /// The ring that registered the memory (the pages are pinned once, there); engines share
+    /// its registration. Declared before `_owner`: dropped while the mapping still exists.
+    source: std::sync::OnceLock<FixedSource>,
+    /// What keeps the mapping alive (the G2 tier) while a ring has it registered.
+    _owner: Arc<dyn std::any::Any + Send + Sync>,
+    ops: AtomicU64,
+}
+
+/// The ring holding a [`FixedMemory`]'s registration, by descriptor, and the ring itself.
+struct FixedSource {
+    fd: RawFd,
+    _ring: Box<dyn std::any::Any + Send + Sync>,
+}
+
+impl std::fmt::Debug for FixedMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FixedMemory").field("len", &self.len).finish()
+    }
+}
+
+impl FixedMemory {
+    /// The kernel takes one registered buffer of at most 1 GiB: the memory is registered as
+    /// consecutive pieces of this size.
+    pub const PIECE: usize = 1 << 30;
+
+    /// `len` bytes at `base`, mapped for as long as `owner` lives.
+    ///
+    /// # Safety
+    /// `base..base + len` is one mapping, readable and writable, that stays mapped (the same
+    /// pages: never remapped, truncated or hole-punched) while `owner` is alive.
+    pub unsafe fn new(base: *const u8, len: usize, owner: Arc<dyn std::any::Any + Send + Sync>) -> Self {
+        Self { base: base as usize, len, source: std::sync::OnceLock::new(), _owner: owner, ops: AtomicU64::new(0) }
+    }
+
+    /// Records the ring (descriptor `fd`) that registered the memory; false if one already did.
+    pub fn set_source(&self, fd: RawFd, ring: Box<dyn std::any::Any + Send + Sync>) -> bool {
+        self.source.set(FixedSource { fd, _ring: ring }).is_ok()
+    }
+
+    /// The descriptor of the ring that registered the memory, once one has.
+    pub fn source_fd(&self) -> Option<RawFd> {
+        self.source.get().map(|s| s.fd)
+    }
+
+    /// Bytes of memory.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The pieces to register, in order (piece `i` is fixed buffer `i`).
+    pub fn pieces(&self) -> Vec<(usize, usize)> {
+        (0..self.len.div_ceil(Self::PIECE))
+            .map(|i| (self.base + i * Self::PIECE, Self::PIECE.min(self.len - i * Self::PIECE)))
+            .collect()
+    }
+
+    /// The fixed buffer holding `addr..addr + len` whole, if one does.
+    pub fn index_of(&self, addr: usize, len: usize) -> Option<u16> {
+        let off = addr.checked_sub(self.base)?;
+        let end = off.checked_add(len)?;
+        if end > self.len || len == 0 {
+            return None;
+        }
+        let i = off / Self::PIECE;
+        (end <= (i + 1) * Self::PIECE).then(|| u16::try_from(i).ok()).flatten()
+    }
+
+    /// Counts an op that went through a fixed buffer.
+    pub fn used(&self) {
+        self.ops.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Ops that went through a fixed buffer so far.
+    pub fn ops(&self) -> u64 {
+        self.ops.load(Ordering::Relaxed)
+    }
+}
+
 /// Executes batches of I/O on one file descriptor.
 pub trait IoEngine: Send + std::fmt::Debug {
     /// Short name for logs and metrics (`io_uring`, `psync`).
     fn name(&self) -> &'static str;
+    /// Offers `memory` for registration with the kernel: ops inside it may then go through it
+    /// without pinning pages per op. Called before each batch with the current offer; an engine
+    /// that cannot (or whose registration failed) ignores it, and ops still work as before.
+    fn use_fixed(&mut self, _memory: &Arc<FixedMemory>) {}
     /// Runs every op to completion, reporting each to `progress`; the first failure is
     /// returned. When it returns, no op is in flight any more.
     ///

@@ -2,17 +2,41 @@
 //! flight, submitting the next op as each completes.
 
 use std::io;
-use std::os::fd::RawFd;
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use io_uring::{IoUring, opcode, types};
 
-use super::op::{IoEngine, IoKind, IoOp, IoProgress};
+use super::op::{FixedMemory, IoEngine, IoKind, IoOp, IoProgress};
 use super::psync::finish_short;
 
 /// One io_uring instance.
 pub struct UringEngine {
     ring: IoUring,
     depth: usize,
+    /// Memory registered with this ring as fixed buffers. Declared after `ring`, so that the
+    /// ring (and its registration) is gone before this lets go of the memory.
+    fixed: Option<Arc<FixedMemory>>,
+    /// The memory whose registration failed (by address): not tried again.
+    refused: usize,
+}
+
+/// Set once a ring could not share the registration, so that the reason is logged once.
+static CLONE_REFUSAL_LOGGED: AtomicBool = AtomicBool::new(false);
+
+/// Registers `memory` with a ring of its own, pinning its pages once, and records that ring
+/// in it as the source the engines' rings share.
+pub fn register_source(memory: &FixedMemory) -> io::Result<()> {
+    let ring = IoUring::new(1)?;
+    let iov: Vec<libc::iovec> =
+        memory.pieces().into_iter().map(|(base, len)| libc::iovec { iov_base: base as *mut _, iov_len: len }).collect();
+    // SAFETY: `FixedMemory::new`'s contract keeps the pieces mapped while the memory is alive,
+    // and the memory owns this ring (dropped before the mapping's owner).
+    unsafe { ring.submitter().register_buffers(&iov)? };
+    let fd = ring.as_raw_fd();
+    memory.set_source(fd, Box::new(ring));
+    Ok(())
 }
 
 impl std::fmt::Debug for UringEngine {
@@ -25,15 +49,26 @@ impl UringEngine {
     /// A ring of `depth` entries; fails where the kernel forbids io_uring.
     pub fn new(depth: u32) -> io::Result<Self> {
         let depth = depth.clamp(1, 4096);
-        Ok(Self { ring: IoUring::new(depth)?, depth: depth as usize })
+        Ok(Self { ring: IoUring::new(depth)?, depth: depth as usize, fixed: None, refused: 0 })
     }
 
     /// Queues op `index`; false when the submission queue has no room.
     fn push(&mut self, fd: RawFd, op: &IoOp, index: usize) -> io::Result<bool> {
         let len = u32::try_from(op.len).map_err(|_| io::Error::other("G3 op over 4 GiB"))?;
-        let sqe = match op.kind {
-            IoKind::Read => opcode::Read::new(types::Fd(fd), op.addr as *mut u8, len).offset(op.offset).build(),
-            IoKind::Write => opcode::Write::new(types::Fd(fd), op.addr as *const u8, len).offset(op.offset).build(),
+        let fixed = self.fixed.as_ref().and_then(|m| m.index_of(op.addr, op.len).map(|i| (m, i)));
+        let sqe = match (op.kind, fixed) {
+            (IoKind::Read, None) => opcode::Read::new(types::Fd(fd), op.addr as *mut u8, len).offset(op.offset).build(),
+            (IoKind::Write, None) => {
+                opcode::Write::new(types::Fd(fd), op.addr as *const u8, len).offset(op.offset).build()
+            }
+            (IoKind::Read, Some((m, i))) => {
+                m.used();
+                opcode::ReadFixed::new(types::Fd(fd), op.addr as *mut u8, len, i).offset(op.offset).build()
+            }
+            (IoKind::Write, Some((m, i))) => {
+                m.used();
+                opcode::WriteFixed::new(types::Fd(fd), op.addr as *const u8, len, i).offset(op.offset).build()
+            }
         }
         .user_data(index as u64);
         // SAFETY: the buffer stays valid until its completion is reaped in `run`, which does not
@@ -45,6 +80,30 @@ impl UringEngine {
 impl IoEngine for UringEngine {
     fn name(&self) -> &'static str {
         "io_uring"
+    }
+
+    fn use_fixed(&mut self, memory: &Arc<FixedMemory>) {
+        let at = Arc::as_ptr(memory) as usize;
+        if self.fixed.as_ref().is_some_and(|m| Arc::ptr_eq(m, memory)) || self.refused == at {
+            return;
+        }
+        let Some(src) = memory.source_fd() else { return };
+        if self.fixed.take().is_some() {
+            let _ = self.ring.submitter().unregister_buffers();
+        }
+        // Shares the source ring's registration: no page is pinned again, and the kernel keeps
+        // one table of them however many rings use it.
+        match self.ring.submitter().register_buffers_clone(src) {
+            Ok(()) => self.fixed = Some(Arc::clone(memory)),
+            Err(e) => {
+                self.refused = at;
+                if !CLONE_REFUSAL_LOGGED.swap(true, Ordering::Relaxed) {
+                    tracing::info!(
+                        "a G3 I/O ring pins G2's pages per op: sharing the registered pool failed ({e}; Linux 6.12 or later shares it)"
+                    );
+                }
+            }
+        }
     }
 
     unsafe fn run(&mut self, fd: RawFd, ops: &[IoOp], progress: &mut dyn IoProgress) -> io::Result<()> {
