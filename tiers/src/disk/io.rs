@@ -126,6 +126,10 @@ pub struct IoThreads {
     factory: EngineFactory,
     /// Memory offered to every engine for registration before its next batch.
     fixed: Fixed,
+    /// Whether memory was offered (only the first offer counts).
+    fixed_offered: std::sync::atomic::AtomicBool,
+    /// Why the offered memory could not be registered.
+    fixed_refused: std::sync::Arc<parking_lot::Mutex<Option<String>>>,
 }
 
 /// The memory offered to the engines (none until [`IoThreads::offer_fixed`]).
@@ -177,6 +181,8 @@ impl IoThreads {
                 inline_write_max,
                 factory: std::sync::Arc::clone(factory),
                 fixed: Fixed::default(),
+                fixed_offered: Default::default(),
+                fixed_refused: Default::default(),
             });
         }
         let fixed = Fixed::default();
@@ -214,21 +220,30 @@ impl IoThreads {
             inline_write_max,
             factory: std::sync::Arc::clone(factory),
             fixed,
+            fixed_offered: Default::default(),
+            fixed_refused: Default::default(),
         })
     }
 
-    /// Offers `memory` to every engine, each registering it before its next batch (replacing
-    /// what was offered before).
+    /// Offers `memory` to every engine, each registering it before its next batch. Only the
+    /// first offer counts (a store offers G2's pool once).
     ///
     /// The memory is registered first, on a thread of its own (`kv-g3-pin`): pinning a large
-    /// pool takes seconds, and the engines meanwhile work as before. Only io_uring engines use
-    /// it; a registration that fails is logged and changes nothing.
+    /// pool takes seconds, and the engines meanwhile work as before. It is published to them
+    /// only once a second ring has shared the registration, as each engine's ring will (that
+    /// needs Linux 6.12). Only io_uring engines use it; a registration that fails is logged,
+    /// kept in [`IoThreads::fixed_refused`], and changes nothing else.
     pub fn offer_fixed(&self, memory: std::sync::Arc<FixedMemory>) {
         if self.backend != "io_uring" || memory.is_empty() {
             return;
         }
+        if self.fixed_offered.swap(true, std::sync::atomic::Ordering::Relaxed) {
+            tracing::debug!("G3 was offered memory to register a second time; kept the first");
+            return;
+        }
         metrics::gauge!("kvcached_g3_pool_registered").set(0.0);
         let fixed = std::sync::Arc::clone(&self.fixed);
+        let refused = std::sync::Arc::clone(&self.fixed_refused);
         let pin = move || {
             let t0 = std::time::Instant::now();
             match super::uring::register_source(&memory) {
@@ -241,19 +256,30 @@ impl IoThreads {
                     metrics::gauge!("kvcached_g3_pool_registered").set(1.0);
                     *fixed.write() = Some(memory);
                 }
-                Err(e) => tracing::info!(
-                    "G3 transfers to and from G2 pin its pages per op: registering the pool with io_uring failed ({e}; it needs the pool in shared memory, `g2.shm_dir` on tmpfs, and CAP_IPC_LOCK or an RLIMIT_MEMLOCK as large as G2)"
-                ),
+                Err(e) => {
+                    let why = format!(
+                        "registering the G2 pool with io_uring failed ({e}; it needs the pool in shared memory, `g2.shm_dir` on tmpfs, CAP_IPC_LOCK or an RLIMIT_MEMLOCK as large as G2, and Linux 6.12 or later)"
+                    );
+                    tracing::info!("G3 transfers to and from G2 pin its pages per op: {why}");
+                    *refused.lock() = Some(why);
+                }
             }
         };
         if let Err(e) = std::thread::Builder::new().name("kv-g3-pin".into()).spawn(pin) {
             tracing::info!("G2 pool not registered with io_uring: {e}");
+            *self.fixed_refused.lock() = Some(format!("thread kv-g3-pin did not start: {e}"));
         }
     }
 
-    /// Ops that went through the offered memory's fixed buffers so far (None: none offered).
+    /// Ops that went through the registered memory so far (None: not registered, yet or for
+    /// good).
     pub fn fixed_ops(&self) -> Option<u64> {
         self.fixed.read().as_ref().map(|m| m.ops())
+    }
+
+    /// Why the offered memory could not be registered, once that is known.
+    pub fn fixed_refused(&self) -> Option<String> {
+        self.fixed_refused.lock().clone()
     }
 
     /// The backend in use.

@@ -279,12 +279,18 @@ impl DiskTier {
         })
     }
 
-    /// The I/O backend in use (`io_uring` or `psync`).
-    /// G3 ops that went through the registered G2 memory (None: none offered).
+    /// G3 ops that went through the registered G2 memory so far (None: not registered, yet
+    /// or for good).
     pub fn fixed_ops(&self) -> Option<u64> {
         self.io.fixed_ops()
     }
 
+    /// Why the G2 memory offered to G3 could not be registered, once that is known.
+    pub fn fixed_refused(&self) -> Option<String> {
+        self.io.fixed_refused()
+    }
+
+    /// The I/O backend in use (`io_uring` or `psync`).
     pub fn backend(&self) -> &'static str {
         self.io.backend()
     }

@@ -90,7 +90,7 @@ impl FixedMemory {
     }
 
     /// Records the ring (descriptor `fd`) that registered the memory; false if one already did.
-    pub fn set_source(&self, fd: RawFd, ring: Box<dyn std::any::Any + Send + Sync>) -> bool {
+    pub(crate) fn set_source(&self, fd: RawFd, ring: Box<dyn std::any::Any + Send + Sync>) -> bool {
         self.source.set(FixedSource { fd, _ring: ring }).is_ok()
     }
 
@@ -154,4 +154,40 @@ pub trait IoEngine: Send + std::fmt::Debug {
     /// for a read (the kernel writes it, possibly by DMA), readable for a write, aligned as the
     /// file's O_DIRECT needs, and not accessed by anything else until the call returns.
     unsafe fn run(&mut self, fd: RawFd, ops: &[IoOp], progress: &mut dyn IoProgress) -> io::Result<()>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn memory(base: usize, len: usize) -> FixedMemory {
+        // SAFETY: never registered: only its arithmetic is used.
+        unsafe { FixedMemory::new(base as *const u8, len, Arc::new(())) }
+    }
+
+    #[test]
+    fn pieces_cover_the_memory_in_registrable_sizes() {
+        let p = FixedMemory::PIECE;
+        let base = 1 << 40;
+        assert_eq!(memory(base, 4096).pieces(), vec![(base, 4096)]);
+        assert_eq!(memory(base, p).pieces(), vec![(base, p)]);
+        assert_eq!(memory(base, 2 * p + 8192).pieces(), vec![(base, p), (base + p, p), (base + 2 * p, 8192)]);
+        assert!(memory(base, 0).pieces().is_empty());
+    }
+
+    #[test]
+    fn an_op_is_fixed_only_inside_one_piece() {
+        let p = FixedMemory::PIECE;
+        let base = 1 << 40;
+        let m = memory(base, 2 * p + 8192);
+        assert_eq!(m.index_of(base, 4096), Some(0));
+        assert_eq!(m.index_of(base + p - 4096, 4096), Some(0), "ends exactly at the piece's end");
+        assert_eq!(m.index_of(base + p - 4096, 8192), None, "crosses into the next piece");
+        assert_eq!(m.index_of(base + p, 4096), Some(1));
+        assert_eq!(m.index_of(base + 2 * p, 8192), Some(2), "the short last piece, whole");
+        assert_eq!(m.index_of(base + 2 * p, 8193), None, "past the memory's end");
+        assert_eq!(m.index_of(base - 4096, 4096), None, "before the memory");
+        assert_eq!(m.index_of(base, 0), None);
+        assert_eq!(m.index_of(usize::MAX - 10, 4096), None, "an end that overflows");
+    }
 }

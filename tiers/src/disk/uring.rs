@@ -34,6 +34,11 @@ pub fn register_source(memory: &FixedMemory) -> io::Result<()> {
     // SAFETY: `FixedMemory::new`'s contract keeps the pieces mapped while the memory is alive,
     // and the memory owns this ring (dropped before the mapping's owner).
     unsafe { ring.submitter().register_buffers(&iov)? };
+    // Every engine's ring shares the registration rather than pinning the pages again: try
+    // that once here, so that memory no ring can share is never published as registered.
+    let probe = IoUring::new(1)?;
+    probe.submitter().register_buffers_clone(ring.as_raw_fd())?;
+    drop(probe);
     let fd = ring.as_raw_fd();
     memory.set_source(fd, Box::new(ring));
     Ok(())
@@ -88,8 +93,9 @@ impl IoEngine for UringEngine {
             return;
         }
         let Some(src) = memory.source_fd() else { return };
-        if self.fixed.take().is_some() {
+        if let Some(old) = self.fixed.take() {
             let _ = self.ring.submitter().unregister_buffers();
+            drop(old);
         }
         // Shares the source ring's registration: no page is pinned again, and the kernel keeps
         // one table of them however many rings use it.
