@@ -45,7 +45,12 @@ impl Drop for Router {
 }
 
 fn route(pair: &NodePair, router: &str, tokens: &[u32]) -> serde_json::Value {
-    let body = serde_json::json!({"namespace": "x", "tokens": tokens, "role": "decode"}).to_string();
+    route_as(pair, router, tokens, "decode")
+}
+
+/// A placement of `tokens` for a worker of `role`.
+fn route_as(pair: &NodePair, router: &str, tokens: &[u32], role: &str) -> serde_json::Value {
+    let body = serde_json::json!({"namespace": "x", "tokens": tokens, "role": role}).to_string();
     let router = router.to_string();
     let (status, text) = netns::run_in(&pair.a, move || http_request(&router, "POST", "/route", Some(&body), &[]));
     assert_eq!(status, 200, "{text}");
@@ -192,6 +197,20 @@ async fn links_are_measured_and_the_split_flips_where_the_model_says() {
     let tokens2: Vec<u32> = (0..512).map(|i| (i * 104_729 + 7) % 150_000).collect();
     let slots2: Vec<u32> = (16..48).collect();
     assert_eq!(ea.save(&tokens2, 0, &slots2).await.unwrap().stored, 32);
+    // A's report of the 32 blocks may reach the router in more than one piece. A decode
+    // placement made between them would hint only the part known then (and B would prefetch
+    // that part), so wait until the router knows all 32, asking as a prefill placement (A's
+    // own blocks: nothing to prefetch).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let r = route_as(&pair, &router_addr, &tokens2, "prefill");
+        let known: u64 = r["cached_blocks"].as_array().map_or(0, |t| t.iter().filter_map(|n| n.as_u64()).sum());
+        if known == 32 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the router never learned A's 32 blocks: {r}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
     let deadline = Instant::now() + Duration::from_secs(10);
     let hint = loop {
         // The router learns of A's blocks from A's next report.
