@@ -137,9 +137,8 @@ type Fixed = std::sync::Arc<parking_lot::RwLock<Option<std::sync::Arc<FixedMemor
 
 /// Offers the current fixed memory, if any, to `engine`.
 fn offer(fixed: &Fixed, engine: &mut dyn IoEngine) {
-    let m = fixed.read().clone();
-    if let Some(m) = m {
-        engine.use_fixed(&m);
+    if let Some(m) = fixed.read().as_ref() {
+        engine.use_fixed(m);
     }
 }
 

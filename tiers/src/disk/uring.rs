@@ -40,7 +40,9 @@ pub fn register_source(memory: &FixedMemory) -> io::Result<()> {
     probe.submitter().register_buffers_clone(ring.as_raw_fd())?;
     drop(probe);
     let fd = ring.as_raw_fd();
-    memory.set_source(fd, Box::new(ring));
+    if !memory.set_source(fd, Box::new(ring)) {
+        return Err(io::Error::other("the memory was registered by another ring already"));
+    }
     Ok(())
 }
 
