@@ -65,31 +65,47 @@ fn in_ns<R: Send + 'static>(ns: Option<&str>, f: impl FnOnce() -> R + Send + 'st
 
 /// A raw TCP copy loop of `total` bytes in `chunk`-byte writes: server in `ns_a` at `addr_a`,
 /// reader in `ns_b`.
-fn raw_tcp(addr_a: &str, ns_a: Option<&str>, ns_b: Option<&str>, total: u64, chunk: usize) -> Result<f64, String> {
+fn raw_tcp(
+    addr_a: &str,
+    ns_a: Option<&str>,
+    ns_b: Option<&str>,
+    total: u64,
+    chunk: usize,
+    region: bool,
+) -> Result<f64, String> {
     let bind = format!("{addr_a}:0");
     let l = in_ns(ns_a, move || TcpListener::bind(bind)).map_err(|e| e.to_string())?;
     let addr = l.local_addr().map_err(|e| e.to_string())?.to_string();
     let server = std::thread::spawn(move || -> std::io::Result<()> {
+        let buf = vec![0x5au8; if region { total as usize } else { chunk }];
         let (mut s, _) = l.accept()?;
         let _ = s.set_nodelay(true);
-        let buf = vec![0x5au8; chunk];
         let mut left = total;
+        let mut at = 0usize;
         while left > 0 {
             let n = left.min(chunk as u64) as usize;
-            s.write_all(&buf[..n])?;
+            s.write_all(&buf[at..at + n])?;
             left -= n as u64;
+            if region {
+                at += n;
+            }
         }
         Ok(())
     });
     let took = in_ns(ns_b, move || -> std::io::Result<Duration> {
+        // Written once, so that the loop measures the copy, not the first touch of fresh pages.
+        let mut buf = vec![1u8; if region { total as usize } else { chunk }];
         let mut s = TcpStream::connect(&addr)?;
-        let mut buf = vec![0u8; chunk];
         let t0 = Instant::now();
         let mut left = total;
+        let mut at = 0usize;
         while left > 0 {
             let n = left.min(chunk as u64) as usize;
-            s.read_exact(&mut buf[..n])?;
+            s.read_exact(&mut buf[at..at + n])?;
             left -= n as u64;
+            if region {
+                at += n;
+            }
         }
         Ok(t0.elapsed())
     })
@@ -196,7 +212,10 @@ fn pull_timed(
     len: usize,
     head_start: Option<Duration>,
 ) -> Result<Duration, String> {
-    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+    // The pools in shared memory (/dev/shm where it exists), as a daemon's are by default: a
+    // pool file on a disk's filesystem would add page-cache writeback to the transfer.
+    let shm = HostTierConfig::with_capacity(0).shm_dir;
+    let dir = tempfile::tempdir_in(&shm).map_err(|e| format!("{}: {e}", shm.display()))?;
     let cap = u64::from(blocks) * len as u64 * 2 + (64 << 20);
     let sender = store(&dir.path().join("a"), cap)?;
     let receiver = store(&dir.path().join("b"), cap)?;
@@ -280,9 +299,10 @@ pub fn run(blocks: u32, netns_mbit: Option<u64>) -> Result<Report, String> {
     };
     let mut report = Report { link, rows: Vec::new(), ready: Vec::new() };
     // Alternate: raw, ours, HTTP/2, three rounds; report each one's median.
-    let (mut raw, mut ours, mut h2) = (vec![], vec![], vec![]);
+    let (mut raw, mut raw_region, mut ours, mut h2) = (vec![], vec![], vec![], vec![]);
     for _ in 0..3 {
-        raw.push(raw_tcp(&addr_a, ns_a.as_deref(), ns_b.as_deref(), total, len)?);
+        raw.push(raw_tcp(&addr_a, ns_a.as_deref(), ns_b.as_deref(), total, len, false)?);
+        raw_region.push(raw_tcp(&addr_a, ns_a.as_deref(), ns_b.as_deref(), total, len, true)?);
         ours.push(pull(&addr_a, ns_a.as_deref(), ns_b.as_deref(), blocks, len)?);
         h2.push(http2(&addr_a, ns_a.as_deref(), ns_b.as_deref(), total, len)?);
     }
@@ -291,6 +311,7 @@ pub fn run(blocks: u32, netns_mbit: Option<u64>) -> Result<Report, String> {
         v[v.len() / 2]
     };
     report.rows.push(Row { what: "raw TCP copy loop (2 MiB writes / reads)".into(), mbs: median(raw) });
+    report.rows.push(Row { what: "raw TCP from a region into a region".into(), mbs: median(raw_region) });
     report.rows.push(Row { what: "peer pull: 2 MiB blocks, G2 to G2, verified".into(), mbs: median(ours) });
     report.rows.push(Row { what: "HTTP/2 stream, gRPC's frame and window sizes".into(), mbs: median(h2) });
     if let Some(m) = netns_mbit {
