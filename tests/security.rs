@@ -95,10 +95,9 @@ impl Daemon {
 
     /// `intruder ARGS` as uid 65534.
     fn intruder(&self, args: &[&str]) -> std::process::Child {
-        self.as_uid(Path::new(env!("CARGO_BIN_EXE_intruder")), NOBODY, args)
-            .stdout(std::process::Stdio::piped())
-            .spawn()
-            .unwrap()
+        let mut c = self.as_uid(Path::new(env!("CARGO_BIN_EXE_intruder")), NOBODY, args);
+        c.stdout(std::process::Stdio::piped());
+        kvtests::inproc::retry_busy(|| c.spawn()).unwrap()
     }
 
     fn intruder_says(&self, args: &[&str]) -> String {

@@ -76,7 +76,8 @@ impl InProcess {
 
     /// [`InProcess::as_uid`] run to its end: its stdout, trimmed (it must succeed).
     pub fn say_as(&self, bin: &Path, uid: u32, args: &[&str]) -> String {
-        let out = self.as_uid(bin, uid, args).output().unwrap_or_else(|e| panic!("{}: {e}", bin.display()));
+        let mut c = self.as_uid(bin, uid, args);
+        let out = retry_busy(|| c.output()).unwrap_or_else(|e| panic!("{}: {e}", bin.display()));
         assert!(out.status.success(), "{} {args:?}: {out:?}", bin.display());
         String::from_utf8_lossy(&out.stdout).trim().to_string()
     }
@@ -96,5 +97,21 @@ impl InProcess {
 
     pub async fn healthz(&self) -> u16 {
         reqwest::get(format!("http://{}/healthz", self.http)).await.map_or(0, |r| r.status().as_u16())
+    }
+}
+
+/// Runs `start` (a spawn of a program copied by [`InProcess::as_uid`]) again while it fails with
+/// ETXTBSY: a process forked by another test while the copy was open for writing holds that
+/// descriptor until it execs, and the kernel refuses to run the file meanwhile.
+pub fn retry_busy<T>(mut start: impl FnMut() -> std::io::Result<T>) -> std::io::Result<T> {
+    let mut tries = 0;
+    loop {
+        match start() {
+            Err(e) if e.raw_os_error() == Some(libc::ETXTBSY) && tries < 100 => {
+                tries += 1;
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            r => return r,
+        }
     }
 }
