@@ -535,21 +535,30 @@ impl Daemon {
             _ => None,
         };
         let mut fell_back = false;
-        // Chunk by chunk: blocks not in G2 come up from G3 in one batch read per chunk, then
-        // the chunk is copied out of G2.
+        // Chunk by chunk: blocks not in G2 come up from G3 in one batch read per chunk, each
+        // copied on into its slot as soon as it is in (while it is in cache, and while the
+        // chunk's later reads are in flight); the rest of the chunk is copied out of G2.
         'chain: for (c, (keys, slots)) in wanted.chunks(LOAD_CHUNK).zip(req.block_ids.chunks(LOAD_CHUNK)).enumerate() {
+            let mut early: Vec<Option<(TierKind, Result<(), ServerError>)>> = keys.iter().map(|_| None).collect();
             // A lower tier failing (a disk error, a store down or hung) is a miss from the
             // first block it failed on: counted and logged by the store, never a failed load
             // (the blocks before it are served), and not asked again.
             let kvtiers::store::Promoted { mut promoted, failed, mut unplaced, .. } =
-                self.store.promote_batch_lossy(keys);
+                self.store.promote_batch_lossy_each(keys, &mut |key, meta, tier, pieces| {
+                    let Some(i) = keys.iter().position(|k| k == key) else { return };
+                    // A block of another namespace or size is left to the loop below, which
+                    // counts it and stops there.
+                    if early[i].is_none() && meta.namespace == engine.namespace_id && meta.len == want_len {
+                        early[i] = Some((tier, engine.write_slot_from(slots[i], pieces)));
+                    }
+                });
             for (i, (key, &slot)) in keys.iter().zip(slots).enumerate() {
                 if failed.contains(key) && incoming.as_ref().is_none_or(|inc| c * LOAD_CHUNK + i < inc.offset) {
                     break 'chain;
                 }
                 let j = c * LOAD_CHUNK + i;
                 let mut pulled = false;
-                if let Some(inc) = incoming.as_ref().filter(|inc| j >= inc.offset) {
+                if let Some(inc) = incoming.as_ref().filter(|inc| j >= inc.offset && early[i].is_none()) {
                     pulled = inc.wait(j);
                     if !pulled && !fell_back {
                         // The peer is gone, stalled, sent wrong bytes or lacks the rest: what
@@ -577,9 +586,10 @@ impl Daemon {
                 };
                 // A block read from below that G2 had no room for is served from its buffer,
                 // not read a second time.
-                let got = match unplaced.iter().find(|(k, ..)| k == key) {
-                    Some((_, meta, tier, b)) => Ok(Some((*tier, copy(meta, &[&b[..]])))),
-                    None => self.store.read_with(key, &mut buf, copy),
+                let got = match (early[i].take(), unplaced.iter().find(|(k, ..)| k == key)) {
+                    (Some((tier, copied)), _) => Ok(Some((tier, copied.map(|()| true)))),
+                    (None, Some((_, meta, tier, b))) => Ok(Some((*tier, copy(meta, &[&b[..]])))),
+                    (None, None) => self.store.read_with(key, &mut buf, copy),
                 };
                 match got {
                     Ok(Some((_, Err(e)))) => {

@@ -70,6 +70,10 @@ pub struct StoreStats {
     pub writethrough_by_tier: Vec<(TierKind, u64, u64, u64, u64)>,
 }
 
+/// What [`BlockStore::promote_batch_lossy_each`] hands each block as soon as it is in: its key,
+/// metadata, the tier it came from, and its bytes (as pieces, in order).
+pub type ReadyBlock<'a> = dyn FnMut(&BlockKey, &BlockMeta, TierKind, &[&[u8]]) + 'a;
+
 /// What [`BlockStore::promote_batch_lossy`] did.
 #[derive(Debug, Default)]
 pub struct Promoted {
@@ -296,6 +300,16 @@ impl BlockStore {
     /// `kvcached_tier_read_errors_total`. Loads of chains from G3 or G4 call this per chunk
     /// before copying the chunk out of G2.
     pub fn promote_batch_lossy(&self, keys: &[BlockKey]) -> Promoted {
+        self.promote_batch_lossy_each(keys, &mut |_, _, _, _| {})
+    }
+
+    /// [`BlockStore::promote_batch_lossy`] that hands each block read straight into G2 to
+    /// `ready` (its key, metadata, tier and bytes) as soon as it has arrived whole and passed
+    /// its check, while later reads of the batch are still in flight: a load copies it on into
+    /// the engine while it is in cache, instead of once the whole batch is in. `ready` runs on
+    /// this thread, before the block is published in G2; a block not handed to it comes as
+    /// [`BlockStore::promote_batch_lossy`] says (in G2, unplaced, failed or missing).
+    pub fn promote_batch_lossy_each(&self, keys: &[BlockKey], ready: &mut ReadyBlock<'_>) -> Promoted {
         let present = self.g2.contains_each(keys);
         let mut left: Vec<BlockKey> = keys.iter().zip(present).filter(|(_, p)| !p).map(|(k, _)| *k).collect();
         let mut out = Promoted::default();
@@ -309,7 +323,7 @@ impl BlockStore {
             }
             let kind = tier.kind();
             // Straight into G2's pages where the tier can; the rest through buffers.
-            let direct = self.read_into_g2(tier.as_ref(), &left);
+            let direct = self.read_into_g2(tier.as_ref(), &left, ready);
             let through: Vec<BlockKey> =
                 left.iter().zip(&direct).filter(|(_, d)| matches!(d, Direct::NotTried)).map(|(k, _)| *k).collect();
             let mut bufs: Vec<BlockBuf> = through.iter().map(|_| BlockBuf::new()).collect();
@@ -369,7 +383,7 @@ impl BlockStore {
     /// no copy: the block is verified where it will stay). Keys the tier cannot read this way
     /// (it cannot tell their length without a read, G2 has no room, an empty block) are
     /// `NotTried`.
-    fn read_into_g2(&self, tier: &dyn Tier, keys: &[BlockKey]) -> Vec<Direct> {
+    fn read_into_g2(&self, tier: &dyn Tier, keys: &[BlockKey], ready: &mut ReadyBlock<'_>) -> Vec<Direct> {
         let mut outcome: Vec<Direct> = keys.iter().map(|_| Direct::NotTried).collect();
         let metas = tier.peek_each(keys);
         if metas.iter().all(Option::is_none) {
@@ -391,10 +405,20 @@ impl BlockStore {
         }
         let fill_keys: Vec<BlockKey> = fills.iter().map(|(_, f)| *f.key()).collect();
         let dests: Vec<&[(*mut u8, usize)]> = fills.iter().map(|(_, f)| f.pieces()).collect();
+        let kind = tier.kind();
+        let mut verified = |j: usize| {
+            let Some((_, f)) = fills.get(j) else { return };
+            // SAFETY: the tier reports a block only once every read into its pages has
+            // completed, and nothing else writes a reservation's pages until it is finished or
+            // aborted, which happens after this call: the bytes stand still while borrowed here.
+            let parts: Vec<&[u8]> =
+                f.pieces().iter().map(|&(p, n)| unsafe { std::slice::from_raw_parts(p.cast_const(), n) }).collect();
+            ready(f.key(), f.meta(), kind, &parts);
+        };
         // SAFETY: each destination is the pages of a G2 reservation (`Filling`): aligned to
         // G2's page size (a multiple of 4 KiB), each piece whole pages but the last, whose pages
         // extend to the next page boundary; nothing else writes them until finished or aborted.
-        let read = unsafe { tier.get_batch_into(&fill_keys, &dests) };
+        let read = unsafe { tier.get_batch_into(&fill_keys, &dests, &mut verified) };
         drop(dests);
         let Some(read) = read else {
             for (_, f) in fills {

@@ -79,7 +79,10 @@ pub trait Tier: Send + Sync + std::fmt::Debug {
     /// Reads blocks straight into memory the caller names: for each key, (start, bytes) pieces
     /// in block order, adding up to the block's length (a block whose length differs is not
     /// read: a miss). Verified like [`Tier::get_batch`]. `None` when the tier cannot (the
-    /// default): the caller reads through [`Tier::get_batch`] instead.
+    /// default): the caller reads through [`Tier::get_batch`] instead. Where the tier can tell
+    /// early, `verified(i)` is called as soon as block `i` has arrived whole and passed its
+    /// check, while later blocks may still be in flight (its result is then `Ok(Some(_))`): the
+    /// caller may use its bytes from then on.
     ///
     /// # Safety
     /// Every piece must start 4 KiB-aligned, every piece but the last be a multiple of 4 KiB
@@ -89,6 +92,7 @@ pub trait Tier: Send + Sync + std::fmt::Debug {
         &self,
         _keys: &[BlockKey],
         _dests: &[&[(*mut u8, usize)]],
+        _verified: &mut dyn FnMut(usize),
     ) -> Option<Vec<Result<Option<BlockMeta>>>> {
         None
     }

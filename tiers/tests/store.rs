@@ -105,6 +105,56 @@ fn promote_batch_reads_g3_straight_into_g2_pages_byte_exact() {
     assert!(s.g2().put(BlockRef { key: k, meta: meta(9, 100, len), data: &content(&k, len) }).unwrap());
 }
 
+/// A load copies each block on as soon as it is in: `promote_batch_lossy_each` hands over every
+/// block read from G3 that passed its check, byte-exact, and never one that failed it.
+#[test]
+fn promote_batch_each_hands_over_each_verified_block_and_no_corrupt_one() {
+    let d = tempfile::tempdir().unwrap();
+    let s = store_in(d.path(), 64 * PAGE as u64, 64 << 20);
+    let g3 = Arc::clone(&s.lower()[0]);
+    let lens = [PAGE, 2 * PAGE + 17, 5000, 3 * PAGE, PAGE + 4096, 2 * PAGE];
+    let keys: Vec<BlockKey> = lens
+        .iter()
+        .enumerate()
+        .map(|(i, &len)| {
+            let k = key(11, i as u32);
+            assert!(g3.put(BlockRef { key: k, meta: meta(11, i as u32, len), data: &content(&k, len) }).unwrap());
+            k
+        })
+        .collect();
+    s.flush().unwrap();
+    // Block 2's bytes on disk no longer match its checksum; block 4 is in G2 already.
+    let data_file = d.path().join("g3").join("blocks.dat");
+    let mut bytes = std::fs::read(&data_file).unwrap();
+    let needle = content(&keys[2], lens[2])[..64].to_vec();
+    let at = bytes.windows(64).position(|w| w == &needle[..]).expect("block on disk");
+    bytes[at + 10] ^= 0x5a;
+    std::fs::write(&data_file, &bytes).unwrap();
+    assert!(
+        s.g2().put(BlockRef { key: keys[4], meta: meta(11, 4, lens[4]), data: &content(&keys[4], lens[4]) }).unwrap()
+    );
+
+    let mut handed: Vec<(BlockKey, u64, TierKind, Vec<u8>)> = Vec::new();
+    let p = s.promote_batch_lossy_each(&keys, &mut |k, m, tier, pieces| {
+        assert!(!s.g2().contains(k), "handed over before it is published in G2");
+        handed.push((*k, m.len, tier, pieces.concat()));
+    });
+    // In the order the reads completed: put in the keys' order to compare.
+    handed.sort_by_key(|h| keys.iter().position(|k| *k == h.0));
+    let expect: Vec<usize> = vec![0, 1, 3, 5];
+    assert_eq!(handed.iter().map(|h| h.0).collect::<Vec<_>>(), expect.iter().map(|&i| keys[i]).collect::<Vec<_>>());
+    for ((k, len, tier, data), &i) in handed.iter().zip(&expect) {
+        assert_eq!(*len, lens[i] as u64);
+        assert_eq!(*tier, TierKind::G3Disk);
+        assert!(data[..] == content(k, lens[i])[..], "block {i} handed over with other bytes");
+        assert!(s.g2().contains(k), "published in G2 after");
+    }
+    let promoted: Vec<BlockKey> = p.promoted.iter().map(|(k, _)| *k).collect();
+    assert_eq!(promoted, expect.iter().map(|&i| keys[i]).collect::<Vec<_>>());
+    assert!(p.error.is_none() && p.unplaced.is_empty());
+    assert!(!s.g2().contains(&keys[2]), "the corrupt block is a miss");
+}
+
 #[test]
 fn g3_reads_into_and_writes_from_g2_through_the_registered_pool() {
     let d = tempfile::tempdir().unwrap();

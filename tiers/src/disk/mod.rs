@@ -28,7 +28,7 @@ use parking_lot::Mutex;
 
 use self::index::{DiskIndex, IndexEntry};
 use self::io::{EngineFactory, IoBackend, IoKind, IoOp, IoThreads, engine_factory};
-use self::verify::{VerifiedReads, WriteSums};
+use self::verify::{ReportMatches, VerifiedReads, WriteSums};
 use crate::block::{BlockMeta, LeaseId, SumKind};
 use crate::buf::{ALIGN, BlockBuf, align_up};
 use crate::error::{Result, TierError};
@@ -423,10 +423,13 @@ impl DiskTier {
     /// Each destination `dest` returns must meet [`VerifiedReads::add`]'s layout (aligned
     /// starts, whole pages but the last, room for the padded tail), cover the block's length,
     /// and be written by nothing else until this returns.
+    /// `verified(i)` is called, before this returns, as soon as key `i`'s block has arrived
+    /// whole and matched its checksum; its result is then `Ok(Some(_))`.
     unsafe fn read_into(
         &self,
         keys: &[BlockKey],
         mut dest: impl FnMut(usize, &BlockMeta) -> Option<Vec<(*mut u8, usize)>>,
+        mut verified: impl FnMut(usize),
     ) -> Vec<Result<Option<BlockMeta>>> {
         let t0 = Instant::now();
         let mut found: Vec<Option<(Arc<DiskSlot>, BlockMeta)>> = {
@@ -436,6 +439,9 @@ impl DiskTier {
         let ps = self.pool.page_size();
         let mut reads = VerifiedReads::default();
         let mut read_of = Vec::with_capacity(keys.len());
+        // Per block read: the key's index and the checksum its bytes must have.
+        let mut block_key = Vec::with_capacity(keys.len());
+        let mut expected = Vec::with_capacity(keys.len());
         for (i, hit) in found.iter_mut().enumerate() {
             let Some(to) = hit.as_ref().and_then(|(_, meta)| dest(i, meta)) else {
                 *hit = None;
@@ -445,9 +451,19 @@ impl DiskTier {
             let Some((slot, meta)) = hit else { continue };
             let runs = slot.pages.runs().into_iter().map(|(first, n)| (first as u64 * ps as u64, n as usize * ps));
             read_of.push(reads.add(&to, meta.len as usize, runs, slot.sum_kind));
+            block_key.push(i);
+            expected.push(slot.checksum.load(Ordering::Relaxed));
         }
+        let mut matched = vec![false; expected.len()];
+        let ops = reads.take_ops();
+        let mut progress = ReportMatches {
+            reads: &mut reads,
+            expected: &expected,
+            matched: &mut matched,
+            on_match: |b: usize| verified(block_key[b]),
+        };
         // SAFETY: every op writes into a destination the caller vouched for (see above).
-        let io = unsafe { self.io.run(self.fd(), reads.take_ops(), &mut reads) };
+        let io = unsafe { self.io.run(self.fd(), ops, &mut progress) };
         let mut results = Vec::with_capacity(keys.len());
         for ((key, hit), read) in keys.iter().zip(found).zip(read_of) {
             let Some((slot, meta)) = hit else {
@@ -455,7 +471,8 @@ impl DiskTier {
                 results.push(Ok(None));
                 continue;
             };
-            let expected = slot.checksum.load(Ordering::Relaxed);
+            // As reported while the batch ran (the slot's checksum as the read began).
+            let expected = expected[read];
             let got = reads.checksum_of(read);
             if got.is_none() && !reads.failed(read) {
                 // The batch failed before this block's reads ran (no engine, threads stopped):
@@ -667,11 +684,15 @@ impl Tier for DiskTier {
         // SAFETY: every destination is one of `outs`' aligned buffers, sized to the block here
         // (capacity covering the padded tail), which nothing else touches until this returns.
         unsafe {
-            self.read_into(keys, |i, meta| {
-                let out = &mut outs[i];
-                out.resize(meta.len as usize);
-                Some(vec![(out.full_mut().as_mut_ptr(), meta.len as usize)])
-            })
+            self.read_into(
+                keys,
+                |i, meta| {
+                    let out = &mut outs[i];
+                    out.resize(meta.len as usize);
+                    Some(vec![(out.full_mut().as_mut_ptr(), meta.len as usize)])
+                },
+                |_| {},
+            )
         }
     }
 
@@ -684,14 +705,19 @@ impl Tier for DiskTier {
         &self,
         keys: &[BlockKey],
         dests: &[&[(*mut u8, usize)]],
+        verified: &mut dyn FnMut(usize),
     ) -> Option<Vec<Result<Option<BlockMeta>>>> {
         // SAFETY: the caller's contract (see `Tier::get_batch_into`) is `read_into`'s; a
         // destination that does not add up to the block's length is not read into.
         Some(unsafe {
-            self.read_into(keys, |i, meta| {
-                let d = dests.get(i)?;
-                (d.iter().map(|(_, n)| *n as u64).sum::<u64>() == meta.len && meta.len > 0).then(|| d.to_vec())
-            })
+            self.read_into(
+                keys,
+                |i, meta| {
+                    let d = dests.get(i)?;
+                    (d.iter().map(|(_, n)| *n as u64).sum::<u64>() == meta.len && meta.len > 0).then(|| d.to_vec())
+                },
+                verified,
+            )
         })
     }
 

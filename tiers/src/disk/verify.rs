@@ -119,6 +119,11 @@ impl VerifiedReads {
         self.blocks[block].failed
     }
 
+    /// The block op `index` reads.
+    pub(super) fn block_of(&self, index: usize) -> Option<usize> {
+        self.pieces.get(index).map(|p| p.block)
+    }
+
     /// The checksum of block `block`'s bytes, or None when a piece of it failed to arrive.
     pub(super) fn checksum_of(&self, block: usize) -> Option<u64> {
         let b = &self.blocks[block];
@@ -144,6 +149,37 @@ impl IoProgress for VerifiedReads {
             let bytes = unsafe { std::slice::from_raw_parts(p.addr as *const u8, p.valid) };
             b.sum.update(bytes);
             b.next += 1;
+        }
+    }
+}
+
+/// [`VerifiedReads`]' progress that also reports each block as soon as the last of its pieces
+/// is hashed and the sum matches the one expected of it, while later blocks of the batch are
+/// still in flight, so that a load can copy it on while it is in cache. A block is reported
+/// only once every op of it has completed: nothing writes its memory after.
+pub(super) struct ReportMatches<'a, F: FnMut(usize)> {
+    pub(super) reads: &'a mut VerifiedReads,
+    /// The checksum expected of each block, by block index.
+    pub(super) expected: &'a [u64],
+    /// Blocks reported so far.
+    pub(super) matched: &'a mut [bool],
+    pub(super) on_match: F,
+}
+
+impl<F: FnMut(usize)> IoProgress for ReportMatches<'_, F> {
+    fn started(&mut self) {
+        self.reads.started();
+    }
+
+    fn completed(&mut self, index: usize, ok: bool) {
+        self.reads.completed(index, ok);
+        let Some(b) = self.reads.block_of(index) else { return };
+        if self.matched.get(b) == Some(&false)
+            && let (Some(sum), Some(&want)) = (self.reads.checksum_of(b), self.expected.get(b))
+            && sum == want
+        {
+            self.matched[b] = true;
+            (self.on_match)(b);
         }
     }
 }
