@@ -5,7 +5,8 @@
 //! - [`host`]: G2, the shared-memory host pool ([`HostTier`]).
 //! - [`disk`]: G3, blocks on NVMe via O_DIRECT (io_uring or pread/pwrite on named I/O
 //!   threads) with a durable RocksDB index ([`DiskTier`]); checksums computed while the I/O
-//!   runs (`disk/verify.rs`).
+//!   runs (`disk/verify.rs`); pages freed only once their records are deleted
+//!   (`disk/forget.rs`).
 //! - [`object`]: G4, objects in S3-compatible stores or a shared filesystem through
 //!   `object_store` ([`ObjectTier`]), probed in a few round trips, written through by a queue of
 //!   its own.

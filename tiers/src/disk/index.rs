@@ -123,6 +123,9 @@ pub type ScannedRecord = std::result::Result<(BlockKey, IndexEntry), Vec<u8>>;
 #[derive(Debug)]
 pub struct DiskIndex {
     db: DB,
+    /// Unit tests: every write fails, as when RocksDB's disk is full.
+    #[cfg(test)]
+    pub(super) fail_writes: std::sync::atomic::AtomicBool,
 }
 
 impl DiskIndex {
@@ -160,7 +163,11 @@ impl DiskIndex {
                 db.put(META_KEY, m).map_err(index_err)?;
             }
         }
-        Ok(Self { db })
+        Ok(Self {
+            db,
+            #[cfg(test)]
+            fail_writes: std::sync::atomic::AtomicBool::new(false),
+        })
     }
 
     /// Every block entry; malformed records are returned as `Err(key bytes)` for removal.
@@ -183,6 +190,10 @@ impl DiskIndex {
     pub fn write(&self, puts: &[(BlockKey, IndexEntry)], deletes: &[BlockKey], sync: bool) -> Result<()> {
         if puts.is_empty() && deletes.is_empty() {
             return Ok(());
+        }
+        #[cfg(test)]
+        if self.fail_writes.load(std::sync::atomic::Ordering::Relaxed) {
+            return Err(TierError::Index("injected: no space left on device".into()));
         }
         let mut b = WriteBatch::default();
         for k in deletes {

@@ -7,6 +7,7 @@
 //! index entry -> visible. Eviction deletes the index entry before the pages can be reused.
 
 pub mod faults;
+mod forget;
 mod health;
 pub mod index;
 pub mod io;
@@ -132,6 +133,9 @@ pub struct DiskTier {
     /// and its pages must be freed when it is removed; the weak reference also keeps the slot's
     /// address from being reused, so `ptr_eq` below cannot match a newer slot.
     touched: Mutex<Vec<(BlockKey, Weak<DiskSlot>, IndexEntry)>>,
+    /// Blocks dropped whose index records could not be deleted yet; their pages stay taken
+    /// (`forget.rs`).
+    undeleted: Mutex<Vec<(BlockKey, Arc<DiskSlot>)>>,
 }
 
 /// Reads whose recency ticks are written to the index together.
@@ -273,6 +277,7 @@ impl DiskTier {
             cfg: cfg.clone(),
             next_tick: AtomicU64::new(max_tick + 1),
             logged_corruption: AtomicBool::new(false),
+            undeleted: Mutex::new(Vec::new()),
             health: health::DiskHealth::default(),
             touched: Mutex::new(Vec::new()),
             listener: ListenerSlot::default(),
@@ -318,11 +323,11 @@ impl DiskTier {
         let (victims, _) = st.evict(need, Instant::now(), true);
         if !victims.is_empty() {
             let keys: Vec<BlockKey> = victims.iter().map(|(k, _)| *k).collect();
-            // The deletions must be in the index before the pages can be reused.
-            self.index.write(&[], &keys, false)?;
+            // Out of the tier either way; their pages are reused only once the deletions are
+            // in the index.
             room::evicted(TIER, &self.counters, &self.listener, &keys);
         }
-        drop(victims);
+        self.forget(st, forget::slots(victims))?;
         if self.pool.free_pages() >= pages {
             Ok(())
         } else {
@@ -405,10 +410,9 @@ impl DiskTier {
         }
         let mut st = self.state.lock();
         let same = st.get(key, false).is_some_and(|(s, _)| Arc::ptr_eq(&s, slot));
-        if same {
-            st.remove(key);
+        if same && let Some(e) = st.remove(key) {
             self.listener.removed(TIER, &[*key]);
-            if let Err(e) = self.index.write(&[], &[*key], false) {
+            if let Err(e) = self.forget(&st, forget::slots([(*key, e)])) {
                 tracing::warn!("G3 index delete failed: {e}");
             }
         }
@@ -733,9 +737,8 @@ impl Tier for DiskTier {
     fn remove(&self, key: &BlockKey) -> Result<bool> {
         let mut st = self.state.lock();
         let Some(e) = st.remove(key) else { return Ok(false) };
-        self.index.write(&[], &[*key], false)?;
         self.listener.removed(TIER, &[*key]);
-        drop(e);
+        self.forget(&st, forget::slots([(*key, e)]))?;
         self.counters.set_usage(self.pool.used_pages() as u64 * self.pool.page_size() as u64, st.len());
         Ok(true)
     }
