@@ -376,7 +376,8 @@ async fn bad_input_is_invalid_argument_everywhere() {
     let id = owner.engine_id_now().unwrap();
     let mut c = raw(&d.socket).await;
     let tokens = kvproto::tokens_to_le(&prompt(2));
-    for (block_ids, why) in [(vec![0, 99], "out of range"), (vec![0, 1, 2], "full blocks")] {
+    for (block_ids, why) in [(vec![0, 99], "out of range"), (vec![0, 1, 2], "full blocks"), (vec![1, 1], "named twice")]
+    {
         let e = c
             .load(pb::LoadRequest {
                 engine_id: id,

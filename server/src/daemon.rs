@@ -452,6 +452,7 @@ impl Daemon {
         kvproto::check_tokens_le(&req.tokens)?;
         let full_blocks = req.tokens.len() / (4 * engine.namespace.layout.tokens_per_block as usize);
         Self::span(&engine, full_blocks, req.first_block, &req.block_ids)?;
+        Engine::check_distinct_slots(&req.block_ids)?;
         let held = self.limits.load(who)?;
         let mut ops = self.ops.lock();
         let pending = ops.per_engine.get(&engine.id).map_or(0, |e| e.pending);

@@ -257,6 +257,16 @@ impl Engine {
     }
 
     /// Checks engine block slots.
+    /// A load writes every slot it names: one named twice would hold only one of the two
+    /// blocks counted as loaded into it.
+    pub fn check_distinct_slots(ids: &[u32]) -> Result<(), ServerError> {
+        let mut seen = std::collections::HashSet::with_capacity(ids.len());
+        match ids.iter().find(|&&b| !seen.insert(b)) {
+            Some(b) => Err(invalid(format!("block id {b} is named twice: a load needs a slot per block"))),
+            None => Ok(()),
+        }
+    }
+
     pub fn check_slots(&self, ids: &[u32]) -> Result<(), ServerError> {
         match ids.iter().find(|&&b| b >= self.num_blocks) {
             Some(b) => Err(invalid(format!("block id {b} is out of range (engine has {} blocks)", self.num_blocks))),

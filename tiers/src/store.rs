@@ -406,14 +406,22 @@ impl BlockStore {
         let fill_keys: Vec<BlockKey> = fills.iter().map(|(_, f)| *f.key()).collect();
         let dests: Vec<&[(*mut u8, usize)]> = fills.iter().map(|(_, f)| f.pieces()).collect();
         let kind = tier.kind();
+        // A panic in `ready` runs inside the tier's I/O loop, which aborts the process on an
+        // unwind (its buffers may still be in flight): caught here, raised again once the batch
+        // is over.
+        let mut panicked = None;
         let mut verified = |j: usize| {
-            let Some((_, f)) = fills.get(j) else { return };
+            let Some((_, f)) = fills.get(j).filter(|_| panicked.is_none()) else { return };
             // SAFETY: the tier reports a block only once every read into its pages has
             // completed, and nothing else writes a reservation's pages until it is finished or
             // aborted, which happens after this call: the bytes stand still while borrowed here.
             let parts: Vec<&[u8]> =
                 f.pieces().iter().map(|&(p, n)| unsafe { std::slice::from_raw_parts(p.cast_const(), n) }).collect();
-            ready(f.key(), f.meta(), kind, &parts);
+            let handed =
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| ready(f.key(), f.meta(), kind, &parts)));
+            if let Err(p) = handed {
+                panicked = Some(p);
+            }
         };
         // SAFETY: each destination is the pages of a G2 reservation (`Filling`): aligned to
         // G2's page size (a multiple of 4 KiB), each piece whole pages but the last, whose pages
@@ -448,6 +456,9 @@ impl BlockStore {
                     Direct::Failed(e)
                 }
             };
+        }
+        if let Some(p) = panicked {
+            std::panic::resume_unwind(p);
         }
         outcome
     }

@@ -1,7 +1,9 @@
 //! Dropping blocks from G3: the index record goes first, then the pages. When the index cannot
 //! delete (RocksDB refusing writes while its disk is full), the pages stay taken until a later
 //! delete succeeds: reused under a record that still names them, they would leave a restart two
-//! records for one page (the older one dropped then as unusable).
+//! records for one page (the older one dropped then as unusable). Every put's `make_room` and
+//! every flush retries the pending deletes first; while the index still refuses, a put fails
+//! without evicting more blocks.
 
 use std::sync::Arc;
 
@@ -82,6 +84,9 @@ mod tests {
             assert!(!t.contains(&key(0)), "no longer served");
             assert_eq!(t.pool.free_pages(), 0, "its pages stay taken while its record stands");
             assert!(t.remove(&key(1)).is_err());
+            // While the index refuses, a put finds no room and takes no other block out.
+            assert!(t.put(BlockRef { key: key(9), meta, data: &data }).is_err());
+            assert!(t.contains(&key(2)), "a live block stays while deletes are pending");
             t.index.fail_writes.store(false, Ordering::Relaxed);
             assert!(t.remove(&key(2)).unwrap(), "the retry deletes key 0's and key 1's records");
             assert_eq!(t.pool.free_pages(), 6);
@@ -92,11 +97,10 @@ mod tests {
             t.index.fail_writes.store(true, Ordering::Relaxed);
             assert!(t.remove(&key(4)).is_err());
             t.index.fail_writes.store(false, Ordering::Relaxed);
+            // The put retries the pending delete first, then writes key 4's new record.
             assert!(t.put(BlockRef { key: key(4), meta, data: &other }).unwrap(), "stored again");
-            assert_eq!(t.pool.free_pages(), 2, "the old pages of key 4 still taken");
+            assert_eq!(t.pool.free_pages(), 4, "the old pages of key 4 freed by the retry");
             assert!(t.put(BlockRef { key: key(5), meta, data: &data }).unwrap());
-            // Dropping another block retries the pending delete; key 4 is stored again, so its
-            // new record stays and its old pages are freed.
             assert!(t.remove(&key(5)).unwrap());
             assert_eq!(t.pool.free_pages(), 4);
             t.flush().unwrap();

@@ -310,6 +310,9 @@ impl DiskTier {
 
     /// Evicts (index first, then space) so that `pages` more pages fit.
     fn make_room(&self, st: &mut Residency<DiskSlot>, pages: usize) -> Result<()> {
+        // Pages of blocks dropped while the index refused their deletes come back first; while
+        // it still refuses, nothing more is evicted (each put would take more blocks out).
+        self.forget(st, Vec::new())?;
         let page = self.pool.page_size() as u64;
         let want = pages as u64 * page;
         let need = self.room.bytes_to_evict(
@@ -783,6 +786,8 @@ impl Tier for DiskTier {
     }
 
     fn flush(&self) -> Result<()> {
+        // Deletes still pending go now, or a restart would bring those blocks back.
+        self.forget(&self.state.lock(), Vec::new())?;
         let touched = std::mem::take(&mut *self.touched.lock());
         self.write_touches(touched);
         // SAFETY: plain syscall on our fd.
