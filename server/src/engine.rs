@@ -256,7 +256,6 @@ impl Engine {
         self.namespace.layout.block_bytes()
     }
 
-    /// Checks engine block slots.
     /// A load writes every slot it names: one named twice would hold only one of the two
     /// blocks counted as loaded into it.
     pub fn check_distinct_slots(ids: &[u32]) -> Result<(), ServerError> {
@@ -267,6 +266,7 @@ impl Engine {
         }
     }
 
+    /// Checks engine block slots.
     pub fn check_slots(&self, ids: &[u32]) -> Result<(), ServerError> {
         match ids.iter().find(|&&b| b >= self.num_blocks) {
             Some(b) => Err(invalid(format!("block id {b} is out of range (engine has {} blocks)", self.num_blocks))),

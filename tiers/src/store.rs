@@ -297,8 +297,8 @@ impl BlockStore {
     /// down or does not answer in time) taken as misses of that tier: those keys are asked of
     /// the next tier, and the ones no tier gave are returned as `failed`, so that the caller
     /// does not ask the failing tier again for them. Each failed read is counted in
-    /// `kvcached_tier_read_errors_total`. Loads of chains from G3 or G4 call this per chunk
-    /// before copying the chunk out of G2.
+    /// `kvcached_tier_read_errors_total`. Loads of chains from G3 or G4 call it per chunk, as
+    /// [`BlockStore::promote_batch_lossy_each`].
     pub fn promote_batch_lossy(&self, keys: &[BlockKey]) -> Promoted {
         self.promote_batch_lossy_each(keys, &mut |_, _, _, _| {})
     }

@@ -461,14 +461,9 @@ impl DiskTier {
             block_key.push(i);
             expected.push(slot.checksum.load(Ordering::Relaxed));
         }
-        let mut matched = vec![false; expected.len()];
         let ops = reads.take_ops();
-        let mut progress = ReportMatches {
-            reads: &mut reads,
-            expected: &expected,
-            matched: &mut matched,
-            on_match: |b: usize| verified(block_key[b]),
-        };
+        let mut progress =
+            ReportMatches { reads: &mut reads, expected: &expected, on_match: |b: usize| verified(block_key[b]) };
         // SAFETY: every op writes into a destination the caller vouched for (see above).
         let io = unsafe { self.io.run(self.fd(), ops, &mut progress) };
         let mut results = Vec::with_capacity(keys.len());

@@ -156,13 +156,12 @@ impl IoProgress for VerifiedReads {
 /// [`VerifiedReads`]' progress that also reports each block as soon as the last of its pieces
 /// is hashed and the sum matches the one expected of it, while later blocks of the batch are
 /// still in flight, so that a load can copy it on while it is in cache. A block is reported
-/// only once every op of it has completed: nothing writes its memory after.
+/// only once every op of it has completed (nothing writes its memory after), and so once: its
+/// sum is finished by the completion of its last op, and no op of it completes after that.
 pub(super) struct ReportMatches<'a, F: FnMut(usize)> {
     pub(super) reads: &'a mut VerifiedReads,
     /// The checksum expected of each block, by block index.
     pub(super) expected: &'a [u64],
-    /// Blocks reported so far.
-    pub(super) matched: &'a mut [bool],
     pub(super) on_match: F,
 }
 
@@ -174,11 +173,9 @@ impl<F: FnMut(usize)> IoProgress for ReportMatches<'_, F> {
     fn completed(&mut self, index: usize, ok: bool) {
         self.reads.completed(index, ok);
         let Some(b) = self.reads.block_of(index) else { return };
-        if self.matched.get(b) == Some(&false)
-            && let (Some(sum), Some(&want)) = (self.reads.checksum_of(b), self.expected.get(b))
+        if let (Some(sum), Some(&want)) = (self.reads.checksum_of(b), self.expected.get(b))
             && sum == want
         {
-            self.matched[b] = true;
             (self.on_match)(b);
         }
     }
