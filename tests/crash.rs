@@ -172,10 +172,10 @@ async fn sigkill_at_random_moments_under_load() {
     eprintln!("crash loop: {cycles} cycles, KVCACHED_CRASH_SEED={seed}");
     let mut rng = Rng(seed | 1);
     let d = tempfile::tempdir().unwrap();
-    // Room for every block of the run without eviction (~10 MiB a cycle here), so that "every
+    // Room for every block of the run without eviction (~20 MiB a cycle here), so that "every
     // block G3 made visible survives" holds exactly. No fdatasync: a SIGKILL loses nothing the
     // kernel took.
-    let capacity = (64u64 << 20) + u64::from(cycles) * (16 << 20);
+    let capacity = (64u64 << 20) + u64::from(cycles) * (32 << 20);
     let toml = g3_toml(&d.path().join("g3"), capacity, false);
     let mut n = Node::start(Path::new(env!("CARGO_BIN_EXE_daemon")), d.path(), &toml, &[]);
     let namespace = ns("crash/model");

@@ -605,12 +605,58 @@ async fn daemon_restart_brings_blocks_back_from_g3_and_clients_reconnect() {
     check(&mem, 9, 24, 40);
     assert_ne!(c.engine_id_now(), first_id, "re-registered under a new id");
     assert_eq!(c.poll(&op).await.unwrap().loaded_blocks, 24, "the new load's status");
-    // That load brought the blocks up from G3 into G2, where the next ones find them.
-    let hit = c.lookup(&tokens).await.unwrap();
-    assert_eq!((hit.matched_blocks, hit.g2_blocks, hit.g3_blocks), (24, 24, 0));
+    // That load read the blocks from G3 straight into the engine's slots (its segments are whole
+    // pages), then, once it had answered, brought them up into G2, where the next ones find them.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let hit = c.lookup(&tokens).await.unwrap();
+        if (hit.matched_blocks, hit.g2_blocks, hit.g3_blocks) == (24, 24, 0) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "not brought up into G2: {hit:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let got = c.load_now(&tokens, 0, &(32..56).collect::<Vec<_>>()).await.unwrap();
     assert_eq!((got.loaded_blocks, got.from_g2), (24, 24));
     check(&mem, 9, 24, 32);
+    sigterm_and_wait(daemon);
+}
+
+/// A G3 hit is read straight into a CPU engine's memory. An engine that truncates that memory
+/// gets a clear error for its load, and cannot make the daemon take its failed read for a bad
+/// block or a bad disk: nothing is dropped, and another engine loads the blocks right.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_that_truncates_its_memory_cannot_make_g3_drop_blocks_it_reads() {
+    let d = tempfile::tempdir().unwrap();
+    let daemon = spawn_daemon(d.path());
+    let tokens = prompt(12, 8);
+    let mut mem = kv(d.path(), "saver", 8);
+    fill(&mut mem, 12, 8, 0);
+    let c = Client::connect(d.path().join("kvcached.sock")).await.unwrap();
+    c.register("saver", &ns("m"), &mem).await.unwrap();
+    assert_eq!(c.save(&tokens, 0, &(0..8).collect::<Vec<_>>()).await.unwrap().stored, 8);
+    drop(c);
+    sigterm_and_wait(daemon); // drains write-through to G3
+
+    let daemon = spawn_daemon(d.path());
+    let bad_mem = kv(d.path(), "bad", 8);
+    let bad = Client::connect(d.path().join("kvcached.sock")).await.unwrap();
+    bad.register("bad", &ns("m"), &bad_mem).await.unwrap();
+    std::fs::OpenOptions::new().write(true).open(d.path().join("bad")).unwrap().set_len(0).unwrap();
+    let e = bad.load_now(&tokens, 0, &(0..8).collect::<Vec<_>>()).await;
+    assert!(format!("{e:?}").contains("shrank under the daemon"), "{e:?}");
+
+    // Read again the usual way after the failed read (into G2, from where the copy into the
+    // truncated memory failed): nothing dropped.
+    let hit = bad.lookup(&tokens).await.unwrap();
+    assert_eq!(hit.matched_blocks, 8, "blocks lost to a bad destination: {hit:?}");
+    let good_mem = kv(d.path(), "good", 8);
+    let good = Client::connect(d.path().join("kvcached.sock")).await.unwrap();
+    good.register("good", &ns("m"), &good_mem).await.unwrap();
+    let got = good.load_now(&tokens, 0, &(0..8).collect::<Vec<_>>()).await.unwrap();
+    assert_eq!((got.loaded_blocks, got.from_g2 + got.from_g3), (8, 8), "{got:?}");
+    check(&good_mem, 12, 8, 0);
+    drop((bad, good));
     sigterm_and_wait(daemon);
 }
 

@@ -474,10 +474,13 @@ impl Daemon {
     pub fn run_load(&self, op: u64, engine: &Engine, req: &pb::LoadRequest, tx: &watch::Sender<pb::LoadStatus>) {
         // A load that panicked still finishes (failed): its engine's pending count, and the
         // wait at shutdown, must not count it for ever.
-        let loaded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.load_blocks(op, engine, req, tx)))
-            .unwrap_or_else(|_| {
-                Err(ServerError::Io(std::io::Error::other("the load failed inside kvcached (see its log)")))
-            });
+        let mut delivered = Vec::new();
+        let loaded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            self.load_blocks(op, engine, req, tx, &mut delivered)
+        }))
+        .unwrap_or_else(|_| {
+            Err(ServerError::Io(std::io::Error::other("the load failed inside kvcached (see its log)")))
+        });
         let status = match loaded {
             Ok(s) => s,
             Err(e) => pb::LoadStatus {
@@ -499,16 +502,26 @@ impl Daemon {
         self.ops.lock().finish(op, self.max_pending);
         self.loads.fetch_add(1, Ordering::Relaxed);
         let _ = tx.send(status);
+        // Blocks read from below straight into the engine's slots come up into G2 now, after
+        // the engine was told: copied back out of its slots and checked against the sum they
+        // were read with (the engine may have written them since; then they stay below).
+        for (key, slot, tier, d) in delivered {
+            self.store.promote_copy(&key, tier, &d, |dst| engine.read_slot_into(slot, dst).is_ok());
+        }
     }
 
     /// Copies the blocks into the engine's slots; `progress` is told what is in so far (as
     /// PENDING), after each block while blocks arrive from a peer, else after each chunk.
+    /// Blocks read from a lower tier straight into the slots (not through G2) are added to
+    /// `delivered` (key, slot, tier, what was read), for the caller to bring up into G2 once
+    /// the engine has been told.
     fn load_blocks(
         &self,
         op: u64,
         engine: &Engine,
         req: &pb::LoadRequest,
         progress: &watch::Sender<pb::LoadStatus>,
+        delivered: &mut Vec<(kvproto::BlockKey, u32, TierKind, kvtiers::Delivered)>,
     ) -> Result<pb::LoadStatus, ServerError> {
         let keys = self.keys(engine, &req.tokens)?;
         Self::span(engine, keys.len(), req.first_block, &req.block_ids)?;
@@ -536,16 +549,45 @@ impl Daemon {
             _ => None,
         };
         let mut fell_back = false;
-        // Chunk by chunk: blocks not in G2 come up from G3 in one batch read per chunk, each
-        // copied on into its slot as soon as it is in (while it is in cache, and while the
-        // chunk's later reads are in flight); the rest of the chunk is copied out of G2.
+        let cpu_engine = req.block_ids.first().is_some_and(|&b| engine.slot_memory(b).is_some());
+        // Chunk by chunk: blocks not in G2 come up from G3 in one batch read per chunk. Into a
+        // CPU engine they are read straight into its slots (one read and one check, no copy
+        // through G2); otherwise each is read into G2 and copied on into its slot as soon as it
+        // is in (while it is in cache, and while the chunk's later reads are in flight). The
+        // rest of the chunk is copied out of G2.
         'chain: for (c, (keys, slots)) in wanted.chunks(LOAD_CHUNK).zip(req.block_ids.chunks(LOAD_CHUNK)).enumerate() {
             let mut early: Vec<Option<(TierKind, Result<(), ServerError>)>> = keys.iter().map(|_| None).collect();
+            if cpu_engine {
+                // SAFETY: the slots are this engine's mapped memory (range-checked at attach and
+                // by `check_slots`), the daemon's alone while this load runs (the engine
+                // protocol); a page the engine truncates away fails the read or trips the fault
+                // guard, checked right after.
+                let read = unsafe {
+                    self.store.read_into_foreign(keys, |i, meta| {
+                        (meta.namespace == engine.namespace_id && meta.len == want_len)
+                            .then(|| engine.slot_memory(slots[i]))
+                            .flatten()
+                    })
+                };
+                if let Err(e) = engine.check_memory() {
+                    self.store.release(lease);
+                    return Err(e);
+                }
+                for (i, got) in read.into_iter().enumerate() {
+                    if let Some((tier, d)) = got {
+                        early[i] = Some((tier, Ok(())));
+                        delivered.push((keys[i], slots[i], tier, d));
+                    }
+                }
+            }
+            // Blocks not delivered that way: what G2 lacks is promoted into it from below.
+            let rest: Vec<kvproto::BlockKey> =
+                keys.iter().zip(&early).filter(|(_, e)| e.is_none()).map(|(k, _)| *k).collect();
             // A lower tier failing (a disk error, a store down or hung) is a miss from the
             // first block it failed on: counted and logged by the store, never a failed load
             // (the blocks before it are served), and not asked again.
             let kvtiers::store::Promoted { mut promoted, failed, mut unplaced, .. } =
-                self.store.promote_batch_lossy_each(keys, &mut |key, meta, tier, pieces| {
+                self.store.promote_batch_lossy_each(&rest, &mut |key, meta, tier, pieces| {
                     let Some(i) = keys.iter().position(|k| k == key) else { return };
                     // A block of another namespace or size is left to the loop below, which
                     // counts it and stops there.

@@ -280,6 +280,29 @@ impl Engine {
         self.slots.ranges(block).collect()
     }
 
+    /// Engine block `block`'s segments as memory a G3 read can land in straight
+    /// ([`kvtiers::BlockStore::read_into_foreign`]), in block byte order: CPU engines only
+    /// (None for a CUDA engine, or one whose memory shrank). `block` must have passed
+    /// [`Engine::check_slots`]; the tier reads only into segments of whole 4 KiB pages.
+    pub fn slot_memory(&self, block: u32) -> Option<Vec<(*mut u8, usize)>> {
+        match &self.memory {
+            EngineMemory::Shm { guard, map, .. } if !guard.faulted() => {
+                let base = map.as_mut_ptr();
+                Some(self.segment_ranges(block).into_iter().map(|(o, n)| (base.wrapping_add(o), n)).collect())
+            }
+            _ => None,
+        }
+    }
+
+    /// Fails if the engine's memory shrank under the daemon since it was mapped: what was read
+    /// into it since is not the block (see `fault_guard`).
+    pub fn check_memory(&self) -> Result<(), ServerError> {
+        match &self.memory {
+            EngineMemory::Shm { guard, path, .. } if guard.faulted() => Err(shrank(path)),
+            _ => Ok(()),
+        }
+    }
+
     /// Copies engine block `block` into `dst` (pieces of the block's bytes in order: its G2
     /// pages). `block` must have passed [`Engine::check_slots`].
     pub fn read_slot_into(&self, block: u32, dst: &[(*mut u8, usize)]) -> Result<(), ServerError> {

@@ -9,13 +9,14 @@ use kvclient::{Client, ClientError, KvMemory, synthetic_block};
 use kvproto::pb;
 use kvproto::{Dtype, KvLayout, LayoutKind, Namespace};
 
-/// 2 layers x K and V x 1 head x 64 x bf16 x 16 tokens: 8 KiB blocks, so that hundreds of
-/// cycles of blocks fit a small G3 (page size 8192).
+/// 2 layers x K and V x 1 head x 128 x bf16 x 16 tokens: 16 KiB blocks, so that hundreds of
+/// cycles of blocks fit a small G3 (page size 8192), in segments of whole 4 KiB pages, so that
+/// G3 hits are read straight into the engines' memory, as for real models' layouts.
 pub fn layout() -> KvLayout {
     KvLayout {
         num_layers: 2,
         kv_heads: 1,
-        head_dim: 64,
+        head_dim: 128,
         dtype: Dtype::Bf16,
         tokens_per_block: 16,
         kind: LayoutKind::LayerSeparate,

@@ -57,5 +57,5 @@ pub use listener::{Fanout, TierListener};
 pub use object::{ObjectTier, ObjectTierConfig};
 pub use stats::{TierStats, TierUsage};
 pub use store::{BlockStore, BlockStoreConfig, Hit, PrefixMatch, StoreStats};
-pub use tier::{BlockRef, PartsRef, Tier};
+pub use tier::{BlockRef, Delivered, PartsRef, Tier};
 pub use writethrough::WriteThroughConfig;

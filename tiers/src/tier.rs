@@ -4,7 +4,7 @@ use std::time::Instant;
 
 use kvproto::{BlockKey, TierKind};
 
-use crate::block::{BlockMeta, LeaseId};
+use crate::block::{BlockMeta, LeaseId, SumKind};
 use crate::buf::BlockBuf;
 use crate::error::Result;
 use crate::listener::TierListener;
@@ -24,6 +24,15 @@ pub struct PartsRef<'a> {
     pub key: BlockKey,
     pub meta: BlockMeta,
     pub parts: &'a [&'a [u8]],
+}
+
+/// A block [`Tier::read_into_foreign`] delivered: its metadata and the checksum its bytes
+/// matched (of the kind the tier stored it with).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Delivered {
+    pub meta: BlockMeta,
+    pub sum_kind: SumKind,
+    pub sum: u64,
 }
 
 /// A storage tier: G1 engine GPU memory, G2 host pool, G3 disk, G4 object storage.
@@ -94,6 +103,27 @@ pub trait Tier: Send + Sync + std::fmt::Debug {
         _dests: &[&[(*mut u8, usize)]],
         _verified: &mut dyn FnMut(usize),
     ) -> Option<Vec<Result<Option<BlockMeta>>>> {
+        None
+    }
+
+    /// Reads blocks straight into memory another process can write (a CPU engine's mapped KV
+    /// memory), as [`Tier::get_batch_into`] but for one difference: what goes wrong there (a
+    /// read that fails, a sum that does not match) may be that process's doing, writing or
+    /// truncating its memory under the read, so it is held against neither the tier nor the
+    /// block. Such a key is simply not delivered (`None`), as is one whose destination is not
+    /// whole 4 KiB pages, and the caller reads it the trusted way, which tells a bad block from
+    /// a bad destination. A delivered block comes with the checksum its bytes matched, so that
+    /// a later copy of them can be checked against it. `None` when the tier cannot (the
+    /// default).
+    ///
+    /// # Safety
+    /// Every piece must be valid for writes of its length until this returns (a page the other
+    /// process truncates away must fail the read or be caught by the caller, not crash it).
+    unsafe fn read_into_foreign(
+        &self,
+        _keys: &[BlockKey],
+        _dests: &[&[(*mut u8, usize)]],
+    ) -> Option<Vec<Option<Delivered>>> {
         None
     }
 

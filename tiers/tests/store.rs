@@ -155,6 +155,104 @@ fn promote_batch_each_hands_over_each_verified_block_and_no_corrupt_one() {
     assert!(!s.g2().contains(&keys[2]), "the corrupt block is a miss");
 }
 
+/// Blocks only G3 holds are read straight into memory another process could write (an engine's
+/// slots), byte-exact, and stay out of G2; a block in G2, a destination of part pages and a
+/// block whose bytes fail their check there are not delivered, and the last is neither dropped
+/// nor counted (the memory's owner may have written it): the usual promotion settles it. A
+/// delivered block comes up into G2 only from a copy that matches its sum.
+#[test]
+fn g3_blocks_are_read_straight_into_foreign_memory_and_promoted_only_from_a_matching_copy() {
+    let d = tempfile::tempdir().unwrap();
+    let s = store_in(d.path(), 64 * PAGE as u64, 64 << 20);
+    let g3 = Arc::clone(&s.lower()[0]);
+    let lens = [PAGE, 3 * 4096, 2 * PAGE, PAGE, PAGE, 5000];
+    let keys: Vec<BlockKey> = lens
+        .iter()
+        .enumerate()
+        .map(|(i, &len)| {
+            let k = key(12, i as u32);
+            assert!(g3.put(BlockRef { key: k, meta: meta(12, i as u32, len), data: &content(&k, len) }).unwrap());
+            k
+        })
+        .collect();
+    s.flush().unwrap();
+    // Block 2 is corrupt on disk, block 3 in G2 already.
+    let data_file = d.path().join("g3").join("blocks.dat");
+    let mut bytes = std::fs::read(&data_file).unwrap();
+    let needle = content(&keys[2], lens[2])[..64].to_vec();
+    let at = bytes.windows(64).position(|w| w == &needle[..]).expect("block on disk");
+    bytes[at + 10] ^= 0x5a;
+    std::fs::write(&data_file, &bytes).unwrap();
+    assert!(
+        s.g2().put(BlockRef { key: keys[3], meta: meta(12, 3, lens[3]), data: &content(&keys[3], lens[3]) }).unwrap()
+    );
+    let failures = || g3.stats().checksum_failures;
+    let before = failures();
+
+    // Destinations as an engine's slots: two segments each, whole pages; block 4's second
+    // segment starts off a page boundary, block 5 is no whole number of pages.
+    let mut mem: Vec<BlockBuf> = lens.iter().map(|&l| BlockBuf::zeroed(l.next_multiple_of(4096) + 4096)).collect();
+    let dests: Vec<Vec<(*mut u8, usize)>> = mem
+        .iter_mut()
+        .zip(&lens)
+        .enumerate()
+        .map(|(i, (m, &len))| {
+            let p = m.full_mut().as_mut_ptr();
+            let first = 4096.min(len);
+            let second = if i == 4 { p.wrapping_add(first + 8) } else { p.wrapping_add(first) };
+            vec![(p, first), (second, len - first)]
+        })
+        .collect();
+    let mut asked = Vec::new();
+    // SAFETY: every destination lies in `mem`, untouched until the call returns.
+    let got = unsafe {
+        s.read_into_foreign(&keys, |i, m| {
+            asked.push((i, m.len));
+            Some(dests[i].clone())
+        })
+    };
+    assert_eq!(asked.iter().map(|a| a.0).collect::<Vec<_>>(), vec![0, 1, 2, 4, 5], "a block in G2 is not asked for");
+    for (i, g) in got.iter().enumerate() {
+        match i {
+            0 | 1 => {
+                let (tier, dl) = g.expect("delivered");
+                assert_eq!((tier, dl.meta.len), (TierKind::G3Disk, lens[i] as u64));
+                assert!(mem[i][..lens[i]] == content(&keys[i], lens[i])[..], "block {i} delivered with other bytes");
+                assert!(!s.g2().contains(&keys[i]), "a delivered block is not in G2 yet");
+            }
+            _ => assert!(g.is_none(), "block {i} was delivered"),
+        }
+    }
+    assert!(g3.contains(&keys[2]), "a mismatch in foreign memory drops nothing");
+    assert_eq!(failures(), before, "nor is it counted");
+    let p = s.promote_batch_lossy(&keys[2..3]);
+    assert!(p.promoted.is_empty() && !g3.contains(&keys[2]), "the usual read drops the corrupt block");
+    assert_eq!(failures(), before + 1);
+
+    // Promoted from a copy: a changed copy is refused, the block's own bytes are taken.
+    let (tier, dl) = got[0].unwrap();
+    let copy_from = |src: Vec<u8>| {
+        move |dst: &[(*mut u8, usize)]| {
+            let mut at = 0;
+            for &(p, n) in dst {
+                // SAFETY: G2's reserved pages, `n` bytes each; `src` is the block's length.
+                unsafe { std::ptr::copy_nonoverlapping(src[at..].as_ptr(), p, n) };
+                at += n;
+            }
+            true
+        }
+    };
+    let mut changed = mem[0][..lens[0]].to_vec();
+    changed[100] ^= 1;
+    assert!(!s.promote_copy(&keys[0], tier, &dl, copy_from(changed)));
+    assert!(!s.g2().contains(&keys[0]));
+    assert!(!s.promote_copy(&keys[0], tier, &dl, |_| false), "a failed copy promotes nothing");
+    assert!(s.promote_copy(&keys[0], tier, &dl, copy_from(mem[0][..lens[0]].to_vec())));
+    let mut out = BlockBuf::new();
+    assert!(s.g2().get(&keys[0], &mut out).unwrap().is_some());
+    assert!(out[..] == content(&keys[0], lens[0])[..]);
+}
+
 #[test]
 fn g3_reads_into_and_writes_from_g2_through_the_registered_pool() {
     let d = tempfile::tempdir().unwrap();

@@ -40,7 +40,7 @@ use crate::pages::{PagePool, Pages};
 use crate::residency::{Residency, SlotBytes};
 use crate::room::{self, Room};
 use crate::stats::{TierCounters, TierStats, TierUsage};
-use crate::tier::{BlockRef, PartsRef, Tier};
+use crate::tier::{BlockRef, Delivered, PartsRef, Tier};
 
 const TIER: TierKind = TierKind::G3Disk;
 
@@ -431,13 +431,16 @@ impl DiskTier {
     /// starts, whole pages but the last, room for the padded tail), cover the block's length,
     /// and be written by nothing else until this returns.
     /// `verified(i)` is called, before this returns, as soon as key `i`'s block has arrived
-    /// whole and matched its checksum; its result is then `Ok(Some(_))`.
+    /// whole and matched its checksum; its result is then `Ok(Some(_))`. With `trusted` false
+    /// (destinations another process can write, see [`Tier::read_into_foreign`]) a block that
+    /// fails is neither dropped nor counted, and the tier's health is not told: it is `Ok(None)`.
     unsafe fn read_into(
         &self,
         keys: &[BlockKey],
         mut dest: impl FnMut(usize, &BlockMeta) -> Option<Vec<(*mut u8, usize)>>,
         mut verified: impl FnMut(usize),
-    ) -> Vec<Result<Option<BlockMeta>>> {
+        trusted: bool,
+    ) -> Vec<Result<Option<Delivered>>> {
         let t0 = Instant::now();
         let mut found: Vec<Option<(Arc<DiskSlot>, BlockMeta)>> = {
             let mut st = self.state.lock();
@@ -469,13 +472,22 @@ impl DiskTier {
         let mut results = Vec::with_capacity(keys.len());
         for ((key, hit), read) in keys.iter().zip(found).zip(read_of) {
             let Some((slot, meta)) = hit else {
-                self.counters.misses.add(1);
+                // Not read into foreign memory is not a miss: the caller reads it the other way.
+                if trusted {
+                    self.counters.misses.add(1);
+                }
                 results.push(Ok(None));
                 continue;
             };
             // As reported while the batch ran (the slot's checksum as the read began).
             let expected = expected[read];
             let got = reads.checksum_of(read);
+            if !trusted && got != Some(expected) {
+                // The destination's owner may have written or truncated it under the read: the
+                // caller reads the block the trusted way, which finds out whether it is bad.
+                results.push(Ok(None));
+                continue;
+            }
             if got.is_none() && !reads.failed(read) {
                 // The batch failed before this block's reads ran (no engine, threads stopped):
                 // an error of this call, not of the block, which stays.
@@ -511,7 +523,7 @@ impl DiskTier {
             }
             self.counters.hits.add(1);
             self.counters.bytes_read.add(meta.len);
-            results.push(Ok(Some(meta)));
+            results.push(Ok(Some(Delivered { meta, sum_kind: slot.sum_kind, sum: expected })));
         }
         self.counters.get_took(t0.elapsed());
         self.health.took("read", t0.elapsed());
@@ -694,8 +706,12 @@ impl Tier for DiskTier {
                     Some(vec![(out.full_mut().as_mut_ptr(), meta.len as usize)])
                 },
                 |_| {},
+                true,
             )
         }
+        .into_iter()
+        .map(|r| r.map(|d| d.map(|d| d.meta)))
+        .collect()
     }
 
     fn peek_each(&self, keys: &[BlockKey]) -> Vec<Option<BlockMeta>> {
@@ -719,8 +735,39 @@ impl Tier for DiskTier {
                     (d.iter().map(|(_, n)| *n as u64).sum::<u64>() == meta.len && meta.len > 0).then(|| d.to_vec())
                 },
                 verified,
+                true,
             )
+            .into_iter()
+            .map(|r| r.map(|d| d.map(|d| d.meta)))
+            .collect()
         })
+    }
+
+    unsafe fn read_into_foreign(
+        &self,
+        keys: &[BlockKey],
+        dests: &[&[(*mut u8, usize)]],
+    ) -> Option<Vec<Option<Delivered>>> {
+        // Whole pages only: a read is padded to whole pages, and a padded tail would write
+        // past the destination into memory the caller did not name.
+        let whole = |d: &[(*mut u8, usize)]| {
+            d.iter().all(|&(p, n)| (p as usize).is_multiple_of(ALIGN) && n.is_multiple_of(ALIGN))
+        };
+        // SAFETY: destinations are whole aligned pages (checked here) adding up to the block's
+        // length, which the caller vouches are writable until this returns; what another
+        // process does to them can fail only the read or its sum, which is not trusted.
+        let read = unsafe {
+            self.read_into(
+                keys,
+                |i, meta| {
+                    let d = dests.get(i).filter(|d| whole(d))?;
+                    (d.iter().map(|(_, n)| *n as u64).sum::<u64>() == meta.len && meta.len > 0).then(|| d.to_vec())
+                },
+                |_| {},
+                false,
+            )
+        };
+        Some(read.into_iter().map(|r| r.ok().flatten()).collect())
     }
 
     fn contains(&self, key: &BlockKey) -> bool {
