@@ -357,7 +357,8 @@ impl G2G3 {
 /// A G3 hit delivered into engine memory (issues 20 and 23): blocks held only in G3 are loaded
 /// as the daemon loads them into a CPU engine (`load`: read straight into the engine's memory, a
 /// shared-memory region larger than the cache, and checked there; brought up into G2 afterwards,
-/// outside the timing, as the daemon does after its reply) and as it loads them for a CUDA
+/// outside the timing, as the daemon does after its reply; `load_segmented`: the same into slots
+/// cut into 32 KiB segments, as a per-layer K/V layout cuts them) and as it loads them for a CUDA
 /// engine (`load_through_g2`: into G2, each block copied on as it arrives), beside a raw
 /// O_DIRECT read of the same size followed by one memcpy into the same region. After each load
 /// the blocks are dropped from G2 again, outside the timing.
@@ -366,10 +367,12 @@ fn g3_hit(c: &mut Criterion) {
         "raw_read_memcpy",
         "promote",
         "load",
+        "load_segmented",
         "load_through_g2",
         "raw_read_memcpy_batch16",
         "promote_batch16",
         "load_batch16",
+        "load_segmented_batch16",
         "load_through_g2_batch16",
     ];
     if !wanted(ids("g3_hit", &names, &SIZES[..2])) {
@@ -461,6 +464,28 @@ fn g3_hit(c: &mut Criterion) {
                         for k in batch {
                             g2.remove(k).unwrap();
                         }
+                    }
+                    took
+                })
+            });
+            // The same, into an engine whose layout cuts each block into 32 KiB segments (one per
+            // layer and K or V, as a Llama-3-8B-shaped block of 2 MiB is): a read op per segment.
+            g.bench_function(BenchmarkId::new(format!("load_segmented{suffix}"), name), |b| {
+                b.iter_custom(|iters| {
+                    let mut took = std::time::Duration::ZERO;
+                    for _ in 0..iters {
+                        at = (at + n) % (keys.len() - n + 1);
+                        let batch = &keys[at..at + n];
+                        let mut dsts = engine.next_slots(n);
+                        let slots: Vec<Vec<(*mut u8, usize)>> = dsts
+                            .iter_mut()
+                            .map(|d| d.chunks_exact_mut(32 << 10).map(|c| (c.as_mut_ptr(), c.len())).collect())
+                            .collect();
+                        let t0 = std::time::Instant::now();
+                        // SAFETY: each slot is this bench's mapping, untouched until the call returns.
+                        let got = unsafe { store.read_into_foreign(batch, |i, _| Some(slots[i].clone())) };
+                        took += t0.elapsed();
+                        assert!(got.iter().all(Option::is_some), "a G3 block was not delivered");
                     }
                     took
                 })
