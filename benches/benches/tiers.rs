@@ -315,7 +315,7 @@ fn g3(c: &mut Criterion) {
     g.finish();
 }
 
-/// A block store of a 1 GiB G2 (in `/dev/shm` where there is one) over a 1 GiB G3 under
+/// A block store of a 1 GiB G2 (in `KVBENCH_G2_SHM_DIR`, else `/dev/shm` where there is one) over a 1 GiB G3 under
 /// `KVBENCH_DIR`, without fdatasync (as the raw baselines).
 struct G2G3 {
     dir: tempfile::TempDir,
@@ -336,7 +336,9 @@ impl G2G3 {
         let mut hcfg = HostTierConfig::with_capacity(1 << 30);
         hcfg.cuda_register = CudaRegister::Off;
         let shm = tempfile::tempdir().unwrap();
-        if !std::path::Path::new("/dev/shm").is_dir() {
+        if let Some(d) = std::env::var_os("KVBENCH_G2_SHM_DIR") {
+            hcfg.shm_dir = d.into();
+        } else if !std::path::Path::new("/dev/shm").is_dir() {
             hcfg.shm_dir = shm.path().to_path_buf();
         }
         let g2 = Arc::new(HostTier::open(&hcfg).unwrap());

@@ -310,6 +310,7 @@ impl HostTier {
             let _ = std::fs::remove_file(&path);
             io("mmap pool file", e)
         })?;
+        report_pages(&cfg.shm_dir, map.as_mut_ptr(), len);
         if cfg.mlock {
             // SAFETY: the range is our live mapping.
             if unsafe { libc::mlock(map.as_ptr().cast(), len) } != 0 {
@@ -693,3 +694,36 @@ impl Tier for HostTier {
         self.state.lock().ready_keys()
     }
 }
+
+/// Logs whether the pool's filesystem is set to give it huge pages, and asks for them where
+/// the mount leaves it to the mapping (`huge=advise`: khugepaged collapses the pool over time).
+fn report_pages(dir: &Path, base: *mut u8, len: usize) {
+    // SAFETY: advice on our own live mapping; it changes no contents.
+    let advised = match unsafe { libc::madvise(base.cast(), len, libc::MADV_HUGEPAGE) } {
+        0 => Ok(()),
+        _ => Err(std::io::Error::last_os_error()),
+    };
+    let Some(m) = crate::shm_pages::ShmMount::of(dir) else {
+        tracing::debug!("G2 pool: mount of {} not found in /proc/self/mountinfo", dir.display());
+        return;
+    };
+    let at = m.mount_point.display();
+    if m.huge_at_start() {
+        tracing::info!(fs = %m.fs_type, huge = %m.huge_option, "G2 pool's filesystem gives it huge pages ({at})");
+    } else if m.fs_type == "tmpfs" && m.huge_option == "advise" && m.kernel_override.is_none() {
+        match advised {
+            Ok(()) => tracing::info!("G2 pool asks for huge pages (tmpfs huge=advise, {at}): collapsed over time"),
+            Err(e) => tracing::info!("G2 pool on 4 KiB pages: madvise(MADV_HUGEPAGE) failed on {at}: {e}"),
+        }
+    } else {
+        tracing::info!(
+            fs = %m.fs_type,
+            huge = %m.huge_option,
+            "G2 pool's filesystem gives it 4 KiB pages ({at}); {HUGE_ADVICE}"
+        );
+    }
+}
+
+/// What the log suggests to an operator whose pool is on 4 KiB pages.
+const HUGE_ADVICE: &str = "a tmpfs mounted with huge=within_size as g2.shm_dir gives 2 MiB pages, \
+    which write through to G3 in fewer, larger requests (docs/operations.md)";

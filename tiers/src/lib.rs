@@ -22,6 +22,7 @@
 //!   crate.
 //! - [`pages`]: page-granular space allocation shared by G2 and G3.
 //! - [`pieces`]: copies between block pieces (non-temporal stores into G2).
+//! - `shm_pages`: whether the G2 pool's filesystem gives it huge pages.
 //! - [`buf`]: [`BlockBuf`], the 4 KiB-aligned buffer blocks are read into.
 //! - [`listener`]: [`TierListener`], what each tier gained and lost (for hit reports).
 //! - [`block`]: block metadata, checksums, lease ids.
@@ -43,6 +44,7 @@ pub mod pages;
 pub mod pieces;
 pub(crate) mod residency;
 pub(crate) mod room;
+pub(crate) mod shm_pages;
 pub mod stats;
 pub mod store;
 pub mod tier;
