@@ -441,57 +441,40 @@ fn g3_hit(c: &mut Criterion) {
             });
             // As the daemon loads into a CPU engine: read straight into the engine's slots and
             // checked there; brought up into G2 after the engine is told (outside the timing, as
-            // the daemon does it after its reply), copied back and checked again.
-            g.bench_function(BenchmarkId::new(format!("load{suffix}"), name), |b| {
-                b.iter_custom(|iters| {
-                    let mut took = std::time::Duration::ZERO;
-                    for _ in 0..iters {
-                        at = (at + n) % (keys.len() - n + 1);
-                        let batch = &keys[at..at + n];
-                        let mut dsts = engine.next_slots(n);
-                        let slots: Vec<(*mut u8, usize)> = dsts.iter_mut().map(|d| (d.as_mut_ptr(), d.len())).collect();
-                        let t0 = std::time::Instant::now();
-                        // SAFETY: each slot is this bench's mapping, untouched until the call returns.
-                        let got = unsafe { store.read_into_foreign(batch, |i, _| Some(vec![slots[i]])) };
-                        took += t0.elapsed();
-                        for ((k, d), &(p, len)) in batch.iter().zip(got).zip(&slots) {
-                            let (tier, d) = d.expect("a G3 block was not delivered");
-                            // SAFETY: as above; read only.
-                            let src = unsafe { std::slice::from_raw_parts(p.cast_const(), len) };
-                            assert!(store.promote_copy(k, tier, &d, |dst| {
-                                copy_into_pieces(src, dst);
-                                true
-                            }));
-                        }
-                        for k in batch {
-                            g2.remove(k).unwrap();
-                        }
-                    }
-                    took
-                })
-            });
-            // The same, into an engine whose layout cuts each block into 32 KiB segments (one per
+            // the daemon does it after its reply), copied back and checked again. `load_segmented`:
+            // the same into an engine whose layout cuts each block into 32 KiB segments (one per
             // layer and K or V, as a Llama-3-8B-shaped block of 2 MiB is): a read op per segment.
-            g.bench_function(BenchmarkId::new(format!("load_segmented{suffix}"), name), |b| {
-                b.iter_custom(|iters| {
-                    let mut took = std::time::Duration::ZERO;
-                    for _ in 0..iters {
-                        at = (at + n) % (keys.len() - n + 1);
-                        let batch = &keys[at..at + n];
-                        let mut dsts = engine.next_slots(n);
-                        let slots: Vec<Vec<(*mut u8, usize)>> = dsts
-                            .iter_mut()
-                            .map(|d| d.chunks_exact_mut(32 << 10).map(|c| (c.as_mut_ptr(), c.len())).collect())
-                            .collect();
-                        let t0 = std::time::Instant::now();
-                        // SAFETY: each slot is this bench's mapping, untouched until the call returns.
-                        let got = unsafe { store.read_into_foreign(batch, |i, _| Some(slots[i].clone())) };
-                        took += t0.elapsed();
-                        assert!(got.iter().all(Option::is_some), "a G3 block was not delivered");
-                    }
-                    took
-                })
-            });
+            for (row, segment) in [("load", len), ("load_segmented", 32 << 10)] {
+                g.bench_function(BenchmarkId::new(format!("{row}{suffix}"), name), |b| {
+                    b.iter_custom(|iters| {
+                        let mut took = std::time::Duration::ZERO;
+                        for _ in 0..iters {
+                            at = (at + n) % (keys.len() - n + 1);
+                            let batch = &keys[at..at + n];
+                            let mut dsts = engine.next_slots(n);
+                            let segments: Vec<Vec<(*mut u8, usize)>> = dsts
+                                .iter_mut()
+                                .map(|d| d.chunks_mut(segment).map(|c| (c.as_mut_ptr(), c.len())).collect())
+                                .collect();
+                            let t0 = std::time::Instant::now();
+                            // SAFETY: each slot is this bench's mapping, untouched until the call returns.
+                            let got = unsafe { store.read_into_foreign(batch, |i, _| Some(segments[i].clone())) };
+                            took += t0.elapsed();
+                            for ((k, d), slot) in batch.iter().zip(got).zip(&dsts) {
+                                let (tier, d) = d.expect("a G3 block was not delivered");
+                                assert!(store.promote_copy(k, tier, &d, |dst| {
+                                    copy_into_pieces(slot, dst);
+                                    true
+                                }));
+                            }
+                            for k in batch {
+                                g2.remove(k).unwrap();
+                            }
+                        }
+                        took
+                    })
+                });
+            }
             // As the daemon loads into a CUDA engine, up to its copy to the GPU: into G2, each
             // block copied on as soon as it is in, while the batch's later reads are in flight.
             g.bench_function(BenchmarkId::new(format!("load_through_g2{suffix}"), name), |b| {
