@@ -105,34 +105,46 @@ fn promote_batch_reads_g3_straight_into_g2_pages_byte_exact() {
     assert!(s.g2().put(BlockRef { key: k, meta: meta(9, 100, len), data: &content(&k, len) }).unwrap());
 }
 
+/// A store whose G3 holds blocks of `lens` (chain `chain`), flushed, with block `corrupt`'s
+/// bytes on disk changed after its checksum was written and block `in_g2` also put into G2.
+fn blocks_in_g3_one_corrupt_one_in_g2(
+    dir: &std::path::Path,
+    chain: u32,
+    lens: &[usize],
+    corrupt: usize,
+    in_g2: usize,
+) -> (BlockStore, Vec<BlockKey>) {
+    let s = store_in(dir, 64 * PAGE as u64, 64 << 20);
+    let g3 = Arc::clone(&s.lower()[0]);
+    let keys: Vec<BlockKey> = lens
+        .iter()
+        .enumerate()
+        .map(|(i, &len)| {
+            let k = key(chain, i as u32);
+            assert!(g3.put(BlockRef { key: k, meta: meta(chain, i as u32, len), data: &content(&k, len) }).unwrap());
+            k
+        })
+        .collect();
+    s.flush().unwrap();
+    let data_file = dir.join("g3").join("blocks.dat");
+    let mut bytes = std::fs::read(&data_file).unwrap();
+    let needle = content(&keys[corrupt], lens[corrupt])[..64].to_vec();
+    let at = bytes.windows(64).position(|w| w == &needle[..]).expect("block on disk");
+    bytes[at + 10] ^= 0x5a;
+    std::fs::write(&data_file, &bytes).unwrap();
+    let (k, len) = (keys[in_g2], lens[in_g2]);
+    assert!(s.g2().put(BlockRef { key: k, meta: meta(chain, in_g2 as u32, len), data: &content(&k, len) }).unwrap());
+    (s, keys)
+}
+
 /// A load copies each block on as soon as it is in: `promote_batch_lossy_each` hands over every
 /// block read from G3 that passed its check, byte-exact, and never one that failed it.
 #[test]
 fn promote_batch_each_hands_over_each_verified_block_and_no_corrupt_one() {
     let d = tempfile::tempdir().unwrap();
-    let s = store_in(d.path(), 64 * PAGE as u64, 64 << 20);
-    let g3 = Arc::clone(&s.lower()[0]);
     let lens = [PAGE, 2 * PAGE + 17, 5000, 3 * PAGE, PAGE + 4096, 2 * PAGE];
-    let keys: Vec<BlockKey> = lens
-        .iter()
-        .enumerate()
-        .map(|(i, &len)| {
-            let k = key(11, i as u32);
-            assert!(g3.put(BlockRef { key: k, meta: meta(11, i as u32, len), data: &content(&k, len) }).unwrap());
-            k
-        })
-        .collect();
-    s.flush().unwrap();
     // Block 2's bytes on disk no longer match its checksum; block 4 is in G2 already.
-    let data_file = d.path().join("g3").join("blocks.dat");
-    let mut bytes = std::fs::read(&data_file).unwrap();
-    let needle = content(&keys[2], lens[2])[..64].to_vec();
-    let at = bytes.windows(64).position(|w| w == &needle[..]).expect("block on disk");
-    bytes[at + 10] ^= 0x5a;
-    std::fs::write(&data_file, &bytes).unwrap();
-    assert!(
-        s.g2().put(BlockRef { key: keys[4], meta: meta(11, 4, lens[4]), data: &content(&keys[4], lens[4]) }).unwrap()
-    );
+    let (s, keys) = blocks_in_g3_one_corrupt_one_in_g2(d.path(), 11, &lens, 2, 4);
 
     let mut handed: Vec<(BlockKey, u64, TierKind, Vec<u8>)> = Vec::new();
     let p = s.promote_batch_lossy_each(&keys, &mut |k, m, tier, pieces| {
@@ -163,29 +175,10 @@ fn promote_batch_each_hands_over_each_verified_block_and_no_corrupt_one() {
 #[test]
 fn g3_blocks_are_read_straight_into_foreign_memory_and_promoted_only_from_a_matching_copy() {
     let d = tempfile::tempdir().unwrap();
-    let s = store_in(d.path(), 64 * PAGE as u64, 64 << 20);
-    let g3 = Arc::clone(&s.lower()[0]);
     let lens = [PAGE, 3 * 4096, 2 * PAGE, PAGE, PAGE, 5000];
-    let keys: Vec<BlockKey> = lens
-        .iter()
-        .enumerate()
-        .map(|(i, &len)| {
-            let k = key(12, i as u32);
-            assert!(g3.put(BlockRef { key: k, meta: meta(12, i as u32, len), data: &content(&k, len) }).unwrap());
-            k
-        })
-        .collect();
-    s.flush().unwrap();
     // Block 2 is corrupt on disk, block 3 in G2 already.
-    let data_file = d.path().join("g3").join("blocks.dat");
-    let mut bytes = std::fs::read(&data_file).unwrap();
-    let needle = content(&keys[2], lens[2])[..64].to_vec();
-    let at = bytes.windows(64).position(|w| w == &needle[..]).expect("block on disk");
-    bytes[at + 10] ^= 0x5a;
-    std::fs::write(&data_file, &bytes).unwrap();
-    assert!(
-        s.g2().put(BlockRef { key: keys[3], meta: meta(12, 3, lens[3]), data: &content(&keys[3], lens[3]) }).unwrap()
-    );
+    let (s, keys) = blocks_in_g3_one_corrupt_one_in_g2(d.path(), 12, &lens, 2, 3);
+    let g3 = Arc::clone(&s.lower()[0]);
     let failures = || g3.stats().checksum_failures;
     let before = failures();
 
