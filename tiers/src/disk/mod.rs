@@ -543,7 +543,6 @@ impl Tier for DiskTier {
             (Err(e), _, _) | (_, Err(e), _) | (_, _, Err(e)) => e.to_string(),
             _ => "write failed".to_string(),
         };
-        let mut failed = 0usize;
         for (n, (i, slot)) in reserved.iter().enumerate() {
             let b = &blocks[*i];
             if good[n] && indexed.is_ok() {
@@ -555,12 +554,8 @@ impl Tier for DiskTier {
                 results[*i] = Some(Ok(ok));
             } else {
                 st.abort(&b.key, slot);
-                failed += 1;
                 results[*i] = Some(Err(TierError::io(TIER, "write batch", std::io::Error::other(failure.clone()))));
             }
-        }
-        if failed > 0 {
-            tracing::warn!("G3 write failed for {failed} of {} blocks: {failure}", reserved.len());
         }
         self.counters.set_usage(self.pool.used_pages() as u64 * self.pool.page_size() as u64, st.len());
         drop(st);
@@ -571,8 +566,13 @@ impl Tier for DiskTier {
             .iter()
             .filter_map(|r| r.as_ref().err())
             .filter(|e| !matches!(e, TierError::Full { .. } | TierError::LengthMismatch { .. }));
+        // Logged here rather than per written block, so that a put refused before any byte
+        // went out (no room G3 could free: the index refusing the deletes of an eviction) is
+        // logged as well as one whose write or index record failed.
         if let Some(first) = io_errors.next() {
-            self.health.write_failed(1 + io_errors.count(), &first.to_string());
+            let n = 1 + io_errors.count();
+            tracing::warn!("G3 write failed for {n} of {} blocks: {first}", blocks.len());
+            self.health.write_failed(n, &first.to_string());
         }
         self.counters.put_took(t0.elapsed());
         self.health.took("write", t0.elapsed());
