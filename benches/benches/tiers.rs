@@ -315,8 +315,8 @@ fn g3(c: &mut Criterion) {
     g.finish();
 }
 
-/// A block store of a 1 GiB G2 (in `KVBENCH_G2_SHM_DIR`, else `/dev/shm` where there is one) over a 1 GiB G3 under
-/// `KVBENCH_DIR`, without fdatasync (as the raw baselines).
+/// A block store of a 1 GiB G2 (in `KVBENCH_G2_SHM_DIR`, else `/dev/shm` where there is one)
+/// over a 1 GiB G3 under `KVBENCH_DIR`, without fdatasync (as the raw baselines).
 struct G2G3 {
     dir: tempfile::TempDir,
     _shm: tempfile::TempDir,
@@ -425,18 +425,11 @@ fn g3_hit(c: &mut Criterion) {
             // The promotion alone (G3 into G2, verified), to split a load's time.
             g.bench_function(BenchmarkId::new(format!("promote{suffix}"), name), |b| {
                 b.iter_custom(|iters| {
-                    let mut took = std::time::Duration::ZERO;
-                    for _ in 0..iters {
-                        at = (at + n) % (keys.len() - n + 1);
-                        let batch = &keys[at..at + n];
+                    time_loads(iters, &mut at, &keys, n, &g2, |batch| {
                         let t0 = std::time::Instant::now();
                         store.promote_batch(batch).unwrap();
-                        took += t0.elapsed();
-                        for k in batch {
-                            g2.remove(k).unwrap();
-                        }
-                    }
-                    took
+                        t0.elapsed()
+                    })
                 })
             });
             // As the daemon loads into a CPU engine: read straight into the engine's slots and
@@ -447,10 +440,7 @@ fn g3_hit(c: &mut Criterion) {
             for (row, segment) in [("load", len), ("load_segmented", 32 << 10)] {
                 g.bench_function(BenchmarkId::new(format!("{row}{suffix}"), name), |b| {
                     b.iter_custom(|iters| {
-                        let mut took = std::time::Duration::ZERO;
-                        for _ in 0..iters {
-                            at = (at + n) % (keys.len() - n + 1);
-                            let batch = &keys[at..at + n];
+                        time_loads(iters, &mut at, &keys, n, &g2, |batch| {
                             let mut dsts = engine.next_slots(n);
                             let segments: Vec<Vec<(*mut u8, usize)>> = dsts
                                 .iter_mut()
@@ -459,7 +449,7 @@ fn g3_hit(c: &mut Criterion) {
                             let t0 = std::time::Instant::now();
                             // SAFETY: each slot is this bench's mapping, untouched until the call returns.
                             let got = unsafe { store.read_into_foreign(batch, |i, _| Some(segments[i].clone())) };
-                            took += t0.elapsed();
+                            let took = t0.elapsed();
                             for ((k, d), slot) in batch.iter().zip(got).zip(&dsts) {
                                 let (tier, d) = d.expect("a G3 block was not delivered");
                                 assert!(store.promote_copy(k, tier, &d, |dst| {
@@ -467,11 +457,8 @@ fn g3_hit(c: &mut Criterion) {
                                     true
                                 }));
                             }
-                            for k in batch {
-                                g2.remove(k).unwrap();
-                            }
-                        }
-                        took
+                            took
+                        })
                     })
                 });
             }
@@ -479,10 +466,7 @@ fn g3_hit(c: &mut Criterion) {
             // block copied on as soon as it is in, while the batch's later reads are in flight.
             g.bench_function(BenchmarkId::new(format!("load_through_g2{suffix}"), name), |b| {
                 b.iter_custom(|iters| {
-                    let mut took = std::time::Duration::ZERO;
-                    for _ in 0..iters {
-                        at = (at + n) % (keys.len() - n + 1);
-                        let batch = &keys[at..at + n];
+                    time_loads(iters, &mut at, &keys, n, &g2, |batch| {
                         let mut dsts = engine.next_slots(n);
                         let mut copied = vec![false; n];
                         // As the daemon's load does: each block copied on as soon as it is in,
@@ -501,12 +485,8 @@ fn g3_hit(c: &mut Criterion) {
                                 store.read_with(k, &mut out, |_, pieces| copy_pieces(dst, pieces)).unwrap().unwrap();
                             }
                         }
-                        took += t0.elapsed();
-                        for k in batch {
-                            g2.remove(k).unwrap();
-                        }
-                    }
-                    took
+                        t0.elapsed()
+                    })
                 })
             });
         }
@@ -517,6 +497,29 @@ fn g3_hit(c: &mut Criterion) {
         }
     }
     g.finish();
+}
+
+/// Runs `load` `iters` times, each on the next `n` of `keys` (rotating through them from `at`),
+/// and drops each batch from G2 again after it, outside the timing; the sum of the times `load`
+/// returns.
+fn time_loads(
+    iters: u64,
+    at: &mut usize,
+    keys: &[BlockKey],
+    n: usize,
+    g2: &HostTier,
+    mut load: impl FnMut(&[BlockKey]) -> std::time::Duration,
+) -> std::time::Duration {
+    let mut took = std::time::Duration::ZERO;
+    for _ in 0..iters {
+        *at = (*at + n) % (keys.len() - n + 1);
+        let batch = &keys[*at..*at + n];
+        took += load(batch);
+        for k in batch {
+            g2.remove(k).unwrap();
+        }
+    }
+    took
 }
 
 /// Write-through of dirty G2 blocks into G3 (issue 23): 64 blocks saved into G2, timed from the

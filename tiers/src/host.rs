@@ -310,7 +310,7 @@ impl HostTier {
             let _ = std::fs::remove_file(&path);
             io("mmap pool file", e)
         })?;
-        report_pages(&cfg.shm_dir, map.as_mut_ptr(), len);
+        advise_huge_pages(&cfg.shm_dir, map.as_mut_ptr(), len);
         if cfg.mlock {
             // SAFETY: the range is our live mapping.
             if unsafe { libc::mlock(map.as_ptr().cast(), len) } != 0 {
@@ -695,9 +695,10 @@ impl Tier for HostTier {
     }
 }
 
-/// Logs whether the pool's filesystem is set to give it huge pages, and asks for them where
-/// the mount leaves it to the mapping (`huge=advise`: khugepaged collapses the pool over time).
-fn report_pages(dir: &Path, base: *mut u8, len: usize) {
+/// Asks for huge pages for the pool (taken where the mount leaves it to the mapping,
+/// `huge=advise`: khugepaged collapses the pool over time) and logs whether its filesystem is
+/// set to give them.
+fn advise_huge_pages(dir: &Path, base: *mut u8, len: usize) {
     // SAFETY: advice on our own live mapping; it changes no contents.
     let advised = match unsafe { libc::madvise(base.cast(), len, libc::MADV_HUGEPAGE) } {
         0 => Ok(()),
