@@ -314,6 +314,43 @@ async fn long_prompts_match_exactly_their_cached_prefix() {
     daemon.stop().await;
 }
 
+/// Lookups go over LOOKUP (framed, no HTTP/2) when the daemon serves it and over gRPC when it
+/// does not (`engines.lookup_wire = false`) or the client is told so: every way answers the
+/// same, for prompts inline and through the token area, cached, partly cached or not at all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lookups_answer_the_same_over_lookup_and_grpc() {
+    for served in [true, false] {
+        let d = tempfile::tempdir().unwrap();
+        let mut c = config(d.path());
+        c.engines.lookup_wire = served;
+        let daemon = start_with(c).await;
+        assert_eq!(kvtests::lookup_raw::open(&daemon.socket).await.is_ok(), served);
+        let (wire, _mem) = attached(&daemon, d.path(), "a", 4, 8).await;
+        let (grpc, _other) = attached(&daemon, d.path(), "b", 5, 8).await;
+        grpc.set_lookup_wire(false);
+        // 1100 blocks: past the client's staging threshold, so the whole prompt goes through
+        // the token area; its first 64 blocks cached.
+        let tokens = prompt(41, 1100);
+        for first in (0..64).step_by(8) {
+            assert_eq!(wire.save(&tokens, first, &(0..8).collect::<Vec<_>>()).await.unwrap().failed, 0);
+        }
+        let mut changed = tokens.clone();
+        changed[30 * 16 + 2] ^= 1;
+        let asked =
+            [tokens.clone(), tokens[..64 * 16].to_vec(), tokens[..10 * 16 + 3].to_vec(), changed, prompt(42, 4)];
+        for (i, t) in asked.iter().enumerate() {
+            let (a, b) = (wire.lookup(t).await.unwrap(), grpc.lookup(t).await.unwrap());
+            assert_eq!(a, b, "prompt {i}, LOOKUP served: {served}");
+        }
+        let mut got = Vec::new();
+        for t in &asked {
+            got.push(wire.lookup(t).await.unwrap().matched_blocks);
+        }
+        assert_eq!(got, [64, 64, 10, 30, 0]);
+        daemon.stop().await;
+    }
+}
+
 /// Token ids travel as little-endian u32 bytes: a length that is not whole tokens is
 /// INVALID_ARGUMENT on every RPC that carries tokens, and the daemon keeps serving. Sent with the
 /// raw generated client (the client crate cannot produce it).

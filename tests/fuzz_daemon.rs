@@ -1,9 +1,9 @@
 //! The daemon (in this process) against arbitrary input from other processes: generated gRPC
 //! requests of every method (layouts, namespace specs, slot lists, token bytes and spans, block
-//! ids, op ids, G1 reports), bodies that are not protobuf, garbage bytes on the Unix socket and
-//! the TCP port (not HTTP/2), and HTTP/2 frames that break the protocol. Nothing may panic (a
-//! panic hook counts them), no request is the daemon's fault (INTERNAL / UNKNOWN), and the
-//! daemon still serves a real engine byte-exact afterwards.
+//! ids, op ids, G1 reports), bodies that are not protobuf, garbage bytes on the Unix socket (also
+//! after ATTACH's and LOOKUP's first bytes) and the TCP port (not HTTP/2), and HTTP/2 frames that
+//! break the protocol. Nothing may panic (a panic hook counts them), no request is the daemon's
+//! fault (INTERNAL / UNKNOWN), and the daemon still serves a real engine byte-exact afterwards.
 //!
 //! A short run is part of `cargo test`; a long one: `PROPTEST_CASES=5000 cargo test -p kvtests
 //! --test fuzz_daemon --release` (docs/operations.md, "Fuzzing").
@@ -384,6 +384,13 @@ fn daemon_survives_arbitrary_input() {
                 let mut attach = b"KVFD".to_vec();
                 attach.extend_from_slice(&b);
                 garbage(tokio::net::UnixStream::connect(&d.socket).await.unwrap(), &attach).await;
+                // "KVLK" starts a LOOKUP connection: garbage in place of its hello, and after it.
+                let mut lookup = b"KVLK".to_vec();
+                lookup.extend_from_slice(&b);
+                garbage(tokio::net::UnixStream::connect(&d.socket).await.unwrap(), &lookup).await;
+                let mut framed = kvproto::lookup_wire::hello().to_vec();
+                framed.extend_from_slice(&b);
+                garbage(tokio::net::UnixStream::connect(&d.socket).await.unwrap(), &framed).await;
             });
             Ok(())
         })

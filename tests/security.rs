@@ -198,7 +198,7 @@ async fn engines_answer_only_the_uid_that_registered_them() {
     let (owner, mut mem) = d.engine().await;
     let id = owner.engine_id_now().unwrap().to_string();
     let said = d.intruder_says(&["use", &id]);
-    assert_eq!(said, "heartbeat=NotFound load=NotFound wait=NotFound unregister=NotFound");
+    assert_eq!(said, "heartbeat=NotFound load=NotFound wait=NotFound unregister=NotFound lookup=NotFound");
     // The owner's engine is untouched.
     let st = owner.load_now(&prompt(2), 0, &[4, 5]).await.unwrap();
     assert_eq!(st.loaded_blocks, 2);
@@ -259,6 +259,62 @@ async fn idle_connections_of_one_uid_leave_the_others_served() {
     assert!(matches!(closed, Ok(Ok(0)) | Ok(Err(_))), "{closed:?}");
     let _ = flood.kill();
     let _ = flood.wait();
+    d.stop().await;
+}
+
+/// LOOKUP carries lookups without HTTP/2, so its bounds are its own: a request longer than
+/// `limits.max_message_bytes` is refused from its length and one that does not decode is refused,
+/// both closing the connection; a half-sent one is closed after `limits.request_timeout_ms`; a
+/// hello of another version gets no hello back. Everyone else is served meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn broken_lookup_connections_are_refused_and_closed() {
+    use kvproto::lookup_wire;
+    use kvtests::lookup_raw;
+    let d = start(|c| {
+        c.limits.request_timeout_ms = 500;
+        c.limits.max_message_bytes = 1 << 20;
+    })
+    .await;
+    let (owner, _mem) = d.engine().await;
+    let id = owner.engine_id_now().unwrap();
+    let ask =
+        |engine_id| pb::LookupRequest { engine_id, tokens: kvproto::tokens_to_le(&prompt(2)), ..Default::default() };
+    let soon = Duration::from_secs(5);
+
+    let mut s = lookup_raw::open(&d.socket).await.unwrap();
+    assert_eq!(lookup_raw::ask(&mut s, &ask(id)).await.unwrap().unwrap().matched_blocks, 2);
+    // An engine this uid does not have: NOT_FOUND with its reason, and the connection goes on.
+    let r = lookup_raw::ask(&mut s, &ask(id + 1000)).await.unwrap().unwrap_err();
+    assert_eq!((r.code, r.reason.as_str()), (tonic::Code::NotFound as i32, "unknown-engine"), "{r:?}");
+    assert_eq!(lookup_raw::ask(&mut s, &ask(id)).await.unwrap().unwrap().matched_blocks, 2);
+    // Longer than the limit: refused before a byte of it is read, and closed.
+    s.write_all(&(2u32 << 20).to_le_bytes()).await.unwrap();
+    let r = lookup_raw::answer(&mut s).await.unwrap().unwrap_err();
+    assert_eq!(r.code, tonic::Code::InvalidArgument as i32, "{r:?}");
+    assert!(r.message.contains("limits.max_message_bytes"), "{r:?}");
+    assert!(lookup_raw::closed(&mut s, soon).await);
+    // Bytes that are not a LookupRequest: refused, and closed.
+    let mut s = lookup_raw::open(&d.socket).await.unwrap();
+    s.write_all(&lookup_wire::request(&[0xff; 7])).await.unwrap();
+    let r = lookup_raw::answer(&mut s).await.unwrap().unwrap_err();
+    assert_eq!(r.code, tonic::Code::InvalidArgument as i32, "{r:?}");
+    assert!(lookup_raw::closed(&mut s, soon).await);
+    // Half a request: closed once the request timeout has passed.
+    let mut s = lookup_raw::open(&d.socket).await.unwrap();
+    s.write_all(&[100, 0, 0, 0, 1, 2, 3]).await.unwrap();
+    assert!(lookup_raw::closed(&mut s, soon).await, "a half-sent lookup held its connection");
+    // A hello of another version: no hello back.
+    let mut s = tokio::net::UnixStream::connect(&d.socket).await.unwrap();
+    let mut hello = lookup_wire::hello();
+    hello[4] = 9;
+    s.write_all(&hello).await.unwrap();
+    let mut back = Vec::new();
+    let read = tokio::time::timeout(soon, tokio::io::AsyncReadExt::read_to_end(&mut s, &mut back)).await;
+    assert!(matches!(read, Ok(Ok(_)) | Ok(Err(_))) && back.len() < lookup_wire::HELLO_BYTES, "{back:?}");
+    // The owner is served throughout, over LOOKUP and over gRPC.
+    assert_eq!(owner.lookup(&prompt(2)).await.unwrap().matched_blocks, 2);
+    owner.set_lookup_wire(false);
+    assert_eq!(owner.lookup(&prompt(2)).await.unwrap().matched_blocks, 2);
     d.stop().await;
 }
 

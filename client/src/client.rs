@@ -11,6 +11,7 @@ use parking_lot::Mutex;
 use tonic::transport::{Channel, Endpoint};
 
 use crate::error::ClientError;
+use crate::lookup_wire::LookupConns;
 use crate::memory::KvMemory;
 use crate::token_area::{Staged, TokenArea};
 
@@ -61,6 +62,7 @@ struct Inner {
     /// Bytes of the token area created at the first registration (0: none).
     token_area_bytes: usize,
     token_area: Mutex<Option<Arc<TokenArea>>>,
+    lookups: LookupConns,
 }
 
 /// A connection to the node's kvcached. Cheap to clone.
@@ -134,15 +136,22 @@ impl Client {
         let rpc = channel(&socket).await?;
         Ok(Self {
             inner: Arc::new(Inner {
-                socket,
+                socket: socket.clone(),
                 rpc: Mutex::new(rpc),
                 reg: Mutex::new(None),
                 reconnect_for: Duration::from_secs(30),
                 token_area_bytes: crate::token_area::DEFAULT_BYTES,
                 token_area: Mutex::new(None),
+                lookups: LookupConns::new(socket.clone()),
             }),
             heartbeat: Arc::new(Mutex::new(None)),
         })
+    }
+
+    /// Whether lookups go over LOOKUP connections when the daemon serves them (the default), or
+    /// always over gRPC. Either way the answer is the same; LOOKUP takes HTTP/2 off the path.
+    pub fn set_lookup_wire(&self, on: bool) {
+        self.inner.lookups.set_wanted(on);
     }
 
     /// How long calls keep retrying (with backoff) while the daemon is unreachable.
@@ -221,6 +230,7 @@ impl Client {
                     tracing::info!(engine = resp.engine_id, "re-registered with kvcached");
                 }
                 *self.inner.rpc.lock() = rpc;
+                self.inner.lookups.reset();
                 Ok::<(), ClientError>(())
             };
             match attempt.await {
@@ -389,7 +399,12 @@ impl Client {
                 _ => (inline.get_or_init(|| kvproto::tokens_to_le(tokens)).clone(), None),
             };
             let req = pb::LookupRequest { engine_id, tokens: le, route_id, g1_blocks, tokens_at };
-            async move { rpc.lookup(req).await }
+            async move {
+                match self.inner.lookups.lookup(&req).await {
+                    Some(r) => r.map(tonic::Response::new),
+                    None => rpc.lookup(req).await,
+                }
+            }
         })
         .await
     }

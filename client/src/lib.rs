@@ -34,6 +34,8 @@
 //! - [`client`]: the async [`Client`] (connect, register, save, lookup, load, wait,
 //!   reconnect, heartbeats).
 //! - [`attach`]: handing the KV memory's and token area's descriptors to the daemon (ATTACH).
+//! - `lookup_wire`: lookups over connections of their own, without HTTP/2 (LOOKUP), when the
+//!   daemon serves them.
 //! - [`blocking`]: [`BlockingClient`], the same API for engines without an async runtime.
 //! - [`memory`]: [`KvMemory`], a shared-memory KV region (memfd or named file) and its slot
 //!   layout; [`GpuKvMemory`], KV in GPU memory shared through a CUDA IPC handle.
@@ -44,6 +46,7 @@ pub mod attach;
 pub mod blocking;
 pub mod client;
 pub mod error;
+mod lookup_wire;
 pub mod memory;
 pub mod token_area;
 

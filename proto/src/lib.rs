@@ -6,6 +6,7 @@
 //! - [`events`]: hit reports a daemon publishes (stored / removed / cleared per tier and
 //!   holder, load reports) and the bounded event log routers replay from.
 //! - [`attach`]: ATTACH, the bytes of the exchange that hands file descriptors to the daemon.
+//! - [`lookup_wire`]: LOOKUP, the frames of a connection that carries only lookups.
 //! - [`limits`]: sizes both sides of the engine API know, and [`limits::clip`] for quoted text.
 //! - [`reason`]: machine-readable reasons beside a refused call's gRPC status.
 //! - [`slots`]: where an engine's block slots lie in its KV memory, and which layouts are refused.
@@ -43,6 +44,7 @@ pub mod events;
 pub mod key;
 pub mod key_chain;
 pub mod limits;
+pub mod lookup_wire;
 pub mod namespace;
 pub mod paths;
 pub mod publisher;

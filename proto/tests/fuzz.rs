@@ -215,6 +215,19 @@ proptest! {
         let _ = kvproto::attach::parse_reply(&h);
     }
 
+    /// LOOKUP answers from arbitrary bytes; a refusal that parses is framed and parsed back the
+    /// same.
+    #[test]
+    fn lookup_answers(b in bytes(300)) {
+        use kvproto::lookup_wire::{parse_answer, refusal};
+        if let Ok(Err(r)) = parse_answer(&b)
+            && r.reason.len() <= 255 // bytes that are not UTF-8 come back longer, as U+FFFD
+        {
+            let framed = refusal(&r);
+            prop_assert_eq!(parse_answer(&framed[4..]), Ok(Err(r)));
+        }
+    }
+
     /// vLLM event batches from arbitrary bytes.
     #[test]
     fn vllm_batches_from_bytes(b in bytes(256)) {

@@ -254,6 +254,9 @@ pub struct EngineConfig {
     /// At shutdown, the longest the daemon waits for open requests and connections to finish
     /// (ms) before it closes them and flushes anyway.
     pub drain_ms: u64,
+    /// Serve LOOKUP: Unix-socket connections that carry only lookups, framed without HTTP/2
+    /// (proto/kvcached.proto). Off, clients look up over gRPC.
+    pub lookup_wire: bool,
 }
 
 fn data_dir() -> PathBuf {
@@ -366,6 +369,7 @@ impl Default for EngineConfig {
             key_memo_bytes: 32 << 20,
             prefault_memory: true,
             drain_ms: 20_000,
+            lookup_wire: true,
         }
     }
 }

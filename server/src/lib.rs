@@ -8,8 +8,9 @@
 //! - [`serve`] (`serve.rs`): the daemon's life by phase: open the store, start the hit reports,
 //!   serve the listeners, drain and flush on shutdown.
 //! - [`listen`]: accept loops: connections counted per uid, idle ones closed, accept errors
-//!   backed off; ATTACH told from gRPC by its first bytes.
+//!   backed off; ATTACH and LOOKUP told from gRPC by their first bytes.
 //! - [`attach`]: ATTACH, descriptors handed over the Unix socket, redeemed by Register.
+//! - [`lookup_wire`]: LOOKUP, connections on the Unix socket that carry only lookups (no HTTP/2).
 //! - [`limits`]: what each uid holds (connections, engines, loads, bytes arriving) and the limits.
 //! - [`edge`]: who sent a request, and the bytes of requests still arriving, per uid.
 //! - [`h2_authority`]: stock gRPC clients' header blocks made acceptable (grpcio sends the
@@ -54,6 +55,7 @@ pub mod http;
 pub mod key_memo;
 pub mod limits;
 pub mod listen;
+pub mod lookup_wire;
 pub mod metrics_catalog;
 pub mod peer;
 pub mod prefix_probe;

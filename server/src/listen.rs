@@ -19,6 +19,7 @@ use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 
 use crate::attach::Tickets;
+use crate::daemon::Daemon;
 use crate::h2_authority::HeaderFix;
 use crate::limits::{Held, Limits, Principal};
 
@@ -188,11 +189,14 @@ async fn peek(stream: &UnixStream, want: usize, deadline: tokio::time::Instant) 
     }
 }
 
-/// Accepts on the Unix socket until `stop`; returns the gRPC connections.
+/// Accepts on the Unix socket until `stop`; returns the gRPC connections. LOOKUP connections are
+/// served here when `lookups` is given (`engines.lookup_wire`); otherwise their hello goes to
+/// gRPC like any other bytes, which closes the connection, and the client looks up over gRPC.
 pub fn unix(
     listener: UnixListener,
     limits: Arc<Limits>,
     tickets: Arc<Tickets>,
+    lookups: Option<Arc<Daemon>>,
     mut stop: watch::Receiver<bool>,
 ) -> ReceiverStream<io::Result<Conn<HeaderFix<UnixStream>>>> {
     let (tx, rx) = mpsc::channel(HANDOFF);
@@ -229,6 +233,7 @@ pub fn unix(
                 }
             };
             let (tx, limits, tickets) = (tx.clone(), Arc::clone(&limits), Arc::clone(&tickets));
+            let (lookups, stop) = (lookups.clone(), stop.clone());
             tokio::spawn(async move {
                 let handshake = Duration::from_millis(limits.cfg.handshake_timeout_ms);
                 let deadline = tokio::time::Instant::now() + handshake;
@@ -236,6 +241,11 @@ pub fn unix(
                     Ok(first) if first == kvproto::attach::MAGIC => {
                         crate::attach::serve(stream, &tickets, handshake).await;
                         drop(held);
+                    }
+                    Ok(first) if first == kvproto::lookup_wire::MAGIC && lookups.is_some() => {
+                        if let Some(d) = lookups {
+                            crate::lookup_wire::serve(stream, who, held, d, stop).await;
+                        }
                     }
                     Ok(first) if !first.is_empty() => {
                         let idle = Duration::from_millis(limits.cfg.idle_timeout_ms);

@@ -233,8 +233,9 @@ fn serve_listeners(
     let limits = Arc::clone(&daemon.limits);
     let mut tasks = JoinSet::new();
     {
-        let incoming =
-            listen::unix(listeners.unix, Arc::clone(&limits), Arc::clone(&daemon.engines.tickets), stop.clone());
+        let lookups = config.engines.lookup_wire.then(|| Arc::clone(daemon));
+        let tickets = Arc::clone(&daemon.engines.tickets);
+        let incoming = listen::unix(listeners.unix, Arc::clone(&limits), tickets, lookups, stop.clone());
         let server = grpc_server(config, &limits).add_service(
             KvcachedServer::new(svc.clone()).max_decoding_message_size(max_msg).max_encoding_message_size(max_msg),
         );

@@ -28,7 +28,9 @@ pub struct KvcachedService {
 /// it runs right here (`block_in_place` hands this worker's other tasks to another thread), so a
 /// request does not pay a thread hop (about 50 us on a small VM) before its work starts; on a
 /// current-thread runtime it goes to the blocking pool.
-async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T, ServerError> + Send + 'static) -> Result<T, Status> {
+pub(crate) async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, ServerError> + Send + 'static,
+) -> Result<T, Status> {
     if tokio::runtime::Handle::current().runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread {
         return tokio::task::block_in_place(f).map_err(Status::from);
     }

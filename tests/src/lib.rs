@@ -24,6 +24,7 @@
 //! - `peer.rs`: daemons pulling blocks from each other (handoff, prefetch, faults, credentials).
 //! - `replay.rs`: a short `kvbench replay`: a trace through daemon processes and a router process.
 //! - [`h2raw`]: HTTP/2 frames by hand, for requests no gRPC client would send.
+//! - [`lookup_raw`]: LOOKUP connections by hand, for lookups no client would send.
 //! - [`inproc`]: a root daemon in this process that other uids can reach.
 //! - `security.rs`: the daemon against hostile local clients (another uid, TCP, floods).
 //! - `tenants.rs`: tenant salts and quotas, a tenant of another uid beside.
@@ -33,6 +34,7 @@
 pub mod fake_peer;
 pub mod h2raw;
 pub mod inproc;
+pub mod lookup_raw;
 pub mod netns;
 pub mod node;
 pub mod oracle;

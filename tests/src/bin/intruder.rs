@@ -2,7 +2,7 @@
 //! of another user must not be able to do to someone else's engine, or to everyone else.
 //!
 //! ```text
-//! intruder SOCKET use ENGINE_ID        # heartbeat, load into, wait on, unregister another's engine
+//! intruder SOCKET use ENGINE_ID        # heartbeat, load into, wait on, unregister, look up (LOOKUP) another's engine
 //! intruder SOCKET register N           # register N engines of its own (memfd KV memory)
 //! intruder SOCKET hold N SECS          # open N connections and hold them
 //! intruder SOCKET tenant SALT SAVE LOOKUP  # an engine salted SALT ("-": none) saves the first SAVE
@@ -40,7 +40,7 @@ async fn run(args: &[String]) -> Result<String, String> {
     match args.get(1).map(String::as_str) {
         Some("use") => {
             let id: u64 = args.get(2).and_then(|a| a.parse().ok()).ok_or("use ENGINE_ID")?;
-            let mut c = raw(socket).await?;
+            let mut c = raw(socket.clone()).await?;
             let hb = code(c.heartbeat(pb::EngineRef { engine_id: id }).await);
             let tokens = kvproto::tokens_to_le(&[1u32; 16]);
             let load = code(
@@ -49,7 +49,14 @@ async fn run(args: &[String]) -> Result<String, String> {
             );
             let wait = code(c.wait(pb::WaitRequest { engine_id: id, op_id: 1, timeout_ms: 0, until_blocks: 0 }).await);
             let unreg = code(c.unregister(pb::EngineRef { engine_id: id }).await);
-            Ok(format!("heartbeat={hb} load={load} wait={wait} unregister={unreg}"))
+            let ask =
+                pb::LookupRequest { engine_id: id, tokens: kvproto::tokens_to_le(&[1u32; 16]), ..Default::default() };
+            let mut l = kvtests::lookup_raw::open(std::path::Path::new(&socket)).await.map_err(|e| e.to_string())?;
+            let lookup = match kvtests::lookup_raw::ask(&mut l, &ask).await.map_err(|e| e.to_string())? {
+                Ok(_) => "Ok".to_string(),
+                Err(r) => format!("{:?}", tonic::Code::from_i32(r.code)),
+            };
+            Ok(format!("heartbeat={hb} load={load} wait={wait} unregister={unreg} lookup={lookup}"))
         }
         Some("register") => {
             let n: u32 = args.get(2).and_then(|a| a.parse().ok()).ok_or("register N")?;
