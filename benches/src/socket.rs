@@ -241,24 +241,35 @@ async fn latencies(cfg: &SocketBench, socket: &Path, report: &mut Report) -> Res
     // A small batch: 4 blocks of 2 MiB (16 tokens, 32 layers x 8 KV heads x 128 dims, bf16).
     let small = layout(32, 16);
     let (c, _mem) = engine(cfg, socket, "small", &small, 8).await?;
-    let (mut save, mut lookup, mut load) = (Vec::new(), Vec::new(), Vec::new());
+    // The same lookups over gRPC, from an engine told not to use LOOKUP; which of the two asks
+    // first after each save alternates.
+    let (g, _gmem) = engine(cfg, socket, "small-grpc", &small, 8).await?;
+    g.set_lookup_wire(false);
+    let (mut save, mut lookup, mut lookup_grpc, mut load) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for i in 0..cfg.samples {
         let p = prompt(1_000 + i as u32, 4, 16);
         let t0 = Instant::now();
         c.save(&p, 0, &[0, 1, 2, 3]).await.map_err(|e| e.to_string())?;
         save.push(t0.elapsed());
-        let t0 = Instant::now();
-        c.lookup(&p).await.map_err(|e| e.to_string())?;
-        lookup.push(t0.elapsed());
+        for (client, v) in if i % 2 == 0 {
+            [(&c, &mut lookup), (&g, &mut lookup_grpc)]
+        } else {
+            [(&g, &mut lookup_grpc), (&c, &mut lookup)]
+        } {
+            let t0 = Instant::now();
+            client.lookup(&p).await.map_err(|e| e.to_string())?;
+            v.push(t0.elapsed());
+        }
         let t0 = Instant::now();
         c.load_now(&p, 0, &[4, 5, 6, 7]).await.map_err(|e| e.to_string())?;
         load.push(t0.elapsed());
     }
-    for (what, v) in [("save", save), ("lookup", lookup), ("load (wait)", load)] {
+    for (what, v) in [("save", save), ("lookup", lookup), ("lookup over gRPC", lookup_grpc), ("load (wait)", load)] {
         let (p50, p99) = percentiles(v);
         report.latency.push(Latency { what: format!("{what}, 4 blocks of 2 MiB"), p50_us: p50, p99_us: p99 });
     }
     c.unregister().await.map_err(|e| e.to_string())?;
+    g.unregister().await.map_err(|e| e.to_string())?;
     Ok(())
 }
 
