@@ -347,6 +347,9 @@ async fn lookups_answer_the_same_over_lookup_and_grpc() {
             got.push(wire.lookup(t).await.unwrap().matched_blocks);
         }
         assert_eq!(got, [64, 64, 10, 30, 0]);
+        // Which way they went: LOOKUP where served; the other client never asked.
+        assert_eq!(wire.lookup_wire_served(), Some(served));
+        assert_eq!(grpc.lookup_wire_served(), None);
         daemon.stop().await;
     }
 }

@@ -287,10 +287,10 @@ async fn broken_lookup_connections_are_refused_and_closed() {
     let r = lookup_raw::ask(&mut s, &ask(id + 1000)).await.unwrap().unwrap_err();
     assert_eq!((r.code, r.reason.as_str()), (tonic::Code::NotFound as i32, "unknown-engine"), "{r:?}");
     assert_eq!(lookup_raw::ask(&mut s, &ask(id)).await.unwrap().unwrap().matched_blocks, 2);
-    // Longer than the limit: refused before a byte of it is read, and closed.
+    // Longer than the limit: refused before a byte of it is read (as gRPC refuses one), and closed.
     s.write_all(&(2u32 << 20).to_le_bytes()).await.unwrap();
     let r = lookup_raw::answer(&mut s).await.unwrap().unwrap_err();
-    assert_eq!(r.code, tonic::Code::InvalidArgument as i32, "{r:?}");
+    assert_eq!(r.code, tonic::Code::OutOfRange as i32, "{r:?}");
     assert!(r.message.contains("limits.max_message_bytes"), "{r:?}");
     assert!(lookup_raw::closed(&mut s, soon).await);
     // Bytes that are not a LookupRequest: refused, and closed.
@@ -299,10 +299,12 @@ async fn broken_lookup_connections_are_refused_and_closed() {
     let r = lookup_raw::answer(&mut s).await.unwrap().unwrap_err();
     assert_eq!(r.code, tonic::Code::InvalidArgument as i32, "{r:?}");
     assert!(lookup_raw::closed(&mut s, soon).await);
-    // Half a request: closed once the request timeout has passed.
+    // Half a request: closed once the request timeout has passed (the idle one is 300 s).
     let mut s = lookup_raw::open(&d.socket).await.unwrap();
+    let t = std::time::Instant::now();
     s.write_all(&[100, 0, 0, 0, 1, 2, 3]).await.unwrap();
     assert!(lookup_raw::closed(&mut s, soon).await, "a half-sent lookup held its connection");
+    assert!(t.elapsed() >= Duration::from_millis(450), "closed before the request timeout: {:?}", t.elapsed());
     // A hello of another version: no hello back.
     let mut s = tokio::net::UnixStream::connect(&d.socket).await.unwrap();
     let mut hello = lookup_wire::hello();
@@ -314,6 +316,44 @@ async fn broken_lookup_connections_are_refused_and_closed() {
     // The owner is served throughout, over LOOKUP and over gRPC.
     assert_eq!(owner.lookup(&prompt(2)).await.unwrap().matched_blocks, 2);
     owner.set_lookup_wire(false);
+    assert_eq!(owner.lookup(&prompt(2)).await.unwrap().matched_blocks, 2);
+    d.stop().await;
+}
+
+/// A LOOKUP client that sends lookups and never reads the answers: once the socket's buffers
+/// are full the daemon cannot write, and the request whose answer is stuck is given up at
+/// `limits.request_timeout_ms` and the connection closed, instead of holding its slot and bytes
+/// for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lookup_client_that_never_reads_is_closed() {
+    use kvtests::lookup_raw;
+    let d = start(|c| c.limits.request_timeout_ms = 500).await;
+    let (owner, _mem) = d.engine().await;
+    let ask = pb::LookupRequest {
+        engine_id: owner.engine_id_now().unwrap(),
+        tokens: kvproto::tokens_to_le(&prompt(2)),
+        ..Default::default()
+    };
+    let frame = kvproto::lookup_wire::request(&prost::Message::encode_to_vec(&ask));
+    let mut s = lookup_raw::open(&d.socket).await.unwrap();
+    let answer = lookup_raw::ask(&mut s, &ask).await.unwrap().unwrap();
+    let answer_bytes = 5 + prost::Message::encoded_len(&answer);
+    let (mut rd, mut wr) = s.into_split();
+    // ~60k requests: far more answers than the socket buffers hold.
+    let burst: Vec<u8> = frame.iter().copied().cycle().take(frame.len() * 60_000).collect();
+    let writer = tokio::spawn(async move {
+        let _ = wr.write_all(&burst).await;
+        wr
+    });
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    // Reading now drains what was written; a daemon still waiting to write would go on
+    // answering and then idle for 300 s.
+    let mut sink = Vec::new();
+    let drained =
+        tokio::time::timeout(Duration::from_secs(20), tokio::io::AsyncReadExt::read_to_end(&mut rd, &mut sink)).await;
+    assert!(drained.is_ok(), "the daemon kept a connection whose answers were not read");
+    assert!(sink.len() < answer_bytes * 60_000, "every lookup was answered: the buffers never filled");
+    let _ = writer.await;
     assert_eq!(owner.lookup(&prompt(2)).await.unwrap().matched_blocks, 2);
     d.stop().await;
 }

@@ -154,6 +154,12 @@ impl Client {
         self.inner.lookups.set_wanted(on);
     }
 
+    /// Whether the daemon serves LOOKUP, as the last lookup that tried it found: None until one
+    /// has (and again after a reconnect).
+    pub fn lookup_wire_served(&self) -> Option<bool> {
+        self.inner.lookups.served()
+    }
+
     /// How long calls keep retrying (with backoff) while the daemon is unreachable.
     pub fn set_reconnect_for(&mut self, d: Duration) {
         if let Some(inner) = Arc::get_mut(&mut self.inner) {

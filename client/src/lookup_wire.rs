@@ -3,11 +3,13 @@
 //!
 //! A lookup is on the path of every request an engine serves: this takes HTTP/2 and tonic, and
 //! the tasks they hand a call between, off both ends of it. Connections are opened on demand,
-//! one per lookup in flight, and up to [`KEEP`] are kept between lookups.
+//! one per lookup in flight up to [`MAX_OPEN`] (further lookups at once go over gRPC), and
+//! [`KEEP`] stay open between lookups; every one counts against the uid's
+//! `limits.max_connections_per_uid` on the daemon.
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
+use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
 
 use kvproto::lookup_wire::{self, HELLO_BYTES, MAX_ANSWER_BYTES};
 use kvproto::pb;
@@ -16,22 +18,38 @@ use prost::Message;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
 
-/// Connections kept open between lookups (each counts against the uid's
-/// `limits.max_connections_per_uid` on the daemon).
+/// Connections kept open between lookups.
 pub const KEEP: usize = 2;
+/// LOOKUP connections in use at once.
+pub const MAX_OPEN: usize = 4;
+/// Requests larger than this go over gRPC (a prompt inline whose token area is off): the daemon
+/// may refuse one by its length and close the connection before reading it, and a request that
+/// does not fit the socket's buffer would then fail to send instead of reading that refusal.
+pub const MAX_REQUEST_BYTES: usize = 64 << 10;
 /// How long opening a connection (connect, hello, the daemon's hello) may take.
 const OPEN_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long lookups go over gRPC after a LOOKUP connection could not be opened for a reason that
+/// may pass (the daemon away or busy, a connection limit).
+const PAUSE: Duration = Duration::from_secs(1);
+
+const UNKNOWN: u8 = 0;
+const SERVED: u8 = 1;
+const UNSERVED: u8 = 2;
 
 /// The LOOKUP connections of one client.
 #[derive(Debug)]
 pub(crate) struct LookupConns {
     socket: PathBuf,
     kept: Mutex<Vec<UnixStream>>,
+    /// Connections in use now.
+    open: AtomicUsize,
     /// Whether the client may use LOOKUP at all ([`crate::Client::set_lookup_wire`]).
-    wanted: AtomicBool,
-    /// The daemon did not answer the hello: it does not serve LOOKUP (asked again after a
-    /// reconnect, which may reach another daemon).
-    unserved: AtomicBool,
+    wanted: std::sync::atomic::AtomicBool,
+    /// Whether the daemon answered a hello: [`SERVED`], [`UNSERVED`] (it answered something
+    /// else: it does not serve LOOKUP; asked again after a reconnect), or not known yet.
+    served: AtomicU8,
+    /// Until when lookups go over gRPC after a failure to open that may pass.
+    paused_until: Mutex<Option<Instant>>,
 }
 
 /// Why an exchange failed.
@@ -42,9 +60,34 @@ enum Broken {
     Garbled(String),
 }
 
+/// Why no connection was opened.
+enum Unopened {
+    /// The daemon answered the hello with something else: it does not serve LOOKUP.
+    Unserved,
+    /// Refused, closed, reset or silent: the daemon may be away, restarting or at a connection
+    /// limit. The lookup goes over gRPC, whose failure, if any, decides about reconnecting.
+    Passing(String),
+}
+
+/// A connection in use, counted in [`LookupConns::open`] until dropped.
+struct InUse<'a>(&'a AtomicUsize);
+
+impl Drop for InUse<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
 impl LookupConns {
     pub fn new(socket: PathBuf) -> Self {
-        Self { socket, kept: Mutex::new(Vec::new()), wanted: AtomicBool::new(true), unserved: AtomicBool::new(false) }
+        Self {
+            socket,
+            kept: Mutex::new(Vec::new()),
+            open: AtomicUsize::new(0),
+            wanted: std::sync::atomic::AtomicBool::new(true),
+            served: AtomicU8::new(UNKNOWN),
+            paused_until: Mutex::new(None),
+        }
     }
 
     pub fn set_wanted(&self, on: bool) {
@@ -54,21 +97,43 @@ impl LookupConns {
         }
     }
 
+    /// Whether the daemon serves LOOKUP: None until a lookup has asked.
+    pub fn served(&self) -> Option<bool> {
+        match self.served.load(Ordering::Relaxed) {
+            SERVED => Some(true),
+            UNSERVED => Some(false),
+            _ => None,
+        }
+    }
+
     /// Forgets the kept connections and whether the daemon serves LOOKUP: after a reconnect,
     /// the daemon may be another one.
     pub fn reset(&self) {
         self.kept.lock().clear();
-        self.unserved.store(false, Ordering::Relaxed);
+        self.served.store(UNKNOWN, Ordering::Relaxed);
+        *self.paused_until.lock() = None;
     }
 
-    /// `req` over LOOKUP: None when LOOKUP is not to be used (off, or the daemon does not serve
-    /// it), and the caller asks over gRPC. A failure to reach the daemon is UNAVAILABLE, as
-    /// gRPC's would be, so that the caller reconnects.
+    /// `req` over LOOKUP: None when LOOKUP is not to be used (off, not served, paused, too many
+    /// in use, a request too large) or failed, and the caller asks over gRPC: a daemon that went
+    /// away is then told by gRPC's UNAVAILABLE, as for any other call.
     pub async fn lookup(&self, req: &pb::LookupRequest) -> Option<Result<pb::LookupResponse, tonic::Status>> {
-        if !self.wanted.load(Ordering::Relaxed) || self.unserved.load(Ordering::Relaxed) {
+        if !self.wanted.load(Ordering::Relaxed)
+            || self.served.load(Ordering::Relaxed) == UNSERVED
+            || self.paused_until.lock().is_some_and(|t| Instant::now() < t)
+        {
             return None;
         }
-        let frame = lookup_wire::request(&req.encode_to_vec());
+        let message = req.encode_to_vec();
+        if message.len() > MAX_REQUEST_BYTES {
+            return None;
+        }
+        if self.open.fetch_add(1, Ordering::Relaxed) >= MAX_OPEN {
+            self.open.fetch_sub(1, Ordering::Relaxed);
+            return None;
+        }
+        let _in_use = InUse(&self.open);
+        let frame = lookup_wire::request(&message);
         // A kept connection may have been closed by the daemon since (its idle limit, a
         // restart): one that fails is dropped and the lookup goes on the next, or a new one.
         loop {
@@ -77,15 +142,8 @@ impl LookupConns {
             let mut conn = match kept {
                 Some(c) => c,
                 None => match self.open().await {
-                    Ok(Some(c)) => c,
-                    Ok(None) => {
-                        tracing::info!(
-                            "kvcached did not take a LOOKUP connection (engines.lookup_wire off, an older daemon, or a connection limit); lookups go over gRPC until the client reconnects"
-                        );
-                        self.unserved.store(true, Ordering::Relaxed);
-                        return None;
-                    }
-                    Err(e) => return Some(Err(tonic::Status::unavailable(format!("LOOKUP connection: {e}")))),
+                    Ok(c) => c,
+                    Err(why) => return self.unopened(why),
                 },
             };
             match exchange(&mut conn, &frame).await {
@@ -97,30 +155,54 @@ impl LookupConns {
                     return Some(r);
                 }
                 Err(Broken::Io(_)) if reused => continue,
-                Err(Broken::Io(e)) => return Some(Err(tonic::Status::unavailable(format!("LOOKUP: {e}")))),
+                Err(Broken::Io(e)) => return self.unopened(Unopened::Passing(e.to_string())),
                 Err(Broken::Garbled(why)) => return Some(Err(tonic::Status::internal(format!("LOOKUP: {why}")))),
             }
         }
     }
 
-    /// A new connection whose hello the daemon answered; None when it answered otherwise (it
-    /// does not serve LOOKUP).
-    async fn open(&self) -> std::io::Result<Option<UnixStream>> {
-        let opened = tokio::time::timeout(OPEN_TIMEOUT, async {
-            let mut s = UnixStream::connect(&self.socket).await?;
+    /// What a lookup does when no connection could be opened, or a new one failed. or a new one failed.
+    fn unopened(&self, why: Unopened) -> Option<Result<pb::LookupResponse, tonic::Status>> {
+        match why {
+            Unopened::Unserved => {
+                if self.served.swap(UNSERVED, Ordering::Relaxed) != UNSERVED {
+                    tracing::info!(
+                        "kvcached does not serve LOOKUP (engines.lookup_wire off, or an older daemon); lookups go over gRPC"
+                    );
+                }
+                None
+            }
+            Unopened::Passing(why) => {
+                tracing::debug!("LOOKUP failed ({why}); lookups go over gRPC for {PAUSE:?}");
+                *self.paused_until.lock() = Some(Instant::now() + PAUSE);
+                None
+            }
+        }
+    }
+
+    /// A new connection whose hello the daemon answered.
+    async fn open(&self) -> Result<UnixStream, Unopened> {
+        let mut s = match tokio::time::timeout(OPEN_TIMEOUT, UnixStream::connect(&self.socket)).await {
+            Ok(Ok(s)) => s,
+            Ok(Err(e)) => return Err(Unopened::Passing(e.to_string())),
+            Err(_) => return Err(Unopened::Passing("connect timed out".into())),
+        };
+        let greeted = tokio::time::timeout(OPEN_TIMEOUT, async {
             s.write_all(&lookup_wire::hello()).await?;
             let mut hello = [0u8; HELLO_BYTES];
-            match s.read_exact(&mut hello).await {
-                Ok(_) if lookup_wire::check_hello(&hello).is_ok() => Ok(Some(s)),
-                Ok(_) => Ok(None),
-                // Closed without a hello: HTTP/2 refused the bytes.
-                Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => Ok(None),
-                Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => Ok(None),
-                Err(e) => Err(e),
-            }
+            s.read_exact(&mut hello).await.map(|_| hello)
         })
         .await;
-        opened.unwrap_or(Ok(None))
+        match greeted {
+            Ok(Ok(hello)) if lookup_wire::check_hello(&hello).is_ok() => {
+                self.served.store(SERVED, Ordering::Relaxed);
+                Ok(s)
+            }
+            // HTTP/2 (a daemon that does not serve LOOKUP) sends its SETTINGS first.
+            Ok(Ok(_)) => Err(Unopened::Unserved),
+            Ok(Err(e)) => Err(Unopened::Passing(e.to_string())),
+            Err(_) => Err(Unopened::Passing("no hello within 2 s".into())),
+        }
     }
 }
 

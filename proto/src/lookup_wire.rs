@@ -9,14 +9,18 @@
 //! The exchange:
 //! - client, once: [`HELLO_BYTES`] bytes, `"KVLK" VERSION 0 0 0`;
 //! - daemon, once: the same 8 bytes when it serves LOOKUP. A daemon that does not (an older one,
-//!   or one with `engines.lookup_wire = false`) treats the bytes as a broken HTTP/2 preface and
-//!   closes the connection: the client then looks up over gRPC;
+//!   or one with `engines.lookup_wire = false`) treats the bytes as a broken HTTP/2 preface: it
+//!   sends HTTP/2's SETTINGS and closes the connection. Any answer but the hello means LOOKUP is
+//!   not served, and the client looks up over gRPC;
 //! - then, one at a time: a request, `len: u32 LE` and `len` bytes of `LookupRequest`; an answer,
 //!   `len: u32 LE`, then `len` bytes: a status byte, [`OK`] followed by a `LookupResponse`, or
 //!   [`REFUSED`] followed by the refusal ([`refusal`]).
 //!
-//! A request longer than the daemon's `limits.max_message_bytes`, or one that does not decode,
-//! is answered with a refusal (`INVALID_ARGUMENT`) and the connection is closed.
+//! A request longer than the daemon's `limits.max_message_bytes` is refused from its length
+//! (`OUT_OF_RANGE`, as gRPC refuses one), one the uid's buffered bytes cannot take is refused
+//! (`RESOURCE_EXHAUSTED`), one that does not decode is refused (`INVALID_ARGUMENT`); each closes
+//! the connection. A request not read and answered within `limits.request_timeout_ms` (a client
+//! that does not read its answers) closes it too.
 
 /// The first bytes of a LOOKUP connection (an HTTP/2 connection starts with `PRI `).
 pub const MAGIC: [u8; 4] = *b"KVLK";

@@ -19,9 +19,9 @@ use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 
 use crate::attach::Tickets;
-use crate::daemon::Daemon;
 use crate::h2_authority::HeaderFix;
 use crate::limits::{Held, Limits, Principal};
+use crate::lookup_wire::LookupWire;
 
 /// Connections accepted and waiting for gRPC to take them.
 const HANDOFF: usize = 64;
@@ -196,7 +196,7 @@ pub fn unix(
     listener: UnixListener,
     limits: Arc<Limits>,
     tickets: Arc<Tickets>,
-    lookups: Option<Arc<Daemon>>,
+    lookups: Option<Arc<LookupWire>>,
     mut stop: watch::Receiver<bool>,
 ) -> ReceiverStream<io::Result<Conn<HeaderFix<UnixStream>>>> {
     let (tx, rx) = mpsc::channel(HANDOFF);
@@ -243,8 +243,8 @@ pub fn unix(
                         drop(held);
                     }
                     Ok(first) if first == kvproto::lookup_wire::MAGIC && lookups.is_some() => {
-                        if let Some(d) = lookups {
-                            crate::lookup_wire::serve(stream, who, held, d, stop).await;
+                        if let Some(l) = lookups {
+                            l.serve(stream, who, held, deadline, stop).await;
                         }
                     }
                     Ok(first) if !first.is_empty() => {

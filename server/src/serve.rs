@@ -17,6 +17,7 @@ use crate::daemon::Daemon;
 use crate::edge::BufferedLayer;
 use crate::error::ServerError;
 use crate::limits::Limits;
+use crate::lookup_wire::LookupWire;
 use crate::peer::Peers;
 use crate::service::{KvcachedService, TcpAuth, TcpService};
 use crate::{Listeners, engine, http, listen, reports, vllm_export};
@@ -37,7 +38,8 @@ pub async fn serve(
     let socket_file = socket_path.as_deref().and_then(file_id);
 
     let (stop_tx, stop_rx) = watch::channel(false);
-    let mut tasks = serve_listeners(&config, listeners, &daemon, &stop_rx);
+    let lookups = config.engines.lookup_wire.then(|| LookupWire::new(Arc::clone(&daemon)));
+    let mut tasks = serve_listeners(&config, listeners, &daemon, lookups.as_ref(), &stop_rx);
     tracing::info!(socket = ?socket_path, "kvcached serving");
 
     let mut first_error = None;
@@ -49,7 +51,7 @@ pub async fn serve(
     }
     tracing::info!("kvcached shutting down: draining requests");
     let _ = stop_tx.send(true);
-    if let Some(e) = drain(&config, tasks, &daemon).await {
+    if let Some(e) = drain(&config, tasks, &daemon, lookups.as_deref()).await {
         first_error.get_or_insert(e);
     }
     close(daemon).await?;
@@ -216,12 +218,13 @@ fn grpc_server(
         .layer(tower::util::MapResponseLayer::new(truncated_is_invalid as fn(Answer) -> Answer))
 }
 
-/// Serves gRPC on the Unix socket (and, Health only, on TCP), HTTP on the metrics listener, and
-/// housekeeping, until `stop` flips.
+/// Serves gRPC (and LOOKUP, when given) on the Unix socket, Health-only gRPC on TCP, HTTP on the
+/// metrics listener, and housekeeping, until `stop` flips.
 fn serve_listeners(
     config: &Config,
     listeners: Listeners,
     daemon: &Arc<Daemon>,
+    lookups: Option<&Arc<LookupWire>>,
     stop: &watch::Receiver<bool>,
 ) -> JoinSet<Result<(), ServerError>> {
     let queue = if config.g3.enabled { config.g3.writethrough_queue } else { 0 };
@@ -233,7 +236,7 @@ fn serve_listeners(
     let limits = Arc::clone(&daemon.limits);
     let mut tasks = JoinSet::new();
     {
-        let lookups = config.engines.lookup_wire.then(|| Arc::clone(daemon));
+        let lookups = lookups.cloned();
         let tickets = Arc::clone(&daemon.engines.tickets);
         let incoming = listen::unix(listeners.unix, Arc::clone(&limits), tickets, lookups, stop.clone());
         let server = grpc_server(config, &limits).add_service(
@@ -341,11 +344,16 @@ fn peer_guard(config: &Config, l: &tokio::net::TcpListener) -> Result<Arc<kvnet:
     endpoint_guard("peer.auth", "peer channel ([peer.auth])", &config.peer.auth, l, &[])
 }
 
-/// Waits for the listeners' tasks (open requests) and the loads handed to blocking threads, at
-/// most `engines.drain_ms`: a client that keeps a request open (stopped mid-request, wedged) must
-/// not keep the daemon from flushing its write-through queue and releasing its memory. Returns
-/// the first error a task ended with.
-async fn drain(config: &Config, mut tasks: JoinSet<Result<(), ServerError>>, daemon: &Daemon) -> Option<ServerError> {
+/// Waits for the listeners' tasks (open requests), the loads handed to blocking threads and the
+/// LOOKUP requests running, at most `engines.drain_ms`: a client that keeps a request open
+/// (stopped mid-request, wedged) must not keep the daemon from flushing its write-through queue
+/// and releasing its memory. Returns the first error a task ended with.
+async fn drain(
+    config: &Config,
+    mut tasks: JoinSet<Result<(), ServerError>>,
+    daemon: &Daemon,
+    lookups: Option<&LookupWire>,
+) -> Option<ServerError> {
     let mut first_error = None;
     let deadline = tokio::time::Instant::now() + Duration::from_millis(config.engines.drain_ms);
     loop {
@@ -367,9 +375,10 @@ async fn drain(config: &Config, mut tasks: JoinSet<Result<(), ServerError>>, dae
             }
         }
     }
-    // Loads already on blocking threads copy between memory the daemon holds: they finish before
-    // the store closes (within the same deadline).
-    while daemon.pending_loads() > 0 && tokio::time::Instant::now() < deadline {
+    // Loads already on blocking threads copy between memory the daemon holds, and lookups read
+    // the store: they finish before the store closes (within the same deadline).
+    let running = || daemon.pending_loads() + lookups.map_or(0, LookupWire::running);
+    while running() > 0 && tokio::time::Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     first_error
