@@ -277,13 +277,16 @@ pub async fn run_ours(cfg: &PeerConfig) -> Result<SystemResult, String> {
     let daemon = DaemonProcess::start_prefaulted(bin, d, c).await?;
     let r = drive_ours(cfg, &daemon.socket).await;
     let stopped = tokio::task::spawn_blocking(move || daemon.stop()).await.map_err(|e| e.to_string())?;
-    let (rec, warm) = r?;
+    let (rec, warm, over) = r?;
     stopped?;
+    let setup = format!("{setup}; lookups over {over}");
     let version = format!("kvcached {}", env!("CARGO_PKG_VERSION"));
     Ok(rec.finish("kvcached", version, setup, warm))
 }
 
-async fn drive_ours(cfg: &PeerConfig, socket: &Path) -> Result<(Recorder, f64), String> {
+/// The workload through one engine: what it recorded, the warm-up's seconds, and what its
+/// lookups went over (LOOKUP or gRPC).
+async fn drive_ours(cfg: &PeerConfig, socket: &Path) -> Result<(Recorder, f64, &'static str), String> {
     let layout = layout();
     let slots = cfg.max_pages();
     let mut mem = KvMemory::anonymous(&layout, slots).map_err(|e| format!("engine memory: {e}"))?;
@@ -328,8 +331,9 @@ async fn drive_ours(cfg: &PeerConfig, socket: &Path) -> Result<(Recorder, f64), 
             }
         }
     }
+    let over = if client.lookup_wire_served() == Some(true) { "LOOKUP" } else { "gRPC" };
     let _ = client.unregister().await;
-    Ok((rec, warm))
+    Ok((rec, warm, over))
 }
 
 fn ratio(a: f64, b: f64) -> f64 {
