@@ -142,7 +142,7 @@ impl Client {
                 reconnect_for: Duration::from_secs(30),
                 token_area_bytes: crate::token_area::DEFAULT_BYTES,
                 token_area: Mutex::new(None),
-                lookups: LookupConns::new(socket.clone()),
+                lookups: LookupConns::new(socket),
             }),
             heartbeat: Arc::new(Mutex::new(None)),
         })

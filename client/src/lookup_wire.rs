@@ -8,7 +8,7 @@
 //! `limits.max_connections_per_uid` on the daemon.
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use kvproto::lookup_wire::{self, HELLO_BYTES, MAX_ANSWER_BYTES};
@@ -44,7 +44,7 @@ pub(crate) struct LookupConns {
     /// Connections in use now.
     open: AtomicUsize,
     /// Whether the client may use LOOKUP at all ([`crate::Client::set_lookup_wire`]).
-    wanted: std::sync::atomic::AtomicBool,
+    wanted: AtomicBool,
     /// Whether the daemon answered a hello: [`SERVED`], [`UNSERVED`] (it answered something
     /// else: it does not serve LOOKUP; asked again after a reconnect), or not known yet.
     served: AtomicU8,
@@ -84,7 +84,7 @@ impl LookupConns {
             socket,
             kept: Mutex::new(Vec::new()),
             open: AtomicUsize::new(0),
-            wanted: std::sync::atomic::AtomicBool::new(true),
+            wanted: AtomicBool::new(true),
             served: AtomicU8::new(UNKNOWN),
             paused_until: Mutex::new(None),
         }
@@ -124,8 +124,8 @@ impl LookupConns {
         {
             return None;
         }
-        let message = req.encode_to_vec();
-        if message.len() > MAX_REQUEST_BYTES {
+        let len = req.encoded_len();
+        if len > MAX_REQUEST_BYTES {
             return None;
         }
         if self.open.fetch_add(1, Ordering::Relaxed) >= MAX_OPEN {
@@ -133,7 +133,8 @@ impl LookupConns {
             return None;
         }
         let _in_use = InUse(&self.open);
-        let frame = lookup_wire::request(&message);
+        let mut frame = lookup_wire::request_frame(len);
+        req.encode_raw(&mut frame);
         // A kept connection may have been closed by the daemon since (its idle limit, a
         // restart): one that fails is dropped and the lookup goes on the next, or a new one.
         loop {
@@ -161,7 +162,7 @@ impl LookupConns {
         }
     }
 
-    /// What a lookup does when no connection could be opened, or a new one failed. or a new one failed.
+    /// What a lookup does when no connection could be opened, or a new one failed.
     fn unopened(&self, why: Unopened) -> Option<Result<pb::LookupResponse, tonic::Status>> {
         match why {
             Unopened::Unserved => {

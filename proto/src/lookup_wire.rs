@@ -53,19 +53,32 @@ pub fn check_hello(h: &[u8; HELLO_BYTES]) -> Result<(), String> {
     Ok(())
 }
 
+/// The start of a request frame for a `LookupRequest` of `len` bytes, with room for it: the
+/// message is encoded straight after.
+pub fn request_frame(len: usize) -> Vec<u8> {
+    let mut out = Vec::with_capacity(4 + len);
+    out.extend_from_slice(&(len as u32).to_le_bytes());
+    out
+}
+
+/// The start of an answer frame for a `LookupResponse` of `len` bytes, with room for it.
+pub fn answer_frame(len: usize) -> Vec<u8> {
+    let mut out = Vec::with_capacity(5 + len);
+    out.extend_from_slice(&(len as u32 + 1).to_le_bytes());
+    out.push(OK);
+    out
+}
+
 /// The frame of a request whose encoded `LookupRequest` is `message`.
 pub fn request(message: &[u8]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(4 + message.len());
-    out.extend_from_slice(&(message.len() as u32).to_le_bytes());
+    let mut out = request_frame(message.len());
     out.extend_from_slice(message);
     out
 }
 
 /// The frame of an answer carrying an encoded `LookupResponse`.
 pub fn answer(message: &[u8]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(5 + message.len());
-    out.extend_from_slice(&(message.len() as u32 + 1).to_le_bytes());
-    out.push(OK);
+    let mut out = answer_frame(message.len());
     out.extend_from_slice(message);
     out
 }

@@ -136,11 +136,11 @@ impl LookupWire {
         if n as usize > max {
             // gRPC's answer to a message over the limit, from its length, before its body.
             let why = format!("a lookup of {n} bytes is over limits.max_message_bytes ({max})");
-            let _ = stream.write_all(&lookup_wire::refusal(&refusal_of(&tonic::Status::out_of_range(why)))).await;
+            let _ = stream.write_all(&refusal(&tonic::Status::out_of_range(why))).await;
             return false;
         }
         if let Err(e) = limits.buffer(who, u64::from(n)) {
-            let _ = stream.write_all(&lookup_wire::refusal(&refusal_of(&tonic::Status::from(e)))).await;
+            let _ = stream.write_all(&refusal(&tonic::Status::from(e))).await;
             return false;
         }
         let _buffered = Buffered { limits, who, n: u64::from(n) };
@@ -157,15 +157,23 @@ impl LookupWire {
             Err(e) => (Err(tonic::Status::invalid_argument(format!("a lookup that does not decode: {e}"))), false),
         };
         let frame = match &rpc.done(r) {
-            Ok(resp) => lookup_wire::answer(&resp.encode_to_vec()),
-            Err(s) => lookup_wire::refusal(&refusal_of(s)),
+            Ok(resp) => {
+                let mut frame = lookup_wire::answer_frame(resp.encoded_len());
+                resp.encode_raw(&mut frame);
+                frame
+            }
+            Err(s) => refusal(s),
         };
         stream.write_all(&frame).await.is_ok() && keep
     }
 }
 
-/// What a gRPC status says, as LOOKUP sends it.
-fn refusal_of(s: &tonic::Status) -> Refusal {
+/// The answer frame refusing a lookup with what the gRPC status `s` says.
+fn refusal(s: &tonic::Status) -> Vec<u8> {
     let reason = s.metadata().get(kvproto::reason::METADATA_KEY).and_then(|v| v.to_str().ok()).unwrap_or_default();
-    Refusal { code: s.code() as i32, reason: reason.to_string(), message: s.message().to_string() }
+    lookup_wire::refusal(&Refusal {
+        code: s.code() as i32,
+        reason: reason.to_string(),
+        message: s.message().to_string(),
+    })
 }
