@@ -58,6 +58,6 @@ pub use host::{CudaRegister, Filling, HostTier, HostTierConfig};
 pub use listener::{Fanout, TierListener};
 pub use object::{ObjectTier, ObjectTierConfig};
 pub use stats::{TierStats, TierUsage};
-pub use store::{BlockStore, BlockStoreConfig, Hit, PrefixMatch, StoreStats};
+pub use store::{BlockStore, BlockStoreConfig, Hit, PrefixMatch, StoreStats, WriteThroughPause};
 pub use tier::{BlockRef, Delivered, PartsRef, Tier};
 pub use writethrough::WriteThroughConfig;

@@ -72,12 +72,36 @@ struct Pending {
     idle: Condvar,
 }
 
+/// Holds a writer before its next batch while set (see [`WriteThrough::pause`]).
+#[derive(Debug, Default)]
+struct Gate {
+    paused: Mutex<bool>,
+    open: Condvar,
+}
+
+impl Gate {
+    fn wait_open(&self) {
+        let mut paused = self.paused.lock();
+        while *paused {
+            self.open.wait(&mut paused);
+        }
+    }
+
+    fn set(&self, paused: bool) {
+        *self.paused.lock() = paused;
+        if !paused {
+            self.open.notify_all();
+        }
+    }
+}
+
 /// Handle of one tier's write-through thread.
 #[derive(Debug)]
 pub(crate) struct WriteThrough {
     pub tier: TierKind,
     tx: Option<Sender<(BlockKey, Instant)>>,
     pending: Arc<Pending>,
+    gate: Arc<Gate>,
     thread: Option<JoinHandle<()>>,
     pub counters: Arc<WtCounters>,
 }
@@ -99,12 +123,13 @@ impl WriteThrough {
         let (tx, rx) = bounded(cfg.queue.max(1));
         let pending = Arc::new(Pending { n: Mutex::new(0), idle: Condvar::new() });
         let counters = Arc::new(WtCounters::new(tier));
-        let (p, c) = (Arc::clone(&pending), Arc::clone(&counters));
+        let gate = Arc::new(Gate::default());
+        let (p, c, g) = (Arc::clone(&pending), Arc::clone(&counters), Arc::clone(&gate));
         let batch = cfg.batch.max(1);
         let thread = std::thread::Builder::new()
             .name(format!("kv-writethrough-{}", tier.label()))
-            .spawn(move || writer_loop(&rx, batch, &w, &p, &c))?;
-        Ok(Self { tier, tx: Some(tx), pending, thread: Some(thread), counters })
+            .spawn(move || writer_loop(&rx, batch, &w, &p, &c, &g))?;
+        Ok(Self { tier, tx: Some(tx), pending, gate, thread: Some(thread), counters })
     }
 
     /// Queues `key`; false (and counted) if the queue is full or closed.
@@ -140,12 +165,19 @@ impl WriteThrough {
     pub fn queued(&self) -> u64 {
         *self.pending.n.lock()
     }
+
+    /// Holds (true) or lets go (false) the writer before its next batch; what is queued
+    /// meanwhile waits, up to the queue's bound.
+    pub fn pause(&self, paused: bool) {
+        self.gate.set(paused);
+    }
 }
 
 impl Drop for WriteThrough {
     fn drop(&mut self) {
         // Closing the channel lets the writer drain what is queued, then exit.
         self.tx = None;
+        self.gate.set(false);
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
@@ -160,9 +192,17 @@ enum Source {
     Above(BlockMeta, usize),
 }
 
-fn writer_loop(rx: &Receiver<(BlockKey, Instant)>, batch: usize, w: &Writer, pending: &Pending, counters: &WtCounters) {
+fn writer_loop(
+    rx: &Receiver<(BlockKey, Instant)>,
+    batch: usize,
+    w: &Writer,
+    pending: &Pending,
+    counters: &WtCounters,
+    gate: &Gate,
+) {
     let mut bufs: Vec<BlockBuf> = Vec::new();
     while let Ok(first) = rx.recv() {
+        gate.wait_open();
         let mut keys = vec![first];
         while keys.len() < batch {
             match rx.try_recv() {

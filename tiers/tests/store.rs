@@ -389,6 +389,27 @@ impl Tier for Slow {
 }
 
 #[test]
+fn paused_write_through_keeps_blocks_dirty_in_g2_until_the_guard_drops() {
+    let d = tempfile::tempdir().unwrap();
+    let s = store_in(d.path(), 64 * PAGE as u64, 64 << 20);
+    let pause = s.pause_writethrough();
+    let keys = put_chain(&s, 9, 8, 2 * PAGE);
+    // Long enough for an unpaused writer to have written them all many times over.
+    std::thread::sleep(Duration::from_millis(300));
+    let g3 = &s.lower()[0];
+    assert!(keys.iter().all(|k| !g3.contains(k)), "nothing written while paused");
+    assert_eq!(s.writethrough_queued(), vec![(TierKind::G3Disk, 8)]);
+    drop(pause);
+    s.flush().unwrap();
+    assert!(keys.iter().all(|k| g3.contains(k)), "all written once the guard dropped");
+    assert_eq!(s.stats().writethrough_written, 8);
+    let mut buf = BlockBuf::new();
+    let k = keys[5];
+    assert_eq!(g3.get(&k, &mut buf).unwrap().map(|m| m.len), Some(2 * PAGE as u64));
+    assert_eq!(&buf[..], &content(&k, 2 * PAGE)[..]);
+}
+
+#[test]
 fn full_write_through_queue_drops_are_counted_and_puts_still_succeed() {
     let d = tempfile::tempdir().unwrap();
     let g3 = disk(&d.path().join("g3"), 64 << 20, IoBackend::Psync);
