@@ -347,6 +347,49 @@ impl IoProgress for Record {
     }
 }
 
+/// A batch in which one block's write fails: a restart, with or without fsync, finds the block
+/// that was written, byte-exact, and no record of the one that failed, whose pages are free.
+#[test]
+fn a_failed_write_leaves_no_record_for_a_restart() {
+    for fsync in [false, true] {
+        let d = tempfile::tempdir().unwrap();
+        let mut cfg = disk_cfg(d.path(), 8 << 20);
+        cfg.fsync = fsync;
+        // Under 128 KiB and unaligned: one op per block (see `a_failed_op_fails_only_its_block`).
+        let len = PAGE + 1000;
+        let used = (len.div_ceil(PAGE) * PAGE) as u64;
+        let (ka, kb) = (key(12, 0), key(12, 1));
+        let unaligned = |k: &kvproto::BlockKey| [vec![0u8], content(k, len)].concat();
+        let (da_buf, db_buf) = (unaligned(&ka), unaligned(&kb));
+        let (da, db) = (&da_buf[1..], &db_buf[1..]);
+        {
+            let armed = Arc::new(std::sync::Mutex::new(Some(IoKind::Write)));
+            let a2 = Arc::clone(&armed);
+            let factory: EngineFactory = Arc::new(move || {
+                let inner = kvtiers::disk::io::engine_factory(IoBackend::Auto, 32)()?;
+                Ok(Box::new(FailSecondOp { inner, armed: Arc::clone(&a2) }) as Box<dyn IoEngine>)
+            });
+            let t = DiskTier::open_with_engine(&cfg, factory).unwrap();
+            let both = [
+                BlockRef { key: ka, meta: meta(12, 0, len), data: da },
+                BlockRef { key: kb, meta: meta(12, 1, len), data: db },
+            ];
+            let r = t.put_batch(&both);
+            assert!(matches!(r[0], Ok(true)) && r[1].is_err(), "fsync {fsync}: {r:?}");
+            assert_eq!(t.usage().used_bytes, used, "fsync {fsync}: the failed block's pages are free");
+            t.flush().unwrap();
+        }
+        let t = disk(d.path(), 8 << 20, IoBackend::Auto);
+        let mut out = BlockBuf::new();
+        assert!(t.get(&ka, &mut out).unwrap().is_some(), "fsync {fsync}");
+        assert_eq!(&out[..], da);
+        assert!(!t.contains(&kb), "fsync {fsync}: no record of the failed write");
+        assert_eq!(t.usage().blocks, 1);
+        assert_eq!(t.usage().used_bytes, used);
+        assert_eq!(t.stats().checksum_failures, 0);
+    }
+}
+
 /// An op that fails (here: a read past the end of the file) fails alone: every other op of the
 /// batch still runs, also those beyond the ring's depth, with each engine.
 #[test]
