@@ -136,13 +136,13 @@ impl Client {
         let rpc = channel(&socket).await?;
         Ok(Self {
             inner: Arc::new(Inner {
-                socket: socket.clone(),
+                socket,
                 rpc: Mutex::new(rpc),
                 reg: Mutex::new(None),
                 reconnect_for: Duration::from_secs(30),
                 token_area_bytes: crate::token_area::DEFAULT_BYTES,
                 token_area: Mutex::new(None),
-                lookups: LookupConns::new(socket),
+                lookups: LookupConns::new(),
             }),
             heartbeat: Arc::new(Mutex::new(None)),
         })
@@ -406,7 +406,7 @@ impl Client {
             };
             let req = pb::LookupRequest { engine_id, tokens: le, route_id, g1_blocks, tokens_at };
             async move {
-                match self.inner.lookups.lookup(&req).await {
+                match self.inner.lookups.lookup(&self.inner.socket, &req).await {
                     Some(r) => r.map(tonic::Response::new),
                     None => rpc.lookup(req).await,
                 }

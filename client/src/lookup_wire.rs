@@ -7,7 +7,7 @@
 //! [`KEEP`] stay open between lookups; every one counts against the uid's
 //! `limits.max_connections_per_uid` on the daemon.
 
-use std::path::PathBuf;
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
@@ -39,7 +39,6 @@ const UNSERVED: u8 = 2;
 /// The LOOKUP connections of one client.
 #[derive(Debug)]
 pub(crate) struct LookupConns {
-    socket: PathBuf,
     kept: Mutex<Vec<UnixStream>>,
     /// Connections in use now.
     open: AtomicUsize,
@@ -79,9 +78,8 @@ impl Drop for InUse<'_> {
 }
 
 impl LookupConns {
-    pub fn new(socket: PathBuf) -> Self {
+    pub fn new() -> Self {
         Self {
-            socket,
             kept: Mutex::new(Vec::new()),
             open: AtomicUsize::new(0),
             wanted: AtomicBool::new(true),
@@ -114,10 +112,14 @@ impl LookupConns {
         *self.paused_until.lock() = None;
     }
 
-    /// `req` over LOOKUP: None when LOOKUP is not to be used (off, not served, paused, too many
+    /// `req` over LOOKUP to the daemon at `socket`: None when LOOKUP is not to be used (off, not served, paused, too many
     /// in use, a request too large) or failed, and the caller asks over gRPC: a daemon that went
     /// away is then told by gRPC's UNAVAILABLE, as for any other call.
-    pub async fn lookup(&self, req: &pb::LookupRequest) -> Option<Result<pb::LookupResponse, tonic::Status>> {
+    pub async fn lookup(
+        &self,
+        socket: &Path,
+        req: &pb::LookupRequest,
+    ) -> Option<Result<pb::LookupResponse, tonic::Status>> {
         if !self.wanted.load(Ordering::Relaxed)
             || self.served.load(Ordering::Relaxed) == UNSERVED
             || self.paused_until.lock().is_some_and(|t| Instant::now() < t)
@@ -142,7 +144,7 @@ impl LookupConns {
             let reused = kept.is_some();
             let mut conn = match kept {
                 Some(c) => c,
-                None => match self.open().await {
+                None => match self.open(socket).await {
                     Ok(c) => c,
                     Err(why) => return self.unopened(why),
                 },
@@ -182,8 +184,8 @@ impl LookupConns {
     }
 
     /// A new connection whose hello the daemon answered.
-    async fn open(&self) -> Result<UnixStream, Unopened> {
-        let mut s = match tokio::time::timeout(OPEN_TIMEOUT, UnixStream::connect(&self.socket)).await {
+    async fn open(&self, socket: &Path) -> Result<UnixStream, Unopened> {
+        let mut s = match tokio::time::timeout(OPEN_TIMEOUT, UnixStream::connect(socket)).await {
             Ok(Ok(s)) => s,
             Ok(Err(e)) => return Err(Unopened::Passing(e.to_string())),
             Err(_) => return Err(Unopened::Passing("connect timed out".into())),

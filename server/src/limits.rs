@@ -192,6 +192,12 @@ impl Limits {
         .map_err(|have| self.refuse(Limit::BufferedPerUid, who, have, max))
     }
 
+    /// [`Self::buffer`], the bytes held until the guard drops (a whole request read at once).
+    pub fn buffer_held(self: &Arc<Self>, who: Principal, n: u64) -> Result<Held, ServerError> {
+        self.buffer(who, n)?;
+        Ok(Held { limits: Arc::clone(self), who, what: Holding::Buffered(n) })
+    }
+
     /// `n` buffered bytes of `who` were consumed or dropped.
     pub fn unbuffer(&self, who: Principal, n: u64) {
         self.with_use(who, |u| u.buffered = u.buffered.saturating_sub(n));
@@ -208,9 +214,10 @@ enum Holding {
     Connection,
     Engine,
     Load,
+    Buffered(u64),
 }
 
-/// One connection, engine or load counted for its principal until dropped.
+/// One connection, engine, load or request's bytes counted for its principal until dropped.
 #[derive(Debug)]
 pub struct Held {
     limits: Arc<Limits>,
@@ -236,6 +243,7 @@ impl Drop for Held {
             Holding::Connection => u.connections = u.connections.saturating_sub(1),
             Holding::Engine => u.engines = u.engines.saturating_sub(1),
             Holding::Load => u.pending_loads = u.pending_loads.saturating_sub(1),
+            Holding::Buffered(n) => u.buffered = u.buffered.saturating_sub(n),
         });
     }
 }

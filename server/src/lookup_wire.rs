@@ -24,7 +24,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use crate::daemon::Daemon;
-use crate::limits::{Held, Limits, Principal};
+use crate::limits::{Held, Principal};
 use crate::metrics_catalog::Rpc;
 
 /// A request body kept between requests at most this large (a long prompt inline is dropped).
@@ -35,19 +35,6 @@ const KEEP_BODY_BYTES: usize = 64 << 10;
 pub struct LookupWire {
     daemon: Arc<Daemon>,
     running: AtomicUsize,
-}
-
-/// A request's bytes counted against its uid until dropped.
-struct Buffered<'a> {
-    limits: &'a Limits,
-    who: Principal,
-    n: u64,
-}
-
-impl Drop for Buffered<'_> {
-    fn drop(&mut self) {
-        self.limits.unbuffer(self.who, self.n);
-    }
 }
 
 /// One lookup counted in [`LookupWire::running`] until dropped.
@@ -139,11 +126,13 @@ impl LookupWire {
             let _ = stream.write_all(&refusal(&tonic::Status::out_of_range(why))).await;
             return false;
         }
-        if let Err(e) = limits.buffer(who, u64::from(n)) {
-            let _ = stream.write_all(&refusal(&tonic::Status::from(e))).await;
-            return false;
-        }
-        let _buffered = Buffered { limits, who, n: u64::from(n) };
+        let _buffered = match limits.buffer_held(who, u64::from(n)) {
+            Ok(held) => held,
+            Err(e) => {
+                let _ = stream.write_all(&refusal(&tonic::Status::from(e))).await;
+                return false;
+            }
+        };
         body.resize(n as usize, 0);
         if stream.read_exact(body).await.is_err() {
             return false;

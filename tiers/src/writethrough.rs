@@ -177,6 +177,7 @@ impl Drop for WriteThrough {
     fn drop(&mut self) {
         // Closing the channel lets the writer drain what is queued, then exit.
         self.tx = None;
+        // A pause guard borrows the store, so only one forgotten (`mem::forget`) is still held.
         self.gate.set(false);
         if let Some(t) = self.thread.take() {
             let _ = t.join();

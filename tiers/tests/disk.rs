@@ -253,6 +253,22 @@ impl IoEngine for FailSecondOp {
     }
 }
 
+/// An engine factory whose engines fail op 1 of every batch of the kind `armed` holds.
+fn fail_second_op(armed: &Arc<std::sync::Mutex<Option<IoKind>>>) -> EngineFactory {
+    let armed = Arc::clone(armed);
+    Arc::new(move || {
+        let inner = kvtiers::disk::io::engine_factory(IoBackend::Auto, 32)()?;
+        Ok(Box::new(FailSecondOp { inner, armed: Arc::clone(&armed) }) as Box<dyn IoEngine>)
+    })
+}
+
+/// Block bytes of `len` (`content(k, len)`) that do not start on a 4 KiB boundary, which a plain
+/// Vec sometimes does: under 128 KiB, such a block is one write op (an aligned block's tail
+/// would go through a bounce buffer, a second op). The block is `buf[1..]`.
+fn unaligned(k: &kvproto::BlockKey, len: usize) -> Vec<u8> {
+    [vec![0u8], content(k, len)].concat()
+}
+
 /// One block of a batch failing its I/O fails only that block, written or read, with the
 /// I/O on dedicated threads, on the caller's, and with threads except for small batches.
 #[test]
@@ -260,23 +276,15 @@ fn a_failed_op_fails_only_its_block() {
     for (io_threads, inline_max) in [(2, 0), (0, 0), (2, kvtiers::disk::io::INLINE_MAX)] {
         let d = tempfile::tempdir().unwrap();
         let armed = Arc::new(std::sync::Mutex::new(None));
-        let a2 = Arc::clone(&armed);
-        let factory: EngineFactory = Arc::new(move || {
-            let inner = kvtiers::disk::io::engine_factory(IoBackend::Auto, 32)()?;
-            Ok(Box::new(FailSecondOp { inner, armed: Arc::clone(&a2) }) as Box<dyn IoEngine>)
-        });
+        let factory = fail_second_op(&armed);
         let mut cfg = disk_cfg(d.path(), 8 << 20);
         cfg.io_threads = io_threads;
         cfg.inline_read_max = inline_max;
         cfg.inline_write_max = inline_max;
         let t = DiskTier::open_with_engine(&cfg, factory).unwrap();
-        // Under 128 KiB and unaligned: one op per block either way. (The data must not start on
-        // a 4 KiB boundary, which a plain Vec sometimes does: the aligned part of a block is
-        // then written directly and its tail through a bounce buffer, two ops.)
         let len = PAGE + 1000;
         let (ka, kb) = (key(9, 0), key(9, 1));
-        let unaligned = |k: &kvproto::BlockKey| [vec![0u8], content(k, len)].concat();
-        let (da_buf, db_buf) = (unaligned(&ka), unaligned(&kb));
+        let (da_buf, db_buf) = (unaligned(&ka, len), unaligned(&kb, len));
         let (da, db) = (&da_buf[1..], &db_buf[1..]);
         let both = [
             BlockRef { key: ka, meta: meta(9, 0, len), data: da },
@@ -355,21 +363,14 @@ fn a_failed_write_leaves_no_record_for_a_restart() {
         let d = tempfile::tempdir().unwrap();
         let mut cfg = disk_cfg(d.path(), 8 << 20);
         cfg.fsync = fsync;
-        // Under 128 KiB and unaligned: one op per block (see `a_failed_op_fails_only_its_block`).
         let len = PAGE + 1000;
         let used = (len.div_ceil(PAGE) * PAGE) as u64;
         let (ka, kb) = (key(12, 0), key(12, 1));
-        let unaligned = |k: &kvproto::BlockKey| [vec![0u8], content(k, len)].concat();
-        let (da_buf, db_buf) = (unaligned(&ka), unaligned(&kb));
+        let (da_buf, db_buf) = (unaligned(&ka, len), unaligned(&kb, len));
         let (da, db) = (&da_buf[1..], &db_buf[1..]);
         {
             let armed = Arc::new(std::sync::Mutex::new(Some(IoKind::Write)));
-            let a2 = Arc::clone(&armed);
-            let factory: EngineFactory = Arc::new(move || {
-                let inner = kvtiers::disk::io::engine_factory(IoBackend::Auto, 32)()?;
-                Ok(Box::new(FailSecondOp { inner, armed: Arc::clone(&a2) }) as Box<dyn IoEngine>)
-            });
-            let t = DiskTier::open_with_engine(&cfg, factory).unwrap();
+            let t = DiskTier::open_with_engine(&cfg, fail_second_op(&armed)).unwrap();
             let both = [
                 BlockRef { key: ka, meta: meta(12, 0, len), data: da },
                 BlockRef { key: kb, meta: meta(12, 1, len), data: db },
