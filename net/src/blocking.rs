@@ -12,6 +12,7 @@ use rustls_pki_types::ServerName;
 use crate::connector::{Connector, host_of};
 use crate::error::NetError;
 use crate::guard::{Guard, PeerCert};
+use crate::tls::Stream;
 
 /// A blocking connection: plain TCP or TLS over it.
 #[derive(Debug)]
@@ -81,6 +82,32 @@ impl Guard {
         }
         let cert = conn.peer_certificates().and_then(|c| c.first()).map(|c| c.clone().into_owned());
         Ok((SyncStream::ServerTls(Box::new(StreamOwned::new(conn, sock))), PeerCert(cert)))
+    }
+}
+
+impl Stream<tokio::net::TcpStream> {
+    /// The connection on a blocking socket: one accepted (and authenticated) on the runtime,
+    /// handed to a thread that serves it. What it was to send must have been flushed; what it
+    /// received and was not read yet stays in the TLS state and is read first.
+    pub fn into_blocking(self) -> io::Result<SyncStream> {
+        let blocking = |tcp: tokio::net::TcpStream| -> io::Result<TcpStream> {
+            let s = tcp.into_std()?;
+            s.set_nonblocking(false)?;
+            Ok(s)
+        };
+        Ok(match self {
+            Stream::Plain(tcp) => SyncStream::Plain(blocking(tcp)?),
+            Stream::Tls(tls) => match *tls {
+                tokio_rustls::TlsStream::Server(s) => {
+                    let (tcp, conn) = s.into_inner();
+                    SyncStream::ServerTls(Box::new(StreamOwned::new(conn, blocking(tcp)?)))
+                }
+                tokio_rustls::TlsStream::Client(s) => {
+                    let (tcp, conn) = s.into_inner();
+                    SyncStream::ClientTls(Box::new(StreamOwned::new(conn, blocking(tcp)?)))
+                }
+            },
+        })
     }
 }
 

@@ -3,12 +3,13 @@
 //! Serving: [`serve`] runs an axum app behind a [`Guard`], within [`HttpLimits`] (connection
 //! cap, header and idle timeouts, HTTP/2 stream cap: `http_serve.rs`). Connections are accepted by a
 //! [`GuardedListener`], which runs each TLS handshake in a task of its own, bounded in time and
-//! in number, so a slow or hostile client never holds the accept loop; the verified client
-//! certificate travels with the connection ([`PeerInfo`]). [`protect`] then authenticates every
-//! request (a bearer token from `authorization`, else the certificate) and hands the
-//! [`Identity`] to handlers as a request extension; probe paths ([`PROBE_PATHS`]) stay open. A
-//! refused HTTP request gets 401 and a text body saying what to present; a refused gRPC request
-//! (same listener, `content-type: application/grpc`) gets `grpc-status` 16 (UNAUTHENTICATED).
+//! in number (the oldest closed for a newcomer), so a slow or hostile client never holds the
+//! accept loop; the verified client certificate travels with the connection ([`PeerInfo`]).
+//! [`protect`] then authenticates every request (a bearer token from `authorization`, else the
+//! certificate) and hands the [`Identity`] to handlers as a request extension; probe paths
+//! ([`PROBE_PATHS`]) stay open. A refused HTTP request gets 401 and a text body saying what to
+//! present; a refused gRPC request (same listener, `content-type: application/grpc`) gets
+//! `grpc-status` 16 (UNAUTHENTICATED).
 //!
 //! Clients: [`HttpClient`] presents a [`Connector`]'s credentials (its TLS configuration, its
 //! token as `authorization: Bearer ...`), both reloaded when their files change.
@@ -29,12 +30,13 @@ use rustls::ClientConfig;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{Semaphore, mpsc};
+use tokio::sync::mpsc;
 
 use crate::config::{ClientAuthConfig, HttpLimits};
 use crate::connector::Connector;
 use crate::error::NetError;
 use crate::guard::{Guard, Identity, Namespaces, PeerCert, bearer_of};
+use crate::slots::Slots;
 use crate::tls::Stream;
 
 /// The HTTP client library [`HttpClient`] builds on (for callers that need its types).
@@ -49,8 +51,9 @@ pub const SERVER_ALPN: &[&[u8]] = &[b"h2", b"http/1.1"];
 /// How long a client may take over its TLS handshake.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// TLS handshakes in flight at once; a connection beyond them is closed at once (each costs a
-/// task and TLS buffers, and a flood of silent ones must not pile up).
+/// TLS handshakes in flight at once (each costs a task and TLS buffers, and a flood of silent
+/// ones must not pile up): one more closes the oldest, so that a flood of slow handshakes cannot
+/// keep a real client out (`kvnet_http_refusals_total{reason="handshake_evicted"}`).
 const MAX_HANDSHAKES: usize = 1024;
 
 /// Accepted connections waiting for the server to take them.
@@ -100,7 +103,8 @@ pub struct GuardedListener {
     listener: TcpListener,
     guard: Arc<Guard>,
     timeout: Duration,
-    slots: Arc<Semaphore>,
+    /// The handshakes in flight.
+    handshakes: Slots<()>,
     refused: Arc<parking_lot::Mutex<Quiet>>,
     tx: mpsc::Sender<Accepted>,
     rx: mpsc::Receiver<Accepted>,
@@ -111,31 +115,35 @@ impl GuardedListener {
     /// after `handshake_timeout` is dropped.
     pub fn new(listener: TcpListener, guard: Arc<Guard>, handshake_timeout: Duration) -> Self {
         let (tx, rx) = mpsc::channel(HANDOFF);
-        Self {
-            listener,
-            guard,
-            timeout: handshake_timeout,
-            slots: Arc::new(Semaphore::new(MAX_HANDSHAKES)),
-            refused: Arc::default(),
-            tx,
-            rx,
-        }
+        Self { listener, guard, timeout: handshake_timeout, handshakes: Slots::new(), refused: Arc::default(), tx, rx }
     }
 
     /// Starts the handshake of a new TLS connection in a task of its own; it hands the
     /// connection back through the channel when done.
     fn handshake(&self, tcp: TcpStream, remote: SocketAddr) {
-        let Ok(slot) = Arc::clone(&self.slots).try_acquire_owned() else {
-            self.refused
-                .lock()
-                .note(self.guard.endpoint(), &format!("{remote}: {MAX_HANDSHAKES} TLS handshakes in flight"));
-            return;
-        };
+        if self.handshakes.len() >= MAX_HANDSHAKES && self.handshakes.evict_idle().is_some() {
+            metrics::counter!(
+                "kvnet_http_refusals_total",
+                "endpoint" => self.guard.endpoint().to_string(),
+                "reason" => "handshake_evicted"
+            )
+            .increment(1);
+            self.refused.lock().note(
+                self.guard.endpoint(),
+                &format!("{MAX_HANDSHAKES} TLS handshakes in flight: the oldest closed for {remote}"),
+            );
+        }
+        let slot = self.handshakes.insert(());
         let (guard, tx, refused, timeout) =
             (Arc::clone(&self.guard), self.tx.clone(), Arc::clone(&self.refused), self.timeout);
         tokio::spawn(async move {
-            let _slot = slot;
-            let why = match tokio::time::timeout(timeout, guard.accept(tcp)).await {
+            let done = tokio::select! {
+                done = tokio::time::timeout(timeout, guard.accept(tcp)) => done,
+                // Evicted for a newer handshake (counted there).
+                () = slot.closed() => return,
+            };
+            drop(slot);
+            let why = match done {
                 Ok(Ok((io, cert))) => {
                     let _ = tx.send((io, PeerInfo { remote, cert })).await;
                     return;

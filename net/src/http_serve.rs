@@ -8,6 +8,14 @@
 //! ([`FirstBytes`]), HTTP/1.1 headers must be complete within it (hyper's timer, which also
 //! closes keep-alive connections idle that long), and HTTP/2 connections are pinged so that a
 //! vanished peer frees its slot.
+//!
+//! When every slot is taken, a new connection takes the slot of the connection idle longest
+//! with no request in flight, which is closed ([`crate::slots`], counted as
+//! `kvnet_http_refusals_total{reason="evicted_idle"}`): a flood of half-open or idle
+//! connections cannot keep a probe (`/healthz`) or a scrape (`/metrics`) out. A request is in
+//! flight from the moment hyper hands it over until its answer's body has been sent (or
+//! dropped); bytes read count as activity. Only when every connection has a request in flight
+//! is the newcomer closed (`reason="max_connections"`).
 
 use std::future::Future;
 use std::io;
@@ -16,18 +24,19 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use axum::body::Body;
+use axum::body::{Body, Bytes};
 use axum::extract::connect_info::ConnectInfo;
-use hyper::body::Incoming;
+use hyper::body::{Frame, Incoming, SizeHint};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::service::TowerToHyperService;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::sync::{Semaphore, watch};
+use tokio::sync::watch;
 use tower::Service;
 
 use crate::config::HttpLimits;
 use crate::http::{GuardedListener, Quiet};
+use crate::slots::{Activity, Busy, Slots};
 
 /// How long shutdown waits for open connections to finish their requests.
 const DRAIN: Duration = Duration::from_secs(10);
@@ -48,7 +57,9 @@ pub fn describe_metrics() {
     metrics::describe_gauge!("kvnet_http_connections", "HTTP connections open now, by endpoint.");
     metrics::describe_counter!(
         "kvnet_http_refusals_total",
-        "HTTP connections closed at accept, by endpoint and reason (http_limits)."
+        "HTTP connections closed by a bound, by endpoint and reason: max_connections (at accept, every \
+         connection busy), evicted_idle (the idle longest, for a newcomer), handshake_evicted (the oldest TLS \
+         handshake, for a newcomer)."
     );
 }
 
@@ -77,7 +88,7 @@ pub(crate) async fn serve_connections(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> io::Result<()> {
     let endpoint: Arc<str> = listener.endpoint().into();
-    let slots = Arc::new(Semaphore::new(limits.max_connections));
+    let slots: Slots<()> = Slots::new();
     let builder = Arc::new(builder(limits));
     let first_bytes = Duration::from_millis(limits.header_timeout_ms);
     let (stop_tx, stop_rx) = watch::channel(false);
@@ -89,24 +100,39 @@ pub(crate) async fn serve_connections(
             accepted = axum::serve::Listener::accept(&mut listener) => accepted,
             () = &mut shutdown => break,
         };
-        let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
-            metrics::counter!("kvnet_http_refusals_total", "endpoint" => endpoint.to_string(), "reason" => "max_connections")
-                .increment(1);
-            let why = format!("{} connections open (http_limits.max_connections)", limits.max_connections);
-            refusals.note(&endpoint, &why);
-            continue;
-        };
+        if slots.len() >= limits.max_connections {
+            if slots.evict_idle().is_some() {
+                metrics::counter!("kvnet_http_refusals_total", "endpoint" => endpoint.to_string(), "reason" => "evicted_idle")
+                    .increment(1);
+            } else {
+                metrics::counter!("kvnet_http_refusals_total", "endpoint" => endpoint.to_string(), "reason" => "max_connections")
+                    .increment(1);
+                let why = format!(
+                    "{} connections open (http_limits.max_connections), each with a request in flight",
+                    limits.max_connections
+                );
+                refusals.note(&endpoint, &why);
+                continue;
+            }
+        }
+        let slot = slots.insert(());
         let app = app.clone();
         let info = ConnectInfo(peer);
+        let activity = slot.activity();
         let service = tower::service_fn(move |req: hyper::Request<Incoming>| {
+            let busy = activity.busy();
             let mut req = req.map(Body::new);
             req.extensions_mut().insert(info.clone());
-            app.clone().call(req)
+            let answer = app.clone().call(req);
+            async move {
+                let resp = answer.await?;
+                Ok::<_, std::convert::Infallible>(resp.map(|body| Body::new(InFlight { body, _busy: busy })))
+            }
         });
         let (builder, mut stop, open) = (Arc::clone(&builder), stop_rx.clone(), open.clone());
         open.increment(1.0);
         tokio::spawn(async move {
-            let io = TokioIo::new(FirstBytes::new(io, first_bytes));
+            let io = TokioIo::new(FirstBytes::new(io, first_bytes, slot.activity()));
             let conn = builder.serve_connection(io, TowerToHyperService::new(service));
             tokio::pin!(conn);
             loop {
@@ -118,6 +144,8 @@ pub(crate) async fn serve_connections(
                         break;
                     }
                     _ = stop.changed() => conn.as_mut().graceful_shutdown(),
+                    // Evicted for a newcomer: idle, nothing in flight; closed at once.
+                    () = slot.closed() => break,
                 }
             }
             open.decrement(1.0);
@@ -138,17 +166,43 @@ pub(crate) async fn serve_connections(
     Ok(())
 }
 
+/// An answer's body, its request counted in flight until the body has been sent in full (or
+/// dropped): a connection streaming an answer is not idle.
+struct InFlight {
+    body: Body,
+    _busy: Busy,
+}
+
+impl hyper::body::Body for InFlight {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
+        Pin::new(&mut self.get_mut().body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
+    }
+}
+
 /// A connection that must deliver its first bytes within a deadline: until it has, a read that
-/// would wait past the deadline fails with `TimedOut` (and the connection closes).
+/// would wait past the deadline fails with `TimedOut` (and the connection closes). Every read
+/// that brings bytes is noted as the connection's activity.
 struct FirstBytes<S> {
     io: S,
     deadline: Option<Pin<Box<tokio::time::Sleep>>>,
     within: Duration,
+    activity: Activity,
 }
 
 impl<S> FirstBytes<S> {
-    fn new(io: S, within: Duration) -> Self {
-        Self { io, deadline: Some(Box::pin(tokio::time::sleep(within))), within }
+    fn new(io: S, within: Duration, activity: Activity) -> Self {
+        Self { io, deadline: Some(Box::pin(tokio::time::sleep(within))), within, activity }
     }
 }
 
@@ -160,6 +214,7 @@ impl<S: AsyncRead + Unpin> AsyncRead for FirstBytes<S> {
             Poll::Ready(r) => {
                 if buf.filled().len() > before {
                     this.deadline = None;
+                    this.activity.touch();
                 }
                 Poll::Ready(r)
             }

@@ -20,6 +20,9 @@
 //!   copy between a socket and memory lent to a synchronous closure.
 //! - [`tls`]: rustls configurations from PEM files; [`Stream`], plain or TLS.
 //! - [`reload`]: [`reload::Reloading`], a value rebuilt when its files change.
+//! - [`slots`]: [`slots::Slots`], a listener's connections; when it is full, a newcomer takes
+//!   the place of the one idle longest with no request in flight (a flood of silent or slow
+//!   connections cannot keep a real client out).
 //! - [`http`] (feature `http`): axum serving through a [`Guard`] (TLS accepted in tasks of their
 //!   own, every request authenticated, probes left open) and an HTTP client presenting a
 //!   [`Connector`]'s credentials; `http_serve.rs`, its connection loop within [`HttpLimits`].
@@ -46,6 +49,8 @@ pub mod http;
 mod http_serve;
 #[cfg(feature = "runtime")]
 pub mod reload;
+#[cfg(feature = "runtime")]
+pub mod slots;
 #[cfg(feature = "testing")]
 pub mod testing;
 #[cfg(feature = "runtime")]

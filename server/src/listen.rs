@@ -4,7 +4,9 @@
 //! are ATTACH's magic is an ATTACH exchange ([`crate::attach`]); any other is handed to gRPC.
 //! A TCP connection passes its endpoint's guard first (`tcp_auth`: the TLS handshake, in a task
 //! of its own and within `limits.handshake_timeout_ms`); what the client presented travels with
-//! it ([`TcpPeer`]) to the per-request check ([`crate::service::TcpAuth`]).
+//! it ([`TcpPeer`]) to the per-request check ([`crate::service::TcpAuth`]). TCP clients are one
+//! principal: when they hold all its connections, a new one takes the place of the one idle
+//! longest ([`kvnet::slots`]), so that silent connections cannot keep a Health probe out.
 
 use std::io;
 use std::net::SocketAddr;
@@ -26,13 +28,22 @@ use crate::lookup_wire::LookupWire;
 /// Connections accepted and waiting for gRPC to take them.
 const HANDOFF: usize = 64;
 
-/// An accepted connection: counted until dropped, closed after `idle` without a byte read.
-/// A read only notes its time; the timer is moved when it fires early (not on every read, which
-/// would cost a timer-wheel update per request).
+/// What an accepted connection holds: its count ([`Limits::connect`]), or on TCP its count in
+/// the listener's slots, from which a newcomer may evict it ([`kvnet::slots`]).
+#[derive(Debug)]
+enum Hold {
+    Counted { _held: Held },
+    Slot(kvnet::slots::Slot<Held>),
+}
+
+/// An accepted connection: counted until dropped, closed after `idle` without a byte read, or
+/// at once when evicted from its listener's slots (TCP) for a newcomer. A read only notes its
+/// time; the timer is moved when it fires early (not on every read, which would cost a
+/// timer-wheel update per request).
 #[derive(Debug)]
 pub struct Conn<IO> {
     io: IO,
-    _held: Held,
+    hold: Hold,
     idle: Duration,
     last_read: tokio::time::Instant,
     deadline: Pin<Box<tokio::time::Sleep>>,
@@ -40,18 +51,33 @@ pub struct Conn<IO> {
 
 impl<IO> Conn<IO> {
     fn new(io: IO, held: Held, idle: Duration) -> Self {
+        Self::holding(io, Hold::Counted { _held: held }, idle)
+    }
+
+    fn holding(io: IO, hold: Hold, idle: Duration) -> Self {
         let now = tokio::time::Instant::now();
-        Self { io, _held: held, idle, last_read: now, deadline: Box::pin(tokio::time::sleep_until(now + idle)) }
+        Self { io, hold, idle, last_read: now, deadline: Box::pin(tokio::time::sleep_until(now + idle)) }
     }
 }
 
 impl<IO: AsyncRead + Unpin> AsyncRead for Conn<IO> {
     fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        if let Hold::Slot(slot) = &self.hold
+            && slot.poll_closed(cx).is_ready()
+        {
+            return Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::ConnectionAborted,
+                "closed, idle longest, for a new connection (limits.max_connections_per_uid)",
+            )));
+        }
         let before = buf.filled().len();
         match Pin::new(&mut self.io).poll_read(cx, buf) {
             Poll::Ready(r) => {
                 if buf.filled().len() > before {
                     self.last_read = tokio::time::Instant::now();
+                    if let Hold::Slot(slot) = &self.hold {
+                        slot.touch();
+                    }
                 }
                 Poll::Ready(r)
             }
@@ -310,9 +336,46 @@ impl tonic::transport::server::Connected for GuardedTcp {
     }
 }
 
+/// The label of `kvcached_limit_refusals_by_limit_total` that counts TCP connections closed, idle
+/// longest, to make room for a new one ([`tcp`]).
+pub const TCP_EVICTED: &str = "tcp_idle_evicted";
+
+/// A slot for a new TCP connection: a count from `limits`, or, when TCP clients hold all theirs
+/// (`limits.max_connections_per_uid`: they are one principal) or the daemon all its
+/// connections, the count of the TCP connection idle longest, which is closed. TCP serves only
+/// Health, a unary call answered at once: the connection idle longest has no request in flight.
+/// A flood of silent connections can then only displace itself, never keep a probe out.
+fn tcp_slot(
+    limits: &Arc<Limits>,
+    slots: &kvnet::slots::Slots<Held>,
+    refused_log: &mut RateLog,
+) -> Option<kvnet::slots::Slot<Held>> {
+    let evict = || {
+        let held = slots.evict_idle()?;
+        limits.count_refusal(TCP_EVICTED);
+        Some(held)
+    };
+    let full = slots.len() >= limits.cfg.max_connections_per_uid;
+    let held = match full.then(evict).flatten() {
+        Some(h) => h,
+        None => match limits.connect(Principal::Tcp) {
+            Ok(h) => h,
+            Err(e) => match evict() {
+                Some(h) => h,
+                None => {
+                    refused_log.note(&e.to_string());
+                    return None;
+                }
+            },
+        },
+    };
+    Some(slots.insert(held))
+}
+
 /// Accepts on a TCP listener until `stop`, each connection through `guard`; returns the
 /// connections. A TLS handshake runs in a task of its own (a slow client holds its connection
-/// slot, never the accept loop) and is dropped after `limits.handshake_timeout_ms`.
+/// slot, never the accept loop) and is dropped after `limits.handshake_timeout_ms`. At the
+/// limit, a new connection takes the place of the one idle longest ([`tcp_slot`]).
 pub fn tcp(
     listener: TcpListener,
     limits: Arc<Limits>,
@@ -324,6 +387,7 @@ pub fn tcp(
         let mut errors = AcceptErrors::new("tcp");
         let mut refused_log = RateLog::default();
         let handshakes = Arc::new(parking_lot::Mutex::new(RateLog::default()));
+        let slots = kvnet::slots::Slots::new();
         loop {
             let accepted = tokio::select! {
                 a = listener.accept() => a,
@@ -340,18 +404,14 @@ pub fn tcp(
                 }
             };
             let _ = stream.set_nodelay(true);
-            // Counted from the start: a handshake holds a connection slot while it runs.
-            let held = match limits.connect(Principal::Tcp) {
-                Ok(h) => h,
-                Err(e) => {
-                    refused_log.note(&e.to_string());
-                    continue;
-                }
-            };
+            // Counted from the start: a handshake holds a connection slot while it runs (and
+            // may lose it to a newcomer, as an idle connection would).
+            let Some(slot) = tcp_slot(&limits, &slots, &mut refused_log) else { continue };
             let idle = Duration::from_millis(limits.cfg.idle_timeout_ms);
             let plain = |io| GuardedTcp { io, peer: TcpPeer { remote, cert: kvnet::PeerCert::default() } };
             if !guard.tls() {
-                if tx.send(Ok(Conn::new(plain(kvnet::Stream::Plain(stream)), held, idle))).await.is_err() {
+                let conn = Conn::holding(plain(kvnet::Stream::Plain(stream)), Hold::Slot(slot), idle);
+                if tx.send(Ok(conn)).await.is_err() {
                     return;
                 }
                 continue;
@@ -359,10 +419,15 @@ pub fn tcp(
             let (tx, guard, handshakes) = (tx.clone(), Arc::clone(&guard), Arc::clone(&handshakes));
             let timeout = Duration::from_millis(limits.cfg.handshake_timeout_ms);
             tokio::spawn(async move {
-                let why = match tokio::time::timeout(timeout, guard.accept(stream)).await {
+                let done = tokio::select! {
+                    done = tokio::time::timeout(timeout, guard.accept(stream)) => done,
+                    // Evicted for a newer connection (counted there).
+                    () = slot.closed() => return,
+                };
+                let why = match done {
                     Ok(Ok((io, cert))) => {
                         let conn = GuardedTcp { io, peer: TcpPeer { remote, cert } };
-                        let _ = tx.send(Ok(Conn::new(conn, held, idle))).await;
+                        let _ = tx.send(Ok(Conn::holding(conn, Hold::Slot(slot), idle))).await;
                         return;
                     }
                     Ok(Err(e)) => e.to_string(),

@@ -1,17 +1,30 @@
 //! The `peer.listen` endpoint: other daemons pull blocks from this one. Connections are
-//! accepted on the runtime and served on threads (`kv-peer-serve`, `peer.max_connections` of
-//! them, fed by a bounded queue): each block goes from its G2 pages (or a G3 read) to the
-//! socket without another copy, with its checksum computed on the way.
+//! accepted and authenticated on the runtime (TLS handshake, hello, credentials: [`admit`]),
+//! within `peer.connect_timeout_ms` in all, at most [`MAX_UNAUTHENTICATED`] at once (one more
+//! closes the oldest). Only authenticated peers reach the serving threads (`kv-peer-serve`,
+//! `peer.max_connections` of them, fed by a bounded queue): each block goes from its G2 pages (or
+//! a G3 read) to the socket without another copy, with its checksum computed on the way.
+//!
+//! So a flood of clients that connect and send their hello slowly, or nothing, holds neither a
+//! serving thread nor the queue, and cannot keep a real peer out: it is cut at the deadline, and
+//! a real peer, which authenticates in one round trip, is never the oldest unauthenticated
+//! connection for long. Refusals are counted in `kvcached_peer_refused_total{why}`: `handshake`
+//! (TLS), `hello` (not a peer's), `credentials`, `handshake_deadline` (not authenticated within
+//! `peer.connect_timeout_ms`), `evicted` (the oldest unauthenticated, closed for a newcomer),
+//! `busy` (authenticated, every serving thread and the queue taken), `namespace`.
 
 use std::io::Write;
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{Receiver, TrySendError, bounded};
+use crossbeam_channel::{Receiver, Sender, TrySendError, bounded};
+use kvnet::slots::Slots;
 use kvnet::{Guard, Identity, SyncStream};
 use kvtiers::{BlockBuf, BlockStore};
-use tokio::net::TcpListener;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
 
 use super::PeerConfig;
 use super::protocol::{self as p, BlockHeader};
@@ -19,8 +32,24 @@ use super::protocol::{self as p, BlockHeader};
 /// A client between requests may stay this long.
 const IDLE: Duration = Duration::from_secs(60);
 
-/// Serves peers on `listener` until `stop` turns true. Returns when the accept loop and every
-/// serving thread have finished.
+/// Connections not yet authenticated (TLS handshake, hello) at once; one more closes the oldest
+/// of them (`kvcached_peer_refused_total{why="evicted"}`). Each is a task and a socket, not a
+/// thread; the bound keeps a flood from taking every descriptor.
+pub const MAX_UNAUTHENTICATED: usize = 64;
+
+fn refused(why: &'static str) {
+    metrics::counter!("kvcached_peer_refused_total", "why" => why).increment(1);
+}
+
+/// An authenticated peer, for a serving thread.
+struct Admitted {
+    c: SyncStream,
+    who: Identity,
+    remote: SocketAddr,
+}
+
+/// Serves peers on `listener` until `stop` turns true. Returns when the accept loop, the
+/// authentications under way and every serving thread have finished.
 pub async fn serve(
     listener: TcpListener,
     guard: Arc<Guard>,
@@ -29,19 +58,18 @@ pub async fn serve(
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
     let stopping = Arc::new(AtomicBool::new(false));
-    let (tx, rx) = bounded::<std::net::TcpStream>(cfg.max_connections.max(1));
+    let serving = cfg.max_connections.max(1);
+    let (tx, rx) = bounded::<Admitted>(serving);
     let mut threads = Vec::new();
-    for i in 0..cfg.max_connections.max(1) {
-        let rx: Receiver<std::net::TcpStream> = rx.clone();
+    for i in 0..serving {
+        let rx: Receiver<Admitted> = rx.clone();
         let (guard, store, stopping) = (Arc::clone(&guard), Arc::clone(&store), Arc::clone(&stopping));
         let io = Duration::from_millis(cfg.io_timeout_ms);
-        let handshake = Duration::from_millis(cfg.connect_timeout_ms);
         let t = std::thread::Builder::new().name(format!("kv-peer-serve-{i}")).spawn(move || {
             let mut buf = BlockBuf::new();
-            while let Ok(tcp) = rx.recv() {
-                let peer = tcp.peer_addr().map(|a| a.to_string()).unwrap_or_default();
-                if let Err(e) = serve_one(tcp, &guard, &store, &stopping, io, handshake, &mut buf) {
-                    tracing::debug!(peer, "peer connection ended: {e}");
+            while let Ok(Admitted { c, who, remote }) = rx.recv() {
+                if let Err(e) = serve_one(c, &who, &guard, &store, &stopping, io, &mut buf) {
+                    tracing::debug!(%remote, "peer connection ended: {e}");
                 }
             }
         });
@@ -51,20 +79,44 @@ pub async fn serve(
         }
     }
     drop(rx);
+    let deadline = Duration::from_millis(cfg.connect_timeout_ms);
+    let unauthenticated: Slots<()> = Slots::new();
+    let mut admitting = tokio::task::JoinSet::new();
     loop {
+        while admitting.try_join_next().is_some() {}
         tokio::select! {
             _ = stop.changed() => break,
             accepted = listener.accept() => match accepted {
-                Ok((tcp, addr)) => {
+                Ok((tcp, remote)) => {
                     let _ = tcp.set_nodelay(true);
-                    let std_tcp = match tcp.into_std().and_then(|s| s.set_nonblocking(false).map(|()| s)) {
-                        Ok(s) => s,
-                        Err(e) => { tracing::warn!(%addr, "peer connection: {e}"); continue; }
-                    };
-                    if let Err(TrySendError::Full(s)) = tx.try_send(std_tcp) {
-                        metrics::counter!("kvcached_peer_refused_total", "why" => "busy").increment(1);
-                        drop(s);
+                    // Never touched: the one idle longest is the oldest.
+                    if unauthenticated.len() >= MAX_UNAUTHENTICATED && unauthenticated.evict_idle().is_some() {
+                        refused("evicted");
                     }
+                    let slot = unauthenticated.insert(());
+                    let (guard, tx) = (Arc::clone(&guard), tx.clone());
+                    admitting.spawn(async move {
+                        let admitted = tokio::select! {
+                            a = tokio::time::timeout(deadline, admit(tcp, &guard, &tx)) => a,
+                            () = slot.closed() => return,
+                        };
+                        drop(slot);
+                        let (c, who) = match admitted {
+                            Ok(Ok(a)) => a,
+                            Ok(Err(e)) => {
+                                tracing::debug!(%remote, "peer connection refused: {e}");
+                                return;
+                            }
+                            Err(_) => {
+                                refused("handshake_deadline");
+                                tracing::debug!(%remote, "peer connection not authenticated within peer.connect_timeout_ms");
+                                return;
+                            }
+                        };
+                        if let Err(TrySendError::Full(_)) = tx.try_send(Admitted { c, who, remote }) {
+                            refused("busy");
+                        }
+                    });
                 }
                 Err(e) => {
                     tracing::warn!("peer accept failed: {e}");
@@ -73,6 +125,9 @@ pub async fn serve(
             }
         }
     }
+    // Authentications under way end here (their clients see the connection close), so that no
+    // sender outlives the queue's.
+    admitting.shutdown().await;
     stopping.store(true, Ordering::Release);
     drop(tx);
     let _ = tokio::task::spawn_blocking(move || {
@@ -83,37 +138,74 @@ pub async fn serve(
     .await;
 }
 
+/// The hello's bytes, read exactly (nothing of what follows), then parsed.
+async fn read_hello(r: &mut (impl AsyncRead + Unpin)) -> std::io::Result<Option<String>> {
+    let mut hello = vec![0u8; p::MAGIC.len() + 2];
+    r.read_exact(&mut hello).await?;
+    if hello[..p::MAGIC.len()] != p::MAGIC {
+        return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, "not a kvcached peer (hello magic)"));
+    }
+    let n = usize::from(u16::from_le_bytes([hello[4], hello[5]]));
+    if n > p::MAX_TOKEN {
+        return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, "token longer than 4096 bytes"));
+    }
+    hello.resize(hello.len() + n, 0);
+    r.read_exact(&mut hello[p::MAGIC.len() + 2..]).await?;
+    p::read_hello(&mut &hello[..])
+}
+
+/// Authenticates a connection on the runtime: the TLS handshake, the hello, the credentials, the
+/// answer to the hello; the connection, on a blocking socket, and who it is. The caller bounds
+/// it in time. An authenticated peer is told no (`busy`) when the serving threads and their
+/// queue are full.
+async fn admit(tcp: TcpStream, guard: &Guard, queue: &Sender<Admitted>) -> Result<(SyncStream, Identity), String> {
+    let (mut s, cert) = guard.accept(tcp).await.map_err(|e| {
+        refused("handshake");
+        e.to_string()
+    })?;
+    let token = read_hello(&mut s).await.map_err(|e| {
+        refused("hello");
+        e.to_string()
+    })?;
+    let verdict = match guard.authenticate(&cert, token.as_deref()) {
+        Ok(_) if queue.is_full() => Err((
+            "busy",
+            format!(
+                "{}: every serving thread is taken (peer.max_connections {}); try again",
+                guard.endpoint(),
+                queue.capacity().unwrap_or(0)
+            ),
+        )),
+        Ok(who) => Ok(who),
+        Err(r) => Err(("credentials", r.to_string())),
+    };
+    let mut answer = Vec::new();
+    let text = verdict.as_ref().err().map_or("", |(_, why)| why.as_str());
+    answer.push(u8::from(verdict.is_err()));
+    p::write_text(&mut answer, None, text).map_err(|e| e.to_string())?;
+    s.write_all(&answer).await.map_err(|e| e.to_string())?;
+    s.flush().await.map_err(|e| e.to_string())?;
+    match verdict {
+        Ok(who) => Ok((s.into_blocking().map_err(|e| e.to_string())?, who)),
+        Err((why, text)) => {
+            refused(why);
+            Err(text)
+        }
+    }
+}
+
+/// Serves an authenticated peer's requests until it says BYE, is idle past [`IDLE`], fails, or
+/// the daemon stops.
 fn serve_one(
-    tcp: std::net::TcpStream,
+    mut c: SyncStream,
+    who: &Identity,
     guard: &Guard,
     store: &BlockStore,
     stopping: &AtomicBool,
     io: Duration,
-    handshake: Duration,
     buf: &mut BlockBuf,
 ) -> std::io::Result<()> {
-    let (mut c, cert) = guard.accept_blocking(tcp, handshake).map_err(|e| {
-        metrics::counter!("kvcached_peer_refused_total", "why" => "handshake").increment(1);
-        std::io::Error::other(e.to_string())
-    })?;
-    c.tcp().set_read_timeout(Some(handshake))?;
     c.tcp().set_write_timeout(Some(io))?;
-    let token = p::read_hello(&mut c)?;
-    let who = match guard.authenticate(&cert, token.as_deref()) {
-        Ok(id) => {
-            c.write_all(&[0])?;
-            p::write_text(&mut c, None, "")?;
-            c.flush()?;
-            id
-        }
-        Err(r) => {
-            metrics::counter!("kvcached_peer_refused_total", "why" => "credentials").increment(1);
-            c.write_all(&[1])?;
-            p::write_text(&mut c, None, &r.to_string())?;
-            c.flush()?;
-            return Ok(());
-        }
-    };
     loop {
         // Between requests: wake each second to notice a shutdown.
         c.tcp().set_read_timeout(Some(Duration::from_secs(1)))?;
@@ -133,7 +225,7 @@ fn serve_one(
         match op {
             p::OP_PULL => {
                 let (ns, keys) = p::read_pull(&mut c)?;
-                send_blocks(&mut c, guard, &who, store, ns, &keys, buf)?;
+                send_blocks(&mut c, guard, who, store, ns, &keys, buf)?;
             }
             p::OP_PROBE => {
                 let n = p::read_u32(&mut c)?.min(p::MAX_PROBE);
