@@ -28,6 +28,20 @@ fn peer_err(op: &'static str) -> TierError {
 /// Idle connections kept per peer.
 const POOL_PER_PEER: usize = 4;
 
+/// A kept connection idle this long is not used again: the serving side closes connections
+/// idle for 60 s (`server.rs`), and one it is closing must not be the one a pull depends on.
+const POOL_IDLE: Duration = Duration::from_secs(30);
+
+/// Whether the peer has neither closed `c` nor sent anything unasked on it (a connection
+/// between pulls has nothing to read): a non-blocking peek of one byte that would block.
+fn still_open(c: &SyncStream) -> bool {
+    use std::os::fd::AsRawFd;
+    let mut b = [0u8; 1];
+    // SAFETY: recv peeks at most one byte into a local buffer, without blocking.
+    let r = unsafe { libc::recv(c.tcp().as_raw_fd(), b.as_mut_ptr().cast(), 1, libc::MSG_PEEK | libc::MSG_DONTWAIT) };
+    r < 0 && matches!(std::io::Error::last_os_error().kind(), std::io::ErrorKind::WouldBlock)
+}
+
 /// How a pull ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PullEnd {
@@ -98,7 +112,8 @@ pub struct Peers {
     refused_log: Mutex<crate::listen::RateLog>,
     connector: Connector,
     pub book: PeerBook,
-    idle: Mutex<HashMap<String, Vec<SyncStream>>>,
+    /// Connections between pulls, with the time each was put back.
+    idle: Mutex<HashMap<String, Vec<(SyncStream, Instant)>>>,
     inflight: Mutex<HashMap<BlockKey, (Arc<Pull>, usize)>>,
     running: AtomicUsize,
     /// Weak: the probe thread may hold the peers while the process exits, and must not be the
@@ -277,11 +292,22 @@ impl Peers {
         }
     }
 
-    /// A connection to `src` that has passed the hello: an idle one, or a new one.
-    fn connection(&self, src: &str) -> Result<SyncStream, String> {
-        if let Some(c) = self.idle.lock().get_mut(src).and_then(Vec::pop) {
-            return Ok(c);
+    /// A connection to `src` that has passed the hello: an idle one that is still open (and
+    /// whether it is one), or a new one. An idle connection kept past [`POOL_IDLE`] (the serving
+    /// side closes one idle for 60 s), or one the peer has closed meanwhile (it restarted), is
+    /// dropped, not used.
+    fn connection(&self, src: &str) -> Result<(SyncStream, bool), String> {
+        loop {
+            let Some((c, since)) = self.idle.lock().get_mut(src).and_then(Vec::pop) else { break };
+            if since.elapsed() < POOL_IDLE && still_open(&c) {
+                return Ok((c, true));
+            }
         }
+        self.fresh(src).map(|c| (c, false))
+    }
+
+    /// A new connection to `src`, past the hello.
+    fn fresh(&self, src: &str) -> Result<SyncStream, String> {
         let timeout = Duration::from_millis(self.cfg.connect_timeout_ms);
         let mut c = self.connector.connect_blocking(src, timeout).map_err(|e| format!("connect: {e}"))?;
         let token = self.connector.bearer();
@@ -299,7 +325,7 @@ impl Peers {
         let mut idle = self.idle.lock();
         let v = idle.entry(src.to_string()).or_default();
         if v.len() < POOL_PER_PEER {
-            v.push(c);
+            v.push((c, Instant::now()));
         }
     }
 
@@ -313,34 +339,59 @@ impl Peers {
         block_len: u64,
         done: &mut usize,
     ) -> Result<(), String> {
-        let mut c = self.connection(src)?;
+        let (c, reused) = self.connection(src)?;
+        match self.pull_on(c, store, src, pull, block_len, done) {
+            // A kept connection that failed before the first block (closed by the peer since:
+            // an idle timeout, a restart): once more on a new one, and the peer is not blamed.
+            Err((why, false)) if reused => {
+                tracing::debug!(src, "a kept peer connection failed ({why}); pulling again on a new one");
+                let c = self.fresh(src)?;
+                self.pull_on(c, store, src, pull, block_len, done).map_err(|(why, _)| why)
+            }
+            r => r.map_err(|(why, _)| why),
+        }
+    }
+
+    /// [`Self::pull_from`] on connection `c`; an error says whether any block had arrived.
+    fn pull_on(
+        &self,
+        mut c: SyncStream,
+        store: &BlockStore,
+        src: &str,
+        pull: &Pull,
+        block_len: u64,
+        done: &mut usize,
+    ) -> Result<(), (String, bool)> {
         let io = Duration::from_millis(self.cfg.io_timeout_ms);
         let _ = c.tcp().set_read_timeout(Some(io));
         let _ = c.tcp().set_write_timeout(Some(io));
         let want = &pull.keys[*done..];
-        p::write_pull(&mut c, &pull.namespace, want).map_err(|e| format!("request: {e}"))?;
+        p::write_pull(&mut c, &pull.namespace, want).map_err(|e| (format!("request: {e}"), false))?;
         let mut i = 0usize;
         loop {
-            match p::read_u8(&mut c).map_err(|e| format!("reply: {e}"))? {
+            match p::read_u8(&mut c).map_err(|e| (format!("reply: {e}"), i > 0))? {
                 p::TAG_BLOCK => {
-                    let h = BlockHeader::read(&mut c).map_err(|e| format!("block header: {e}"))?;
+                    let h = BlockHeader::read(&mut c).map_err(|e| (format!("block header: {e}"), true))?;
                     let Some(expected) = want.get(i) else {
-                        return Err("sent more blocks than asked".into());
+                        return Err(("sent more blocks than asked".into(), true));
                     };
                     if h.key != *expected || h.len != block_len {
                         self.corrupt(src);
-                        return Err(format!(
-                            "sent block {} ({} bytes) where {} ({block_len} bytes) was next",
-                            h.key, h.len, expected
+                        return Err((
+                            format!(
+                                "sent block {} ({} bytes) where {} ({block_len} bytes) was next",
+                                h.key, h.len, expected
+                            ),
+                            true,
                         ));
                     }
                     match self.receive(store, &mut c, pull.namespace, &h) {
                         Ok(()) => {}
                         Err(Reject::Wrong(why)) => {
                             self.corrupt(src);
-                            return Err(why);
+                            return Err((why, true));
                         }
-                        Err(Reject::Io(e)) => return Err(format!("mid-block: {e}")),
+                        Err(Reject::Io(e)) => return Err((format!("mid-block: {e}"), true)),
                     }
                     i += 1;
                     *done += 1;
@@ -354,9 +405,10 @@ impl Peers {
                 p::TAG_REFUSED => {
                     let why = p::read_text(&mut c).unwrap_or_default();
                     self.keep(src, c);
-                    return Err(format!("refused: {why}"));
+                    // An answer, not a dead connection: not tried again.
+                    return Err((format!("refused: {why}"), true));
                 }
-                t => return Err(format!("unknown reply tag {t}")),
+                t => return Err((format!("unknown reply tag {t}"), true)),
             }
         }
     }
@@ -420,7 +472,7 @@ impl Peers {
 
     /// Measures the link to `src` with a probe of `bytes`.
     pub fn probe(&self, src: &str, bytes: u32) -> Result<f64, String> {
-        let mut c = self.connection(src)?;
+        let (mut c, _) = self.connection(src)?;
         let t0 = Instant::now();
         let mut req = vec![p::OP_PROBE];
         req.extend_from_slice(&bytes.min(p::MAX_PROBE).to_le_bytes());
