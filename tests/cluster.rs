@@ -108,7 +108,11 @@ impl Drop for Daemon {
 
 fn spawn_daemon_with(dir: &Path, router_section: &str) -> Daemon {
     let cfg = dir.join("kvcached.toml");
-    std::fs::write(&cfg, format!("metrics_addr = \"127.0.0.1:0\"\n[router]\n{router_section}")).unwrap();
+    std::fs::write(
+        &cfg,
+        format!("metrics_addr = \"127.0.0.1:0\"\n[metrics_auth]\nopen = true\n[router]\n{router_section}"),
+    )
+    .unwrap();
     let sock = dir.join("kvcached.sock");
     let _ = std::fs::remove_file(&sock);
     let child = Command::new(env!("CARGO_BIN_EXE_daemon"))

@@ -97,7 +97,7 @@ fn spawn_on(dir: &Path, s: &Setup<'_>, port: u16) -> Option<Daemon> {
     std::fs::write(
         &cfg,
         format!(
-            "metrics_addr = \"127.0.0.1:{port}\"\n{}[g3]\nenabled = {}\ndir = \"{}\"\ncapacity_bytes = 134217728\nfsync = false\n\
+            "metrics_addr = \"127.0.0.1:{port}\"\n[metrics_auth]\nopen = true\n{}[g3]\nenabled = {}\ndir = \"{}\"\ncapacity_bytes = 134217728\nfsync = false\n\
              [g4]\nenabled = true\nurl = \"s3://{}/{}\"\nendpoint = \"{}\"\nallow_http = true\nrequest_timeout_ms = 2000\n\
              retry_deadline_ms = 3000\n{}",
             s.router,
@@ -406,7 +406,7 @@ async fn prefetch_lifts_g3_and_g4_and_a_killed_peer_is_replaced_by_g4() {
     // A (the prefill node, started after B) saves three prompts; B's index has never heard of
     // them.
     let peer = format!("127.0.0.1:{}", free_port());
-    let listen = format!("[peer]\nlisten = \"{peer}\"\n");
+    let listen = format!("[peer]\nlisten = \"{peer}\"\n[peer.auth]\nopen = true\n");
     let a = spawn(&d.path().join("a"), &Setup { extra: &listen, ..Setup::new(&s3, "prefetch") });
     let (ea, _ma) = engine(&a, &ns(), 11, 32).await;
     let (ea2, _ma2) = engine(&a, &ns(), 13, 32).await;

@@ -36,12 +36,14 @@ fn prompt(seed: u32, blocks: u32) -> Vec<u32> {
     (0..blocks * 16).map(|i| (i.wrapping_mul(2_654_435_761) ^ seed.wrapping_mul(97)) % 150_000).collect()
 }
 
+/// A daemon of a single-user test node: its HTTP port (prefetch hints) open without
+/// credentials.
 fn daemon(dir: &Path, toml: &str) -> DaemonProc {
     DaemonProc::spawn(
         Path::new(env!("CARGO_BIN_EXE_daemon")),
         dir,
         &format!("127.0.0.1:{}", free_port()),
-        toml,
+        &format!("[metrics_auth]\nopen = true\n{toml}"),
         None,
         &[],
     )
@@ -49,7 +51,7 @@ fn daemon(dir: &Path, toml: &str) -> DaemonProc {
 
 fn peer_listen() -> (String, String) {
     let addr = format!("127.0.0.1:{}", free_port());
-    (format!("[peer]\nlisten = \"{addr}\"\n"), addr)
+    (format!("[peer]\nlisten = \"{addr}\"\n[peer.auth]\nopen = true\n"), addr)
 }
 
 /// An engine with `slots` slots on `d`, the first `filled` holding synthetic KV of `seed`.

@@ -147,6 +147,8 @@ async fn start_node_a(dir: &Path, g4: &Path, router: &str) -> NodeA {
     c.g4.enabled = true;
     c.g4.url = format!("file://{}", g4.display());
     c.router.urls = vec![router.to_string()];
+    // A single-user test node: the router replays from it without credentials.
+    c.metrics_auth.open = true;
     c.router.node = "node-a".into();
     c.router.report_interval_ms = 200;
     c.limits.max_engines_per_uid = 2;
@@ -169,7 +171,7 @@ fn spawn_node_b(dir: &Path, g4: &Path, router: &str, port: u16) -> Proc {
     std::fs::write(
         &cfg,
         format!(
-            "metrics_addr = \"127.0.0.1:{port}\"\n[g2]\ncapacity_bytes = 67108864\nshm_dir = \"{}\"\n[g3]\nenabled = false\n\
+            "metrics_addr = \"127.0.0.1:{port}\"\n[metrics_auth]\nopen = true\n[g2]\ncapacity_bytes = 67108864\nshm_dir = \"{}\"\n[g3]\nenabled = false\n\
              [g4]\nenabled = true\nurl = \"file://{}\"\n[engines]\nlease_ms = 3000\ndrain_ms = 2000\n\
              [router]\nurls = [\"{router}\"]\nnode = \"node-b\"\nreport_interval_ms = 200\n",
             dir.display(),

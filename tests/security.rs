@@ -662,7 +662,12 @@ async fn sources_outside_the_allowed_ones_are_never_dialed() {
     };
 
     // Default: nothing beyond peer.peers (empty).
-    let d = start(|c| c.peer.pull_deadline_ms = 1000).await;
+    // The HTTP port opened explicitly: this test is about which sources a hint may name.
+    let d = start(|c| {
+        c.peer.pull_deadline_ms = 1000;
+        c.metrics_auth.open = true;
+    })
+    .await;
     let (a, _ma) = d.engine().await;
     let done = a.load_from(&unseen(2), 0, &[4, 5], std::slice::from_ref(&src)).await.unwrap();
     assert_eq!(done.loaded_blocks, 0, "{done:?}");
@@ -677,6 +682,7 @@ async fn sources_outside_the_allowed_ones_are_never_dialed() {
 
     // The same source allowed by network: dialed (so the check above can fail).
     let d = start(|c| {
+        c.metrics_auth.open = true;
         c.peer.allowed_sources = vec!["127.0.0.0/8".into()];
         c.peer.pull_deadline_ms = 1000;
         c.peer.io_timeout_ms = 500;

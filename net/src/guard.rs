@@ -42,6 +42,18 @@ impl Identity {
         Self { name: "anonymous".into(), namespaces: Namespaces::All }
     }
 
+    /// A client of an endpoint that has no credentials configured and is not `open`, on one
+    /// that is closed without them ([`Guard::closed_without_credentials`]): served what no
+    /// namespace's blocks, keys or ids are in, refused the rest. Its name says what to do.
+    pub fn unauthenticated() -> Self {
+        Self {
+            name: "a client without credentials (this endpoint has none configured: set tokens_file or \
+                   tls_client_ca, or open = true where every user of the node may read every namespace)"
+                .into(),
+            namespaces: Namespaces::Only(HashSet::new()),
+        }
+    }
+
     /// Whether this identity may read `ns`.
     pub fn may_read(&self, ns: &NamespaceId) -> bool {
         match &self.namespaces {
@@ -131,6 +143,8 @@ pub struct Guard {
     tls: Option<Reloading<Arc<ServerConfig>>>,
     tokens: Option<Reloading<Tokens>>,
     grants: Option<HashMap<String, Namespaces>>,
+    /// See [`Guard::closed_without_credentials`].
+    closed: bool,
 }
 
 fn parse_grants(cfg: &AuthConfig, endpoint: &str) -> Result<Option<HashMap<String, Namespaces>>, NetError> {
@@ -198,7 +212,29 @@ impl Guard {
             Some(f) => Some(Reloading::new("tokens file", vec![f.clone()], load_tokens)?),
             None => None,
         };
-        Ok(Self { endpoint: endpoint.to_string(), cfg: cfg.clone(), tls, tokens, grants: parse_grants(cfg, endpoint)? })
+        Ok(Self {
+            endpoint: endpoint.to_string(),
+            cfg: cfg.clone(),
+            tls,
+            tokens,
+            grants: parse_grants(cfg, endpoint)?,
+            closed: false,
+        })
+    }
+
+    /// Without credentials configured and without `open = true`, clients are not anonymous
+    /// readers of every namespace (as on loopback by default) but [`Identity::unauthenticated`]:
+    /// for endpoints whose routes reveal or move blocks, keys or namespace ids, where loopback is
+    /// no trust boundary (any local user can connect).
+    pub fn closed_without_credentials(mut self) -> Self {
+        self.closed = true;
+        self
+    }
+
+    /// Whether clients are served without credentials (`open = true`, or none configured on
+    /// an endpoint that is not closed without them).
+    pub fn serves_anonymous(&self) -> bool {
+        !self.requires_credentials() && (self.cfg.open || !self.closed)
     }
 
     /// The current TLS configuration, if the endpoint speaks TLS.
@@ -237,7 +273,7 @@ impl Guard {
     /// certificate; anonymous where the endpoint asks for no credentials.
     pub fn authenticate(&self, cert: &PeerCert, bearer: Option<&str>) -> Result<Identity, Refusal> {
         if !self.requires_credentials() {
-            return Ok(Identity::anonymous());
+            return Ok(if self.serves_anonymous() { Identity::anonymous() } else { Identity::unauthenticated() });
         }
         if let (Some(token), Some(tokens)) = (bearer, &self.tokens) {
             let table = tokens.get();

@@ -18,6 +18,9 @@ pub enum Reason {
     LimitReached,
     /// Not served on this transport (e.g. engine calls over an unauthenticated TCP listener).
     WrongTransport,
+    /// The caller's tenant may not read or write this namespace (another tenant's salt or
+    /// blocks): use a salt of its own, or have the operator name it in `[[namespaces]]`.
+    NotTrusted,
 }
 
 impl Reason {
@@ -28,12 +31,13 @@ impl Reason {
             Reason::UnknownOp => "unknown-op",
             Reason::LimitReached => "limit-reached",
             Reason::WrongTransport => "wrong-transport",
+            Reason::NotTrusted => "not-trusted",
         }
     }
 
     /// The reason a metadata value names.
     pub fn from_name(s: &str) -> Option<Self> {
-        [Reason::UnknownEngine, Reason::UnknownOp, Reason::LimitReached, Reason::WrongTransport]
+        [Reason::UnknownEngine, Reason::UnknownOp, Reason::LimitReached, Reason::WrongTransport, Reason::NotTrusted]
             .into_iter()
             .find(|r| r.name() == s)
     }

@@ -46,6 +46,10 @@ pub struct Config {
     /// Tenants: who may name which tenant salt, and their G2/G3/G4 quotas (`[[tenants]]`,
     /// `tenants.rs`, `quota.rs`). None: every uid is a tenant of its own, without quotas.
     pub tenants: Vec<crate::tenants::TenantConfig>,
+    /// Who writes and who reads unsalted namespaces (`[[namespaces]]`, `tenants.rs`); a
+    /// namespace no entry names is written by its first registrant's tenant only, and read by no
+    /// other.
+    pub namespaces: Vec<crate::tenants::NamespaceRule>,
 }
 
 /// What one client (one uid on the Unix socket) and all of them together may hold, and how long
@@ -60,6 +64,9 @@ pub struct LimitsConfig {
     pub max_connections_per_uid: usize,
     /// Engines one uid may have attached (`engines.max_engines` bounds them all).
     pub max_engines_per_uid: usize,
+    /// Bytes of shared-memory engine regions one uid's engines may have the daemon map (the
+    /// extent of their block slots); 0: a quarter of the machine's memory.
+    pub max_engine_memory_bytes_per_uid: u64,
     /// Loads one uid may have in flight, over all its engines.
     pub max_pending_loads_per_uid: usize,
     /// Largest gRPC message (prompts longer than a quarter of it go through the token area).
@@ -82,6 +89,7 @@ impl Default for LimitsConfig {
             max_connections: 1024,
             max_connections_per_uid: 64,
             max_engines_per_uid: 16,
+            max_engine_memory_bytes_per_uid: 0,
             max_pending_loads_per_uid: 4096,
             max_message_bytes: kvproto::limits::DEFAULT_MAX_MESSAGE_BYTES,
             max_concurrent_streams: 64,
@@ -288,6 +296,7 @@ impl Default for Config {
             peer: crate::peer::PeerConfig::default(),
             inject_faults: None,
             tenants: Vec::new(),
+            namespaces: Vec::new(),
         }
     }
 }
@@ -421,6 +430,18 @@ impl Config {
                 let msg = e.to_string();
                 bad("peer.auth", msg.strip_prefix("peer channel: ").unwrap_or(&msg))
             })?;
+            // The peer channel moves blocks: loopback is no exception (any local user can
+            // connect to it).
+            if !p.auth.open && !p.auth.requires_credentials() {
+                return Err(bad(
+                    "peer.auth",
+                    format!(
+                        "peer.listen ({a}) serves blocks, so it needs credentials on every address, loopback too: set \
+                         tokens_file or tls_client_ca, or open = true on a node whose users may all read every \
+                         namespace"
+                    ),
+                ));
+            }
         }
         kvnet::Connector::new(&p.client, &[]).map_err(|e| bad("peer.client", e.to_string()))?;
         crate::peer::sources::SourcePolicy::new(&p.peers, &p.allowed_sources)
@@ -455,7 +476,7 @@ impl Config {
         }
         self.socket_mode_bits()?;
         self.check_peer()?;
-        crate::tenants::Tenants::new(&self.tenants)?;
+        crate::tenants::Tenants::new(&self.tenants, &self.namespaces)?;
         for (f, v) in [("g2.page_size", self.g2.page_size), ("g3.page_size", self.g3.page_size)] {
             if v == 0 || !v.is_multiple_of(4096) {
                 return Err(bad(f, format!("{v} is not a positive multiple of 4096")));

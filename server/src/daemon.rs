@@ -214,6 +214,16 @@ impl Daemon {
     /// Saves engine blocks into the store (gathering each block's segments in one copy).
     pub fn save(&self, req: &pb::SaveRequest, who: Principal) -> Result<pb::SaveResponse, ServerError> {
         let engine = self.engines.get(req.engine_id, who)?;
+        if !engine.may_write {
+            // The trust model (`tenants.rs`): its tenant reads this namespace, another writes it.
+            metrics::counter!("kvcached_namespace_refused_total", "op" => "save").increment(1);
+            return Err(ServerError::Denied(format!(
+                "{} may read namespace {} but not write it: its writers are named in [[namespaces]] \
+                 (docs/operations.md, \"Security\")",
+                self.engines.tenants().tenant_of(who),
+                engine.namespace_id
+            )));
+        }
         let keys = self.keys(&engine, &req.tokens)?;
         Self::span(&engine, keys.len(), req.first_block, &req.block_ids)?;
         let mut resp = pb::SaveResponse::default();

@@ -2,6 +2,14 @@
 //! the bytes of requests still arriving, counted per principal and refused past
 //! `limits.max_buffered_bytes_per_uid` ([`BufferedLayer`]), so that half-sent messages cannot pile
 //! up in the daemon's memory.
+//!
+//! What is counted is what the daemon holds, not only what arrived: each stream a fixed
+//! [`STREAM_OVERHEAD`] (its headers and frames in flight), and each message the length its
+//! 5-byte gRPC prefix announces, from the moment the prefix arrives (tonic reserves a buffer of
+//! that length at once: counting the bytes as they came let a half-sent message hold up to
+//! twice what was counted). When a body that held more than [`TRIM_AFTER`] ends, the
+//! allocator is asked to give freed memory back to the system ([`trim`]), so the bytes of
+//! refused or abandoned requests do not stay resident.
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -66,10 +74,33 @@ where
     fn call(&mut self, req: http::Request<tonic::body::Body>) -> Self::Future {
         let who = principal_of(req.extensions());
         let (parts, body) = req.into_parts();
-        let body = Counted { inner: body, limits: Arc::clone(&self.limits), who, held: 0 };
+        let mut body = Counted {
+            inner: body,
+            limits: Arc::clone(&self.limits),
+            who,
+            held: 0,
+            prefix: Vec::with_capacity(PREFIX),
+            left: 0,
+            refused: None,
+        };
+        // The stream's own overhead, counted from its headers on: refused past the limit, the
+        // body fails at its first poll.
+        if let Err(e) = body.charge(STREAM_OVERHEAD) {
+            body.refused = Some(e);
+        }
         self.inner.call(http::Request::from_parts(parts, tonic::body::Body::new(body)))
     }
 }
+
+/// What one request stream is counted for beyond its messages: its header block, the frames
+/// in flight and the decoder's state.
+pub const STREAM_OVERHEAD: u64 = 16 << 10;
+
+/// The gRPC message prefix: a flag byte and a big-endian u32 length.
+const PREFIX: usize = 5;
+
+/// A body that held at least this much asks the allocator to trim when it ends.
+pub const TRIM_AFTER: u64 = 1 << 20;
 
 /// A request body whose bytes count against its principal until it is dropped.
 struct Counted {
@@ -77,6 +108,43 @@ struct Counted {
     limits: Arc<Limits>,
     who: Principal,
     held: u64,
+    /// The prefix of the next message, while it arrives.
+    prefix: Vec<u8>,
+    /// Bytes of the current message still to come (counted already).
+    left: u64,
+    /// A refusal to return at the first poll.
+    refused: Option<tonic::Status>,
+}
+
+impl Counted {
+    fn charge(&mut self, n: u64) -> Result<(), tonic::Status> {
+        self.limits.buffer(self.who, n).map_err(tonic::Status::from)?;
+        self.held += n;
+        Ok(())
+    }
+
+    /// Counts a data frame: each message's announced length when its prefix is complete, and
+    /// the prefix's own bytes.
+    fn count(&mut self, mut data: &[u8]) -> Result<(), tonic::Status> {
+        while !data.is_empty() {
+            if self.left > 0 {
+                let n = self.left.min(data.len() as u64);
+                self.left -= n;
+                data = &data[n as usize..];
+                continue;
+            }
+            let take = (PREFIX - self.prefix.len()).min(data.len());
+            self.prefix.extend_from_slice(&data[..take]);
+            data = &data[take..];
+            if self.prefix.len() == PREFIX {
+                let len = u32::from_be_bytes([self.prefix[1], self.prefix[2], self.prefix[3], self.prefix[4]]);
+                self.prefix.clear();
+                self.charge(PREFIX as u64 + u64::from(len))?;
+                self.left = u64::from(len);
+            }
+        }
+        Ok(())
+    }
 }
 
 impl Body for Counted {
@@ -84,16 +152,17 @@ impl Body for Counted {
     type Error = tonic::Status;
 
     fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, tonic::Status>>> {
+        if let Some(e) = self.refused.take() {
+            return Poll::Ready(Some(Err(e)));
+        }
         let frame = match Pin::new(&mut self.inner).poll_frame(cx) {
             Poll::Ready(Some(Ok(f))) => f,
             other => return other,
         };
-        if let Some(data) = frame.data_ref() {
-            let n = data.len() as u64;
-            if let Err(e) = self.limits.buffer(self.who, n) {
-                return Poll::Ready(Some(Err(tonic::Status::from(e))));
-            }
-            self.held += n;
+        if let Some(data) = frame.data_ref()
+            && let Err(e) = self.count(data)
+        {
+            return Poll::Ready(Some(Err(e)));
         }
         Poll::Ready(Some(Ok(frame)))
     }
@@ -112,5 +181,32 @@ impl Drop for Counted {
         if self.held > 0 {
             self.limits.unbuffer(self.who, self.held);
         }
+        if self.held >= TRIM_AFTER {
+            trim();
+        }
+    }
+}
+
+/// Asks the allocator to give free memory back to the system, at most once per 100 ms and on a
+/// thread of its own (trimming a large heap takes milliseconds): after large requests end,
+/// refused or abandoned ones included, what they held does not stay resident.
+pub fn trim() {
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    static LAST: AtomicU64 = AtomicU64::new(0);
+    static RUNNING: AtomicBool = AtomicBool::new(false);
+    let now =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
+    let last = LAST.load(Ordering::Relaxed);
+    if now.saturating_sub(last) < 100 || RUNNING.swap(true, Ordering::AcqRel) {
+        return;
+    }
+    LAST.store(now, Ordering::Relaxed);
+    let spawned = std::thread::Builder::new().name("kv-trim".into()).spawn(|| {
+        // SAFETY: malloc_trim only returns free memory of glibc's heaps to the system.
+        unsafe { libc::malloc_trim(0) };
+        RUNNING.store(false, Ordering::Release);
+    });
+    if spawned.is_err() {
+        RUNNING.store(false, Ordering::Release);
     }
 }

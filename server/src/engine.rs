@@ -82,6 +82,9 @@ pub struct Engine {
     pub num_blocks: u32,
     /// Who registered it: only they may use it (to anyone else it does not exist).
     pub owner: Principal,
+    /// Whether its tenant may write its namespace (`tenants.rs`: the trust model); its saves
+    /// are refused otherwise.
+    pub may_write: bool,
     /// Counts it against its owner's `limits.max_engines_per_uid` while it lives.
     _held: Held,
     /// Where routers send this engine's requests, and its role (published with hit reports).
@@ -132,36 +135,73 @@ pub(crate) struct Attaching<'a> {
     /// The registering process (its descriptors' tickets must be its own).
     pub pid: Option<i32>,
     pub held: Held,
-    pub prefault: bool,
 }
 
-impl Engine {
-    /// Validates a registration and maps the engine's memory, handed over as descriptors.
-    fn attach(a: Attaching<'_>, tickets: &Tickets) -> Result<Self, ServerError> {
-        let Attaching { id, req, owner, pid, held, prefault } = a;
+/// A registration's request checked, before anything is mapped, bound or counted.
+#[derive(Debug)]
+pub(crate) struct Checked {
+    pub namespace: Namespace,
+    slots: SlotLayout,
+    /// The size the registration gives its region.
+    size: u64,
+    /// Bytes of the region the daemon maps into its address space: from its start to the end
+    /// of its last block slot, in whole pages (none of a GPU's memory).
+    pub map_bytes: u64,
+}
+
+impl Checked {
+    /// Checks the names, namespace, region and block slots a registration gives.
+    pub fn new(req: &pb::RegisterRequest) -> Result<Self, ServerError> {
         check_names(req)?;
         let spec = req.namespace.as_ref().ok_or_else(|| invalid("namespace is missing"))?;
         bounded("namespace.model_id", &spec.model_id, kvproto::limits::MODEL_ID_MAX_BYTES)?;
         let namespace = Namespace::try_from(spec)?;
-        let layout: KvLayout = namespace.layout;
         let region = req.region.as_ref().ok_or_else(|| invalid("region is missing"))?;
-        #[allow(deprecated)]
-        if let Some(pb::memory_region::Kind::ShmPath(_)) = &region.kind {
-            return Err(path_refused("region.shm_path"));
-        }
         let size = region.size_bytes;
         let slots = SlotLayout {
             segments: req.segments.iter().map(|s| Segment { offset: s.offset, stride: s.block_stride }).collect(),
             segment_bytes: req.segment_bytes,
             num_blocks: req.num_blocks,
         };
-        slots.check(&layout, size).map_err(|e| invalid(e.to_string()))?;
+        slots.check(&namespace.layout, size).map_err(|e| invalid(e.to_string()))?;
+        #[allow(deprecated)]
+        let map_bytes = match &region.kind {
+            Some(pb::memory_region::Kind::ShmPath(_)) => return Err(path_refused("region.shm_path")),
+            Some(pb::memory_region::Kind::FdTicket(_)) => {
+                // Only what the slots use is mapped: a region declared larger than its slots
+                // costs the daemon nothing past them (finding 1 of issue 35).
+                let extent = slots.extent().ok_or_else(|| invalid("block slots overflow"))?;
+                extent.div_ceil(PAGE).saturating_mul(PAGE).min(size)
+            }
+            Some(pb::memory_region::Kind::CudaIpcHandle(_)) => 0,
+            None => return Err(invalid("region has neither fd_ticket nor cuda_ipc_handle")),
+        };
+        Ok(Self { namespace, slots, size, map_bytes })
+    }
+}
+
+/// The page size regions are mapped in.
+const PAGE: u64 = 4096;
+
+/// How long a registration may spend filling the page tables of its region
+/// (`engines.prefault_memory`); what is left faults in on first use.
+pub const PREFAULT_BUDGET: Duration = Duration::from_secs(2);
+
+/// Bytes of the region prefaulted per step (between steps the budget is checked).
+const PREFAULT_STEP: usize = 64 << 20;
+
+impl Engine {
+    /// Maps the engine's memory, handed over as descriptors, for a registration [`Checked`]
+    /// already.
+    fn attach(a: Attaching<'_>, checked: Checked, tickets: &Tickets) -> Result<Self, ServerError> {
+        let Attaching { id, req, owner, pid, held } = a;
+        let Checked { namespace, slots, size, map_bytes } = checked;
         let Principal::Uid(uid) = owner else {
             return Err(ServerError::Attach("engines attach over the Unix socket only".into()));
         };
+        let region = req.region.as_ref().ok_or_else(|| invalid("region is missing"))?;
         #[allow(deprecated)]
         let memory = match &region.kind {
-            Some(pb::memory_region::Kind::ShmPath(_)) => return Err(path_refused("region.shm_path")),
             Some(pb::memory_region::Kind::FdTicket(t)) => {
                 let r = tickets.redeem(t, uid, pid)?;
                 let what = "KV memory (descriptor)";
@@ -176,15 +216,12 @@ impl Engine {
                         "the {what} has {len} bytes, the registration says {size}"
                     )));
                 }
-                let mut options = MmapOptions::new();
-                options.len(usize::try_from(size).map_err(|_| invalid("region size exceeds the address space"))?);
-                if prefault {
-                    // Page tables filled now, in one pass: faulting the region in 64 KiB at a
-                    // time during the first saves cost ~80 ms per 32 MiB here.
-                    options.populate();
-                }
-                let map =
-                    options.map_raw(&r.file).map_err(|e| ServerError::Attach(format!("cannot map the {what}: {e}")))?;
+                let map_len =
+                    usize::try_from(map_bytes).map_err(|_| invalid("region size exceeds the address space"))?;
+                let map = MmapOptions::new()
+                    .len(map_len)
+                    .map_raw(&r.file)
+                    .map_err(|e| ServerError::Attach(format!("cannot map the {what}: {e}")))?;
                 let guard = FaultGuard::watch(map.as_ptr() as usize, map.len()).map_err(ServerError::Attach)?;
                 EngineMemory::Shm { guard, map, path: what.to_string() }
             }
@@ -199,8 +236,10 @@ impl Engine {
                 );
                 EngineMemory::Cuda(region)
             }
-            None => return Err(invalid("region has neither fd_ticket nor cuda_ipc_handle")),
+            _ => return Err(invalid("region has neither fd_ticket nor cuda_ipc_handle")),
         };
+        let layout: KvLayout = namespace.layout;
+        debug_assert_eq!(layout.block_bytes(), namespace.layout.block_bytes());
         // A token area that cannot be used costs speed, not the registration: the engine is
         // told why (`token_area_error`) and sends its tokens inline.
         let (token_area, token_area_error) = match req.token_area.as_ref() {
@@ -216,7 +255,11 @@ impl Engine {
         Ok(Self {
             id,
             name: req.engine_name.clone(),
-            kv_label: crate::metrics_catalog::kv_namespace_label(namespace.id(), &namespace.model_id),
+            kv_label: crate::metrics_catalog::kv_namespace_label(
+                namespace.id(),
+                &namespace.model_id,
+                namespace.tenant_salt.is_some(),
+            ),
             namespace_id: namespace.id(),
             fingerprint: namespace.fingerprint(),
             namespace,
@@ -224,6 +267,7 @@ impl Engine {
             num_blocks: req.num_blocks,
             slots,
             owner,
+            may_write: false,
             _held: held,
             address: req.worker_address.clone(),
             role: req.role.clone(),
@@ -300,6 +344,58 @@ impl Engine {
         match &self.memory {
             EngineMemory::Shm { guard, path, .. } if guard.faulted() => Err(shrank(path)),
             _ => Ok(()),
+        }
+    }
+
+    /// Fills the page tables of the pages of a shared-memory region that the engine has
+    /// already made resident, in steps, until `budget` runs out: the first saves and loads then
+    /// take no page faults. Pages the engine never touched are left alone (filling them would
+    /// allocate memory in the daemon's name for a region that may be sparse), and so is a GPU's
+    /// memory. Returns the bytes filled.
+    pub fn prefault(&self, budget: Duration) -> u64 {
+        let EngineMemory::Shm { map, .. } = &self.memory else { return 0 };
+        let start = Instant::now();
+        let (base, len) = (map.as_mut_ptr(), map.len());
+        let mut filled = 0u64;
+        let mut resident = Vec::new();
+        let mut at = 0usize;
+        while at < len && start.elapsed() < budget {
+            let n = PREFAULT_STEP.min(len - at);
+            resident.clear();
+            resident.resize(n.div_ceil(PAGE as usize), 0u8);
+            // SAFETY: mincore reads the mapping's page-cache state into a vector of one byte per
+            // page of the range, which is inside this engine's mapping.
+            if unsafe { libc::mincore(base.wrapping_add(at).cast(), n, resident.as_mut_ptr()) } != 0 {
+                break;
+            }
+            let mut page = 0usize;
+            while page < resident.len() {
+                if resident[page] & 1 == 0 {
+                    page += 1;
+                    continue;
+                }
+                let run = resident[page..].iter().take_while(|r| *r & 1 == 1).count();
+                let (off, bytes) =
+                    (at + page * PAGE as usize, (run * PAGE as usize).min(len - at - page * PAGE as usize));
+                // SAFETY: MADV_POPULATE_WRITE only faults in (writable) pages of this range of
+                // the engine's mapping, which are resident already; it writes no byte.
+                if unsafe { libc::madvise(base.wrapping_add(off).cast(), bytes, libc::MADV_POPULATE_WRITE) } != 0 {
+                    // An older kernel, or a page gone meanwhile: the rest faults in on use.
+                    return filled;
+                }
+                filled += bytes as u64;
+                page += run;
+            }
+            at += n;
+        }
+        filled
+    }
+
+    /// Bytes of the region mapped into the daemon (none of a GPU's memory).
+    pub fn mapped_bytes(&self) -> u64 {
+        match &self.memory {
+            EngineMemory::Shm { map, .. } => map.len() as u64,
+            EngineMemory::Cuda(_) => 0,
         }
     }
 
@@ -386,7 +482,6 @@ pub struct Registry {
     /// Descriptors engines handed over (ATTACH), until their registrations redeem them.
     pub tickets: Arc<Tickets>,
     limits: Arc<Limits>,
-    max: usize,
     pub lease: Duration,
     prefault: bool,
     /// Who may name which tenant salt.
@@ -403,14 +498,13 @@ pub(crate) fn time_seeded_id() -> u64 {
 }
 
 impl Registry {
-    pub fn new(max: usize, lease: Duration, tickets: Arc<Tickets>, limits: Arc<Limits>) -> Self {
+    pub fn new(lease: Duration, tickets: Arc<Tickets>, limits: Arc<Limits>) -> Self {
         Self {
             engines: RwLock::new(HashMap::new()),
             ids: std::collections::hash_map::RandomState::new(),
             next_id: AtomicU64::new(time_seeded_id()),
             tickets,
             limits,
-            max,
             lease,
             prefault: false,
             tenants: Arc::default(),
@@ -435,24 +529,20 @@ impl Registry {
         self
     }
 
-    fn full(&self) -> ServerError {
-        self.limits.count_refusal("max_engines");
-        ServerError::Exhausted(format!("{} engines attached (engines.max_engines)", self.max))
-    }
-
-    /// Attaches an engine for `owner` (process `pid`, whose descriptor tickets it redeems).
+    /// Attaches an engine for `owner` (process `pid`, whose descriptor tickets it redeems): the
+    /// request checked, the engine counted against `owner`'s limits (engines, mapped memory),
+    /// its memory mapped, then its namespace checked against the trust model and bound
+    /// (`tenants.rs`), and only then its resident pages prefaulted. The trust check comes after
+    /// everything else that can fail, so a refusal for another tenant's salt is the only answer
+    /// that names it.
     pub fn register(
         &self,
         req: &pb::RegisterRequest,
         owner: Principal,
         pid: Option<i32>,
     ) -> Result<Arc<Engine>, ServerError> {
-        if self.engines.read().len() >= self.max {
-            return Err(self.full());
-        }
-        let held = self.limits.engine(owner)?;
-        // Before anything is mapped: a salt of another tenant's is refused.
-        self.tenants.admit(owner, req.namespace.as_ref().and_then(|s| s.tenant_salt.as_deref()))?;
+        let checked = Checked::new(req)?;
+        let held = self.limits.engine(owner, checked.map_bytes)?;
         // Random, unguessable and never 0; not derived from the time, so a restarted daemon
         // does not hand out its previous life's ids either. Distinct counters give distinct ids
         // but for a 2^-64 hash collision.
@@ -462,18 +552,32 @@ impl Registry {
                 break id;
             }
         };
-        let attaching = Attaching { id, req, owner, pid, held, prefault: self.prefault };
-        let e = Arc::new(Engine::attach(attaching, &self.tickets)?);
-        let mut engines = self.engines.write();
-        // Checked again where the engine is added: registrations attaching at the same time
-        // all passed the first check (the mapping is released when `e` drops).
-        if engines.len() >= self.max {
-            return Err(self.full());
+        let mut e = Engine::attach(Attaching { id, req, owner, pid, held }, checked, &self.tickets)?;
+        e.may_write = self.tenants.rights(owner, &e.namespace)?.write;
+        self.tenants.bind(owner, &e.namespace)?;
+        if self.prefault {
+            let t = Instant::now();
+            let filled = e.prefault(PREFAULT_BUDGET);
+            tracing::debug!(
+                engine = id,
+                filled,
+                mapped = e.mapped_bytes(),
+                ms = t.elapsed().as_millis() as u64,
+                "prefaulted"
+            );
         }
-        engines.insert(id, Arc::clone(&e));
-        metrics::gauge!("kvcached_engines_attached").set(engines.len() as f64);
-        drop(engines);
-        tracing::info!(engine = id, name = %e.name, owner = %owner, namespace = %e.namespace_id, "engine attached");
+        let e = Arc::new(e);
+        self.engines.write().insert(id, Arc::clone(&e));
+        metrics::gauge!("kvcached_engines_attached").set(self.engines.read().len() as f64);
+        tracing::info!(
+            engine = id,
+            name = %e.name,
+            owner = %owner,
+            namespace = %e.namespace_id,
+            may_write = e.may_write,
+            mapped = e.mapped_bytes(),
+            "engine attached"
+        );
         Ok(e)
     }
 

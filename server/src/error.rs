@@ -22,6 +22,11 @@ pub enum ServerError {
     Exhausted(String),
     #[error(transparent)]
     Tier(#[from] TierError),
+    /// The caller's tenant may not do this in this namespace (the trust model,
+    /// docs/operations.md "Security"): another tenant's salt, a namespace it may not read or
+    /// write.
+    #[error("permission denied: {0}")]
+    Denied(String),
     /// Engine memory could not be attached.
     #[error("cannot attach engine memory: {0}")]
     Attach(String),
@@ -41,6 +46,7 @@ impl From<ServerError> for tonic::Status {
             ServerError::UnknownEngine(_) => Some(Reason::UnknownEngine),
             ServerError::UnknownOp(_) => Some(Reason::UnknownOp),
             ServerError::Exhausted(_) => Some(Reason::LimitReached),
+            ServerError::Denied(_) => Some(Reason::NotTrusted),
             _ => None,
         };
         let mut status = status_of(e);
@@ -59,6 +65,7 @@ fn status_of(e: ServerError) -> tonic::Status {
             ServerError::UnknownEngine(_) | ServerError::UnknownOp(_) => tonic::Status::not_found(msg),
             ServerError::Exhausted(_) => tonic::Status::resource_exhausted(msg),
             ServerError::Attach(_) => tonic::Status::failed_precondition(msg),
+            ServerError::Denied(_) => tonic::Status::permission_denied(msg),
             ServerError::Tier(TierError::Full { .. }) => tonic::Status::resource_exhausted(msg),
             ServerError::Tier(TierError::LengthMismatch { .. }) => tonic::Status::invalid_argument(msg),
             ServerError::Tier(_) | ServerError::Config { .. } | ServerError::Io(_) | ServerError::Zmq(_) => {

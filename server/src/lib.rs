@@ -11,7 +11,8 @@
 //!   backed off; ATTACH and LOOKUP told from gRPC by their first bytes.
 //! - [`attach`]: ATTACH, descriptors handed over the Unix socket, redeemed by Register.
 //! - [`lookup_wire`]: LOOKUP, connections on the Unix socket that carry only lookups (no HTTP/2).
-//! - [`limits`]: what each uid holds (connections, engines, loads, bytes arriving) and the limits.
+//! - [`limits`]: what each uid holds (connections, engines and their mapped memory, loads, bytes
+//!   arriving), the limits, and the fair shares of the totals.
 //! - [`edge`]: who sent a request, and the bytes of requests still arriving, per uid.
 //! - [`h2_authority`]: stock gRPC clients' header blocks made acceptable (grpcio sends the
 //!   socket path as `:authority`).
@@ -24,8 +25,9 @@
 //! - [`key_memo`]: key chains of recent prompts, reused by later requests for the same tokens.
 //! - [`prefix_probe`]: thread `kv-probe`, probing a long prompt's keys while they are derived.
 //! - [`engine`]: attached engines, their memory mappings and heartbeat leases.
-//! - [`tenants`]: who may name which tenant salt; [`quota`]: what each tenant's blocks may take
-//!   in G2, G3 and G4, charged where they land.
+//! - [`tenants`]: the trust model: who may name which tenant salt, who writes and who reads
+//!   each namespace (bindings kept across restarts); [`quota`]: what each tenant's blocks may
+//!   take in G2, G3 and G4, charged where they land.
 //! - [`fault_guard`]: a SIGBUS in an engine's mapping (the engine truncated its file) becomes
 //!   that engine's error instead of the daemon's death.
 //! - [`token_area`]: an engine's shared-memory file of long prompts' tokens (read-only here).

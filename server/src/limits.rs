@@ -3,8 +3,12 @@
 //! guard and given back when the guard drops, on every path.
 //!
 //! One uid reaching its limits never keeps another from being served: connections, engines,
-//! loads in flight and bytes of requests still arriving are bounded per uid, and the totals are
-//! bounded below what the process can hold (file descriptors, `engines.max_engines`).
+//! the engine memory the daemon maps, loads in flight and bytes of requests still arriving are
+//! bounded per uid, and the totals are bounded below what the process can hold (file
+//! descriptors, `engines.max_engines`). Nor can a set of uids, each within its own limits, lock
+//! a new one out of the totals ([`Share`]): the last eighth of each total is kept for uids that
+//! hold almost none of it yet (fewer than [`STARTER_CONNECTIONS`] connections, no engine), and
+//! root and the daemon's own uid have an eighth of their own beyond it.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -35,14 +39,53 @@ impl std::fmt::Display for Principal {
 struct Use {
     connections: usize,
     engines: usize,
+    /// Bytes of engine memory mapped for this uid's engines.
+    engine_bytes: u64,
     pending_loads: usize,
     buffered: u64,
 }
 
 impl Use {
     fn is_zero(&self) -> bool {
-        self.connections == 0 && self.engines == 0 && self.pending_loads == 0 && self.buffered == 0
+        self.connections == 0
+            && self.engines == 0
+            && self.engine_bytes == 0
+            && self.pending_loads == 0
+            && self.buffered == 0
     }
+}
+
+/// Connections a uid may take from the reserve: what one engine needs to start (its gRPC
+/// connection, an ATTACH exchange, a LOOKUP connection or two).
+pub const STARTER_CONNECTIONS: usize = 4;
+
+/// Who may take one more of a total (connections, engines) of `max`, `reserve` of which are
+/// kept back: uids that already hold some take from `max - reserve`; a uid that holds almost
+/// none yet may take from all of `max` (so no set of uids at their own limits locks a new one
+/// out); root and the daemon's own uid ([`Limits::privileged`]) have `reserve` more beyond `max`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Share {
+    Shared,
+    Newcomer,
+    Privileged,
+}
+
+impl Share {
+    /// Whether a holder of this share may take one more when `total` are taken.
+    pub fn admits(self, total: usize, max: usize) -> bool {
+        let reserve = reserve_of(max);
+        match self {
+            Share::Shared => total < max - reserve,
+            Share::Newcomer => total < max,
+            Share::Privileged => total < max + reserve,
+        }
+    }
+}
+
+/// The part of a total of `max` kept back from uids that already hold some: an eighth, at
+/// least one (none of a total of 1).
+pub fn reserve_of(max: usize) -> usize {
+    if max <= 1 { 0 } else { (max / 8).max(1) }
 }
 
 /// The counts and the limits.
@@ -52,6 +95,13 @@ pub struct Limits {
     /// Connections over every listener may not pass this (the configured limit, or half the
     /// descriptors the process may open, whichever is lower).
     pub max_connections: usize,
+    /// Engines attached at once (`engines.max_engines`).
+    pub max_engines: usize,
+    /// Bytes of engine memory one uid's engines may have mapped
+    /// (`limits.max_engine_memory_bytes_per_uid`, 0 there: a quarter of the machine's memory).
+    pub max_engine_bytes: u64,
+    /// The daemon's own uid (with root, [`Share::Privileged`]).
+    own_uid: u32,
     inner: Mutex<Inner>,
     refused: metrics::Counter,
 }
@@ -59,6 +109,7 @@ pub struct Limits {
 #[derive(Debug, Default)]
 struct Inner {
     connections: usize,
+    engines: usize,
     per: HashMap<Principal, Use>,
 }
 
@@ -68,6 +119,8 @@ pub enum Limit {
     Connections,
     ConnectionsPerUid,
     EnginesPerUid,
+    EngineMemoryPerUid,
+    Engines,
     LoadsPerUid,
     BufferedPerUid,
 }
@@ -78,6 +131,8 @@ impl Limit {
             Limit::Connections => "connections",
             Limit::ConnectionsPerUid => "connections_per_uid",
             Limit::EnginesPerUid => "engines_per_uid",
+            Limit::EngineMemoryPerUid => "engine_memory_bytes_per_uid",
+            Limit::Engines => "max_engines",
             Limit::LoadsPerUid => "pending_loads_per_uid",
             Limit::BufferedPerUid => "buffered_bytes_per_uid",
         }
@@ -85,14 +140,45 @@ impl Limit {
 }
 
 impl Limits {
-    pub fn new(cfg: LimitsConfig, fd_limit: u64) -> Arc<Self> {
-        let max_connections = cfg.max_connections.min(usize::try_from(fd_limit / 2).unwrap_or(usize::MAX)).max(1);
+    /// The limits of `cfg`, with at most `max_engines` engines and half of `fd_limit`
+    /// connections.
+    pub fn new(cfg: LimitsConfig, fd_limit: u64, max_engines: usize) -> Arc<Self> {
+        // Room for the privileged share beyond the total: the total is at most 8/9 of half the
+        // descriptors.
+        let fd_room = usize::try_from(fd_limit / 2).unwrap_or(usize::MAX);
+        let fd_room = fd_room - reserve_of(fd_room);
+        let max_connections = cfg.max_connections.min(fd_room).max(1);
+        let max_engine_bytes = match cfg.max_engine_memory_bytes_per_uid {
+            0 => physical_memory() / 4,
+            n => n,
+        };
         Arc::new(Self {
             cfg,
             max_connections,
+            max_engines: max_engines.max(1),
+            max_engine_bytes,
+            // SAFETY: geteuid has no failure mode.
+            own_uid: unsafe { libc::geteuid() },
             inner: Mutex::new(Inner::default()),
             refused: metrics::counter!("kvcached_limit_refusals_total"),
         })
+    }
+
+    /// Whether `who` is root or the daemon's own uid.
+    pub fn privileged(&self, who: Principal) -> bool {
+        matches!(who, Principal::Uid(u) if u == 0 || u == self.own_uid)
+    }
+
+    /// The share of a total `who` takes from, holding `held` of it now, `starter` of which
+    /// still count as a newcomer's.
+    fn share(&self, who: Principal, held: usize, starter: usize) -> Share {
+        if self.privileged(who) {
+            Share::Privileged
+        } else if held < starter {
+            Share::Newcomer
+        } else {
+            Share::Shared
+        }
     }
 
     fn refuse(&self, limit: Limit, who: Principal, have: u64, max: u64) -> ServerError {
@@ -105,8 +191,10 @@ impl Limits {
         self.refused.increment(1);
         metrics::counter!("kvcached_limit_refusals_by_limit_total", "limit" => Limit::Connections.label()).increment(1);
         ServerError::Exhausted(format!(
-            "the daemon holds {have} of its {} connections (limits.max_connections, at most half the open-file limit)",
-            self.max_connections
+            "the daemon holds {have} of its {} connections (limits.max_connections, at most half the open-file \
+             limit; the last {} are kept for uids that hold none)",
+            self.max_connections,
+            reserve_of(self.max_connections)
         ))
     }
 
@@ -130,7 +218,8 @@ impl Limits {
     /// A connection of `who` opens; refused past the total or the per-uid limit.
     pub fn connect(self: &Arc<Self>, who: Principal) -> Result<Held, ServerError> {
         let mut g = self.inner.lock();
-        if g.connections >= self.max_connections {
+        let holds = g.per.get(&who).map_or(0, |u| u.connections);
+        if !self.share(who, holds, STARTER_CONNECTIONS).admits(g.connections, self.max_connections) {
             let n = g.connections;
             drop(g);
             return Err(self.refuse_total(n as u64));
@@ -138,30 +227,60 @@ impl Limits {
         // TCP clients count as one principal: until TCP is authenticated they cannot hold more
         // than one uid may.
         let per = self.cfg.max_connections_per_uid;
-        let u = g.per.entry(who).or_default();
-        if u.connections >= per {
-            let n = u.connections;
+        if holds >= per {
             drop(g);
-            return Err(self.refuse(Limit::ConnectionsPerUid, who, n as u64, per as u64));
+            return Err(self.refuse(Limit::ConnectionsPerUid, who, holds as u64, per as u64));
         }
-        u.connections += 1;
+        g.per.entry(who).or_default().connections += 1;
         g.connections += 1;
         metrics::gauge!("kvcached_connections").set(g.connections as f64);
         Ok(Held { limits: Arc::clone(self), who, what: Holding::Connection })
     }
 
-    /// An engine of `who` attaches.
-    pub fn engine(self: &Arc<Self>, who: Principal) -> Result<Held, ServerError> {
-        let max = self.cfg.max_engines_per_uid;
-        self.with_use(who, |u| {
-            if u.engines >= max {
-                return Err(u.engines);
-            }
-            u.engines += 1;
-            Ok(())
-        })
-        .map_err(|n| self.refuse(Limit::EnginesPerUid, who, n as u64, max as u64))?;
-        Ok(Held { limits: Arc::clone(self), who, what: Holding::Engine })
+    /// An engine of `who` attaches, mapping `bytes` of its memory into the daemon (0 for memory
+    /// the daemon does not map into its own address space, a GPU's). Refused past the uid's
+    /// engines or engine memory, or past its share of `engines.max_engines`.
+    pub fn engine(self: &Arc<Self>, who: Principal, bytes: u64) -> Result<Held, ServerError> {
+        let (max, max_bytes) = (self.cfg.max_engines_per_uid, self.max_engine_bytes);
+        let mut g = self.inner.lock();
+        let u = g.per.get(&who).copied().unwrap_or_default();
+        let refusal = if !self.share(who, u.engines, 1).admits(g.engines, self.max_engines) {
+            Some((Limit::Engines, g.engines as u64, self.max_engines as u64))
+        } else if u.engines >= max {
+            Some((Limit::EnginesPerUid, u.engines as u64, max as u64))
+        } else if u.engine_bytes.saturating_add(bytes) > max_bytes {
+            Some((Limit::EngineMemoryPerUid, u.engine_bytes, max_bytes))
+        } else {
+            None
+        };
+        if let Some((limit, have, max)) = refusal {
+            drop(g);
+            return Err(match limit {
+                Limit::Engines => {
+                    self.refused.increment(1);
+                    metrics::counter!("kvcached_limit_refusals_by_limit_total", "limit" => limit.label()).increment(1);
+                    ServerError::Exhausted(format!(
+                        "{have} engines attached (engines.max_engines {max}; the last {} are kept for uids that hold \
+                         none)",
+                        reserve_of(max as usize)
+                    ))
+                }
+                Limit::EngineMemoryPerUid => {
+                    self.refused.increment(1);
+                    metrics::counter!("kvcached_limit_refusals_by_limit_total", "limit" => limit.label()).increment(1);
+                    ServerError::Exhausted(format!(
+                        "{who}'s engines map {have} bytes and this one {bytes} more, past its {max} \
+                         (limits.max_engine_memory_bytes_per_uid)"
+                    ))
+                }
+                _ => self.refuse(limit, who, have, max),
+            });
+        }
+        g.engines += 1;
+        let u = g.per.entry(who).or_default();
+        u.engines += 1;
+        u.engine_bytes += bytes;
+        Ok(Held { limits: Arc::clone(self), who, what: Holding::Engine(bytes) })
     }
 
     /// A load of `who` starts.
@@ -209,10 +328,17 @@ impl Limits {
     }
 }
 
+/// Bytes of physical memory (1 GiB where it cannot be read).
+pub fn physical_memory() -> u64 {
+    // SAFETY: sysconf has no memory-safety preconditions.
+    let (pages, size) = unsafe { (libc::sysconf(libc::_SC_PHYS_PAGES), libc::sysconf(libc::_SC_PAGESIZE)) };
+    if pages <= 0 || size <= 0 { 1 << 30 } else { pages as u64 * size as u64 }
+}
+
 #[derive(Debug, Clone, Copy)]
 enum Holding {
     Connection,
-    Engine,
+    Engine(u64),
     Load,
     Buffered(u64),
 }
@@ -234,14 +360,24 @@ impl Held {
 impl Drop for Held {
     fn drop(&mut self) {
         let what = self.what;
-        if matches!(what, Holding::Connection) {
-            let mut g = self.limits.inner.lock();
-            g.connections = g.connections.saturating_sub(1);
-            metrics::gauge!("kvcached_connections").set(g.connections as f64);
+        match what {
+            Holding::Connection => {
+                let mut g = self.limits.inner.lock();
+                g.connections = g.connections.saturating_sub(1);
+                metrics::gauge!("kvcached_connections").set(g.connections as f64);
+            }
+            Holding::Engine(_) => {
+                let mut g = self.limits.inner.lock();
+                g.engines = g.engines.saturating_sub(1);
+            }
+            _ => {}
         }
         self.limits.with_use(self.who, |u| match what {
             Holding::Connection => u.connections = u.connections.saturating_sub(1),
-            Holding::Engine => u.engines = u.engines.saturating_sub(1),
+            Holding::Engine(bytes) => {
+                u.engines = u.engines.saturating_sub(1);
+                u.engine_bytes = u.engine_bytes.saturating_sub(bytes);
+            }
             Holding::Load => u.pending_loads = u.pending_loads.saturating_sub(1),
             Holding::Buffered(n) => u.buffered = u.buffered.saturating_sub(n),
         });
@@ -280,7 +416,7 @@ mod tests {
             max_connections: 3,
             ..Default::default()
         };
-        let l = Limits::new(cfg, 1 << 20);
+        let l = Limits::new(cfg, 1 << 20, 64);
         let a = Principal::Uid(1000);
         let (c1, c2) = (l.connect(a).unwrap(), l.connect(a).unwrap());
         assert!(l.connect(a).is_err());
@@ -289,10 +425,10 @@ mod tests {
         assert!(e.contains("the daemon holds 3 of its 3 connections"), "{e}");
         drop((c1, b));
         assert!(l.connect(a).is_ok());
-        let e = l.engine(a).unwrap();
-        assert!(l.engine(a).is_err() && l.engine(Principal::Uid(1001)).is_ok());
+        let e = l.engine(a, 0).unwrap();
+        assert!(l.engine(a, 0).is_err() && l.engine(Principal::Uid(1001), 0).is_ok());
         drop(e);
-        assert!(l.engine(a).is_ok());
+        assert!(l.engine(a, 0).is_ok());
         l.buffer(a, l.cfg.max_buffered_bytes_per_uid).unwrap();
         assert!(l.buffer(a, 1).is_err() && l.buffer(Principal::Uid(7), 1).is_ok());
         l.unbuffer(a, l.cfg.max_buffered_bytes_per_uid);
@@ -302,8 +438,56 @@ mod tests {
 
     #[test]
     fn the_fd_limit_bounds_connections() {
-        let l = Limits::new(LimitsConfig::default(), 100);
-        assert_eq!(l.max_connections, 50);
+        // Half the descriptors, less the privileged share that may go beyond the total.
+        let l = Limits::new(LimitsConfig::default(), 100, 64);
+        assert_eq!(l.max_connections, 44);
+        assert!(44 + reserve_of(44) <= 50);
         assert!(raise_fd_limit() >= 1024);
+    }
+
+    /// Finding 6 of issue 35: uids each within their own limits filled the totals and locked
+    /// root and new uids out. The last eighth is kept for uids that hold none, and root has an
+    /// eighth of its own beyond the total.
+    #[test]
+    fn uids_at_their_limits_leave_room_for_a_new_uid_and_for_root() {
+        let cfg = LimitsConfig { max_connections: 64, max_connections_per_uid: 16, ..Default::default() };
+        let l = Limits::new(cfg, 1 << 20, 16);
+        let mut held = Vec::new();
+        // Four uids take what the shared part gives them: 56 of 64.
+        for uid in 1000..1004 {
+            while let Ok(h) = l.connect(Principal::Uid(uid)) {
+                held.push(h);
+            }
+        }
+        assert_eq!(l.connections(), 56);
+        // A fifth uid, a sixth: each gets in, from the reserve, as many as an engine needs.
+        for uid in [2000, 2001] {
+            for _ in 0..STARTER_CONNECTIONS {
+                held.push(l.connect(Principal::Uid(uid)).unwrap());
+            }
+        }
+        assert!(l.connect(Principal::Uid(2000)).is_err(), "a uid past its starter takes from the shared part");
+        assert_eq!(l.connections(), 64);
+        // Root gets in past the total, up to its own eighth beyond it.
+        let root: Vec<_> = (0..8).map(|_| l.connect(Principal::Uid(0)).unwrap()).collect();
+        assert!(l.connect(Principal::Uid(0)).is_err());
+        drop(root);
+        // Engines: the same shares of engines.max_engines, and memory per uid.
+        let mut engines = Vec::new();
+        for uid in 1000..1010 {
+            if let Ok(e) = l.engine(Principal::Uid(uid), 1) {
+                engines.push(e);
+            }
+            if let Ok(e) = l.engine(Principal::Uid(uid), 1) {
+                engines.push(e);
+            }
+        }
+        assert_eq!(engines.len(), 16, "two each while the shared part lasts, then one each from the reserve");
+        let e = l.engine(Principal::Uid(0), 1).unwrap();
+        let mem = l.max_engine_bytes;
+        let too_big = l.engine(Principal::Uid(0), mem).unwrap_err().to_string();
+        assert!(too_big.contains("max_engine_memory_bytes_per_uid"), "{too_big}");
+        drop((e, engines, held));
+        assert_eq!(l.connections(), 0);
     }
 }

@@ -27,8 +27,10 @@ pub const MAX_KV_NAMESPACES: usize = 64;
 /// lookups): its id (32 hex digits, as logs and hit reports name it) for the first
 /// [`MAX_KV_NAMESPACES`] namespaces this process has seen, else `other`. When a namespace gets a
 /// label of its own, `kvcached_kv_namespace_info{kv_namespace, model}` is set to 1, so that
-/// dashboards can name it by model (the tenant salt is never exported).
-pub fn kv_namespace_label(id: NamespaceId, model: &str) -> String {
+/// dashboards can name it by model. A salted namespace's id is never exported (nor its salt):
+/// its label is `salted-` and 16 hex digits of a hash of the id, which names it on a dashboard
+/// and gives no one its keys (finding 2 of issue 35: `/metrics` listed salted namespaces' ids).
+pub fn kv_namespace_label(id: NamespaceId, model: &str, salted: bool) -> String {
     static LABELS: OnceLock<Mutex<HashMap<NamespaceId, String>>> = OnceLock::new();
     let mut labels = LABELS.get_or_init(Mutex::default).lock().unwrap_or_else(|e| e.into_inner());
     if let Some(l) = labels.get(&id) {
@@ -39,7 +41,12 @@ pub fn kv_namespace_label(id: NamespaceId, model: &str) -> String {
             .set(1.0);
         return "other".into();
     }
-    let label = id.to_string();
+    let label = if salted {
+        let h = blake3::hash(&id.0);
+        format!("salted-{}", &h.to_hex()[..16])
+    } else {
+        id.to_string()
+    };
     let model = kvproto::limits::clip(model, 64).into_owned();
     metrics::gauge!("kvcached_kv_namespace_info", "kv_namespace" => label.clone(), "model" => model).set(1.0);
     labels.insert(id, label.clone());
@@ -84,6 +91,11 @@ pub fn describe() {
         ("kvcached_limit_refusals_total", "Requests or connections refused by a limit."),
         ("kvcached_limit_refusals_by_limit_total", "Refusals by limit."),
         ("kvcached_tenant_salt_refused_total", "Registrations refused: their tenant salt is another tenant's."),
+        (
+            "kvcached_namespace_refused_total",
+            "Registrations (op=register) and saves (op=save) refused: the caller's tenant may not read or write \
+             the namespace ([[namespaces]]).",
+        ),
         (
             "kvcached_tenant_quota_evictions_total",
             "Blocks a tenant at its quota removed of its own, by tenant and tier.",

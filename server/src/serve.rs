@@ -94,20 +94,25 @@ async fn start_daemon(
     store: Arc<kvtiers::BlockStore>,
 ) -> Result<Arc<Daemon>, ServerError> {
     let fd_limit = crate::limits::raise_fd_limit();
-    let limits = Limits::new(config.limits.clone(), fd_limit);
-    tracing::info!(fd_limit, max_connections = limits.max_connections, "connection limits");
+    let limits = Limits::new(config.limits.clone(), fd_limit, config.engines.max_engines);
+    tracing::info!(
+        fd_limit,
+        max_connections = limits.max_connections,
+        max_engine_memory_bytes_per_uid = limits.max_engine_bytes,
+        "connection and engine limits"
+    );
     let own: Vec<PathBuf> = std::iter::once(store.g2().shm_path().to_path_buf())
         .chain(config.g3.enabled.then(|| config.g3.dir.clone()))
         .collect();
     let tickets = Arc::new(Tickets::new(own));
-    let engines = engine::Registry::new(
-        config.engines.max_engines,
-        Duration::from_millis(config.engines.lease_ms),
-        tickets,
-        Arc::clone(&limits),
-    )
-    .prefault_memory(config.engines.prefault_memory)
-    .with_tenants(Arc::new(crate::tenants::Tenants::new(&config.tenants)?));
+    let mut tenants = crate::tenants::Tenants::new(&config.tenants, &config.namespaces)?;
+    if config.g3.enabled {
+        // G3's blocks outlive the process: so must the record of which tenant wrote them.
+        tenants = tenants.persist_to(config.g3.dir.join("bindings.toml"))?;
+    }
+    let engines = engine::Registry::new(Duration::from_millis(config.engines.lease_ms), tickets, Arc::clone(&limits))
+        .prefault_memory(config.engines.prefault_memory)
+        .with_tenants(Arc::new(tenants));
     let http_addr = listeners.http.as_ref().and_then(|l| l.local_addr().ok());
     let recovery_url = if config.router.advertise_url.is_empty() {
         let scheme = if config.metrics_auth.tls() { "https" } else { "http" };
@@ -118,6 +123,14 @@ async fn start_daemon(
     let vllm = if config.router.vllm_export.is_empty() {
         None
     } else {
+        // ZMQ, as vLLM speaks it, has no authentication: turning the export on is the
+        // operator's explicit word that whoever reaches it may read every namespace's keys and
+        // tokens.
+        tracing::warn!(
+            endpoint = %config.router.vllm_export,
+            "router.vllm_export is on: served without credentials (vLLM's ZMQ format has none); every local user, and \
+             anyone who can reach it, reads every namespace's block keys and token ids there"
+        );
         Some(Arc::new(
             vllm_export::VllmExport::start(
                 &config.router.vllm_export,
@@ -331,11 +344,24 @@ fn endpoint_guard(
     alpn: &[&[u8]],
 ) -> Result<Arc<kvnet::Guard>, ServerError> {
     let addr = l.local_addr()?;
-    kvnet::Guard::new(endpoint, auth, addr, alpn).map(Arc::new).map_err(|e| {
-        let msg = e.to_string();
-        let reason = msg.strip_prefix(&format!("{endpoint}: ")).unwrap_or(&msg).to_string();
-        ServerError::Config { field: field.into(), reason }
-    })
+    let guard = kvnet::Guard::new(endpoint, auth, addr, alpn)
+        .map_err(|e| {
+            let msg = e.to_string();
+            let reason = msg.strip_prefix(&format!("{endpoint}: ")).unwrap_or(&msg).to_string();
+            ServerError::Config { field: field.into(), reason }
+        })?
+        // Loopback is no trust boundary on a shared node: without credentials, what reveals or
+        // moves blocks, keys or namespace ids is refused unless the operator opened it.
+        .closed_without_credentials();
+    if auth.open {
+        tracing::warn!(
+            endpoint,
+            %addr,
+            "{field}.open = true: served without credentials; every local user (and anyone who can reach {addr}) \
+             may read every namespace's events, keys and blocks there"
+        );
+    }
+    Ok(Arc::new(guard))
 }
 
 /// The peer channel's authentication; a configuration that cannot work (an open endpoint on

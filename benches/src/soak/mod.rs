@@ -152,6 +152,8 @@ fn daemon_config(a: &SoakArgs, dir: &Path, shm: &Path, router: &str, http: &str)
     // Engines that drop their connection without unregistering are detached within 3 s.
     c.engines.lease_ms = 3_000;
     c.router.urls = vec![router.to_string()];
+    // One user's node: the router replays from it without credentials.
+    c.metrics_auth.open = true;
     c.router.node = "soak".into();
     c.router.report_interval_ms = 200;
     Ok(c)

@@ -7,6 +7,8 @@
 //! intruder SOCKET hold N SECS          # open N connections and hold them
 //! intruder SOCKET tenant SALT SAVE LOOKUP  # an engine salted SALT ("-": none) saves the first SAVE
 //!                                       # blocks of tenant_prompt(8), then looks up LOOKUP of them
+//! intruder SOCKET probe-salt SALT HOW      # a Register naming SALT that fails anyway (HOW: no-region,
+//!                                       # bad-ticket): prints its code and message
 //! ```
 //! Prints one line `key=value ...` of gRPC codes (or counts) and exits 0 when it could run.
 
@@ -120,14 +122,47 @@ async fn run(args: &[String]) -> Result<String, String> {
             let prompt = kvtests::tenant_prompt(8);
             let saved = if save > 0 {
                 let slots: Vec<u32> = (0..save).collect();
-                c.save(&prompt[..16 * save as usize], 0, &slots).await.map_err(|e| e.to_string())?.stored
+                match c.save(&prompt[..16 * save as usize], 0, &slots).await {
+                    Ok(r) => r.stored,
+                    Err(kvclient::ClientError::Rpc(s)) => return Ok(format!("register=Ok save={:?}", s.code())),
+                    Err(e) => return Err(e.to_string()),
+                }
             } else {
                 0
             };
             let matched = c.lookup(&prompt[..16 * lookup as usize]).await.map_err(|e| e.to_string())?.matched_blocks;
             Ok(format!("register=Ok saved={saved} matched={matched}"))
         }
-        _ => Err("usage: intruder SOCKET use|register|hold|tenant ...".into()),
+        Some("probe-salt") => {
+            let (Some(salt), Some(how)) = (args.get(2), args.get(3)) else {
+                return Err("probe-salt SALT no-region|bad-ticket".into());
+            };
+            let layout = kvtests::tenant_layout();
+            let mut ns = Namespace::new("m", layout);
+            ns.tenant_salt = Some(salt.as_bytes().to_vec());
+            let seg = layout.segment_bytes();
+            let region = (how == "bad-ticket").then(|| pb::MemoryRegion {
+                kind: Some(pb::memory_region::Kind::FdTicket(vec![7; 32])),
+                size_bytes: 8 * layout.block_bytes(),
+                cuda_device: 0,
+            });
+            let n = kvproto::slots::SlotLayout::for_layout(&layout, 8);
+            let req = pb::RegisterRequest {
+                engine_name: "probe".into(),
+                namespace: Some(pb::NamespaceSpec::from(&ns)),
+                region,
+                segments: n.segments.iter().map(|s| pb::Segment { offset: s.offset, block_stride: s.stride }).collect(),
+                segment_bytes: seg,
+                num_blocks: 8,
+                ..Default::default()
+            };
+            let mut c = raw(socket).await?;
+            Ok(match c.register(req).await {
+                Ok(_) => "code=Ok".into(),
+                Err(s) => format!("code={:?} message={}", s.code(), s.message().replace(' ', "_")),
+            })
+        }
+        _ => Err("usage: intruder SOCKET use|register|hold|tenant|probe-salt ...".into()),
     }
 }
 
