@@ -83,7 +83,8 @@ impl ClientAuthConfig {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct HttpLimits {
-    /// Connections open at once; one more is closed as soon as it is accepted.
+    /// Connections open at once; one more takes the place of the one idle longest with no
+    /// request in flight, and is closed only when every one has a request in flight.
     pub max_connections: usize,
     /// A connection must send its first bytes, and each HTTP/1.1 request its complete headers,
     /// within this long (ms). Between HTTP/1.1 requests it is also how long an idle keep-alive

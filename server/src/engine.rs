@@ -157,6 +157,10 @@ impl Checked {
         bounded("namespace.model_id", &spec.model_id, kvproto::limits::MODEL_ID_MAX_BYTES)?;
         let namespace = Namespace::try_from(spec)?;
         let region = req.region.as_ref().ok_or_else(|| invalid("region is missing"))?;
+        #[allow(deprecated)]
+        if let Some(pb::memory_region::Kind::ShmPath(_)) = &region.kind {
+            return Err(path_refused("region.shm_path"));
+        }
         let size = region.size_bytes;
         let slots = SlotLayout {
             segments: req.segments.iter().map(|s| Segment { offset: s.offset, stride: s.block_stride }).collect(),

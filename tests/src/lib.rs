@@ -27,6 +27,10 @@
 //! - [`lookup_raw`]: LOOKUP connections by hand, for lookups no client would send.
 //! - [`inproc`]: a root daemon in this process that other uids can reach.
 //! - `security.rs`: the daemon against hostile local clients (another uid, TCP, floods).
+//! - `security_floods.rs`: floods of idle or slow connections on `peer.listen`, the HTTP port and
+//!   the TCP gRPC port; the real peer and the probes are still served.
+//! - `shared_node.rs`: a node shared by users who do not trust each other: the trust model
+//!   (who reads and writes a namespace), salts, fair shares, engine memory, bytes held.
 //! - `tenants.rs`: tenant salts and quotas, a tenant of another uid beside.
 //! - `src/bin/`: `daemon` and `router` (the real kvcached and kvrouter command lines) and `engine`, an engine in
 //!   a process of its own.

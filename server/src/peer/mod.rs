@@ -52,7 +52,8 @@ pub struct PeerConfig {
     /// A load waits at most this long for a pulled block; what has not arrived by then is a
     /// miss.
     pub pull_deadline_ms: u64,
-    /// Connecting and the TLS handshake.
+    /// Connecting and the TLS handshake; on the serving side, the whole admission of a
+    /// connection (TLS handshake, hello, authentication and its answer).
     pub connect_timeout_ms: u64,
     /// A peer silent this long mid-transfer has stalled.
     pub io_timeout_ms: u64,
