@@ -187,24 +187,32 @@ impl Drop for Counted {
     }
 }
 
-/// Asks the allocator to give free memory back to the system, at most once per 100 ms and on a
-/// thread of its own (trimming a large heap takes milliseconds): after large requests end,
-/// refused or abandoned ones included, what they held does not stay resident.
+/// Asks the allocator to give free memory back to the system, on a thread of its own (trimming
+/// a large heap takes milliseconds) and at most every 100 ms: a call while a trim runs or waits
+/// out its 100 ms is remembered, and one more trim follows, so the last request to end is
+/// always followed by a trim. After large requests end, refused or abandoned ones included,
+/// what they held does not stay resident.
 pub fn trim() {
-    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-    static LAST: AtomicU64 = AtomicU64::new(0);
+    use std::sync::atomic::{AtomicBool, Ordering};
+    static PENDING: AtomicBool = AtomicBool::new(false);
     static RUNNING: AtomicBool = AtomicBool::new(false);
-    let now =
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
-    let last = LAST.load(Ordering::Relaxed);
-    if now.saturating_sub(last) < 100 || RUNNING.swap(true, Ordering::AcqRel) {
+    PENDING.store(true, Ordering::Release);
+    if RUNNING.swap(true, Ordering::AcqRel) {
         return;
     }
-    LAST.store(now, Ordering::Relaxed);
     let spawned = std::thread::Builder::new().name("kv-trim".into()).spawn(|| {
-        // SAFETY: malloc_trim only returns free memory of glibc's heaps to the system.
-        unsafe { libc::malloc_trim(0) };
-        RUNNING.store(false, Ordering::Release);
+        loop {
+            while PENDING.swap(false, Ordering::AcqRel) {
+                // SAFETY: malloc_trim only returns free memory of glibc's heaps to the system.
+                unsafe { libc::malloc_trim(0) };
+                std::thread::sleep(std::time::Duration::from_millis(100));
+            }
+            RUNNING.store(false, Ordering::Release);
+            // A call between the last check and the store above found RUNNING set: take it.
+            if !PENDING.load(Ordering::Acquire) || RUNNING.swap(true, Ordering::AcqRel) {
+                return;
+            }
+        }
     });
     if spawned.is_err() {
         RUNNING.store(false, Ordering::Release);
