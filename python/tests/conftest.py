@@ -120,7 +120,11 @@ def peer_pair():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     roots = [Path(tempfile.mkdtemp(prefix=f"kvcached-py-peer{i}-")) for i in range(2)]
-    a = Daemon(roots[0], extra=["--peer-listen", f"127.0.0.1:{port}"])
+    # A single-user test node: its peer channel opened explicitly (a peer channel without
+    # credentials does not start otherwise, loopback included).
+    open_peer = roots[0] / "open-peer.toml"
+    open_peer.write_text("[peer.auth]\nopen = true\n")
+    a = Daemon(roots[0], extra=["--config", str(open_peer), "--peer-listen", f"127.0.0.1:{port}"])
     a.peer = f"127.0.0.1:{port}"
     # The second dials only sources it allows (peer.allowed_sources).
     b = Daemon(roots[1], extra=["--peer-allowed-sources", a.peer])
