@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use kvproto::slots::{Segment, SlotLayout};
-use kvproto::{KvLayout, Namespace, NamespaceFingerprint, NamespaceId, pb};
+use kvproto::{Namespace, NamespaceFingerprint, NamespaceId, pb};
 use memmap2::{MmapOptions, MmapRaw};
 use parking_lot::{Mutex, RwLock};
 
@@ -242,8 +242,6 @@ impl Engine {
             }
             _ => return Err(invalid("region has neither fd_ticket nor cuda_ipc_handle")),
         };
-        let layout: KvLayout = namespace.layout;
-        debug_assert_eq!(layout.block_bytes(), namespace.layout.block_bytes());
         // A token area that cannot be used costs speed, not the registration: the engine is
         // told why (`token_area_error`) and sends its tokens inline.
         let (token_area, token_area_error) = match req.token_area.as_ref() {
@@ -571,8 +569,11 @@ impl Registry {
             );
         }
         let e = Arc::new(e);
-        self.engines.write().insert(id, Arc::clone(&e));
-        metrics::gauge!("kvcached_engines_attached").set(self.engines.read().len() as f64);
+        let mut engines = self.engines.write();
+        engines.insert(id, Arc::clone(&e));
+        let attached = engines.len();
+        drop(engines);
+        metrics::gauge!("kvcached_engines_attached").set(attached as f64);
         tracing::info!(
             engine = id,
             name = %e.name,
