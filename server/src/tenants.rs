@@ -103,6 +103,8 @@ pub struct Tenants {
     pinned: HashMap<[u8; 32], String>,
     rules: Vec<NamespaceRule>,
     state: Mutex<State>,
+    /// Taken while the bindings file is written ([`Tenants::save`]).
+    saving: Mutex<()>,
     /// Where bindings are kept across restarts.
     file: Option<PathBuf>,
 }
@@ -285,7 +287,23 @@ impl Tenants {
         if !fresh {
             return Ok(());
         }
-        let snapshot = Bound {
+        drop(st);
+        if ns.tenant_salt.is_none() {
+            tracing::info!(%tenant, namespace = %ns.id(), "namespace bound to its first registrant's tenant (its writer)");
+        }
+        self.save();
+        Ok(())
+    }
+
+    /// Writes the bindings to the file, if any (a failure is logged: the bindings hold for this
+    /// process's life). Saves run one at a time, each writing the bindings as they are when it
+    /// starts, so the file ends with the newest (two binds racing cannot leave the older last);
+    /// the state's lock is held only to copy them, never across the write.
+    fn save(&self) {
+        let Some(file) = &self.file else { return };
+        let _one = self.saving.lock();
+        let st = self.state.lock();
+        let b = &Bound {
             salts: st
                 .salts
                 .iter()
@@ -295,17 +313,6 @@ impl Tenants {
             owners: st.owners.iter().map(|(id, t)| (id.to_string(), t.clone())).collect(),
         };
         drop(st);
-        if ns.tenant_salt.is_none() {
-            tracing::info!(%tenant, namespace = %ns.id(), "namespace bound to its first registrant's tenant (its writer)");
-        }
-        self.save(&snapshot);
-        Ok(())
-    }
-
-    /// Writes the bindings to the file, if any (a failure is logged: the bindings hold for this
-    /// process's life).
-    fn save(&self, b: &Bound) {
-        let Some(file) = &self.file else { return };
         let tmp = file.with_extension("toml.tmp");
         let r = toml::to_string(b)
             .map_err(std::io::Error::other)
