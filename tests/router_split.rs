@@ -117,3 +117,19 @@ async fn no_split_when_the_decode_worker_already_holds_the_prefix() {
     assert_eq!(s.handoff_blocks, 20);
     srv.stop().await;
 }
+
+/// A role no live worker has is refused with that reason, naming how many workers serve the
+/// namespace in other roles; an unknown namespace's refusal says no worker serves it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refusal_names_the_missing_role_not_a_missing_worker() {
+    let (srv, _, _) = cluster(config()).await;
+    let (status, v) = srv.route_json(json!({"namespace": "m", "tokens": prompt(1, 8), "role": "embed"})).await;
+    let text = v.to_string();
+    assert_ne!(status, 200, "{text}");
+    assert!(text.contains("no live worker with role embed serves namespace"), "{text}");
+    assert!(text.contains("3 live workers serve it in other roles"), "{text}");
+    let (status, v) = srv.route_json(json!({"namespace": "m", "tokens": prompt(1, 8), "candidates": ["nobody"]})).await;
+    assert_ne!(status, 200, "{v}");
+    assert!(v.to_string().contains("none of the candidates the request named"), "{v}");
+    srv.stop().await;
+}

@@ -96,6 +96,18 @@ impl BlockingClient {
         self.rt.block_on(self.client.load_now(tokens, first_block, slots))
     }
 
+    /// [`Client::load_from`]: a load that may pull what this node lacks from `sources` (peer
+    /// daemons' `host:port`), to its end.
+    pub fn load_from(
+        &self,
+        tokens: &[u32],
+        first_block: u32,
+        slots: &[u32],
+        sources: &[String],
+    ) -> Result<pb::LoadStatus, ClientError> {
+        self.rt.block_on(self.client.load_from(tokens, first_block, slots, sources))
+    }
+
     pub fn wait(&self, op: &LoadOp, timeout: Duration) -> Result<pb::LoadStatus, ClientError> {
         self.rt.block_on(self.client.wait(op, timeout))
     }

@@ -80,8 +80,8 @@ impl Guard {
         while conn.is_handshaking() {
             conn.complete_io(&mut sock).map_err(|e| NetError::Tls(e.to_string()))?;
         }
-        let cert = conn.peer_certificates().and_then(|c| c.first()).map(|c| c.clone().into_owned());
-        Ok((SyncStream::ServerTls(Box::new(StreamOwned::new(conn, sock))), PeerCert(cert)))
+        let cert = PeerCert::of(conn.peer_certificates());
+        Ok((SyncStream::ServerTls(Box::new(StreamOwned::new(conn, sock))), cert))
     }
 }
 

@@ -71,14 +71,28 @@ pub enum Refusal {
     NoCredentials(String),
     #[error("{0}: the bearer token is not one this endpoint accepts")]
     BadToken(String),
+    #[error("{0}: the client certificate no longer chains to the endpoint's client CA ({1})")]
+    CertNoLongerTrusted(String, String),
     #[error("{endpoint}: {identity} may not read namespace {namespace}")]
     Namespace { endpoint: String, identity: String, namespace: String },
 }
 
 /// What a client presented in its TLS handshake: its first certificate, already verified
-/// against the client CA by rustls (chain, validity period, client-auth usage).
+/// against the client CA by rustls (chain, validity period, client-auth usage), and the
+/// intermediates it sent with it (to verify it again after the CA file changes).
 #[derive(Debug, Clone, Default)]
-pub struct PeerCert(pub Option<CertificateDer<'static>>);
+pub struct PeerCert(pub Option<CertificateDer<'static>>, pub Vec<CertificateDer<'static>>);
+
+impl PeerCert {
+    /// The certificates a TLS handshake ended with (leaf first).
+    pub fn of(chain: Option<&[CertificateDer<'_>]>) -> Self {
+        let chain = chain.unwrap_or_default();
+        Self(
+            chain.first().map(|c| c.clone().into_owned()),
+            chain.iter().skip(1).map(|c| c.clone().into_owned()).collect(),
+        )
+    }
+}
 
 #[derive(Debug)]
 struct Tokens {
@@ -140,7 +154,10 @@ fn namespace_of(hex_id: &str) -> Option<NamespaceId> {
 pub struct Guard {
     endpoint: String,
     cfg: AuthConfig,
-    tls: Option<Reloading<Arc<ServerConfig>>>,
+    tls: Option<Reloading<tls::ServerTls>>,
+    /// Certificates verified again against the current client CA: (leaf's hash, the TLS
+    /// value it was verified with, as an address). Bounded; cleared when full.
+    reverified: parking_lot::Mutex<HashMap<u64, usize>>,
     tokens: Option<Reloading<Tokens>>,
     grants: Option<HashMap<String, Namespaces>>,
     /// See [`Guard::closed_without_credentials`].
@@ -203,7 +220,7 @@ impl Guard {
                 let alpn: Vec<Vec<u8>> = alpn.iter().map(|a| a.to_vec()).collect();
                 Some(Reloading::new("TLS server certificate", paths, move |p| {
                     let a: Vec<&[u8]> = alpn.iter().map(Vec::as_slice).collect();
-                    tls::server_config(p, &a)
+                    tls::server_tls(p, &a)
                 })?)
             }
             _ => None,
@@ -216,6 +233,7 @@ impl Guard {
             endpoint: endpoint.to_string(),
             cfg: cfg.clone(),
             tls,
+            reverified: parking_lot::Mutex::default(),
             tokens,
             grants: parse_grants(cfg, endpoint)?,
             closed: false,
@@ -239,7 +257,7 @@ impl Guard {
 
     /// The current TLS configuration, if the endpoint speaks TLS.
     pub(crate) fn server_config(&self) -> Option<Arc<ServerConfig>> {
-        self.tls.as_ref().map(|t| Arc::clone(&*t.get()))
+        self.tls.as_ref().map(|t| Arc::clone(&t.get().config))
     }
 
     /// Whether connections are TLS.
@@ -263,10 +281,10 @@ impl Guard {
         let Some(tls) = &self.tls else {
             return Ok((Stream::Plain(tcp), PeerCert::default()));
         };
-        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::clone(&*tls.get()));
+        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::clone(&tls.get().config));
         let s = acceptor.accept(tcp).await.map_err(|e| NetError::Tls(e.to_string()))?;
-        let cert = s.get_ref().1.peer_certificates().and_then(|c| c.first()).map(|c| c.clone().into_owned());
-        Ok((Stream::Tls(Box::new(tokio_rustls::TlsStream::Server(s))), PeerCert(cert)))
+        let cert = PeerCert::of(s.get_ref().1.peer_certificates());
+        Ok((Stream::Tls(Box::new(tokio_rustls::TlsStream::Server(s))), cert))
     }
 
     /// Who the client is: by bearer token (the value after `Bearer `), else by its verified
@@ -291,9 +309,34 @@ impl Guard {
         if let Some(der) = &cert.0
             && self.cfg.tls_client_ca.is_some()
         {
+            self.still_trusted(cert)?;
             return Ok(self.identity(self.cert_name(der)));
         }
         Err(Refusal::NoCredentials(self.endpoint.clone()))
+    }
+
+    /// Whether `cert` (verified by the handshake) still chains to the client CA of the current
+    /// files: a CA file rewritten without the CA that signed it revokes it, open connections
+    /// included. Verified once per certificate and CA file version.
+    fn still_trusted(&self, cert: &PeerCert) -> Result<(), Refusal> {
+        use std::hash::{BuildHasher, BuildHasherDefault};
+        let (Some(leaf), Some(tls)) = (&cert.0, &self.tls) else { return Ok(()) };
+        let current = tls.get();
+        let Some(verifier) = &current.client_verifier else { return Ok(()) };
+        let version = Arc::as_ptr(&current) as usize;
+        let key = BuildHasherDefault::<std::collections::hash_map::DefaultHasher>::default().hash_one(leaf.as_ref());
+        if self.reverified.lock().get(&key) == Some(&version) {
+            return Ok(());
+        }
+        verifier
+            .verify_client_cert(leaf, &cert.1, rustls_pki_types::UnixTime::now())
+            .map_err(|e| Refusal::CertNoLongerTrusted(self.endpoint.clone(), e.to_string()))?;
+        let mut seen = self.reverified.lock();
+        if seen.len() >= 4096 {
+            seen.clear();
+        }
+        seen.insert(key, version);
+        Ok(())
     }
 
     /// The grant name a certificate carries (a DNS name among its subject alternative names).

@@ -53,6 +53,20 @@ fn roots(what: &'static str, path: &Path) -> Result<RootCertStore, NetError> {
 /// a client may present a certificate, which must chain to it and be valid now (an expired or
 /// foreign one fails the handshake); one that presents none must bring a token instead.
 pub fn server_config(paths: &[PathBuf], alpn: &[&[u8]]) -> Result<Arc<ServerConfig>, NetError> {
+    server_tls(paths, alpn).map(|t| t.config)
+}
+
+/// An endpoint's TLS: its rustls configuration and, with a client CA, the verifier of client
+/// certificates, kept to check an open connection's certificate again after the CA file
+/// changed (revocation).
+#[derive(Debug)]
+pub struct ServerTls {
+    pub config: Arc<ServerConfig>,
+    pub client_verifier: Option<Arc<dyn rustls::server::danger::ClientCertVerifier>>,
+}
+
+/// [`server_config`] with its client verifier.
+pub fn server_tls(paths: &[PathBuf], alpn: &[&[u8]]) -> Result<ServerTls, NetError> {
     let (cert, key) = match paths {
         [c, k, ..] => (c, k),
         _ => return Err(NetError::Config("a TLS endpoint needs tls_cert and tls_key".into())),
@@ -63,19 +77,21 @@ pub fn server_config(paths: &[PathBuf], alpn: &[&[u8]]) -> Result<Arc<ServerConf
     let builder = ServerConfig::builder_with_provider(Arc::clone(&p))
         .with_safe_default_protocol_versions()
         .map_err(|e| NetError::Tls(e.to_string()))?;
+    let mut client_verifier = None;
     let builder = match paths.get(2) {
         Some(ca) => {
             let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots("TLS client CA", ca)?), p)
                 .allow_unauthenticated()
                 .build()
                 .map_err(|e| file_err("TLS client CA", ca, e))?;
+            client_verifier = Some(Arc::clone(&verifier));
             builder.with_client_cert_verifier(verifier)
         }
         None => builder.with_no_client_auth(),
     };
     let mut cfg = builder.with_single_cert(chain, key).map_err(|e| file_err("TLS certificate and key", cert, e))?;
     cfg.alpn_protocols = alpn.iter().map(|a| a.to_vec()).collect();
-    Ok(Arc::new(cfg))
+    Ok(ServerTls { config: Arc::new(cfg), client_verifier })
 }
 
 /// A client configuration: `paths` = [CA] or [CA, cert, key] (mutual TLS).

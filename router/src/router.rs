@@ -351,7 +351,7 @@ impl Router {
                 && req.role.as_ref().is_none_or(|role| w.role.as_ref() == Some(role))
         });
         if cands.is_empty() {
-            return Err(RouterError::NoWorker(format!("no live worker serves namespace {}", r.id)));
+            return Err(RouterError::NoWorker(no_worker_reason(st, &r, req)));
         }
         let matches = match_all(st, mode, &r, &cands);
         let costs = cost::costs(&self.config.weights, r.keys.len(), &cands, &matches);
@@ -742,6 +742,33 @@ impl Router {
 /// The workers that may take a request in namespace `r` (declared it, or serve its model under
 /// another namespace: the mismatch is flagged, the request still routed) and pass `keep`, with
 /// their cost-model inputs.
+/// Why no worker is a candidate for `req`: none live serves the namespace, or some do but
+/// none has the role asked for, or none is among the candidates the request named.
+fn no_worker_reason(st: &State, r: &Resolved, req: &RouteRequest) -> String {
+    let (serving, _) = collect_candidates(st, r, |_| true);
+    if serving.is_empty() {
+        return format!("no live worker serves namespace {}", r.id);
+    }
+    let n = serving.len();
+    let with_role = |w: &WorkerState| req.role.as_ref().is_none_or(|role| w.role.as_ref() == Some(role));
+    let (of_role, _) = collect_candidates(st, r, with_role);
+    match &req.role {
+        Some(role) if of_role.is_empty() => format!(
+            "no live worker with role {role} serves namespace {} ({n} live worker{} serve{} it in other roles)",
+            r.id,
+            if n == 1 { "" } else { "s" },
+            if n == 1 { "s" } else { "" }
+        ),
+        _ => format!(
+            "none of the candidates the request named is a live worker{} serving namespace {} ({} such worker{})",
+            req.role.as_ref().map(|role| format!(" with role {role}")).unwrap_or_default(),
+            r.id,
+            of_role.len(),
+            if of_role.len() == 1 { "" } else { "s" }
+        ),
+    }
+}
+
 fn collect_candidates(
     st: &State,
     r: &Resolved,

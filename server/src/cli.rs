@@ -187,8 +187,8 @@ pub fn main() -> ExitCode {
                     config.socket.display(),
                     config.metrics_addr
                 );
-                say(json, false, &banner);
-                crate::serve(config, listeners, shutdown).await
+                // Printed once the daemon serves: a start that fails says only why.
+                crate::serve_announcing(config, listeners, shutdown, || say(json, false, &banner)).await
             })
             .map_err(|e| e.to_string()),
     };

@@ -443,6 +443,14 @@ impl Config {
                 ));
             }
         }
+        if p.listen.is_none() {
+            if !p.advertise.is_empty() {
+                return Err(bad("peer.listen", "peer.advertise is set but peer.listen is not: set both or neither"));
+            }
+            if p.auth.requires_credentials() || p.auth.tls_cert.is_some() || p.auth.open {
+                return Err(bad("peer.listen", "[peer.auth] is set but peer.listen is not: it would guard nothing"));
+            }
+        }
         kvnet::Connector::new(&p.client, &[]).map_err(|e| bad("peer.client", e.to_string()))?;
         crate::peer::sources::SourcePolicy::new(&p.peers, &p.allowed_sources)
             .map_err(|e| bad("peer.allowed_sources", e))?;
@@ -452,6 +460,7 @@ impl Config {
             ("peer.pull_deadline_ms", p.pull_deadline_ms),
             ("peer.connect_timeout_ms", p.connect_timeout_ms),
             ("peer.io_timeout_ms", p.io_timeout_ms),
+            ("peer.idle_timeout_ms", p.idle_timeout_ms),
         ] {
             if v == 0 {
                 return Err(bad(f, "must be at least 1"));
@@ -460,13 +469,49 @@ impl Config {
         Ok(())
     }
 
-    /// Fills automatic sizes (0) and checks every field.
+    /// The TCP gRPC port and the HTTP port: each address with credentials its guard accepts
+    /// (on a non-loopback address: credentials or `open = true`; readable certificate and token
+    /// files); `[tcp_auth]` only with `tcp`. The same checks the listeners make when they start,
+    /// so that `config` and `run` refuse alike, before anything is bound or announced.
+    fn check_endpoints(&self) -> Result<(), ServerError> {
+        let mut endpoints = vec![("metrics_auth", crate::http::ENDPOINT, &self.metrics_auth, self.metrics_addr)];
+        match self.tcp {
+            Some(a) => endpoints.push(("tcp_auth", crate::serve::TCP_ENDPOINT, &self.tcp_auth, a)),
+            None if self.tcp_auth != kvnet::AuthConfig::default() => {
+                return Err(bad("tcp_auth", "[tcp_auth] is set but tcp is not: it would guard nothing"));
+            }
+            None => {}
+        }
+        for (field, endpoint, auth, addr) in endpoints {
+            kvnet::Guard::new(endpoint, auth, addr, &[]).map_err(|e| {
+                let msg = e.to_string();
+                bad(field, msg.strip_prefix(&format!("{endpoint}: ")).unwrap_or(&msg))
+            })?;
+        }
+        Ok(())
+    }
+
+    /// G3's automatic size: the size of the data file an earlier start made (kept, so that
+    /// the capacity does not move with the free space between restarts), else a quarter of the
+    /// free space, at most 256 GiB.
+    fn automatic_g3_capacity(&self) -> u64 {
+        match std::fs::metadata(self.g3.dir.join("blocks.dat")) {
+            Ok(m) if m.len() >= self.g3.page_size as u64 => {
+                tracing::info!(bytes = m.len(), "G3 capacity kept from the data file (g3.capacity_bytes = 0)");
+                m.len()
+            }
+            _ => (free_space(&self.g3.dir) / 4).min(256 << 30),
+        }
+    }
+
+    /// Fills automatic sizes (0) and checks every field: the one check `config` and `run`
+    /// both make before anything starts.
     pub fn resolve(mut self) -> Result<Self, ServerError> {
         if self.g2.capacity_bytes == 0 {
             self.g2.capacity_bytes = (machine_memory() / 4).clamp(64 << 20, 64 << 30);
         }
         if self.g3.enabled && self.g3.capacity_bytes == 0 {
-            self.g3.capacity_bytes = (free_space(&self.g3.dir) / 4).min(256 << 30);
+            self.g3.capacity_bytes = self.automatic_g3_capacity();
             if self.g3.capacity_bytes < self.g3.page_size as u64 {
                 return Err(bad(
                     "g3.capacity_bytes",
@@ -475,6 +520,7 @@ impl Config {
             }
         }
         self.socket_mode_bits()?;
+        self.check_endpoints()?;
         self.check_peer()?;
         crate::tenants::Tenants::new(&self.tenants, &self.namespaces)?;
         for (f, v) in [("g2.page_size", self.g2.page_size), ("g3.page_size", self.g3.page_size)] {
@@ -580,6 +626,13 @@ impl Config {
         }
         if !self.router.vllm_export_replay.is_empty() && self.router.vllm_export_replay_bytes == 0 {
             return Err(bad("router.vllm_export_replay_bytes", "must be at least 1 with a replay socket"));
+        }
+        let g4_set = !self.g4.url.is_empty() || !self.g4.endpoint.is_empty();
+        if g4_set && !self.g4.enabled {
+            return Err(bad(
+                "g4.enabled",
+                "g4.url or g4.endpoint is set but g4.enabled is false: set g4.enabled = true to use G4, or remove them",
+            ));
         }
         if self.g4.enabled {
             let g = &self.g4;

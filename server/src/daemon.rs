@@ -788,33 +788,51 @@ impl Daemon {
         }
     }
 
-    /// Why the daemon is degraded, if it is.
+    /// Whether this node can serve its engines (`ok`, with `reasons` why not: its own tiers),
+    /// and its degraded neighbours (`warnings`: peers, the object store), which never make it
+    /// unready: one dead node must not take every node that lists it out of service. Sets
+    /// `kvcached_ready` and `kvcached_degraded_neighbours{kind}` on the way.
     pub fn health(&self, queue_capacity: usize) -> pb::HealthResponse {
         let s = self.store.stats();
         let mut reasons = Vec::new();
+        let mut warnings = Vec::new();
         if queue_capacity > 0 && s.writethrough_queued as usize * 10 >= queue_capacity * 9 {
             reasons.push(format!(
                 "write-through backlog: {} of {queue_capacity} queued (G3 is slower than saves)",
                 s.writethrough_queued
             ));
         }
+        let mut g4 = 0u32;
         for (tier, queued) in self.store.writethrough_queued() {
             if tier == TierKind::G4Object && self.g4_queue > 0 && queued as usize * 10 >= self.g4_queue * 9 {
-                reasons.push(format!(
+                g4 = 1;
+                warnings.push(format!(
                     "G4 write-through backlog: {queued} of {} queued (the object store is slower than saves)",
                     self.g4_queue
                 ));
             }
         }
-        reasons.extend(self.store.degraded());
-        if let Some(peers) = &self.peers {
-            let mut bad = peers.book.bad_peers();
+        for (tier, why) in self.store.degraded() {
+            if tier == TierKind::G4Object {
+                g4 = 1;
+                warnings.push(why);
+            } else {
+                reasons.push(why);
+            }
+        }
+        let mut peers = 0usize;
+        if let Some(p) = &self.peers {
+            let mut bad = p.book.bad_peers();
             bad.sort();
-            reasons.extend(bad.into_iter().map(|(peer, why)| {
+            peers = bad.len();
+            warnings.extend(bad.into_iter().map(|(peer, why)| {
                 format!("peer {peer} failed and is not asked for now: {}", kvproto::limits::clip(&why, 200))
             }));
         }
-        pb::HealthResponse { ok: reasons.is_empty(), reasons }
+        metrics::gauge!("kvcached_ready").set(if reasons.is_empty() { 1.0 } else { 0.0 });
+        metrics::gauge!("kvcached_degraded_neighbours", "kind" => "peer").set(peers as f64);
+        metrics::gauge!("kvcached_degraded_neighbours", "kind" => "g4").set(f64::from(g4));
+        pb::HealthResponse { ok: reasons.is_empty(), reasons, warnings }
     }
 }
 

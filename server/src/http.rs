@@ -1,4 +1,4 @@
-//! `/metrics` (Prometheus text), `/healthz`, and the event recovery routes routers call after a
+//! `/metrics` (Prometheus text), `/healthz` (readiness), `/livez` (liveness), and the event recovery routes routers call after a
 //! gap in this daemon's hit reports: `GET /events/replay?after=N&limit=M` (the events after id N
 //! from the bounded log, or "too old") and `GET /events/snapshot` (everything held now).
 //!
@@ -47,13 +47,26 @@ async fn metrics_text() -> String {
     prometheus().render()
 }
 
+/// Readiness: 200 `ok` when this node can serve its engines, else 503 `not ready: ...`; then
+/// a `warning: ...` line per degraded neighbour (they never make it 503).
 async fn healthz(State(s): State<HttpState>) -> (StatusCode, String) {
     let h = s.daemon.health(s.queue_capacity);
-    if h.ok {
-        (StatusCode::OK, "ok\n".into())
+    let (code, mut body) = if h.ok {
+        (StatusCode::OK, "ok\n".to_string())
     } else {
-        (StatusCode::SERVICE_UNAVAILABLE, format!("degraded: {}\n", h.reasons.join("; ")))
+        (StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {}\n", h.reasons.join("; ")))
+    };
+    for w in &h.warnings {
+        body.push_str("warning: ");
+        body.push_str(w);
+        body.push('\n');
     }
+    (code, body)
+}
+
+/// Liveness: the process answers.
+async fn livez() -> &'static str {
+    "alive\n"
 }
 
 /// The HTTP routes.
@@ -63,6 +76,7 @@ pub fn router(daemon: Arc<Daemon>, queue_capacity: usize) -> Router {
     let app = Router::new()
         .route("/metrics", get(metrics_text))
         .route("/healthz", get(healthz))
+        .route("/livez", get(livez))
         .with_state(HttpState { daemon, queue_capacity })
         .merge(prefetch);
     // Routers that saw a gap in this daemon's event ids replay from here.

@@ -80,7 +80,7 @@ use tokio::net::{TcpListener, UnixListener};
 
 pub use config::Config;
 pub use error::ServerError;
-pub use serve::serve;
+pub use serve::{serve, serve_announcing};
 
 /// Listeners the daemon serves on (bound by the caller, so tests can use temp sockets and
 /// port 0).

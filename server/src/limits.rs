@@ -126,7 +126,18 @@ pub enum Limit {
 }
 
 impl Limit {
-    fn label(self) -> &'static str {
+    /// Every limit.
+    pub(crate) const ALL: [Limit; 7] = [
+        Limit::Connections,
+        Limit::ConnectionsPerUid,
+        Limit::EnginesPerUid,
+        Limit::EngineMemoryPerUid,
+        Limit::Engines,
+        Limit::LoadsPerUid,
+        Limit::BufferedPerUid,
+    ];
+
+    pub(crate) fn label(self) -> &'static str {
         match self {
             Limit::Connections => "connections",
             Limit::ConnectionsPerUid => "connections_per_uid",

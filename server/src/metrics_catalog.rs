@@ -144,6 +144,11 @@ pub fn describe() {
         ("kvcached_g2_prefault_done", "1 once the G2 pool is mapped."),
         ("kvcached_g3_pool_registered", "1 once G3's io_uring rings use the G2 pool as registered buffers."),
         ("kvcached_kv_namespace_info", "1 per KV namespace with series of its own: its id and model."),
+        ("kvcached_ready", "1 while this node can serve its engines (/healthz answers 200), else 0."),
+        (
+            "kvcached_degraded_neighbours",
+            "Degraded neighbours now, by kind: peers marked failed (peer), the object store (g4).",
+        ),
     ] {
         describe_gauge!(name, help);
     }
@@ -164,6 +169,68 @@ pub fn describe() {
     describe_histogram!("kvcached_tier_op_duration_seconds", Unit::Seconds, "Time of a tier's put or get, by tier.");
     describe_histogram!("kvcached_lookup_hit_blocks", "Leading blocks of a prompt a lookup found cached.");
     describe_histogram!("kvcached_g4_probe_rounds", "Round trips a lookup's G4 probe took.");
+}
+
+/// Series with a fixed set of labels, exported at zero from the start (so that a dashboard or
+/// an alert sees 0, not nothing, before the first event): what the daemon has on. Series keyed
+/// by what comes later (a KV namespace, a peer, a tenant, a gRPC method) appear with it;
+/// histograms appear with their first sample.
+pub fn zero_series(config: &crate::Config) {
+    for name in [
+        "kvcached_limit_refusals_total",
+        "kvcached_load_mismatch_total",
+        "kvcached_promotions_skipped_total",
+        "kvcached_tenant_salt_refused_total",
+        "kvcached_peer_pulled_blocks_total",
+        "kvcached_peer_pulled_bytes_total",
+        "kvcached_peer_pulls_refused_total",
+        "kvcached_peer_served_blocks_total",
+        "kvcached_peer_sources_refused_total",
+    ] {
+        metrics::counter!(name).absolute(0);
+    }
+    let lower: Vec<&'static str> = [(config.g3.enabled, "g3"), (config.g4.enabled, "g4")]
+        .into_iter()
+        .filter(|(on, _)| *on)
+        .map(|(_, t)| t)
+        .collect();
+    for (name, key, values) in [
+        ("kvcached_block_keys_total", "source", &["derived", "memo"][..]),
+        ("kvcached_namespace_refused_total", "op", &["register", "save"][..]),
+        ("kvcached_prefetch_total", "result", &["pulling", "local"][..]),
+        ("kvcached_tier_read_errors_total", "tier", &lower[..]),
+    ] {
+        for v in values {
+            metrics::counter!(name, key => *v).absolute(0);
+        }
+    }
+    for limit in crate::limits::Limit::ALL {
+        metrics::counter!("kvcached_limit_refusals_by_limit_total", "limit" => limit.label()).absolute(0);
+    }
+    if config.g3.enabled {
+        metrics::counter!("kvcached_g3_slow_batches_total").absolute(0);
+        for op in ["read", "write"] {
+            metrics::counter!("kvcached_g3_io_errors_total", "op" => op).absolute(0);
+        }
+    }
+    if config.peer.listen.is_some() {
+        for why in crate::peer::server::REFUSALS {
+            metrics::counter!("kvcached_peer_refused_total", "why" => *why).absolute(0);
+        }
+    }
+    if !config.router.vllm_export.is_empty() {
+        for name in [
+            "kvcached_vllm_export_dropped_total",
+            "kvcached_vllm_export_snapshots_total",
+            "kvcached_vllm_export_unknown_total",
+            "kvcached_vllm_export_unpersisted_total",
+        ] {
+            metrics::counter!(name).absolute(0);
+        }
+    }
+    for name in ["kvcached_connections", "kvcached_engines_attached"] {
+        metrics::gauge!(name).set(0.0);
+    }
 }
 
 /// One gRPC call being answered: records its duration and outcome when finished.

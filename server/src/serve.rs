@@ -29,6 +29,17 @@ pub async fn serve(
     listeners: Listeners,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), ServerError> {
+    serve_announcing(config, listeners, shutdown, || {}).await
+}
+
+/// [`serve`], calling `serving` once every tier is open and every listener served (the
+/// command line prints its banner there, not before a start that may still fail).
+pub async fn serve_announcing(
+    config: Config,
+    listeners: Listeners,
+    shutdown: impl Future<Output = ()>,
+    serving: impl FnOnce(),
+) -> Result<(), ServerError> {
     http::prometheus();
     let store = open_store(&config).await?;
     let daemon = start_daemon(&config, &listeners, store).await?;
@@ -39,8 +50,12 @@ pub async fn serve(
 
     let (stop_tx, stop_rx) = watch::channel(false);
     let lookups = config.engines.lookup_wire.then(|| LookupWire::new(Arc::clone(&daemon)));
+    let on = ListenersOn::of(&listeners);
+    crate::metrics_catalog::zero_series(&config);
     let mut tasks = serve_listeners(&config, listeners, &daemon, lookups.as_ref(), &stop_rx);
+    on.log(&config, &daemon);
     tracing::info!(socket = ?socket_path, "kvcached serving");
+    serving();
 
     let mut first_error = None;
     tokio::select! {
@@ -60,6 +75,63 @@ pub async fn serve(
     }
     tracing::info!("kvcached stopped");
     first_error.map_or(Ok(()), Err)
+}
+
+/// What is listening where, for the start lines.
+struct ListenersOn {
+    socket: Option<PathBuf>,
+    tcp: Option<std::net::SocketAddr>,
+    http: Option<std::net::SocketAddr>,
+    peer: Option<std::net::SocketAddr>,
+}
+
+impl ListenersOn {
+    fn of(l: &Listeners) -> Self {
+        Self {
+            socket: l.unix.local_addr().ok().and_then(|a| a.as_pathname().map(Path::to_path_buf)),
+            tcp: l.tcp.as_ref().and_then(|t| t.local_addr().ok()),
+            http: l.http.as_ref().and_then(|t| t.local_addr().ok()),
+            peer: l.peer.as_ref().and_then(|t| t.local_addr().ok()),
+        }
+    }
+
+    /// One line per tier and listener, saying it is on (and where) or off (and which field
+    /// turns it on).
+    fn log(&self, config: &Config, daemon: &Daemon) {
+        let g2 = daemon.store.g2();
+        tracing::info!(
+            capacity_bytes = config.g2.capacity_bytes,
+            page_size = config.g2.page_size,
+            pool = %g2.shm_path().display(),
+            "G2 on"
+        );
+        if config.g3.enabled {
+            tracing::info!(dir = %config.g3.dir.display(), capacity_bytes = config.g3.capacity_bytes, "G3 on");
+        } else {
+            tracing::info!("G3 off (g3.enabled = false)");
+        }
+        if config.g4.enabled {
+            tracing::info!(url = %config.g4.url, endpoint = %config.g4.endpoint, "G4 on");
+        } else {
+            tracing::info!("G4 off (g4.enabled = false)");
+        }
+        tracing::info!(path = ?self.socket, "socket on");
+        match self.tcp {
+            Some(a) => tracing::info!(addr = %a, credentials = config.tcp_auth.requires_credentials(), "TCP gRPC on"),
+            None => tracing::info!("TCP gRPC off (tcp unset)"),
+        }
+        if let Some(a) = self.http {
+            tracing::info!(addr = %a, credentials = config.metrics_auth.requires_credentials(), "HTTP on");
+        }
+        match self.peer {
+            Some(a) => tracing::info!(
+                addr = %a,
+                advertised = config.peer.advertised(Some(a)).unwrap_or_default(),
+                "peer channel on"
+            ),
+            None => tracing::info!("peer channel off (peer.listen unset): this node serves no peer, and may pull"),
+        }
+    }
 }
 
 /// Opens G2 and G3 (RocksDB and the data file take a while: off the runtime), and prefaults
@@ -319,9 +391,14 @@ fn serve_listeners(
         let mut rx = stop.clone();
         let period = Duration::from_millis((config.engines.lease_ms / 3).max(100));
         tasks.spawn(async move {
+            // Readiness and neighbours as gauges, from the start and then every period.
+            d.health(queue);
             loop {
                 tokio::select! {
-                    _ = tokio::time::sleep(period) => d.housekeeping(),
+                    _ = tokio::time::sleep(period) => {
+                        d.housekeeping();
+                        d.health(queue);
+                    }
                     _ = rx.wait_for(|s| *s) => return Ok(()),
                 }
             }
@@ -331,7 +408,7 @@ fn serve_listeners(
 }
 
 /// The TCP gRPC port's name in messages (refusals, configuration errors).
-const TCP_ENDPOINT: &str = "kvcached TCP gRPC ([tcp_auth])";
+pub(crate) const TCP_ENDPOINT: &str = "kvcached TCP gRPC ([tcp_auth])";
 
 /// The guard of the listener `l` (`field`: its `*_auth` section); a configuration that cannot
 /// work (no credentials on a non-loopback address without `open = true`, unreadable files)

@@ -132,6 +132,25 @@ impl Node {
         }
     }
 
+    /// Waits until `/healthz` answers 200 (this node ready) with a `warning:` line holding
+    /// every one of `parts` (a degraded neighbour); returns the body.
+    pub fn wait_warning(&self, parts: &[&str], within: Duration) -> String {
+        let deadline = Instant::now() + within;
+        loop {
+            let (status, body) = self.healthz();
+            if status == 200 && body.lines().any(|l| l.starts_with("warning: ") && parts.iter().all(|p| l.contains(p)))
+            {
+                return body;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "/healthz never warned of {parts:?}: {status} {body}\n{}",
+                self.d().log()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
     /// Injects the faults `text` names (the fault file's TOML; "" for none) and waits until the
     /// daemon has read them.
     pub fn set_faults(&self, text: &str) {

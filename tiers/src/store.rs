@@ -736,10 +736,12 @@ impl BlockStore {
     }
 
     /// Why lower tiers are degraded now, one line each.
-    pub fn degraded(&self) -> Vec<String> {
+    pub fn degraded(&self) -> Vec<(TierKind, String)> {
         self.lower
             .iter()
-            .filter_map(|t| t.degraded().map(|why| format!("{} degraded: {why}", t.kind().label().to_uppercase())))
+            .filter_map(|t| {
+                t.degraded().map(|why| (t.kind(), format!("{} degraded: {why}", t.kind().label().to_uppercase())))
+            })
             .collect()
     }
 

@@ -57,8 +57,13 @@ pub struct PeerConfig {
     pub connect_timeout_ms: u64,
     /// A peer silent this long mid-transfer has stalled.
     pub io_timeout_ms: u64,
-    /// A peer that failed (unreachable, stalled, wrong bytes) is not asked again for this long.
+    /// The longest a failed peer goes unasked. A peer that is unreachable or closes the
+    /// connection is barred for 1 s after its first failure, twice as long after each further
+    /// failure in a row, up to this; one success clears it. A peer that stalls or sends wrong
+    /// bytes is barred this long at once.
     pub bad_peer_ms: u64,
+    /// The serving side closes a connection idle between requests this long.
+    pub idle_timeout_ms: u64,
     /// A link not measured by a real transfer for this long is measured with a probe of
     /// `probe_bytes`; 0: never probe.
     pub probe_idle_s: u64,
@@ -84,6 +89,7 @@ impl Default for PeerConfig {
             connect_timeout_ms: 2_000,
             io_timeout_ms: 5_000,
             bad_peer_ms: 30_000,
+            idle_timeout_ms: 60_000,
             probe_idle_s: 300,
             probe_bytes: 8 << 20,
             peers: Vec::new(),
@@ -116,11 +122,33 @@ const LINK_EWMA: f64 = 0.3;
 /// Transfers shorter than this measure latency, not throughput: not counted.
 pub const MIN_SAMPLE_BYTES: u64 = 1 << 20;
 
+/// The first bar of a peer that failed; each further failure in a row doubles it.
+pub const FIRST_BAR: Duration = Duration::from_secs(1);
+
+/// How a peer failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Failure {
+    /// Unreachable, refused, stalled, closed mid-transfer: perhaps passing (a restart, a
+    /// blip), so barred briefly at first.
+    Transient,
+    /// Stalled while connected (silent past `peer.io_timeout_ms`) or sent wrong bytes (a
+    /// checksum that fails, a block not asked for): barred for the longest bar at once.
+    Faulty,
+}
+
+/// A failed peer: not asked until `until`; `streak` failures in a row.
+#[derive(Debug, Clone)]
+struct Bar {
+    until: Instant,
+    why: String,
+    streak: u32,
+}
+
 /// Health and link rates of the peers this daemon has pulled from.
 #[derive(Debug, Default)]
 pub struct PeerBook {
     links: Mutex<HashMap<String, LinkRate>>,
-    bad: Mutex<HashMap<String, (Instant, String)>>,
+    bad: Mutex<HashMap<String, Bar>>,
 }
 
 impl PeerBook {
@@ -147,7 +175,9 @@ impl PeerBook {
         }
         e.samples += 1;
         e.measured = Instant::now();
-        metrics::gauge!("kvcached_peer_link_bytes_per_second", "peer" => peer.to_string()).set(e.bytes_per_s);
+        let rate = e.bytes_per_s;
+        drop(links);
+        metrics::gauge!("kvcached_peer_link_bytes_per_second", "peer" => peer.to_string()).set(rate);
     }
 
     /// When `peer`'s link was last measured.
@@ -160,29 +190,63 @@ impl PeerBook {
         self.links.lock().iter().map(|(k, v)| (k.clone(), *v)).collect()
     }
 
-    /// Marks `peer` bad for `for_how_long`, with why.
-    pub fn failed(&self, peer: &str, why: &str, for_how_long: Duration) {
-        tracing::warn!(peer, "peer failed: {why}; not asked again for {} s", for_how_long.as_secs());
+    /// Bars `peer` after a failure of kind `how`, with why: for [`FIRST_BAR`] doubled per
+    /// failure in a row, at most `longest` (all of it for a faulty peer). Returns the bar.
+    pub fn failed(&self, peer: &str, why: &str, how: Failure, longest: Duration) -> Duration {
+        let bar = {
+            let mut bad = self.bad.lock();
+            let e = bad.entry(peer.to_string()).or_insert(Bar { until: Instant::now(), why: String::new(), streak: 0 });
+            e.streak = e.streak.saturating_add(1);
+            let bar = match how {
+                Failure::Faulty => longest,
+                Failure::Transient => FIRST_BAR.saturating_mul(1 << (e.streak - 1).min(20)).min(longest),
+            };
+            e.until = Instant::now() + bar;
+            e.why = why.to_string();
+            bar
+        };
+        tracing::warn!(peer, "peer failed: {why}; not asked again for {} ms", bar.as_millis());
         metrics::counter!("kvcached_peer_failures_total", "peer" => peer.to_string()).increment(1);
-        self.bad.lock().insert(peer.to_string(), (Instant::now() + for_how_long, why.to_string()));
+        bar
     }
 
-    /// Whether `peer` is marked bad now.
-    pub fn is_bad(&self, peer: &str) -> bool {
+    /// Clears `peer`'s bar and its run of failures: it answered.
+    pub fn succeeded(&self, peer: &str) {
         let mut bad = self.bad.lock();
-        match bad.get(peer) {
-            Some((until, _)) if *until > Instant::now() => true,
-            Some(_) => {
-                bad.remove(peer);
-                false
-            }
-            None => false,
+        if bad.contains_key(peer) {
+            bad.remove(peer);
         }
     }
 
-    /// Peers marked bad now, with why (for `/healthz`).
+    /// Whether `peer` is barred now.
+    pub fn is_bad(&self, peer: &str) -> bool {
+        self.bad.lock().get(peer).is_some_and(|b| b.until > Instant::now())
+    }
+
+    /// Peers barred now, with why (for `/healthz`).
     pub fn bad_peers(&self) -> Vec<(String, String)> {
         let now = Instant::now();
-        self.bad.lock().iter().filter(|(_, (u, _))| *u > now).map(|(p, (_, w))| (p.clone(), w.clone())).collect()
+        self.bad.lock().iter().filter(|(_, b)| b.until > now).map(|(p, b)| (p.clone(), b.why.clone())).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A transient failure bars for a second, doubling per failure in a row up to the
+    /// longest; wrong bytes bar for the longest at once; a success clears the run.
+    #[test]
+    fn bars_grow_with_failures_in_a_row_and_a_success_clears_them() {
+        let book = PeerBook::default();
+        let longest = Duration::from_secs(30);
+        let bars: Vec<u64> = (0..7).map(|_| book.failed("a", "x", Failure::Transient, longest).as_secs()).collect();
+        assert_eq!(bars, [1, 2, 4, 8, 16, 30, 30]);
+        assert!(book.is_bad("a"));
+        book.succeeded("a");
+        assert!(!book.is_bad("a") && book.bad_peers().is_empty());
+        assert_eq!(book.failed("a", "x", Failure::Transient, longest), FIRST_BAR);
+        assert_eq!(book.failed("b", "sum", Failure::Faulty, longest), longest);
+        assert_eq!(book.bad_peers().len(), 2);
     }
 }

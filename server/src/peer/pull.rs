@@ -14,7 +14,7 @@ use kvtiers::{BlockMeta, BlockStore, TierError};
 use parking_lot::{Condvar, Mutex};
 
 use super::protocol::{self as p, BlockHeader};
-use super::{PeerBook, PeerConfig};
+use super::{Failure, PeerBook, PeerConfig};
 use crate::error::ServerError;
 
 fn peer_err(op: &'static str) -> TierError {
@@ -124,7 +124,47 @@ pub struct Peers {
 /// Why a block read from a peer is not kept.
 enum Reject {
     Io(std::io::Error),
+    /// The peer sent wrong bytes.
     Wrong(String),
+    /// G2 could not take the block: not the peer's fault.
+    Full(String),
+}
+
+/// Why a pull from one peer stopped.
+#[derive(Debug)]
+struct PullErr {
+    why: String,
+    /// Whether a block had arrived (or an answer had begun) first: the connection was alive.
+    after_first: bool,
+    how: Failure,
+}
+
+impl PullErr {
+    /// Before any answer: the connection may have been closed while kept.
+    fn transient(why: String) -> Self {
+        Self { why, after_first: false, how: Failure::Transient }
+    }
+
+    /// After the answer began.
+    fn midway(why: String) -> Self {
+        Self { why, after_first: true, how: Failure::Transient }
+    }
+
+    /// Wrong bytes.
+    fn wrong(why: String) -> Self {
+        Self { why, after_first: true, how: Failure::Faulty }
+    }
+
+    /// An I/O error: a stall (silent past the I/O timeout) is the peer's fault; a closed or
+    /// reset connection may be a restart.
+    fn io(why: String, e: &std::io::Error, after_first: bool) -> Self {
+        let how = if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) {
+            Failure::Faulty
+        } else {
+            Failure::Transient
+        };
+        Self { why, after_first, how }
+    }
 }
 
 impl Peers {
@@ -160,7 +200,9 @@ impl Peers {
             }
             match self.probe(&peer, self.cfg.probe_bytes) {
                 Ok(rate) => tracing::debug!(peer, rate, "link probed"),
-                Err(e) => self.book.failed(&peer, &format!("probe: {e}"), Duration::from_millis(self.cfg.bad_peer_ms)),
+                Err(e) => {
+                    self.book.failed(&peer, &format!("probe: {e}"), Failure::Transient, self.longest_bar());
+                }
             }
         }
     }
@@ -271,10 +313,10 @@ impl Peers {
             let started = Instant::now();
             let before = done;
             match self.pull_from(&store, src, pull, block_len, &mut done) {
-                Ok(()) => {}
-                Err(why) => {
-                    self.book.failed(src, &why, Duration::from_millis(self.cfg.bad_peer_ms));
-                    last_err = Some(format!("{src}: {why}"));
+                Ok(()) => self.book.succeeded(src),
+                Err(e) => {
+                    self.book.failed(src, &e.why, e.how, self.longest_bar());
+                    last_err = Some(format!("{src}: {}", e.why));
                 }
             }
             let bytes = (done - before) as u64 * block_len;
@@ -290,6 +332,11 @@ impl Peers {
         } else {
             PullEnd::Partial
         }
+    }
+
+    /// The longest a failed peer is barred (`peer.bad_peer_ms`).
+    fn longest_bar(&self) -> Duration {
+        Duration::from_millis(self.cfg.bad_peer_ms)
     }
 
     /// A connection to `src` that has passed the hello: an idle one that is still open (and
@@ -338,17 +385,17 @@ impl Peers {
         pull: &Pull,
         block_len: u64,
         done: &mut usize,
-    ) -> Result<(), String> {
-        let (c, reused) = self.connection(src)?;
+    ) -> Result<(), PullErr> {
+        let (c, reused) = self.connection(src).map_err(PullErr::transient)?;
         match self.pull_on(c, store, src, pull, block_len, done) {
             // A kept connection that failed before the first block (closed by the peer since:
             // an idle timeout, a restart): once more on a new one, and the peer is not blamed.
-            Err((why, false)) if reused => {
-                tracing::debug!(src, "a kept peer connection failed ({why}); pulling again on a new one");
-                let c = self.fresh(src)?;
-                self.pull_on(c, store, src, pull, block_len, done).map_err(|(why, _)| why)
+            Err(e) if reused && !e.after_first => {
+                tracing::debug!(src, "a kept peer connection failed ({}); pulling again on a new one", e.why);
+                let c = self.fresh(src).map_err(PullErr::transient)?;
+                self.pull_on(c, store, src, pull, block_len, done)
             }
-            r => r.map_err(|(why, _)| why),
+            r => r,
         }
     }
 
@@ -361,37 +408,37 @@ impl Peers {
         pull: &Pull,
         block_len: u64,
         done: &mut usize,
-    ) -> Result<(), (String, bool)> {
+    ) -> Result<(), PullErr> {
         let io = Duration::from_millis(self.cfg.io_timeout_ms);
         let _ = c.tcp().set_read_timeout(Some(io));
         let _ = c.tcp().set_write_timeout(Some(io));
         let want = &pull.keys[*done..];
-        p::write_pull(&mut c, &pull.namespace, want).map_err(|e| (format!("request: {e}"), false))?;
+        p::write_pull(&mut c, &pull.namespace, want).map_err(|e| PullErr::transient(format!("request: {e}")))?;
         let mut i = 0usize;
         loop {
-            match p::read_u8(&mut c).map_err(|e| (format!("reply: {e}"), i > 0))? {
+            let tag = p::read_u8(&mut c).map_err(|e| PullErr::io(format!("reply: {e}"), &e, i > 0))?;
+            match tag {
                 p::TAG_BLOCK => {
-                    let h = BlockHeader::read(&mut c).map_err(|e| (format!("block header: {e}"), true))?;
+                    let h =
+                        BlockHeader::read(&mut c).map_err(|e| PullErr::io(format!("block header: {e}"), &e, true))?;
                     let Some(expected) = want.get(i) else {
-                        return Err(("sent more blocks than asked".into(), true));
+                        return Err(PullErr::wrong("sent more blocks than asked".into()));
                     };
                     if h.key != *expected || h.len != block_len {
                         self.corrupt(src);
-                        return Err((
-                            format!(
-                                "sent block {} ({} bytes) where {} ({block_len} bytes) was next",
-                                h.key, h.len, expected
-                            ),
-                            true,
-                        ));
+                        return Err(PullErr::wrong(format!(
+                            "sent block {} ({} bytes) where {} ({block_len} bytes) was next",
+                            h.key, h.len, expected
+                        )));
                     }
                     match self.receive(store, &mut c, pull.namespace, &h) {
                         Ok(()) => {}
                         Err(Reject::Wrong(why)) => {
                             self.corrupt(src);
-                            return Err((why, true));
+                            return Err(PullErr::wrong(why));
                         }
-                        Err(Reject::Io(e)) => return Err((format!("mid-block: {e}"), true)),
+                        Err(Reject::Full(why)) => return Err(PullErr::midway(why)),
+                        Err(Reject::Io(e)) => return Err(PullErr::io(format!("mid-block: {e}"), &e, true)),
                     }
                     i += 1;
                     *done += 1;
@@ -406,9 +453,9 @@ impl Peers {
                     let why = p::read_text(&mut c).unwrap_or_default();
                     self.keep(src, c);
                     // An answer, not a dead connection: not tried again.
-                    return Err((format!("refused: {why}"), true));
+                    return Err(PullErr::midway(format!("refused: {why}")));
                 }
-                t => return Err((format!("unknown reply tag {t}"), true)),
+                t => return Err(PullErr::wrong(format!("unknown reply tag {t}"))),
             }
         }
     }
@@ -465,7 +512,7 @@ impl Peers {
             (Ok(_), None) => p::skip(c, h.len + 8).map_err(Reject::Io),
             (Err(e), _) => {
                 p::skip(c, h.len + 8).map_err(Reject::Io)?;
-                Err(Reject::Wrong(format!("G2 cannot take a pulled block: {e}")))
+                Err(Reject::Full(format!("G2 cannot take a pulled block: {e}")))
             }
         }
     }

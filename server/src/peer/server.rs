@@ -11,7 +11,10 @@
 //! connection for long. Refusals are counted in `kvcached_peer_refused_total{why}`: `handshake`
 //! (TLS), `hello` (not a peer's), `credentials`, `handshake_deadline` (not authenticated within
 //! `peer.connect_timeout_ms`), `evicted` (the oldest unauthenticated, closed for a newcomer),
-//! `busy` (authenticated, every serving thread and the queue taken), `namespace`.
+//! `busy` (authenticated, every serving thread and the queue taken), `namespace`, `revoked` (an
+//! open connection whose token left `tokens_file`, or whose certificate no longer chains to
+//! `tls_client_ca`: checked before each request and once a second between requests, so a
+//! revocation cuts open connections off within about a second).
 
 use std::io::Write;
 use std::net::SocketAddr;
@@ -21,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender, TrySendError, bounded};
 use kvnet::slots::Slots;
-use kvnet::{Guard, Identity, SyncStream};
+use kvnet::{Guard, Identity, PeerCert, SyncStream};
 use kvtiers::{BlockBuf, BlockStore};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -29,22 +32,26 @@ use tokio::net::{TcpListener, TcpStream};
 use super::PeerConfig;
 use super::protocol::{self as p, BlockHeader};
 
-/// A client between requests may stay this long.
-const IDLE: Duration = Duration::from_secs(60);
-
 /// Connections not yet authenticated (TLS handshake, hello) at once; one more closes the oldest
 /// of them (`kvcached_peer_refused_total{why="evicted"}`). Each is a task and a socket, not a
 /// thread; the bound keeps a flood from taking every descriptor.
 pub const MAX_UNAUTHENTICATED: usize = 64;
 
+/// Every `why` of `kvcached_peer_refused_total`.
+pub const REFUSALS: &[&str] =
+    &["handshake", "hello", "credentials", "handshake_deadline", "evicted", "busy", "namespace", "revoked"];
+
 fn refused(why: &'static str) {
     metrics::counter!("kvcached_peer_refused_total", "why" => why).increment(1);
 }
 
-/// An authenticated peer, for a serving thread.
+/// An authenticated peer, for a serving thread, with what it presented (checked again while
+/// the connection is open).
 struct Admitted {
     c: SyncStream,
     who: Identity,
+    cert: PeerCert,
+    token: Option<String>,
     remote: SocketAddr,
 }
 
@@ -64,11 +71,15 @@ pub async fn serve(
     for i in 0..serving {
         let rx: Receiver<Admitted> = rx.clone();
         let (guard, store, stopping) = (Arc::clone(&guard), Arc::clone(&store), Arc::clone(&stopping));
-        let io = Duration::from_millis(cfg.io_timeout_ms);
+        let times = Times {
+            io: Duration::from_millis(cfg.io_timeout_ms),
+            idle: Duration::from_millis(cfg.idle_timeout_ms.max(1)),
+        };
         let t = std::thread::Builder::new().name(format!("kv-peer-serve-{i}")).spawn(move || {
             let mut buf = BlockBuf::new();
-            while let Ok(Admitted { c, who, remote }) = rx.recv() {
-                if let Err(e) = serve_one(c, &who, &guard, &store, &stopping, io, &mut buf) {
+            while let Ok(a) = rx.recv() {
+                let remote = a.remote;
+                if let Err(e) = serve_one(a, &guard, &store, &stopping, times, &mut buf) {
                     tracing::debug!(%remote, "peer connection ended: {e}");
                 }
             }
@@ -101,7 +112,7 @@ pub async fn serve(
                             () = slot.closed() => return,
                         };
                         drop(slot);
-                        let (c, who) = match admitted {
+                        let (c, who, cert, token) = match admitted {
                             Ok(Ok(a)) => a,
                             Ok(Err(e)) => {
                                 tracing::debug!(%remote, "peer connection refused: {e}");
@@ -113,7 +124,7 @@ pub async fn serve(
                                 return;
                             }
                         };
-                        if let Err(TrySendError::Full(_)) = tx.try_send(Admitted { c, who, remote }) {
+                        if let Err(TrySendError::Full(_)) = tx.try_send(Admitted { c, who, cert, token, remote }) {
                             refused("busy");
                         }
                     });
@@ -158,7 +169,11 @@ async fn read_hello(r: &mut (impl AsyncRead + Unpin)) -> std::io::Result<Option<
 /// answer to the hello; the connection, on a blocking socket, and who it is. The caller bounds
 /// it in time. An authenticated peer is told no (`busy`) when the serving threads and their
 /// queue are full.
-async fn admit(tcp: TcpStream, guard: &Guard, queue: &Sender<Admitted>) -> Result<(SyncStream, Identity), String> {
+async fn admit(
+    tcp: TcpStream,
+    guard: &Guard,
+    queue: &Sender<Admitted>,
+) -> Result<(SyncStream, Identity, PeerCert, Option<String>), String> {
     let (mut s, cert) = guard.accept(tcp).await.map_err(|e| {
         refused("handshake");
         e.to_string()
@@ -186,7 +201,7 @@ async fn admit(tcp: TcpStream, guard: &Guard, queue: &Sender<Admitted>) -> Resul
     s.write_all(&answer).await.map_err(|e| e.to_string())?;
     s.flush().await.map_err(|e| e.to_string())?;
     match verdict {
-        Ok(who) => Ok((s.into_blocking().map_err(|e| e.to_string())?, who)),
+        Ok(who) => Ok((s.into_blocking().map_err(|e| e.to_string())?, who, cert, token)),
         Err((why, text)) => {
             refused(why);
             Err(text)
@@ -194,41 +209,61 @@ async fn admit(tcp: TcpStream, guard: &Guard, queue: &Sender<Admitted>) -> Resul
     }
 }
 
-/// Serves an authenticated peer's requests until it says BYE, is idle past [`IDLE`], fails, or
-/// the daemon stops.
+/// A serving thread's timeouts: a peer silent mid-request (`peer.io_timeout_ms`), a
+/// connection idle between requests (`peer.idle_timeout_ms`).
+#[derive(Debug, Clone, Copy)]
+struct Times {
+    io: Duration,
+    idle: Duration,
+}
+
+/// Whether what `a` presented at its hello is still accepted (the files may have changed):
+/// its identity now, or the connection is closed and counted.
+fn still_admitted(a: &Admitted, guard: &Guard) -> std::io::Result<Identity> {
+    guard.authenticate(&a.cert, a.token.as_deref()).map_err(|r| {
+        refused("revoked");
+        tracing::info!(remote = %a.remote, "peer connection closed: {r}");
+        std::io::Error::new(std::io::ErrorKind::PermissionDenied, r.to_string())
+    })
+}
+
+/// Serves an authenticated peer's requests until it says BYE, is idle past `peer.idle_timeout_ms`,
+/// fails, is no longer admitted, or the daemon stops.
 fn serve_one(
-    mut c: SyncStream,
-    who: &Identity,
+    mut a: Admitted,
     guard: &Guard,
     store: &BlockStore,
     stopping: &AtomicBool,
-    io: Duration,
+    t: Times,
     buf: &mut BlockBuf,
 ) -> std::io::Result<()> {
-    c.tcp().set_write_timeout(Some(io))?;
+    a.c.tcp().set_write_timeout(Some(t.io))?;
     loop {
-        // Between requests: wake each second to notice a shutdown.
-        c.tcp().set_read_timeout(Some(Duration::from_secs(1)))?;
+        // Between requests: wake each second to notice a shutdown or a revocation.
+        a.c.tcp().set_read_timeout(Some(Duration::from_secs(1).min(t.idle)))?;
         let idle_since = Instant::now();
         let op = loop {
-            match p::read_u8(&mut c) {
+            match p::read_u8(&mut a.c) {
                 Ok(op) => break op,
                 Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
-                    if stopping.load(Ordering::Acquire) || idle_since.elapsed() > IDLE {
+                    if stopping.load(Ordering::Acquire) || idle_since.elapsed() >= t.idle {
                         return Ok(());
                     }
+                    still_admitted(&a, guard)?;
                 }
                 Err(e) => return Err(e),
             }
         };
-        c.tcp().set_read_timeout(Some(io))?;
+        a.who = still_admitted(&a, guard)?;
+        let c = &mut a.c;
+        c.tcp().set_read_timeout(Some(t.io))?;
         match op {
             p::OP_PULL => {
-                let (ns, keys) = p::read_pull(&mut c)?;
-                send_blocks(&mut c, guard, who, store, ns, &keys, buf)?;
+                let (ns, keys) = p::read_pull(c)?;
+                send_blocks(c, guard, &a.who, store, ns, &keys, buf)?;
             }
             p::OP_PROBE => {
-                let n = p::read_u32(&mut c)?.min(p::MAX_PROBE);
+                let n = p::read_u32(c)?.min(p::MAX_PROBE);
                 let zeros = vec![0u8; 1 << 20];
                 let mut left = n as usize;
                 while left > 0 {
@@ -236,7 +271,7 @@ fn serve_one(
                     c.write_all(&zeros[..k])?;
                     left -= k;
                 }
-                p::write_end(&mut c, 0)?;
+                p::write_end(c, 0)?;
             }
             p::OP_BYE => return Ok(()),
             other => {

@@ -160,6 +160,15 @@ fn open_data_file(cfg: &DiskTierConfig, len: u64) -> Result<File> {
         }
         Err(e) => return Err(TierError::io(TIER, "open data file", e)),
     };
+    // A capacity other than the data file's: applied, and said (blocks past a smaller end are
+    // dropped by the recovery that follows, as out of range).
+    let was = file.metadata().map(|m| m.len()).unwrap_or(0);
+    if was > 0 && was != len {
+        tracing::info!(from_bytes = was, to_bytes = len, path = %path.display(), "G3 resized");
+        if was > len {
+            file.set_len(len).map_err(|e| TierError::io(TIER, "shrink data file", e))?;
+        }
+    }
     // SAFETY: plain syscall on an owned fd.
     let r = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len as libc::off_t) };
     if r != 0 {

@@ -231,6 +231,20 @@ struct Health {
     last_ok: Option<Instant>,
 }
 
+impl Health {
+    /// The last request failed and none succeeded since.
+    fn is_degraded(&self) -> bool {
+        match (&self.last_error, self.last_ok) {
+            (Some((at, _)), Some(ok)) => ok <= *at,
+            (Some(_), None) => true,
+            (None, _) => false,
+        }
+    }
+}
+
+/// How often a degraded G4 checks whether the store answers again.
+const RECHECK: Duration = Duration::from_secs(5);
+
 /// The G4 tier.
 pub struct ObjectTier {
     cfg: ObjectTierConfig,
@@ -299,7 +313,32 @@ impl ObjectTier {
             }
         }
         t.list_in_background();
+        t.recheck_in_background();
         Ok(t)
+    }
+
+    /// While G4 is degraded, asks the store every [`RECHECK`] whether it answers again (one
+    /// HEAD of an object that need not exist: "not found" is an answer), so that the degraded
+    /// state ends when the store is back, even with no traffic, and not before.
+    fn recheck_in_background(&self) {
+        let (store, health) = (Arc::clone(&self.store), Arc::clone(&self.health));
+        let probe = self.root.clone().join("kvcached-health-check");
+        self.rt().spawn(async move {
+            loop {
+                tokio::time::sleep(RECHECK).await;
+                if !health.lock().is_degraded() {
+                    continue;
+                }
+                match tokio::time::timeout(RECHECK, store.head(&probe)).await {
+                    Ok(Ok(_)) | Ok(Err(object_store::Error::NotFound { .. })) => {
+                        tracing::info!("G4 store answers again");
+                        health.lock().last_ok = Some(Instant::now());
+                    }
+                    Ok(Err(e)) => tracing::debug!("G4 store still does not answer: {e}"),
+                    Err(_) => tracing::debug!("G4 store still does not answer within {} s", RECHECK.as_secs()),
+                }
+            }
+        });
     }
 
     fn rt(&self) -> &tokio::runtime::Runtime {
@@ -321,13 +360,12 @@ impl ObjectTier {
         self.health.lock().last_error = Some((Instant::now(), why));
     }
 
-    /// Why G4 is degraded: the last request failed (within the last 30 s) and none succeeded
-    /// since.
+    /// Why G4 is degraded: the last request failed and none succeeded since (a request, or the
+    /// check every 5 s while degraded).
     pub fn degraded(&self) -> Option<String> {
         let h = self.health.lock();
         let (at, why) = h.last_error.as_ref()?;
-        let recovered = h.last_ok.is_some_and(|ok| ok > *at);
-        (!recovered && at.elapsed() < Duration::from_secs(30)).then(|| why.clone())
+        h.is_degraded().then(|| format!("{why} ({} s ago)", at.elapsed().as_secs()))
     }
 
     /// Whether the listing of the prefix at start has finished.

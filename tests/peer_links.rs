@@ -1,0 +1,219 @@
+//! What an operator meets in a cluster's first hour, across real processes: a peer link that
+//! sat idle past the serving side's timeout, and a serving daemon restarted (SIGTERM, kill -9),
+//! still hand every block over; a dead peer leaves the other node ready (a warning on
+//! `/healthz`, not a 503); a token taken out of `tokens_file` cuts its open connections off.
+#![allow(clippy::unwrap_used)]
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use kvclient::{Client, KvMemory, synthetic_block};
+use kvproto::{Dtype, KvLayout, LayoutKind, Namespace};
+use kvtests::node::Node;
+use kvtests::proc::free_port;
+
+fn layout() -> KvLayout {
+    KvLayout {
+        num_layers: 2,
+        kv_heads: 2,
+        head_dim: 64,
+        dtype: Dtype::Bf16,
+        tokens_per_block: 16,
+        kind: LayoutKind::LayerSeparate,
+    }
+}
+
+fn ns() -> Namespace {
+    Namespace::new("links/model", layout())
+}
+
+fn block_len() -> usize {
+    layout().block_bytes() as usize
+}
+
+fn prompt(seed: u32, blocks: u32) -> Vec<u32> {
+    (0..blocks * 16).map(|i| (i.wrapping_mul(2_654_435_761) ^ seed.wrapping_mul(131)) % 150_000).collect()
+}
+
+const BLOCKS: u32 = 16;
+
+fn bin() -> &'static Path {
+    Path::new(env!("CARGO_BIN_EXE_daemon"))
+}
+
+/// Saves prompt `seed` (BLOCKS blocks) on `node` from an engine that leaves afterwards.
+async fn save_on(node: &Node, seed: u32) {
+    let mut mem = KvMemory::anonymous(&layout(), BLOCKS).unwrap();
+    for b in 0..BLOCKS {
+        mem.write_block(b, &synthetic_block(u64::from(seed), b, block_len()));
+    }
+    let c = Client::connect(node.socket()).await.unwrap();
+    c.register("prefill", &ns(), &mem).await.unwrap();
+    let r = c.save(&prompt(seed, BLOCKS), 0, &(0..BLOCKS).collect::<Vec<_>>()).await.unwrap();
+    assert_eq!(r.stored, BLOCKS, "{r:?}");
+    c.unregister().await.unwrap();
+}
+
+/// Loads prompt `seed` on `node`, pulling from `peer`: (blocks loaded, blocks from the peer),
+/// every loaded byte checked.
+async fn pull_on(node: &Node, seed: u32, peer: &str) -> (u32, u32) {
+    let mem = KvMemory::anonymous(&layout(), BLOCKS).unwrap();
+    let c = Client::connect(node.socket()).await.unwrap();
+    c.register("decode", &ns(), &mem).await.unwrap();
+    let done =
+        c.load_from(&prompt(seed, BLOCKS), 0, &(0..BLOCKS).collect::<Vec<_>>(), &[peer.to_string()]).await.unwrap();
+    for b in 0..done.loaded_blocks {
+        assert_eq!(mem.read_block(b), synthetic_block(u64::from(seed), b, block_len()), "block {b} differs");
+    }
+    c.unregister().await.unwrap();
+    (done.loaded_blocks, done.from_peer)
+}
+
+/// A prefill node A serving peers on `addr` (extra `[peer]` lines in `peer_extra`) and a decode
+/// node B that lists it.
+fn pair(dir: &Path, addr: &str, peer_extra: &str, auth: &str, client: &str) -> (Node, Node) {
+    let a = Node::start(
+        bin(),
+        &dir.join("a"),
+        &format!("[metrics_auth]\nopen = true\n[peer]\nlisten = \"{addr}\"\n{peer_extra}\n{auth}"),
+        &[],
+    );
+    let b = Node::start(
+        bin(),
+        &dir.join("b"),
+        &format!("[metrics_auth]\nopen = true\n[peer]\npeers = [\"{addr}\"]\nprobe_idle_s = 0\n{client}"),
+        &[],
+    );
+    (a, b)
+}
+
+const OPEN: &str = "[peer.auth]\nopen = true\n";
+
+/// The serving side closes a connection idle past `peer.idle_timeout_ms` (1 s here, 60 s by
+/// default); the puller's kept connection is then closed under it, and the next hand-off still
+/// gets every block from the peer, with no failure counted and nothing on `/healthz`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pull_after_the_link_idled_past_the_serving_sides_timeout_gets_every_block() {
+    let d = tempfile::tempdir().unwrap();
+    let addr = format!("127.0.0.1:{}", free_port());
+    let (a, b) = pair(d.path(), &addr, "idle_timeout_ms = 1000", OPEN, "");
+    save_on(&a, 1).await;
+    assert_eq!(pull_on(&b, 1, &addr).await, (BLOCKS, BLOCKS), "{}", b.d().log());
+    // Idle three times the serving side's timeout: it has closed the kept connection.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    save_on(&a, 2).await;
+    assert_eq!(pull_on(&b, 2, &addr).await, (BLOCKS, BLOCKS), "{}", b.d().log());
+    assert_eq!(b.d().metric("kvcached_peer_failures_total"), 0.0, "{}", b.d().log());
+    assert_eq!(b.healthz(), (200, "ok\n".to_string()));
+    a.stop();
+    b.stop();
+}
+
+/// The prefill daemon restarts, cleanly (SIGTERM) and not (kill -9): the decode node's kept
+/// connections died with it, and the next hand-off reconnects at once and gets every block.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pull_after_the_serving_daemon_restarts_gets_every_block() {
+    let d = tempfile::tempdir().unwrap();
+    let addr = format!("127.0.0.1:{}", free_port());
+    let (mut a, b) = pair(d.path(), &addr, "", OPEN, "");
+    save_on(&a, 1).await;
+    assert_eq!(pull_on(&b, 1, &addr).await, (BLOCKS, BLOCKS));
+    a.restart();
+    save_on(&a, 2).await;
+    assert_eq!(pull_on(&b, 2, &addr).await, (BLOCKS, BLOCKS), "after SIGTERM\n{}", b.d().log());
+    a.kill9();
+    a.start_again();
+    save_on(&a, 3).await;
+    assert_eq!(pull_on(&b, 3, &addr).await, (BLOCKS, BLOCKS), "after kill -9\n{}", b.d().log());
+    assert_eq!(b.d().metric("kvcached_peer_failures_total"), 0.0, "{}", b.d().log());
+    a.stop();
+    b.stop();
+}
+
+/// A dead peer is the neighbour's trouble: the node that pulls from it stays ready (200), names
+/// it in a `warning:` line and in `kvcached_degraded_neighbours{kind="peer"}`, keeps
+/// `kvcached_ready` at 1, and pulls from it again once it is back (a first failure bars it for
+/// a second, not 30).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_peer_leaves_the_other_node_ready_and_is_named() {
+    let d = tempfile::tempdir().unwrap();
+    let addr = format!("127.0.0.1:{}", free_port());
+    let (mut a, b) = pair(d.path(), &addr, "", OPEN, "");
+    save_on(&a, 1).await;
+    a.halt();
+    // Each pull that finds the peer down bars it (1 s, then 2, 4, ...): seen barred within a
+    // few rounds however slow this machine is, and never unready meanwhile.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let (loaded, _) = pull_on(&b, 1, &addr).await;
+        assert_eq!(loaded, 0, "nothing to load: the only holder is down");
+        let (status, body) = b.healthz();
+        assert_eq!(status, 200, "a dead peer made this node unready: {body}");
+        let (ready, named) =
+            (b.d().metric("kvcached_ready"), b.d().metric("kvcached_degraded_neighbours{kind=\"peer\"}"));
+        assert_eq!(ready, 1.0, "{body}");
+        let warned = body
+            .lines()
+            .any(|l| l.starts_with("warning: peer ") && l.contains(&addr) && l.contains("not asked for now"));
+        if warned && named == 1.0 {
+            assert!(body.starts_with("ok\n"), "{body}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "the dead peer was never named: {body}\n{}", b.d().log());
+    }
+    a.start_again();
+    save_on(&a, 2).await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if pull_on(&b, 2, &addr).await == (BLOCKS, BLOCKS) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the peer was not asked again once back\n{}", b.d().log());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(b.healthz(), (200, "ok\n".to_string()), "a success clears the peer's bar");
+    assert_eq!(b.d().metric("kvcached_degraded_neighbours{kind=\"peer\"}"), 0.0);
+    a.stop();
+    b.stop();
+}
+
+/// A token taken out of `tokens_file` cuts off the connections it opened: the serving side
+/// closes them within about a second (`kvcached_peer_refused_total{why="revoked"}`), and the
+/// puller's next pull is refused; put back, it pulls again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_removed_from_tokens_file_is_cut_off_open_connections_included() {
+    let d = tempfile::tempdir().unwrap();
+    let addr = format!("127.0.0.1:{}", free_port());
+    let tokens = d.path().join("tokens");
+    let b_line = "decode-b bbbbbbbbbbbbbbbbbbbbbbbbbbbb\n";
+    std::fs::write(&tokens, format!("other oooooooooooooooooooooooo\n{b_line}")).unwrap();
+    let token = d.path().join("token");
+    std::fs::write(&token, "bbbbbbbbbbbbbbbbbbbbbbbbbbbb\n").unwrap();
+    let (a, b) = pair(
+        d.path(),
+        &addr,
+        "",
+        &format!("[peer.auth]\ntokens_file = \"{}\"\n", tokens.display()),
+        &format!("[peer.client]\ntoken_file = \"{}\"\n", token.display()),
+    );
+    save_on(&a, 1).await;
+    assert_eq!(pull_on(&b, 1, &addr).await, (BLOCKS, BLOCKS), "{}", a.d().log());
+    // B keeps that connection open; its token goes.
+    std::fs::write(&tokens, "other oooooooooooooooooooooooo\n").unwrap();
+    let t0 = Instant::now();
+    a.d().wait_metric("kvcached_peer_refused_total{why=\"revoked\"}", 1.0, Duration::from_secs(10));
+    let took = t0.elapsed();
+    save_on(&a, 2).await;
+    assert_eq!(pull_on(&b, 2, &addr).await, (0, 0), "a revoked token pulled\n{}", a.d().log());
+    assert!(a.d().metric("kvcached_peer_refused_total{why=\"credentials\"}") >= 1.0, "{}", a.d().log());
+    println!("open connection closed {} ms after the token left the file", took.as_millis());
+    // Back in the file: B pulls again once its bar (a second after a first failure) is over.
+    std::fs::write(&tokens, format!("other oooooooooooooooooooooooo\n{b_line}")).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while pull_on(&b, 2, &addr).await != (BLOCKS, BLOCKS) {
+        assert!(Instant::now() < deadline, "the restored token does not pull\n{}", a.d().log());
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    a.stop();
+    b.stop();
+}
