@@ -161,6 +161,10 @@ pub fn main() -> ExitCode {
     let json = cli.log_format == "json";
     let config = match cli.config() {
         Ok(c) => c,
+        Err(ServerError::Config { field, reason }) => {
+            say(json, true, &format!("kvcached: invalid configuration: {field}: {reason}"));
+            return ExitCode::from(2);
+        }
         Err(e) => {
             say(json, true, &format!("kvcached: invalid configuration: {e}"));
             return ExitCode::from(2);
@@ -182,13 +186,21 @@ pub fn main() -> ExitCode {
             .block_on(async {
                 let shutdown = crate::signals::shutdown_signal();
                 let listeners = Listeners::bind(&config).await?;
-                let banner = format!(
-                    "kvcached listening on {} (metrics http://{}/metrics); try `cargo run --release -p kvclient --example demo` in another shell",
-                    config.socket.display(),
-                    config.metrics_addr
-                );
+                let socket = config.socket.clone();
+                let scheme = if config.metrics_auth.tls() { "https" } else { "http" };
                 // Printed once the daemon serves: a start that fails says only why.
-                crate::serve_announcing(config, listeners, shutdown, || say(json, false, &banner)).await
+                let banner = move |http: Option<std::net::SocketAddr>| {
+                    let metrics = http.map_or_else(|| "none".into(), |a| format!("{scheme}://{a}/metrics"));
+                    say(
+                        json,
+                        false,
+                        &format!(
+                            "kvcached listening on {} (metrics {metrics}); try `cargo run --release -p kvclient --example demo` in another shell",
+                            socket.display()
+                        ),
+                    );
+                };
+                crate::serve_announcing(config, listeners, shutdown, banner).await
             })
             .map_err(|e| e.to_string()),
     };

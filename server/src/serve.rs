@@ -29,19 +29,20 @@ pub async fn serve(
     listeners: Listeners,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), ServerError> {
-    serve_announcing(config, listeners, shutdown, || {}).await
+    serve_announcing(config, listeners, shutdown, |_| {}).await
 }
 
-/// [`serve`], calling `serving` once every tier is open and every listener served (the
-/// command line prints its banner there, not before a start that may still fail).
+/// [`serve`], calling `serving` with the HTTP port's bound address once every tier is open and
+/// every listener served (the command line prints its banner there, not before a start that
+/// may still fail).
 pub async fn serve_announcing(
     config: Config,
     listeners: Listeners,
     shutdown: impl Future<Output = ()>,
-    serving: impl FnOnce(),
+    serving: impl FnOnce(Option<std::net::SocketAddr>),
 ) -> Result<(), ServerError> {
     http::prometheus();
-    let store = open_store(&config).await?;
+    let (store, prefault) = open_store(&config).await?;
     let daemon = start_daemon(&config, &listeners, store).await?;
     let socket_path = listeners.unix.local_addr().ok().and_then(|a| a.as_pathname().map(Path::to_path_buf));
     // The socket file this daemon bound: at the end it is unlinked only if it is still that
@@ -55,7 +56,7 @@ pub async fn serve_announcing(
     let mut tasks = serve_listeners(&config, listeners, &daemon, lookups.as_ref(), &stop_rx);
     on.log(&config, &daemon);
     tracing::info!(socket = ?socket_path, "kvcached serving");
-    serving();
+    serving(on.http);
 
     let mut first_error = None;
     tokio::select! {
@@ -72,6 +73,12 @@ pub async fn serve_announcing(
     close(daemon).await?;
     if let Some(p) = socket_path.filter(|p| socket_file.is_some() && file_id(p) == socket_file) {
         let _ = std::fs::remove_file(p);
+    }
+    // The prefault stops with the pool (it holds it weakly) and logs how far it came: before
+    // the last line, not after it.
+    let deadline = std::time::Instant::now() + Duration::from_secs(2);
+    while prefault.as_ref().is_some_and(|t| !t.is_finished()) && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
     }
     tracing::info!("kvcached stopped");
     first_error.map_or(Ok(()), Err)
@@ -136,7 +143,9 @@ impl ListenersOn {
 
 /// Opens G2 and G3 (RocksDB and the data file take a while: off the runtime), and prefaults
 /// the G2 pool in the background when configured.
-async fn open_store(config: &Config) -> Result<Arc<kvtiers::BlockStore>, ServerError> {
+async fn open_store(
+    config: &Config,
+) -> Result<(Arc<kvtiers::BlockStore>, Option<std::thread::JoinHandle<()>>), ServerError> {
     let mut store_cfg = config.store_config();
     if let Some(path) = &config.inject_faults {
         crate::faults::install(path, &mut store_cfg);
@@ -145,6 +154,7 @@ async fn open_store(config: &Config) -> Result<Arc<kvtiers::BlockStore>, ServerE
         .await
         .map_err(|e| ServerError::Io(std::io::Error::other(e)))??;
     let store = Arc::new(store);
+    let mut prefault = None;
     if config.g2.prefault {
         let g2 = Arc::downgrade(store.g2());
         let spawned = std::thread::Builder::new().name("kv-g2-prefault".into()).spawn(move || {
@@ -152,11 +162,12 @@ async fn open_store(config: &Config) -> Result<Arc<kvtiers::BlockStore>, ServerE
             let bytes = kvtiers::HostTier::prefault(&g2);
             tracing::info!(bytes, took_ms = t0.elapsed().as_millis() as u64, "G2 pool prefaulted");
         });
-        if let Err(e) = spawned {
-            tracing::warn!("cannot start the G2 prefault thread: {e}");
+        match spawned {
+            Ok(t) => prefault = Some(t),
+            Err(e) => tracing::warn!("cannot start the G2 prefault thread: {e}"),
         }
     }
-    Ok(store)
+    Ok((store, prefault))
 }
 
 /// The hit reports (routers, the vLLM-format export) and the daemon around the store.
