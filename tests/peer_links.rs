@@ -217,3 +217,22 @@ async fn a_token_removed_from_tokens_file_is_cut_off_open_connections_included()
     a.stop();
     b.stop();
 }
+
+/// A router that does not answer is a neighbour's trouble too: `/healthz` stays 200 and names
+/// it, `kvcached_degraded_neighbours{kind="router"}` counts it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_router_that_is_down_is_a_warning_not_unreadiness() {
+    let d = tempfile::tempdir().unwrap();
+    let router = format!("http://127.0.0.1:{}", free_port());
+    let n = Node::start(
+        bin(),
+        &d.path().join("n"),
+        &format!("[metrics_auth]\nopen = true\n[router]\nurls = [\"{router}\"]\nreport_interval_ms = 100\n"),
+        &[],
+    );
+    let body = n.wait_warning(&["router", &router, "not taking this node's reports"], Duration::from_secs(20));
+    assert!(body.starts_with("ok\n"), "{body}");
+    assert_eq!(n.d().metric("kvcached_ready"), 1.0);
+    assert_eq!(n.d().metric("kvcached_degraded_neighbours{kind=\"router\"}"), 1.0);
+    n.stop();
+}

@@ -789,7 +789,7 @@ impl Daemon {
     }
 
     /// Whether this node can serve its engines (`ok`, with `reasons` why not: its own tiers),
-    /// and its degraded neighbours (`warnings`: peers, the object store), which never make it
+    /// and its degraded neighbours (`warnings`: peers, the object store, routers), which never make it
     /// unready: one dead node must not take every node that lists it out of service. Sets
     /// `kvcached_ready` and `kvcached_degraded_neighbours{kind}` on the way.
     pub fn health(&self, queue_capacity: usize) -> pb::HealthResponse {
@@ -829,9 +829,18 @@ impl Daemon {
                 format!("peer {peer} failed and is not asked for now: {}", kvproto::limits::clip(&why, 200))
             }));
         }
+        let routers = self.reports.failing_routers();
+        let failing_routers = routers.len();
+        warnings.extend(routers.into_iter().map(|(router, why)| {
+            format!(
+                "router {router} is not taking this node's reports (it will replay them once back): {}",
+                kvproto::limits::clip(&why, 200)
+            )
+        }));
         metrics::gauge!("kvcached_ready").set(if reasons.is_empty() { 1.0 } else { 0.0 });
         metrics::gauge!("kvcached_degraded_neighbours", "kind" => "peer").set(peers as f64);
         metrics::gauge!("kvcached_degraded_neighbours", "kind" => "g4").set(f64::from(g4));
+        metrics::gauge!("kvcached_degraded_neighbours", "kind" => "router").set(failing_routers as f64);
         pb::HealthResponse { ok: reasons.is_empty(), reasons, warnings }
     }
 }

@@ -147,7 +147,8 @@ pub fn describe() {
         ("kvcached_ready", "1 while this node can serve its engines (/healthz answers 200), else 0."),
         (
             "kvcached_degraded_neighbours",
-            "Degraded neighbours now, by kind: peers marked failed (peer), the object store (g4).",
+            "Degraded neighbours now, by kind: peers marked failed (peer), the object store (g4), routers whose \
+             last report failed (router).",
         ),
     ] {
         describe_gauge!(name, help);

@@ -9,9 +9,10 @@
 //! or its own restart, sees the gap in ids and replays them from the log through the recovery API
 //! (the daemon serves them at `info.recovery_url`: [`crate::http`]).
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use kvnet::http::HttpClient;
 use kvproto::events::{Event, EventBody, LoadReport, PublisherInfo, PublisherMessage, RouteOutcome};
@@ -50,7 +51,11 @@ pub struct HttpPublisher {
     tx: mpsc::Sender<Item>,
     dropped: Arc<AtomicU64>,
     failed_posts: Arc<AtomicU64>,
+    routers: RouterHealth,
 }
+
+/// Per router: the last POST's failure (when and why), `None` after a success.
+type RouterHealth = Arc<parking_lot::Mutex<HashMap<String, Option<(Instant, String)>>>>;
 
 impl std::fmt::Debug for Item {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -81,6 +86,9 @@ impl HttpPublisher {
         let log_for_task = log.clone();
         let info = Arc::new(parking_lot::Mutex::new(cfg.info.clone()));
         let info_for_task = Arc::clone(&info);
+        let routers: RouterHealth =
+            Arc::new(parking_lot::Mutex::new(cfg.routers.iter().map(|r| (r.clone(), None)).collect()));
+        let routers_for_task = Arc::clone(&routers);
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(interval);
             let mut open = true;
@@ -114,7 +122,10 @@ impl HttpPublisher {
                 };
                 msg.load = load();
                 for r in &cfg.routers {
-                    if let Err(e) = http.post_json(&format!("{r}/events"), &msg).await {
+                    let posted = http.post_json(&format!("{r}/events"), &msg).await;
+                    let outcome = posted.as_ref().err().map(|e| (Instant::now(), e.to_string()));
+                    routers_for_task.lock().insert(r.clone(), outcome);
+                    if let Err(e) = posted {
                         // The router replays what it missed once it is back.
                         if failed.fetch_add(1, Ordering::Relaxed).is_multiple_of(100) {
                             tracing::warn!(router = %r, "publishing to router failed: {e}");
@@ -123,7 +134,7 @@ impl HttpPublisher {
                 }
             }
         });
-        Ok(Self { log, info, tx, dropped, failed_posts })
+        Ok(Self { log, info, tx, dropped, failed_posts, routers })
     }
 
     /// Replaces the info sent with every message from now on (workers attached or detached,
@@ -161,6 +172,20 @@ impl HttpPublisher {
     /// POSTs that failed (per router).
     pub fn failed_posts(&self) -> u64 {
         self.failed_posts.load(Ordering::Relaxed)
+    }
+
+    /// Routers whose last POST failed, with why and how long ago (for `/healthz`).
+    pub fn failing_routers(&self) -> Vec<(String, String)> {
+        let mut out: Vec<(String, String)> = self
+            .routers
+            .lock()
+            .iter()
+            .filter_map(|(r, last)| {
+                last.as_ref().map(|(at, why)| (r.clone(), format!("{why} ({} s ago)", at.elapsed().as_secs())))
+            })
+            .collect();
+        out.sort();
+        out
     }
 
     /// The log (for the recovery API).

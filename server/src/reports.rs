@@ -142,6 +142,11 @@ impl Reports {
         self.publisher.as_ref().map(|p| Arc::clone(p.log()))
     }
 
+    /// Routers whose last report failed, with why.
+    pub fn failing_routers(&self) -> Vec<(String, String)> {
+        self.publisher.as_ref().map(HttpPublisher::failing_routers).unwrap_or_default()
+    }
+
     /// Events and outcomes not sent because the queue was full (routers replay them).
     pub fn dropped(&self) -> u64 {
         self.publisher.as_ref().map_or(0, HttpPublisher::dropped)
