@@ -63,6 +63,7 @@ pub mod peer;
 pub mod prefix_probe;
 pub mod publish;
 pub mod quota;
+mod rate_log;
 pub mod reports;
 mod serve;
 pub mod service;

@@ -9,7 +9,6 @@
 //! longest ([`kvnet::slots`]), so that silent connections cannot keep a Health probe out.
 
 use std::io;
-use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -21,9 +20,11 @@ use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 
 use crate::attach::Tickets;
+use crate::edge::TcpPeer;
 use crate::h2_authority::HeaderFix;
 use crate::limits::{Held, Limits, Principal};
 use crate::lookup_wire::LookupWire;
+use crate::rate_log::RateLog;
 
 /// Connections accepted and waiting for gRPC to take them.
 const HANDOFF: usize = 64;
@@ -164,28 +165,6 @@ impl AcceptErrors {
     }
 }
 
-/// A warning at most every 10 s, with how many happened since the last one.
-#[derive(Debug, Default)]
-pub(crate) struct RateLog {
-    since: u64,
-    last: Option<Instant>,
-}
-
-impl RateLog {
-    fn note(&mut self, what: &str) {
-        self.note_as("connections refused by a limit", what);
-    }
-
-    pub(crate) fn note_as(&mut self, head: &str, what: &str) {
-        self.since += 1;
-        if self.last.is_none_or(|t| t.elapsed() >= Duration::from_secs(10)) {
-            tracing::warn!(refused = self.since, "{head}: {what}");
-            self.since = 0;
-            self.last = Some(Instant::now());
-        }
-    }
-}
-
 /// The first bytes of a connection, waiting at most until `deadline` for `want` of them.
 async fn peek(stream: &UnixStream, want: usize, deadline: tokio::time::Instant) -> io::Result<Vec<u8>> {
     use std::os::fd::AsRawFd;
@@ -283,15 +262,6 @@ pub fn unix(
         }
     });
     ReceiverStream::new(rx)
-}
-
-/// Who is at the other end of a TCP connection: its address and the certificate it presented
-/// in the TLS handshake (verified; none on a plain endpoint). gRPC requests carry it in their
-/// extensions.
-#[derive(Debug, Clone)]
-pub struct TcpPeer {
-    pub remote: SocketAddr,
-    pub cert: kvnet::PeerCert,
 }
 
 /// A TCP connection that passed its guard's handshake: plain, or TLS.

@@ -141,7 +141,7 @@ impl LookupWire {
         let (r, keep) = match pb::LookupRequest::decode(&body[..]) {
             Ok(req) => {
                 let d = Arc::clone(&self.daemon);
-                (crate::service::blocking(move || d.lookup(&req, who)).await, true)
+                (crate::edge::blocking(move || d.lookup(&req, who)).await, true)
             }
             Err(e) => (Err(tonic::Status::invalid_argument(format!("a lookup that does not decode: {e}"))), false),
         };

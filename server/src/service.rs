@@ -13,8 +13,7 @@ use kvproto::reason::Reason;
 use tonic::{Request, Response, Status};
 
 use crate::daemon::Daemon;
-use crate::edge::{peer_pid, principal};
-use crate::error::ServerError;
+use crate::edge::{TcpPeer, blocking, peer_pid, principal};
 use crate::metrics_catalog::Rpc;
 
 /// The service object handed to tonic for the Unix socket.
@@ -22,22 +21,6 @@ use crate::metrics_catalog::Rpc;
 pub struct KvcachedService {
     pub daemon: Arc<Daemon>,
     pub queue_capacity: usize,
-}
-
-/// Runs CPU-bound or lock-taking request work off the async path. On a multi-threaded runtime
-/// it runs right here (`block_in_place` hands this worker's other tasks to another thread), so a
-/// request does not pay a thread hop (about 50 us on a small VM) before its work starts; on a
-/// current-thread runtime it goes to the blocking pool.
-pub(crate) async fn blocking<T: Send + 'static>(
-    f: impl FnOnce() -> Result<T, ServerError> + Send + 'static,
-) -> Result<T, Status> {
-    if tokio::runtime::Handle::current().runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread {
-        return tokio::task::block_in_place(f).map_err(Status::from);
-    }
-    match tokio::task::spawn_blocking(f).await {
-        Ok(r) => r.map_err(Status::from),
-        Err(e) => Err(Status::internal(format!("worker failed: {e}"))),
-    }
 }
 
 #[tonic::async_trait]
@@ -202,7 +185,7 @@ pub struct TcpService {
 }
 
 /// The TCP listener's per-request check (`tcp_auth`): a bearer token in `authorization`, or the
-/// client certificate of the connection ([`crate::listen::TcpPeer`]); a request without
+/// client certificate of the connection ([`TcpPeer`]); a request without
 /// acceptable credentials is refused `UNAUTHENTICATED` with what to present, before any
 /// service sees it.
 #[derive(Debug, Clone)]
@@ -212,7 +195,7 @@ pub struct TcpAuth {
 
 impl tonic::service::Interceptor for TcpAuth {
     fn call(&mut self, mut req: Request<()>) -> Result<Request<()>, Status> {
-        let cert = req.extensions().get::<crate::listen::TcpPeer>().map(|p| p.cert.clone()).unwrap_or_default();
+        let cert = req.extensions().get::<TcpPeer>().map(|p| p.cert.clone()).unwrap_or_default();
         let bearer = req.metadata().get("authorization").and_then(|v| v.to_str().ok()).and_then(kvnet::bearer_of);
         let who = self.guard.authenticate(&cert, bearer).map_err(|r| Status::unauthenticated(r.to_string()))?;
         req.extensions_mut().insert(who);

@@ -109,7 +109,7 @@ pub struct Peers {
     cfg: PeerConfig,
     sources: super::sources::SourcePolicy,
     /// Refused sources, logged at most every 10 s.
-    refused_log: Mutex<crate::listen::RateLog>,
+    refused_log: Mutex<crate::rate_log::RateLog>,
     connector: Connector,
     pub book: PeerBook,
     /// Connections between pulls, with the time each was put back.
