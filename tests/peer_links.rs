@@ -236,3 +236,47 @@ async fn a_router_that_is_down_is_a_warning_not_unreadiness() {
     assert_eq!(n.d().metric("kvcached_degraded_neighbours{kind=\"router\"}"), 1.0);
     n.stop();
 }
+
+/// Every series `docs/operations.md` section 3 lists with a fixed set of labels is on `/metrics`
+/// from the start, before any traffic (dashboards and alerts see 0, not nothing). Series keyed
+/// by what comes later (a KV namespace, a peer, a tenant, a gRPC method), histograms (they
+/// appear with their first sample) and the vLLM export's (off here) are not asked for.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_documented_fixed_series_is_exported_from_start() {
+    let d = tempfile::tempdir().unwrap();
+    let addr = format!("127.0.0.1:{}", free_port());
+    let g3 = d.path().join("g3");
+    let n = Node::start(
+        bin(),
+        &d.path().join("n"),
+        &format!(
+            "[metrics_auth]\nopen = true\n[g2]\npage_size = 65536\n[g3]\nenabled = true\ndir = \"{}\"\ncapacity_bytes = 67108864\n[peer]\nlisten = \"{addr}\"\n{OPEN}",
+            g3.display()
+        ),
+        &[],
+    );
+    let doc = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/operations.md")).unwrap();
+    let metrics = doc.split("## 3. Metrics").nth(1).and_then(|s| s.split("\n## 4.").next()).unwrap();
+    let (_, text) = n.d().get("/metrics");
+    let exported: Vec<&str> = text.lines().filter(|l| !l.starts_with('#')).collect();
+    let mut asked = 0;
+    let mut missing = Vec::new();
+    for row in metrics.lines().filter(|l| l.starts_with("| `kvcached_")) {
+        let cols: Vec<&str> = row.split('|').map(str::trim).collect();
+        let (names, kind, labels) = (cols[1], cols[2], cols[3]);
+        let later =
+            ["`kv_namespace`", "`rpc`", "`tenant`", "`model`"].iter().any(|l| labels.contains(l)) || labels == "`peer`";
+        if kind == "histogram" || later || names.contains("vllm_export") || names.starts_with("`kvcached_g4") {
+            continue;
+        }
+        for name in names.split(',').map(|s| s.trim().trim_matches('`')) {
+            asked += 1;
+            if !exported.iter().any(|l| l.starts_with(name) && l[name.len()..].starts_with([' ', '{'])) {
+                missing.push(name.to_string());
+            }
+        }
+    }
+    assert!(asked >= 30, "only {asked} series read from the docs: has section 3 moved?");
+    assert!(missing.is_empty(), "documented but not exported at start: {missing:?}\n{text}");
+    n.stop();
+}

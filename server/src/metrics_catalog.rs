@@ -82,6 +82,11 @@ pub fn describe() {
         ("kvcached_writethrough_errors_total", "Write-throughs that failed, by tier."),
         ("kvcached_promotions_total", "Blocks promoted into G2 from a lower tier."),
         (
+            "kvcached_promotions_skipped_total",
+            "Blocks a load read from G3 straight into a CPU engine not brought up into G2 after it (the engine's \
+             slots no longer matched the block's checksum).",
+        ),
+        (
             "kvcached_prefill_tokens_saved_total",
             "Prompt tokens loaded into engines instead of recomputed, by the tier they came from and KV namespace.",
         ),
@@ -228,6 +233,13 @@ pub fn zero_series(config: &crate::Config) {
         ] {
             metrics::counter!(name).absolute(0);
         }
+    }
+    let mut listeners = vec!["unix"];
+    if config.tcp.is_some() {
+        listeners.push("tcp");
+    }
+    for l in listeners {
+        metrics::counter!("kvcached_accept_errors_total", "listener" => l).absolute(0);
     }
     for name in ["kvcached_connections", "kvcached_engines_attached"] {
         metrics::gauge!(name).set(0.0);
