@@ -280,3 +280,43 @@ async fn every_documented_fixed_series_is_exported_from_start() {
     assert!(missing.is_empty(), "documented but not exported at start: {missing:?}\n{text}");
     n.stop();
 }
+
+/// A client certificate whose CA leaves `tls_client_ca` is cut off the same way: the open
+/// connection it authenticated is closed (`why="revoked"`), and the next pull is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_certificate_whose_ca_left_tls_client_ca_is_cut_off() {
+    let d = tempfile::tempdir().unwrap();
+    let pki = kvnet::testing::Ca::new(d.path(), "ca");
+    let other = kvnet::testing::Ca::new(d.path(), "other-ca");
+    let server = pki.valid("a", &["localhost", "127.0.0.1"]);
+    let client = pki.valid("b", &["decode-b.kvcached"]);
+    let client_ca = d.path().join("client-ca.pem");
+    std::fs::copy(&pki.cert, &client_ca).unwrap();
+    let addr = format!("127.0.0.1:{}", free_port());
+    let (a, b) = pair(
+        d.path(),
+        &addr,
+        "",
+        &format!(
+            "[peer.auth]\ntls_cert = \"{}\"\ntls_key = \"{}\"\ntls_client_ca = \"{}\"\n",
+            server.cert.display(),
+            server.key.display(),
+            client_ca.display()
+        ),
+        &format!(
+            "[peer.client]\ntls_ca = \"{}\"\ntls_cert = \"{}\"\ntls_key = \"{}\"\n",
+            pki.cert.display(),
+            client.cert.display(),
+            client.key.display()
+        ),
+    );
+    save_on(&a, 1).await;
+    assert_eq!(pull_on(&b, 1, &addr).await, (BLOCKS, BLOCKS), "{}", a.d().log());
+    // The operator trusts another CA now: B's certificate, and its open connection, are out.
+    std::fs::copy(&other.cert, &client_ca).unwrap();
+    a.d().wait_metric("kvcached_peer_refused_total{why=\"revoked\"}", 1.0, Duration::from_secs(10));
+    save_on(&a, 2).await;
+    assert_eq!(pull_on(&b, 2, &addr).await, (0, 0), "a revoked certificate pulled\n{}", a.d().log());
+    a.stop();
+    b.stop();
+}
