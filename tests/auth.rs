@@ -22,7 +22,7 @@ use kvnet::testing::{Ca, CertFiles};
 use kvnet::{AuthConfig, ClientAuthConfig, Connector, Grant};
 use kvproto::events::KEY_SCHEME_KVCACHED;
 use kvproto::pb;
-use kvproto::{Dtype, KvLayout, LayoutKind, Namespace};
+use kvproto::{KvLayout, Namespace};
 use kvrouter::config::{NamespaceSpec, RouterConfig};
 use kvrouter::grpc::{RouterClient, pb as rpb};
 use serde_json::{Value, json};
@@ -149,14 +149,7 @@ fn assert_handshake_refused(what: &str, r: &Result<(u16, String), String>) {
 }
 
 fn layout() -> KvLayout {
-    KvLayout {
-        num_layers: 2,
-        kv_heads: 2,
-        head_dim: 64,
-        dtype: Dtype::Bf16,
-        tokens_per_block: 16,
-        kind: LayoutKind::LayerSeparate,
-    }
+    kvtests::fixture::small_layout()
 }
 
 fn prompt(blocks: u32) -> Vec<u32> {

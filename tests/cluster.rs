@@ -10,19 +10,12 @@ use std::time::{Duration, Instant};
 
 use kvclient::{Client, KvMemory, synthetic_block};
 use kvproto::events::KEY_SCHEME_KVCACHED;
-use kvproto::{Dtype, KvLayout, LayoutKind, Namespace};
+use kvproto::{KvLayout, Namespace};
 use kvrouter::config::{NamespaceSpec, RouterConfig};
 use serde_json::{Value, json};
 
 fn layout() -> KvLayout {
-    KvLayout {
-        num_layers: 2,
-        kv_heads: 2,
-        head_dim: 64,
-        dtype: Dtype::Bf16,
-        tokens_per_block: 16,
-        kind: LayoutKind::LayerSeparate,
-    }
+    kvtests::fixture::small_layout()
 }
 
 fn prompt(seed: u32, blocks: u32) -> Vec<u32> {

@@ -11,19 +11,12 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use kvclient::{Client, KvMemory, synthetic_block};
-use kvproto::{Dtype, KvLayout, LayoutKind, Namespace};
+use kvproto::{KvLayout, Namespace};
 use kvtests::netns::{self, NodePair};
 use kvtests::proc::{DaemonProc, http_request};
 
 fn layout() -> KvLayout {
-    KvLayout {
-        num_layers: 2,
-        kv_heads: 2,
-        head_dim: 64,
-        dtype: Dtype::Bf16,
-        tokens_per_block: 16,
-        kind: LayoutKind::LayerSeparate,
-    }
+    kvtests::fixture::small_layout()
 }
 
 /// 1 KiB of KV a token: 2 layers x K and V x 2 heads x 64 x 2 bytes.

@@ -16,7 +16,7 @@ use std::time::Duration;
 use kvcached::{Config, Listeners};
 use kvclient::{Client, KvMemory, synthetic_block};
 use kvproto::pb;
-use kvproto::{Dtype, KvLayout, LayoutKind, Namespace};
+use kvproto::{KvLayout, Namespace};
 use proptest::prelude::*;
 use proptest::test_runner::{Config as RunnerConfig, TestRunner};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -28,14 +28,7 @@ fn cases(default: u32) -> u32 {
 }
 
 fn layout() -> KvLayout {
-    KvLayout {
-        num_layers: 2,
-        kv_heads: 2,
-        head_dim: 64,
-        dtype: Dtype::Bf16,
-        tokens_per_block: 16,
-        kind: LayoutKind::LayerSeparate,
-    }
+    kvtests::fixture::small_layout()
 }
 
 fn prompt(blocks: u32) -> Vec<u32> {

@@ -8,19 +8,12 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use kvclient::{Client, KvMemory, synthetic_block};
-use kvproto::{Dtype, KvLayout, LayoutKind, Namespace};
+use kvproto::{KvLayout, Namespace};
 use kvtests::node::Node;
 use kvtests::proc::free_port;
 
 fn layout() -> KvLayout {
-    KvLayout {
-        num_layers: 2,
-        kv_heads: 2,
-        head_dim: 64,
-        dtype: Dtype::Bf16,
-        tokens_per_block: 16,
-        kind: LayoutKind::LayerSeparate,
-    }
+    kvtests::fixture::small_layout()
 }
 
 fn ns() -> Namespace {

@@ -26,7 +26,7 @@ use kvcached::{Config, Listeners};
 use kvclient::{Client, KvMemory, synthetic_block};
 use kvproto::events::KEY_SCHEME_KVCACHED;
 use kvproto::publisher::MemoryPublisher;
-use kvproto::{Dtype, KvLayout, LayoutKind, Namespace, TierKind};
+use kvproto::{KvLayout, Namespace, TierKind};
 use kvrouter::config::{NamespaceSpec, RouterConfig};
 use kvtests::router_harness::{self, Server};
 use serde_json::{Value, json};
@@ -36,14 +36,7 @@ const MODEL: &str = "prom/model";
 const TRAFFIC: Duration = Duration::from_secs(15);
 
 fn layout() -> KvLayout {
-    KvLayout {
-        num_layers: 2,
-        kv_heads: 2,
-        head_dim: 64,
-        dtype: Dtype::Bf16,
-        tokens_per_block: 16,
-        kind: LayoutKind::LayerSeparate,
-    }
+    kvtests::fixture::small_layout()
 }
 
 fn ns() -> Namespace {

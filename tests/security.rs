@@ -10,21 +10,14 @@ use std::time::Duration;
 use kvcached::Config;
 use kvclient::{Client, KvMemory, synthetic_block};
 use kvproto::pb;
-use kvproto::{Dtype, KvLayout, LayoutKind, Namespace};
+use kvproto::{KvLayout, Namespace};
 use kvtests::inproc::{InProcess, is_root};
 use tokio::io::AsyncWriteExt;
 
 const NOBODY: u32 = 65534;
 
 fn layout() -> KvLayout {
-    KvLayout {
-        num_layers: 2,
-        kv_heads: 2,
-        head_dim: 64,
-        dtype: Dtype::Bf16,
-        tokens_per_block: 16,
-        kind: LayoutKind::LayerSeparate,
-    }
+    kvtests::fixture::small_layout()
 }
 
 fn ns() -> Namespace {

@@ -12,20 +12,13 @@ use std::time::{Duration, Instant};
 
 use kvcached::peer::protocol as p;
 use kvclient::{Client, KvMemory, synthetic_block};
-use kvproto::{BlockKey, Dtype, KvLayout, LayoutKind, Namespace, NamespaceId, pb};
+use kvproto::{BlockKey, KvLayout, Namespace, NamespaceId, pb};
 use kvtests::inproc::InProcess;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 fn layout() -> KvLayout {
-    KvLayout {
-        num_layers: 2,
-        kv_heads: 2,
-        head_dim: 64,
-        dtype: Dtype::Bf16,
-        tokens_per_block: 16,
-        kind: LayoutKind::LayerSeparate,
-    }
+    kvtests::fixture::small_layout()
 }
 
 fn ns() -> Namespace {

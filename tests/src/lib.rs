@@ -36,6 +36,7 @@
 //!   a process of its own.
 
 pub mod fake_peer;
+pub mod fixture;
 pub mod h2raw;
 pub mod inproc;
 pub mod lookup_raw;
