@@ -13,7 +13,9 @@
 //! - [`lookup_wire`]: LOOKUP, connections on the Unix socket that carry only lookups (no HTTP/2).
 //! - [`limits`]: what each uid holds (connections, engines and their mapped memory, loads, bytes
 //!   arriving), the limits, and the fair shares of the totals.
-//! - [`edge`]: who sent a request, and the bytes of requests still arriving, per uid.
+//! - [`edge`]: who sent a request (uid, TCP address and certificate), the bytes of requests
+//!   still arriving per uid, and `blocking()` for request work off the async path.
+//! - `rate_log`: a warning repeated at most every 10 s, with a count.
 //! - [`h2_authority`]: stock gRPC clients' header blocks made acceptable (grpcio sends the
 //!   socket path as `:authority`).
 //! - [`peer`]: peer transfer: the `peer.listen` endpoint and the puller (blocks from and to
