@@ -696,7 +696,7 @@ impl Daemon {
         namespace: kvproto::NamespaceId,
         keys: Vec<kvproto::BlockKey>,
         sources: &[String],
-    ) -> crate::peer::http::PrefetchStarted {
+    ) -> crate::prefetch::PrefetchStarted {
         let mut held = self.store.held_prefix(&keys).len();
         // Past what the tiers' indexes know, G4 may hold more (other daemons' writes), as a
         // lookup would find.
@@ -722,7 +722,7 @@ impl Daemon {
         }
         metrics::counter!("kvcached_prefetch_total", "result" => if pulling > 0 { "pulling" } else { "local" })
             .increment(1);
-        crate::peer::http::PrefetchStarted { local: held, pulling }
+        crate::prefetch::PrefetchStarted { local: held, pulling }
     }
 
     /// The status of a load, waiting up to `timeout` for it to finish or (`until_blocks` > 0)

@@ -34,6 +34,7 @@
 //!   that engine's error instead of the daemon's death.
 //! - [`token_area`]: an engine's shared-memory file of long prompts' tokens (read-only here).
 //! - [`http`]: `/metrics`, `/healthz`, and the event replay / snapshot routes for routers.
+//! - [`prefetch`]: `POST /prefetch`, a router's hint to bring a chain into G2 early.
 //! - [`reports`]: hit reports to kvrouter (tier events, G1 from engines, load, outcomes).
 //! - [`publish`]: [`publish::HttpPublisher`], shipping them to every router (bounded, never
 //!   blocks; routers replay what it could not send from the log served by [`http`]).
@@ -62,6 +63,7 @@ pub mod listen;
 pub mod lookup_wire;
 pub mod metrics_catalog;
 pub mod peer;
+pub mod prefetch;
 pub mod prefix_probe;
 pub mod publish;
 pub mod quota;

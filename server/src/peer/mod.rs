@@ -9,12 +9,10 @@
 //! - [`server`]: the `peer.listen` endpoint (authenticated by [`kvnet::Guard`]).
 //! - [`pull`]: the puller, its connections and its progress.
 //! - [`handoff`]: a load's (or prefetch's) use of pulls.
-//! - [`http`]: `POST /prefetch`, a router's hint.
 //! - [`sources`]: which addresses a load or a hint may make this daemon dial.
 //! - this file: configuration, link rates and peer health.
 
 pub mod handoff;
-pub mod http;
 pub mod protocol;
 pub mod pull;
 pub mod server;

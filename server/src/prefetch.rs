@@ -22,7 +22,7 @@ use serde::{Deserialize, Serialize};
 use crate::daemon::Daemon;
 
 /// Keys one prefetch may name.
-const MAX_KEYS: usize = super::protocol::MAX_KEYS as usize;
+const MAX_KEYS: usize = crate::peer::protocol::MAX_KEYS as usize;
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
