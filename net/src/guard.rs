@@ -155,9 +155,10 @@ pub struct Guard {
     endpoint: String,
     cfg: AuthConfig,
     tls: Option<Reloading<tls::ServerTls>>,
-    /// Certificates verified again against the current client CA: (leaf's hash, the TLS
-    /// value it was verified with, as an address). Bounded; cleared when full.
-    reverified: parking_lot::Mutex<HashMap<u64, usize>>,
+    /// Certificates verified again against the current client CA: leaf's hash -> the TLS
+    /// value it was verified with (weak: held, its address is not reused by a later version).
+    /// Bounded; cleared when full.
+    reverified: parking_lot::Mutex<HashMap<u64, std::sync::Weak<tls::ServerTls>>>,
     tokens: Option<Reloading<Tokens>>,
     grants: Option<HashMap<String, Namespaces>>,
     /// See [`Guard::closed_without_credentials`].
@@ -323,9 +324,8 @@ impl Guard {
         let (Some(leaf), Some(tls)) = (&cert.0, &self.tls) else { return Ok(()) };
         let current = tls.get();
         let Some(verifier) = &current.client_verifier else { return Ok(()) };
-        let version = Arc::as_ptr(&current) as usize;
         let key = BuildHasherDefault::<std::collections::hash_map::DefaultHasher>::default().hash_one(leaf.as_ref());
-        if self.reverified.lock().get(&key) == Some(&version) {
+        if self.reverified.lock().get(&key).is_some_and(|v| std::ptr::eq(v.as_ptr(), Arc::as_ptr(&current))) {
             return Ok(());
         }
         verifier
@@ -335,7 +335,7 @@ impl Guard {
         if seen.len() >= 4096 {
             seen.clear();
         }
-        seen.insert(key, version);
+        seen.insert(key, Arc::downgrade(&current));
         Ok(())
     }
 
