@@ -126,7 +126,7 @@ pub const FIRST_BAR: Duration = Duration::from_secs(1);
 /// How a peer failed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Failure {
-    /// Unreachable, refused, stalled, closed mid-transfer: perhaps passing (a restart, a
+    /// Unreachable, refused, or the connection closed or reset: perhaps passing (a restart, a
     /// blip), so barred briefly at first.
     Transient,
     /// Stalled while connected (silent past `peer.io_timeout_ms`) or sent wrong bytes (a
@@ -193,6 +193,10 @@ impl PeerBook {
     pub fn failed(&self, peer: &str, why: &str, how: Failure, longest: Duration) -> Duration {
         let bar = {
             let mut bad = self.bad.lock();
+            // A bar over for longer than the longest bar ends its run: forgotten, so that the
+            // table holds only peers that failed lately (loads may name many sources).
+            let now = Instant::now();
+            bad.retain(|_, b| b.until + longest > now);
             let e = bad.entry(peer.to_string()).or_insert(Bar { until: Instant::now(), why: String::new(), streak: 0 });
             e.streak = e.streak.saturating_add(1);
             let bar = match how {
@@ -210,10 +214,7 @@ impl PeerBook {
 
     /// Clears `peer`'s bar and its run of failures: it answered.
     pub fn succeeded(&self, peer: &str) {
-        let mut bad = self.bad.lock();
-        if bad.contains_key(peer) {
-            bad.remove(peer);
-        }
+        self.bad.lock().remove(peer);
     }
 
     /// Whether `peer` is barred now.
