@@ -273,16 +273,9 @@ pub async fn prompt_from_g4(
     concurrency: usize,
 ) -> Result<PromptFromG4, String> {
     use kvclient::{Client, KvMemory};
-    use kvproto::{Dtype, KvLayout, LayoutKind, Namespace};
+    use kvproto::Namespace;
     const BLOCKS: u32 = 8192;
-    let layout = KvLayout {
-        num_layers: 2,
-        kv_heads: 2,
-        head_dim: 64,
-        dtype: Dtype::Bf16,
-        tokens_per_block: 16,
-        kind: LayoutKind::LayerSeparate,
-    };
+    let layout = kvtests::fixture::small_layout();
     let block_bytes = layout.block_bytes() as usize;
     let namespace = Namespace::new("g4-bench/model", layout);
     let tokens: Vec<u32> = (0..BLOCKS * 16).map(|i| i.wrapping_mul(2_654_435_761) % 150_000).collect();

@@ -347,8 +347,7 @@ impl Router {
             st.approx.expire(now_ms);
         }
         let (workers, cands) = collect_candidates(st, &r, |w| {
-            req.candidates.as_ref().is_none_or(|c| c.contains(&w.id.0))
-                && req.role.as_ref().is_none_or(|role| w.role.as_ref() == Some(role))
+            req.candidates.as_ref().is_none_or(|c| c.contains(&w.id.0)) && has_role(req, w)
         });
         if cands.is_empty() {
             return Err(RouterError::NoWorker(no_worker_reason(st, &r, req)));
@@ -742,6 +741,11 @@ impl Router {
 /// The workers that may take a request in namespace `r` (declared it, or serve its model under
 /// another namespace: the mismatch is flagged, the request still routed) and pass `keep`, with
 /// their cost-model inputs.
+/// Whether `w` has the role `req` asks for (any, when it asks for none).
+fn has_role(req: &RouteRequest, w: &WorkerState) -> bool {
+    req.role.as_ref().is_none_or(|role| w.role.as_ref() == Some(role))
+}
+
 /// Why no worker is a candidate for `req`: none live serves the namespace, or some do but
 /// none has the role asked for, or none is among the candidates the request named.
 fn no_worker_reason(st: &State, r: &Resolved, req: &RouteRequest) -> String {
@@ -750,8 +754,7 @@ fn no_worker_reason(st: &State, r: &Resolved, req: &RouteRequest) -> String {
         return format!("no live worker serves namespace {}", r.id);
     }
     let n = serving.len();
-    let with_role = |w: &WorkerState| req.role.as_ref().is_none_or(|role| w.role.as_ref() == Some(role));
-    let (of_role, _) = collect_candidates(st, r, with_role);
+    let (of_role, _) = collect_candidates(st, r, |w| has_role(req, w));
     match &req.role {
         Some(role) if of_role.is_empty() => format!(
             "no live worker with role {role} serves namespace {} ({n} live worker{} serve{} it in other roles)",

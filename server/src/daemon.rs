@@ -802,10 +802,10 @@ impl Daemon {
                 s.writethrough_queued
             ));
         }
-        let mut g4 = 0u32;
+        let mut g4 = false;
         for (tier, queued) in self.store.writethrough_queued() {
             if tier == TierKind::G4Object && self.g4_queue > 0 && queued as usize * 10 >= self.g4_queue * 9 {
-                g4 = 1;
+                g4 = true;
                 warnings.push(format!(
                     "G4 write-through backlog: {queued} of {} queued (the object store is slower than saves)",
                     self.g4_queue
@@ -814,7 +814,7 @@ impl Daemon {
         }
         for (tier, why) in self.store.degraded() {
             if tier == TierKind::G4Object {
-                g4 = 1;
+                g4 = true;
                 warnings.push(why);
             } else {
                 reasons.push(why);
@@ -839,7 +839,7 @@ impl Daemon {
         }));
         metrics::gauge!("kvcached_ready").set(if reasons.is_empty() { 1.0 } else { 0.0 });
         metrics::gauge!("kvcached_degraded_neighbours", "kind" => "peer").set(peers as f64);
-        metrics::gauge!("kvcached_degraded_neighbours", "kind" => "g4").set(f64::from(g4));
+        metrics::gauge!("kvcached_degraded_neighbours", "kind" => "g4").set(f64::from(u8::from(g4)));
         metrics::gauge!("kvcached_degraded_neighbours", "kind" => "router").set(failing_routers as f64);
         pb::HealthResponse { ok: reasons.is_empty(), reasons, warnings }
     }

@@ -124,7 +124,9 @@ impl HttpPublisher {
                 for r in &cfg.routers {
                     let posted = http.post_json(&format!("{r}/events"), &msg).await;
                     let outcome = posted.as_ref().err().map(|e| (Instant::now(), e.to_string()));
-                    routers_for_task.lock().insert(r.clone(), outcome);
+                    if let Some(last) = routers_for_task.lock().get_mut(r) {
+                        *last = outcome;
+                    }
                     if let Err(e) = posted {
                         // The router replays what it missed once it is back.
                         if failed.fetch_add(1, Ordering::Relaxed).is_multiple_of(100) {
