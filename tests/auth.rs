@@ -1,4 +1,4 @@
-//! Authentication on the TCP endpoints (docs/operations.md, "Security"): the router's API (HTTP
+//! Authentication on the TCP endpoints (docs/operations/security.md): the router's API (HTTP
 //! and gRPC on one listener), a daemon's HTTP port (`metrics_auth`: `/metrics` and the event
 //! recovery routes) and its TCP gRPC port (`tcp_auth`), with real sockets, real TLS and a
 //! throw-away PKI ([`kvnet::testing::Ca`]). Every endpoint refuses a client with no

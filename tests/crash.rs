@@ -14,7 +14,7 @@
 //! One cycle in five kills the daemon again right after it starts (a crash during or just after
 //! recovery). The short version (10 cycles of 1-3.5 s) runs in the test command; the long one:
 //! `KVCACHED_CRASH_CYCLES=100 cargo test -p kvtests --test crash -- --nocapture` (its last result:
-//! docs/operations.md, "Faults and crashes"). `KVCACHED_CRASH_SEED` replays a run's timings.
+//! docs/operations/health.md). `KVCACHED_CRASH_SEED` replays a run's timings.
 #![allow(clippy::unwrap_used)]
 
 use std::path::Path;

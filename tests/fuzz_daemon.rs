@@ -6,7 +6,7 @@
 //! fault (INTERNAL / UNKNOWN), and the daemon still serves a real engine byte-exact afterwards.
 //!
 //! A short run is part of `cargo test`; a long one: `PROPTEST_CASES=5000 cargo test -p kvtests
-//! --test fuzz_daemon --release` (docs/operations.md, "Fuzzing").
+//! --test fuzz_daemon --release` (docs/operations/security-limits.md, "Fuzzing").
 #![allow(clippy::unwrap_used)]
 
 use std::path::{Path, PathBuf};

@@ -5,7 +5,7 @@
 //! INTERNAL/UNKNOWN): every refusal is the client's error.
 //!
 //! A short run is part of `cargo test`; a long one: `PROPTEST_CASES=20000 cargo test -p kvtests
-//! --test fuzz_router --release` (docs/operations.md, "Fuzzing").
+//! --test fuzz_router --release` (docs/operations/security-limits.md, "Fuzzing").
 #![allow(clippy::unwrap_used)]
 
 use std::sync::Arc;

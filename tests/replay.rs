@@ -8,7 +8,7 @@
 #![allow(clippy::unwrap_used)]
 
 use clap::Parser;
-use kvbench::replay::cli::{ReplayArgs, replay};
+use kvbench::cli::{ReplayArgs, replay};
 use kvrouter::sim;
 
 #[derive(Debug, Parser)]

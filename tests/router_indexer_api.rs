@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use kvcached::zmq_export::VllmExporter;
+use kvcached::export::zmq_export::VllmExporter;
 use kvproto::TierKind;
 use kvproto::events::KEY_SCHEME_DYNAMO_XXH3_1337;
 use kvproto::vllm::{Encoding, VllmEvent, stored_for_export};

@@ -5,8 +5,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvcached::http::recovery_routes;
-use kvcached::publish::{HttpPublisher, PublishConfig};
+use kvcached::edge::http::recovery_routes;
+use kvcached::export::publish::{HttpPublisher, PublishConfig};
 use kvproto::TierKind;
 use kvproto::events::{EngineLoad, LoadReport, WorkerId};
 use kvproto::publisher::MemoryPublisher;

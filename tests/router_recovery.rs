@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use kvcached::http::recovery_routes;
+use kvcached::edge::http::recovery_routes;
 use kvproto::TierKind;
 use kvproto::events::{Event, EventBody};
 use kvproto::publisher::MemoryPublisher;

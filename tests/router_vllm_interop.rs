@@ -9,7 +9,7 @@ use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use kvcached::zmq_export::VllmExporter;
+use kvcached::export::zmq_export::VllmExporter;
 use kvproto::TierKind;
 use kvproto::events::KEY_SCHEME_DYNAMO_XXH3_1337;
 use kvproto::vllm::{self, Encoding, stored_for_export};
@@ -334,7 +334,7 @@ async fn the_export_serves_vllms_replay_protocol() {
     };
     // Room for the two newest of three batches (holding 1, 2 and 3 blocks), each kept batch
     // also counting its bookkeeping.
-    let bound = one(&tokens[..8]) + one(&tokens) + 2 * kvcached::zmq_export::REPLAY_ENTRY_OVERHEAD + 8;
+    let bound = one(&tokens[..8]) + one(&tokens) + 2 * kvcached::export::zmq_export::REPLAY_ENTRY_OVERHEAD + 8;
     let replay = exp.serve_replay("tcp://127.0.0.1:0", bound).await.unwrap();
     for n in [4, 8, 12] {
         exp.publish(vec![stored_for_export(None, &tokens[..n], 4, TierKind::G2Host)], None).await.unwrap();

@@ -1,7 +1,7 @@
 //! The daemon (root, as in production) against hostile local clients: another uid on the Unix
 //! socket (a child process of uid 65534, `src/bin/intruder.rs`), a TCP client, and floods of
 //! connections and half-sent requests. Each test names the finding it closes
-//! (docs/operations.md, "Security").
+//! (docs/operations/security.md and the security pages it links).
 #![allow(clippy::unwrap_used)]
 
 use std::path::Path;

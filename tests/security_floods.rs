@@ -3,7 +3,7 @@
 //! on the metrics port, HTTP/2 prefaces alone on the TCP gRPC port. Each flood is larger than
 //! the listener's bound; the real client (a peer with the right token, a probe, a scrape, a gRPC
 //! Health call) is still served at once, and the flood's connections are cut or displaced
-//! (docs/operations.md, "Security").
+//! (docs/operations/security.md, "Connection floods").
 #![allow(clippy::unwrap_used)]
 
 use std::io::{Read, Write};

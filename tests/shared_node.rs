@@ -1,7 +1,7 @@
 //! A node shared by users who do not trust each other (issue 35): the daemon (root, as in
 //! production) against a hostile local user (`src/bin/intruder.rs` as another uid, or raw
 //! requests), each test naming the finding it closes. The trust model they check is written
-//! down in docs/operations.md, "Security"; the code is `server/src/tenants.rs` (who may read and
+//! down in docs/operations/security-clients.md; the code is `server/src/policy/tenants.rs` (who may read and
 //! write a namespace), `limits.rs` (fair shares, engine memory), `engine.rs` (what is mapped),
 //! `edge.rs` (bytes of requests held) and kvnet's guard (no anonymous reader of blocks).
 #![allow(clippy::unwrap_used)]
@@ -10,7 +10,7 @@ use std::os::fd::FromRawFd;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use kvcached::tenants::NamespaceRule;
+use kvcached::policy::tenants::NamespaceRule;
 use kvclient::{Client, ClientError, KvMemory, synthetic_block};
 use kvproto::pb;
 use kvproto::{Dtype, KvLayout, LayoutKind, Namespace};

@@ -3,8 +3,8 @@
 //! what a short run can: every loaded block's stamps right, under 1% failed calls, both
 //! processes alive and stopping cleanly, nothing left in the run's `/dev/shm` directory, the
 //! CSV and JSON written. The growth bounds are loosened 10 times: 15 s is warm-up (RocksDB's
-//! memtable, the allocator), which the 10-minute run (`scripts/soak`, docs/operations.md section
-//! 2c) leaves behind before it fits its lines.
+//! memtable, the allocator), which the 10-minute run (`scripts/soak`, docs/operations/soak.md)
+//! leaves behind before it fits its lines.
 #![allow(clippy::unwrap_used)]
 
 use clap::Parser;

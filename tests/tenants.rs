@@ -1,11 +1,11 @@
-//! Tenants under load (`server/src/tenants.rs`): a tenant salt belongs to one tenant (the uid
+//! Tenants under load (`server/src/policy/tenants.rs`): a tenant salt belongs to one tenant (the uid
 //! that registers engines), per-tenant G2, G3 and G4 quotas make a tenant evict its own blocks
 //! rather than another's, and lookups of one tenant never reach another's entries. The daemon runs as root
 //! in this process (tenant `a`); tenant `b` is `src/bin/intruder.rs` as uid 65534. Skipped (with
 //! a message) when not root, like `security.rs`.
 #![allow(clippy::unwrap_used)]
 
-use kvcached::tenants::TenantConfig;
+use kvcached::policy::tenants::TenantConfig;
 use kvclient::{Client, KvMemory, synthetic_block};
 use kvproto::Namespace;
 use kvtests::inproc::{InProcess, is_root};

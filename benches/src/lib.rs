@@ -3,6 +3,8 @@
 //! # Layout
 //! - `benches/tiers.rs`: criterion benches of G2 put/get and G3 write/read beside memcpy and
 //!   raw O_DIRECT I/O on the same sizes, in the same run.
+//! - [`cli`]: the command lines of `kvbench replay` and `kvbench many`; [`document`]: the
+//!   replay's whole report (the replay's results and the peers' run beside them).
 //! - [`child`]: a daemon or router process of a run, with its log, stopped and checked.
 //! - [`g4`]: G4 against a real S3-compatible server beside raw `object_store` at the same
 //!   concurrency; object granularity; the probe through a slow store (`kvbench g4`).
@@ -25,6 +27,8 @@
 //!   short one).
 
 pub mod child;
+pub mod cli;
+pub mod document;
 pub mod g4;
 pub mod many;
 pub mod peer;

@@ -334,7 +334,7 @@ pub async fn run(cfg: &SocketBench) -> Result<Report, String> {
     // that has been up for a while (it zeroes and maps every page: seconds, and competing with
     // it for the two cores and the memory bandwidth would measure the prefault, not saves).
     let t0 = Instant::now();
-    while !kvcached::http::prometheus().render().lines().any(|l| l == "kvcached_g2_prefault_done 1") {
+    while !kvcached::edge::http::prometheus().render().lines().any(|l| l == "kvcached_g2_prefault_done 1") {
         if t0.elapsed() > Duration::from_secs(300) {
             return Err("the daemon's G2 prefault did not finish in 300 s".into());
         }

@@ -1,6 +1,6 @@
 //! The client's token area: a shared-memory file the engine writes a long prompt's token ids
 //! into before a lookup, which then carries only their span (proto/kvcached.proto, TOKENS; the
-//! daemon's side is server/src/token_area.rs). A 128k-token lookup's 512 KiB of tokens then no
+//! daemon's side is server/src/engine/token_area.rs). A 128k-token lookup's 512 KiB of tokens then no
 //! longer pass through HTTP/2 frames, encoders and decoders on both sides.
 //!
 //! The area is cut into [`SLOTS`] equal slots so that concurrent requests of one client do not

@@ -35,7 +35,7 @@ use tokio::sync::watch;
 use tower::Service;
 
 use crate::config::HttpLimits;
-use crate::http::{GuardedListener, Quiet};
+use crate::http_accept::{GuardedListener, Quiet};
 use crate::slots::{Activity, Busy, Slots};
 
 /// How long shutdown waits for open connections to finish their requests.

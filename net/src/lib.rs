@@ -25,7 +25,8 @@
 //!   connections cannot keep a real client out).
 //! - [`http`] (feature `http`): axum serving through a [`Guard`] (TLS accepted in tasks of their
 //!   own, every request authenticated, probes left open) and an HTTP client presenting a
-//!   [`Connector`]'s credentials; `http_serve.rs`, its connection loop within [`HttpLimits`].
+//!   [`Connector`]'s credentials; `http_accept.rs`, its TLS accept loop; `http_serve.rs`, its
+//!   connection loop within [`HttpLimits`].
 //! - [`error`]: the [`NetError`] enum.
 //!
 //! # Features
@@ -45,6 +46,8 @@ pub mod error;
 pub mod guard;
 #[cfg(feature = "http")]
 pub mod http;
+#[cfg(feature = "http")]
+mod http_accept;
 #[cfg(feature = "http")]
 mod http_serve;
 #[cfg(feature = "runtime")]

@@ -4,7 +4,7 @@
 //! answer an error, never panic, and what it accepts must hold the invariants its users rely on.
 //!
 //! A short run is part of `cargo test`; a long one: `PROPTEST_CASES=100000 cargo test -p kvproto
-//! --test fuzz --release` (docs/operations.md, "Fuzzing").
+//! --test fuzz --release` (docs/operations/security-limits.md, "Fuzzing").
 #![allow(clippy::unwrap_used)]
 
 use kvproto::events::PublisherMessage;

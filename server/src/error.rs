@@ -23,7 +23,7 @@ pub enum ServerError {
     #[error(transparent)]
     Tier(#[from] TierError),
     /// The caller's tenant may not do this in this namespace (the trust model,
-    /// docs/operations.md "Security"): another tenant's salt, a namespace it may not read or
+    /// docs/operations/security-clients.md): another tenant's salt, a namespace it may not read or
     /// write.
     #[error("permission denied: {0}")]
     Denied(String),

@@ -46,37 +46,21 @@
 //!   (`inject_faults`).
 //! - [`error`]: the [`ServerError`] enum and the gRPC status and reason each variant becomes.
 
-pub mod attach;
+mod check;
 pub mod cli;
 pub mod config;
 pub mod daemon;
 pub mod edge;
 pub mod engine;
 pub mod error;
-pub mod fault_guard;
+pub mod export;
 pub mod faults;
-pub mod h2_authority;
-pub mod http;
-pub mod key_memo;
-pub mod limits;
-pub mod listen;
-pub mod lookup_wire;
 pub mod metrics_catalog;
 pub mod peer;
-pub mod prefetch;
-pub mod prefix_probe;
-pub mod publish;
-pub mod quota;
+pub mod policy;
 mod rate_log;
-pub mod reports;
 mod serve;
-pub mod service;
 pub mod signals;
-pub mod tenants;
-pub mod token_area;
-pub mod vllm_export;
-mod vllm_origins;
-pub mod zmq_export;
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;

@@ -1,6 +1,6 @@
 //! Every `kvcached_*` metric: its help text, unit and buckets (latencies are Prometheus
 //! histograms, so they aggregate across a fleet), and the request-level series the service
-//! records ([`Rpc`]). docs/operations.md, "Metrics", lists them for operators.
+//! records ([`Rpc`]). docs/operations/metrics.md lists them for operators.
 
 use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
@@ -210,7 +210,7 @@ pub fn zero_series(config: &crate::Config) {
             metrics::counter!(name, key => *v).absolute(0);
         }
     }
-    for limit in crate::limits::Limit::ALL {
+    for limit in crate::policy::limits::Limit::ALL {
         metrics::counter!("kvcached_limit_refusals_by_limit_total", "limit" => limit.label()).absolute(0);
     }
     if config.g3.enabled {

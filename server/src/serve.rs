@@ -11,16 +11,18 @@ use tokio::sync::watch;
 use tokio::task::JoinSet;
 use tonic::service::interceptor::InterceptedService;
 
-use crate::attach::Tickets;
 use crate::config::Config;
 use crate::daemon::Daemon;
-use crate::edge::BufferedLayer;
+use crate::edge::caller::BufferedLayer;
+use crate::edge::lookup_wire::LookupWire;
+use crate::edge::service::{KvcachedService, TcpAuth, TcpService};
+use crate::edge::{http, listen};
+use crate::engine::attach::Tickets;
 use crate::error::ServerError;
-use crate::limits::Limits;
-use crate::lookup_wire::LookupWire;
+use crate::export::{reports, vllm_export};
 use crate::peer::Peers;
-use crate::service::{KvcachedService, TcpAuth, TcpService};
-use crate::{Listeners, engine, http, listen, reports, vllm_export};
+use crate::policy::limits::Limits;
+use crate::{Listeners, engine};
 
 /// Runs the daemon until `shutdown` resolves, then stops accepting, drains in-flight requests
 /// and loads, flushes the write-through queue, detaches engines and removes the socket.
@@ -176,7 +178,7 @@ async fn start_daemon(
     listeners: &Listeners,
     store: Arc<kvtiers::BlockStore>,
 ) -> Result<Arc<Daemon>, ServerError> {
-    let fd_limit = crate::limits::raise_fd_limit();
+    let fd_limit = crate::policy::limits::raise_fd_limit();
     let limits = Limits::new(config.limits.clone(), fd_limit, config.engines.max_engines);
     tracing::info!(
         fd_limit,
@@ -188,7 +190,7 @@ async fn start_daemon(
         .chain(config.g3.enabled.then(|| config.g3.dir.clone()))
         .collect();
     let tickets = Arc::new(Tickets::new(own));
-    let mut tenants = crate::tenants::Tenants::new(&config.tenants, &config.namespaces)?;
+    let mut tenants = crate::policy::tenants::Tenants::new(&config.tenants, &config.namespaces)?;
     if config.g3.enabled {
         // G3's blocks outlive the process: so must the record of which tenant wrote them.
         tenants = tenants.persist_to(config.g3.dir.join("bindings.toml"))?;
@@ -243,7 +245,7 @@ async fn start_daemon(
         Some(Arc::clone(&peers)),
         vllm,
     )?);
-    let ledger = crate::quota::Ledger::start(&config.tenants, &store)?;
+    let ledger = crate::policy::quota::Ledger::start(&config.tenants, &store)?;
     let mut listeners: Vec<Arc<dyn kvtiers::TierListener>> = Vec::new();
     if reports.listening() {
         listeners.push(Arc::clone(&reports) as Arc<dyn kvtiers::TierListener>);

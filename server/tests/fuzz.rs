@@ -4,7 +4,7 @@
 //! and never make the reader allocate more than the frame's limits allow.
 //!
 //! A short run is part of `cargo test`; a long one: `PROPTEST_CASES=100000 cargo test -p kvcached
-//! --test fuzz --release` (docs/operations.md, "Fuzzing").
+//! --test fuzz --release` (docs/operations/security-limits.md, "Fuzzing").
 #![allow(clippy::unwrap_used)]
 
 use kvcached::peer::protocol::{self, BlockHeader};

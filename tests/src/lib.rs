@@ -6,7 +6,7 @@
 //!   and as a process, driven by the real client and by engines in processes of their own.
 //! - `cluster.rs`: a router and two daemons as processes, engines attached; restarts of each.
 //! - `router_*.rs`: a real router on port 0 fed by publishers (the daemon's own publishing side:
-//!   [`kvcached::publish`], its recovery routes, its vLLM-format export) and by an independent
+//!   [`kvcached::export::publish`], its recovery routes, its vLLM-format export) and by an independent
 //!   Python encoder of vLLM's events (`py/`).
 //! - [`router_harness`]: a router on port 0 and a JSON client of its API.
 //! - [`s3`]: a real S3-compatible server (SeaweedFS) on ports of its own.

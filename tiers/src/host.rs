@@ -727,4 +727,4 @@ fn advise_huge_pages(dir: &Path, base: *mut u8, len: usize) {
 
 /// What the log suggests to an operator whose pool is on 4 KiB pages.
 const HUGE_ADVICE: &str = "a tmpfs mounted with huge=within_size as g2.shm_dir gives 2 MiB pages, \
-    which write through to G3 in fewer, larger requests (docs/operations.md)";
+    which write through to G3 in fewer, larger requests (docs/operations/capacity.md)";

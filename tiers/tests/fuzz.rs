@@ -4,7 +4,7 @@
 //! never panic, and never serve bytes that are not a block that was put.
 //!
 //! A short run is part of `cargo test`; a long one: `PROPTEST_CASES=20000 cargo test -p kvtiers
-//! --test fuzz --release` (docs/operations.md, "Fuzzing").
+//! --test fuzz --release` (docs/operations/security-limits.md, "Fuzzing").
 #![allow(clippy::unwrap_used)]
 
 use kvproto::{BlockKey, NamespaceId};

@@ -8,7 +8,7 @@
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use kvbench::replay::cli::{ManyArgs, ReplayArgs};
+use kvbench::cli::{ManyArgs, ReplayArgs};
 use kvbench::socket::{SocketBench, markdown, run};
 
 #[derive(Debug, Parser)]
@@ -156,8 +156,8 @@ fn main() -> ExitCode {
             (socket, dir, calls, warmup, samples, g3, key_memo_bytes, token_area_bytes)
         }
         Command::G4 { count, concurrency } => return g4(count, concurrency),
-        Command::Replay(a) => return run_async(kvbench::replay::cli::replay(&a)),
-        Command::Many(a) => return run_async(kvbench::replay::cli::many(&a)),
+        Command::Replay(a) => return run_async(kvbench::cli::replay(&a)),
+        Command::Many(a) => return run_async(kvbench::cli::many(&a)),
         Command::Soak(a) => return kvbench::soak::main(&a),
         Command::Peer { blocks, netns_mbit } => {
             return match kvbench::peer::run(blocks.max(8), netns_mbit) {

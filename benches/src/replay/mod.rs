@@ -21,14 +21,12 @@
 //! the queues the model's workers have.
 //!
 //! # Layout
-//! - [`cli`]: the command lines of `kvbench replay` and `kvbench many`.
 //! - [`cluster`]: daemon processes, the router (a process, or in this process), SeaweedFS for G4.
 //! - [`drive`]: the dispatcher (pacing, routing) and the engines.
 //! - [`report`]: the measurements aggregated (hit rate per tier, saved prefill tokens, latency
 //!   percentiles and CDFs, throughput, placement quality, the model beside them), as JSON and as
-//!   Markdown.
+//!   Markdown (the whole document, with the peers' run, is [`crate::document`]).
 
-pub mod cli;
 pub mod cluster;
 pub mod drive;
 pub mod report;
@@ -40,7 +38,7 @@ use kvproto::{Dtype, KvLayout, LayoutKind};
 use kvrouter::sim::{self, Policy, SimConfig, TraceRequest};
 use serde::{Deserialize, Serialize};
 
-pub use report::{ModelResult, ReplayResult, Report, SweepPoint};
+pub use report::{ModelResult, ReplayResult, SweepPoint};
 
 /// Tokens each hash id of a Mooncake trace stands for.
 pub const TOKENS_PER_HASH: u32 = 512;

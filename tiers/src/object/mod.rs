@@ -13,7 +13,7 @@
 //!   requests in flight together (`concurrency`).
 //! - Capacity: with `capacity_bytes` set, the least recently used objects this daemon knows are
 //!   deleted once the known bytes pass it; otherwise a bucket lifecycle rule bounds the prefix
-//!   (docs/operations.md, "G4").
+//!   (docs/operations/capacity.md, "G4").
 
 pub mod faults;
 pub mod format;

@@ -24,8 +24,8 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use crate::daemon::Daemon;
-use crate::limits::{Held, Principal};
 use crate::metrics_catalog::Rpc;
+use crate::policy::limits::{Held, Principal};
 
 /// A request body kept between requests at most this large (a long prompt inline is dropped).
 const KEEP_BODY_BYTES: usize = 64 << 10;
@@ -141,7 +141,7 @@ impl LookupWire {
         let (r, keep) = match pb::LookupRequest::decode(&body[..]) {
             Ok(req) => {
                 let d = Arc::clone(&self.daemon);
-                (crate::edge::blocking(move || d.lookup(&req, who)).await, true)
+                (crate::edge::caller::blocking(move || d.lookup(&req, who)).await, true)
             }
             Err(e) => (Err(tonic::Status::invalid_argument(format!("a lookup that does not decode: {e}"))), false),
         };

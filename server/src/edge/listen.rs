@@ -1,10 +1,10 @@
 //! The daemon's accept loops. Each connection is counted against its principal ([`Limits`]) and
 //! closed when it sends nothing for `limits.idle_timeout_ms`; accept errors (out of descriptors)
 //! back off and are logged loudly instead of spinning. A Unix-socket connection whose first bytes
-//! are ATTACH's magic is an ATTACH exchange ([`crate::attach`]); any other is handed to gRPC.
+//! are ATTACH's magic is an ATTACH exchange ([`crate::engine::attach`]); any other is handed to gRPC.
 //! A TCP connection passes its endpoint's guard first (`tcp_auth`: the TLS handshake, in a task
 //! of its own and within `limits.handshake_timeout_ms`); what the client presented travels with
-//! it ([`TcpPeer`]) to the per-request check ([`crate::service::TcpAuth`]). TCP clients are one
+//! it ([`TcpPeer`]) to the per-request check ([`crate::edge::service::TcpAuth`]). TCP clients are one
 //! principal: when they hold all its connections, a new one takes the place of the one idle
 //! longest ([`kvnet::slots`]), so that silent connections cannot keep a Health probe out.
 
@@ -19,11 +19,11 @@ use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 
-use crate::attach::Tickets;
-use crate::edge::TcpPeer;
-use crate::h2_authority::HeaderFix;
-use crate::limits::{Held, Limits, Principal};
-use crate::lookup_wire::LookupWire;
+use crate::edge::caller::TcpPeer;
+use crate::edge::h2_authority::HeaderFix;
+use crate::edge::lookup_wire::LookupWire;
+use crate::engine::attach::Tickets;
+use crate::policy::limits::{Held, Limits, Principal};
 use crate::rate_log::RateLog;
 
 /// Connections accepted and waiting for gRPC to take them.
@@ -244,7 +244,7 @@ pub fn unix(
                 let deadline = tokio::time::Instant::now() + handshake;
                 match peek(&stream, kvproto::attach::MAGIC.len(), deadline).await {
                     Ok(first) if first == kvproto::attach::MAGIC => {
-                        crate::attach::serve(stream, &tickets, handshake).await;
+                        crate::engine::attach::serve(stream, &tickets, handshake).await;
                         drop(held);
                     }
                     Ok(first) if first == kvproto::lookup_wire::MAGIC && lookups.is_some() => {

@@ -17,9 +17,9 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::routing::post;
 use kvproto::{BlockKey, NamespaceId};
-use serde::{Deserialize, Serialize};
+use serde::Deserialize;
 
-use crate::daemon::Daemon;
+use crate::daemon::{Daemon, PrefetchStarted};
 
 /// Keys one prefetch may name.
 const MAX_KEYS: usize = crate::peer::protocol::MAX_KEYS as usize;
@@ -31,14 +31,6 @@ pub struct PrefetchRequest {
     pub keys: Vec<String>,
     #[serde(default)]
     pub sources: Vec<String>,
-}
-
-#[derive(Debug, Serialize, Deserialize, PartialEq, Eq)]
-pub struct PrefetchStarted {
-    /// Blocks of the chain this node holds (brought up into G2 where below it).
-    pub local: usize,
-    /// Blocks being pulled from peers.
-    pub pulling: usize,
 }
 
 fn hex16(s: &str) -> Option<[u8; 16]> {

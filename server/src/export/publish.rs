@@ -7,7 +7,7 @@
 //! offers the event to a bounded channel; when the channel is full the event is not sent (counted
 //! in [`HttpPublisher::dropped`]). A router that misses events, because of a drop, a failed POST
 //! or its own restart, sees the gap in ids and replays them from the log through the recovery API
-//! (the daemon serves them at `info.recovery_url`: [`crate::http`]).
+//! (the daemon serves them at `info.recovery_url`: [`crate::edge::http`]).
 
 use std::collections::HashMap;
 use std::sync::Arc;

@@ -13,7 +13,7 @@ use kvproto::reason::Reason;
 use tonic::{Request, Response, Status};
 
 use crate::daemon::Daemon;
-use crate::edge::{TcpPeer, blocking, peer_pid, principal};
+use crate::edge::caller::{TcpPeer, blocking, peer_pid, principal};
 use crate::metrics_catalog::Rpc;
 
 /// The service object handed to tonic for the Unix socket.
@@ -205,7 +205,7 @@ impl tonic::service::Interceptor for TcpAuth {
 
 fn tcp_refused<T>() -> Result<Response<T>, Status> {
     let mut s = Status::permission_denied(
-        "over TCP kvcached serves only Health: engines attach over the node's Unix socket (docs/operations.md, Security)",
+        "over TCP kvcached serves only Health: engines attach over the node's Unix socket (docs/operations/security.md)",
     );
     if let Ok(v) = Reason::WrongTransport.name().parse() {
         s.metadata_mut().insert(kvproto::reason::METADATA_KEY, v);

@@ -7,7 +7,7 @@
 //! not reveal. So a save records, for each block it stores, its Dynamo hash, its parent's, and
 //! its tokens ([`VllmExport::note_save`]); the tier notifications then turn into events. The
 //! record of a block lives while some tier holds it. The records of G3's blocks are also kept in
-//! a file next to G3 ([`crate::vllm_origins`]), so the blocks G3 keeps across a restart are
+//! a file next to G3 ([`crate::export::vllm_origins`]), so the blocks G3 keeps across a restart are
 //! exported again; a block with no record (saved by a daemon without the export, or whose record
 //! a crash lost) is not exported: counted in `kvcached_vllm_export_unknown_total`.
 //!
@@ -32,8 +32,8 @@ use kvproto::{BlockKey, TierKind};
 use tokio::sync::mpsc;
 
 use crate::error::ServerError;
-use crate::vllm_origins::{self, Origin, OriginLog, Origins};
-use crate::zmq_export::VllmExporter;
+use crate::export::vllm_origins::{self, Origin, OriginLog, Origins};
+use crate::export::zmq_export::VllmExporter;
 
 /// Events waiting for the sending task.
 const QUEUE: usize = 65_536;

@@ -19,7 +19,7 @@ use kvproto::{BlockKey, NamespaceFingerprint};
 use lru::LruCache;
 use parking_lot::Mutex;
 
-use crate::token_area::PromptTokens;
+use crate::engine::token_area::PromptTokens;
 
 /// Prompts shorter than this many full blocks are derived directly: cheaper than the memo.
 const MIN_BLOCKS: usize = 64;
@@ -283,7 +283,7 @@ mod tests {
             let path = dir.path().join(format!("tokens-{truncate}"));
             std::fs::write(&path, le(&prompt(3, 256))).unwrap();
             let file = std::fs::File::open(&path).unwrap();
-            let area = crate::token_area::TokenArea::map(&file, 16 << 10, "token area").unwrap();
+            let area = crate::engine::token_area::TokenArea::map(&file, 16 << 10, "token area").unwrap();
             if truncate {
                 std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(8 << 10).unwrap();
             }

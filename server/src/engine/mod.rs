@@ -6,6 +6,12 @@
 //! time; a clear "no CUDA device" error where there is none) and copies to and from with DMA.
 //! [`Engine::read_slot_into`] and [`Engine::write_slot_from`] hide which.
 
+pub mod attach;
+pub mod fault_guard;
+pub mod key_memo;
+pub mod prefix_probe;
+pub mod token_area;
+
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -16,11 +22,11 @@ use kvproto::{Namespace, NamespaceFingerprint, NamespaceId, pb};
 use memmap2::{MmapOptions, MmapRaw};
 use parking_lot::{Mutex, RwLock};
 
-use crate::attach::Tickets;
+use crate::engine::attach::Tickets;
+use crate::engine::fault_guard::FaultGuard;
+use crate::engine::token_area::PromptTokens;
 use crate::error::ServerError;
-use crate::fault_guard::FaultGuard;
-use crate::limits::{Held, Limits, Principal};
-use crate::token_area::PromptTokens;
+use crate::policy::limits::{Held, Limits, Principal};
 
 /// The KV memory of one engine, mapped into the daemon.
 #[derive(Debug)]
@@ -92,7 +98,7 @@ pub struct Engine {
     pub role: String,
     /// Where the engine writes long prompts' tokens, when it registered one and the daemon could
     /// use it; else why not.
-    pub(crate) token_area: Option<crate::token_area::TokenArea>,
+    pub(crate) token_area: Option<crate::engine::token_area::TokenArea>,
     pub(crate) token_area_error: String,
     last_seen: Mutex<Instant>,
 }
@@ -246,7 +252,7 @@ impl Engine {
         // told why (`token_area_error`) and sends its tokens inline.
         let (token_area, token_area_error) = match req.token_area.as_ref() {
             None => (None, String::new()),
-            Some(a) => match crate::token_area::TokenArea::open(a, tickets, uid, pid) {
+            Some(a) => match crate::engine::token_area::TokenArea::open(a, tickets, uid, pid) {
                 Ok(t) => (Some(t), String::new()),
                 Err(why) => {
                     tracing::info!(engine = id, "token area refused: {why}; its requests carry their tokens inline");
@@ -487,7 +493,7 @@ pub struct Registry {
     pub lease: Duration,
     prefault: bool,
     /// Who may name which tenant salt.
-    tenants: Arc<crate::tenants::Tenants>,
+    tenants: Arc<crate::policy::tenants::Tenants>,
 }
 
 /// A first id for a counter that must not repeat the ids of a previous daemon process: the
@@ -514,13 +520,13 @@ impl Registry {
     }
 
     /// Sets the tenants registrations are checked against (`[[tenants]]`).
-    pub fn with_tenants(mut self, tenants: Arc<crate::tenants::Tenants>) -> Self {
+    pub fn with_tenants(mut self, tenants: Arc<crate::policy::tenants::Tenants>) -> Self {
         self.tenants = tenants;
         self
     }
 
     /// The tenants registrations are checked against.
-    pub fn tenants(&self) -> &crate::tenants::Tenants {
+    pub fn tenants(&self) -> &crate::policy::tenants::Tenants {
         &self.tenants
     }
 

@@ -5,9 +5,10 @@ use std::path::{Path, PathBuf};
 
 use clap::Args;
 
-use super::report::{Machine, Report, TraceInfo, markdown};
-use super::{ReplayConfig, default_shm_dir, load_trace};
+use crate::document::{Report, markdown};
 use crate::peers::{self, PeerConfig, lmcache::LmcacheSetup};
+use crate::replay::report::{Machine, TraceInfo};
+use crate::replay::{ReplayConfig, default_shm_dir, load_trace};
 
 /// A binary next to this one (`cargo build --release -p kvbench -p kvcached -p kvrouter` puts
 /// them side by side).
@@ -179,7 +180,7 @@ pub async fn replay(a: &ReplayArgs) -> Result<String, String> {
         },
         machine: Machine {
             cores: std::thread::available_parallelism().map_or(0, |n| n.get()),
-            loadavg_start: super::loadavg(),
+            loadavg_start: crate::replay::loadavg(),
             loadavg_end: None,
             kvbench_version: env!("CARGO_PKG_VERSION").into(),
             started_unix_s: std::time::SystemTime::now()
@@ -190,12 +191,12 @@ pub async fn replay(a: &ReplayArgs) -> Result<String, String> {
         ..Report::default()
     };
     if !a.no_replay {
-        report.replay = Some(super::run(&cfg, &trace).await?);
+        report.replay = Some(crate::replay::run(&cfg, &trace).await?);
         if !a.no_model {
-            report.model = Some(super::model(&cfg, &trace).await?);
+            report.model = Some(crate::replay::model(&cfg, &trace).await?);
         }
         if !a.sweep.is_empty() {
-            report.sweep = super::sweep(&cfg, &trace, &a.sweep).await?;
+            report.sweep = crate::replay::sweep(&cfg, &trace, &a.sweep).await?;
         }
     }
     if a.lmcache || a.redis {
@@ -237,7 +238,7 @@ pub async fn replay(a: &ReplayArgs) -> Result<String, String> {
         };
         report.peers = Some(peers::run(&pc).await?);
     }
-    report.machine.loadavg_end = super::loadavg();
+    report.machine.loadavg_end = crate::replay::loadavg();
     let md = markdown(&report);
     if let Some(out) = &a.out {
         write_out(out, "replay", &report, &md)?;

@@ -28,8 +28,8 @@ use crate::peer::Peers;
 
 /// Weight of an engine's newest prefill sample in its average rate.
 const PREFILL_EWMA: f64 = 0.3;
-use crate::publish::{HttpPublisher, PublishConfig};
-use crate::vllm_export::VllmExport;
+use crate::export::publish::{HttpPublisher, PublishConfig};
+use crate::export::vllm_export::VllmExport;
 
 /// What the daemon knows of one attached engine, for `info` and load reports.
 #[derive(Debug, Clone)]

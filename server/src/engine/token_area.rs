@@ -15,9 +15,9 @@ use memmap2::{MmapOptions, MmapRaw};
 
 use kvproto::pb;
 
-use crate::attach::Tickets;
+use crate::engine::attach::Tickets;
+use crate::engine::fault_guard::FaultGuard;
 use crate::error::ServerError;
-use crate::fault_guard::FaultGuard;
 
 /// Largest token area the daemon accepts (a client asks for a few MiB).
 pub const MAX_BYTES: u64 = kvproto::limits::TOKEN_AREA_MAX_BYTES;

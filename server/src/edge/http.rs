@@ -72,7 +72,7 @@ async fn livez() -> &'static str {
 /// The HTTP routes.
 pub fn router(daemon: Arc<Daemon>, queue_capacity: usize) -> Router {
     let log = daemon.reports.log();
-    let prefetch = crate::prefetch::routes(Arc::clone(&daemon));
+    let prefetch = crate::edge::prefetch::routes(Arc::clone(&daemon));
     let app = Router::new()
         .route("/metrics", get(metrics_text))
         .route("/healthz", get(healthz))

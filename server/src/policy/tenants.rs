@@ -1,6 +1,6 @@
-//! Tenants and the trust model (docs/operations.md, "Security: who may read and write"): who
-//! may name a namespace's tenant salt, who may write and who may read each namespace's blocks,
-//! and how many bytes each tenant's blocks may take in G2, G3 and G4.
+//! Tenants and the trust model (docs/operations/security-clients.md, "Who may read and write a
+//! namespace"): who may name a namespace's tenant salt, who may write and who may read each
+//! namespace's blocks, and how many bytes each tenant's blocks may take in G2, G3 and G4.
 //!
 //! A tenant is the identity that registers engines: a uid on the Unix socket (the only transport
 //! engines attach over), grouped by `[[tenants]] uids`; a uid no tenant lists is a tenant of its
@@ -23,7 +23,7 @@
 //!   and bindings end with the process; pin salts and writers in the configuration to bind them
 //!   for good.
 //!
-//! Quotas (`g2_quota_bytes`, `g3_quota_bytes`, `g4_quota_bytes`) are kept by [`crate::quota`].
+//! Quotas (`g2_quota_bytes`, `g3_quota_bytes`, `g4_quota_bytes`) are kept by [`crate::policy::quota`].
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -33,40 +33,9 @@ use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
 use crate::error::ServerError;
-use crate::limits::Principal;
+use crate::policy::limits::Principal;
 
-/// One `[[tenants]]` entry.
-#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
-#[serde(default, deny_unknown_fields)]
-pub struct TenantConfig {
-    /// The tenant's name (logs and errors).
-    pub name: String,
-    /// The uids whose engines are this tenant's.
-    pub uids: Vec<u32>,
-    /// BLAKE3 (64 hex digits) of the tenant salts only this tenant may name
-    /// (`b3sum` of the salt's bytes).
-    pub salts_blake3: Vec<String>,
-    /// Most bytes of this tenant's blocks in G2 (0: no quota).
-    pub g2_quota_bytes: u64,
-    /// Most bytes of this tenant's blocks in G3 (0: no quota).
-    pub g3_quota_bytes: u64,
-    /// Most bytes of the blocks this tenant saved that this daemon keeps in G4 (0: no quota).
-    pub g4_quota_bytes: u64,
-}
-
-/// One `[[namespaces]]` entry: who writes and who reads the unsalted namespaces it matches.
-#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
-#[serde(default, deny_unknown_fields)]
-pub struct NamespaceRule {
-    /// The namespace id (32 hex digits, as the daemon logs it); or empty, with `model_id`.
-    pub id: String,
-    /// Every unsalted namespace of this model (any layout, dtype or adapter); or empty, with `id`.
-    pub model_id: String,
-    /// Tenants (names of `[[tenants]]`, or `uid:<n>`) whose engines may save into it.
-    pub writers: Vec<String>,
-    /// Tenants that may read it besides its writers; `"*"`: every tenant.
-    pub readers: Vec<String>,
-}
+pub use crate::config::{NamespaceRule, TenantConfig};
 
 /// What a tenant may do in a namespace.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -217,7 +186,7 @@ impl Tenants {
     }
 
     /// The index of `who`'s tenant in `[[tenants]]`, if it is listed there (the ledger's
-    /// tenant numbers, [`crate::quota::Ledger`]).
+    /// tenant numbers, [`crate::policy::quota::Ledger`]).
     pub fn index_of(&self, who: Principal) -> Option<usize> {
         let Principal::Uid(uid) = who else { return None };
         self.by_uid.get(&uid).copied()
@@ -262,7 +231,7 @@ impl Tenants {
             return Err(ServerError::Denied(format!(
                 "{tenant} may not read namespace {id} (model {}): its blocks are written by another tenant. Use a \
                  tenant salt of your own (vLLM's cache_salt), or ask the operator to name {tenant} among the \
-                 namespace's readers or writers ([[namespaces]], docs/operations.md \"Security\")",
+                 namespace's readers or writers ([[namespaces]], docs/operations/security-clients.md)",
                 kvproto::limits::clip(&ns.model_id, 64)
             )));
         }

@@ -1,6 +1,6 @@
 //! What each client holds, counted per uid, and the refusals when a limit is reached
-//! (`[limits]` in the configuration; docs/operations.md, "Security"). Every count is taken by a
-//! guard and given back when the guard drops, on every path.
+//! (`[limits]` in the configuration; docs/operations/security-limits.md, "Limits"). Every count
+//! is taken by a guard and given back when the guard drops, on every path.
 //!
 //! One uid reaching its limits never keeps another from being served: connections, engines,
 //! the engine memory the daemon maps, loads in flight and bytes of requests still arriving are

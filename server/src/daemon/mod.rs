@@ -11,13 +11,22 @@ use kvtiers::{BlockBuf, BlockMeta, BlockStore};
 use parking_lot::Mutex;
 use tokio::sync::watch;
 
+use crate::engine::key_memo::KeyMemo;
+use crate::engine::prefix_probe::{PrefixProber, Probing};
 use crate::engine::{Engine, Registry};
 use crate::error::ServerError;
-use crate::key_memo::KeyMemo;
-use crate::limits::{Held, Limits, Principal};
+use crate::export::reports::{GpuChange, Reports};
 use crate::peer::{Incoming, Peers};
-use crate::prefix_probe::{PrefixProber, Probing};
-use crate::reports::{GpuChange, Reports};
+use crate::policy::limits::{Held, Limits, Principal};
+
+/// What a prefetch started (`POST /prefetch`'s answer).
+#[derive(Debug, serde::Serialize, serde::Deserialize, PartialEq, Eq)]
+pub struct PrefetchStarted {
+    /// Blocks of the chain this node holds (brought up into G2 where below it).
+    pub local: usize,
+    /// Blocks being pulled from peers.
+    pub pulling: usize,
+}
 
 /// How long blocks being loaded stay pinned at most (a crashed load releases them after this).
 const LOAD_LEASE: Duration = Duration::from_secs(30);
@@ -108,7 +117,7 @@ pub struct Daemon {
     /// Peer daemons this one pulls from (and their measured links).
     pub peers: Option<Arc<Peers>>,
     /// The tenants' quotas, when any tenant has one.
-    pub ledger: Option<Arc<crate::quota::Ledger>>,
+    pub ledger: Option<Arc<crate::policy::quota::Ledger>>,
     namespace_mismatch: metrics::Counter,
     key_memo: KeyMemo,
     /// Probes long prompts' keys while lookups derive them (thread `kv-probe`).
@@ -219,7 +228,7 @@ impl Daemon {
             metrics::counter!("kvcached_namespace_refused_total", "op" => "save").increment(1);
             return Err(ServerError::Denied(format!(
                 "{} may read namespace {} but not write it: its writers are named in [[namespaces]] \
-                 (docs/operations.md, \"Security\")",
+                 (docs/operations/security-clients.md, \"Who may read and write a namespace\")",
                 self.engines.tenants().tenant_of(who),
                 engine.namespace_id
             )));
@@ -251,7 +260,7 @@ impl Daemon {
                             over_quota = true;
                             resp.failed += 1;
                             if resp.error.is_empty() {
-                                resp.error = crate::quota::OVER_G2_QUOTA.into();
+                                resp.error = crate::policy::quota::OVER_G2_QUOTA.into();
                             }
                             continue;
                         }
@@ -365,7 +374,7 @@ impl Daemon {
     fn probe_g4(
         &self,
         engine: &Engine,
-        tokens: &mut crate::token_area::PromptTokens<'_>,
+        tokens: &mut crate::engine::token_area::PromptTokens<'_>,
         keys: Vec<kvproto::BlockKey>,
         mut m: kvtiers::PrefixMatch,
     ) -> Result<(Vec<kvproto::BlockKey>, kvtiers::PrefixMatch), ServerError> {
@@ -696,7 +705,7 @@ impl Daemon {
         namespace: kvproto::NamespaceId,
         keys: Vec<kvproto::BlockKey>,
         sources: &[String],
-    ) -> crate::prefetch::PrefetchStarted {
+    ) -> PrefetchStarted {
         let mut held = self.store.held_prefix(&keys).len();
         // Past what the tiers' indexes know, G4 may hold more (other daemons' writes), as a
         // lookup would find.
@@ -722,7 +731,7 @@ impl Daemon {
         }
         metrics::counter!("kvcached_prefetch_total", "result" => if pulling > 0 { "pulling" } else { "local" })
             .increment(1);
-        crate::prefetch::PrefetchStarted { local: held, pulling }
+        PrefetchStarted { local: held, pulling }
     }
 
     /// The status of a load, waiting up to `timeout` for it to finish or (`until_blocks` > 0)

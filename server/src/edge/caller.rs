@@ -22,7 +22,7 @@ use tonic::Status;
 use tonic::transport::server::UdsConnectInfo;
 
 use crate::error::ServerError;
-use crate::limits::{Limits, Principal};
+use crate::policy::limits::{Limits, Principal};
 
 /// The principal of a request: the uid of its Unix-socket peer, else a TCP client.
 pub fn principal_of(ext: &http::Extensions) -> Principal {

@@ -1,6 +1,6 @@
 //! Tenant quotas: how many bytes of the blocks a tenant saved may stay in G2, G3 and G4
 //! (`[[tenants]] g2_quota_bytes` / `g3_quota_bytes` / `g4_quota_bytes`), so that one tenant
-//! cannot evict all others (docs/operations.md, "Tenants").
+//! cannot evict all others (docs/operations/security-clients.md, "Tenants").
 //!
 //! A block is charged to the tenant whose save stored it, in each tier it is in, for as long as
 //! it is there:
@@ -37,7 +37,7 @@ use kvproto::{BlockKey, TierKind};
 use kvtiers::{BlockMeta, BlockStore, Tier, TierListener};
 use parking_lot::Mutex;
 
-use crate::tenants::TenantConfig;
+use crate::policy::tenants::TenantConfig;
 
 /// Blocks remembered after they left G2, for a write-through that was reading them.
 pub const RECENT: usize = 4096;

@@ -267,7 +267,7 @@ mod tests {
             ..Default::default()
         })]
         /// The log from arbitrary bytes (a damaged file): records up to the first bad one, and no
-        /// panic (`docs/operations.md`, "Fuzzing").
+        /// panic (`docs/operations/security-limits.md`, "Fuzzing").
         #[test]
         fn arbitrary_logs_decode_without_panic(b in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..400)) {
             let _ = decode_all(&b);

@@ -18,7 +18,7 @@ use kvproto::BlockKey;
 use kvtiers::BlockStore;
 
 /// Keys per chunk one probe call takes (the key memo's derivation chunk).
-const CHUNK: usize = crate::key_memo::LAZY_CHUNK;
+const CHUNK: usize = crate::engine::key_memo::LAZY_CHUNK;
 
 /// Idle polls of a job before the helper starts yielding its CPU between polls.
 const SPINS_BEFORE_YIELD: u32 = 2_000;

@@ -1,0 +1,16 @@
+//! What the daemon tells others about its blocks: hit reports for kvrouter and the vLLM-format
+//! event stream.
+//!
+//! - [`reports`]: hit reports to kvrouter (tier events, G1 from engines, load, outcomes).
+//! - [`publish`]: [`publish::HttpPublisher`], shipping them to every router (bounded, never
+//!   blocks; routers replay what it could not send from the log served by
+//!   [`crate::edge::http`]).
+//! - [`vllm_export`]: the tiers' events in vLLM's ZMQ wire format, for routers that read those.
+//! - `vllm_origins`: the export's records of G3 blocks, kept in a file across restarts.
+//! - [`zmq_export`]: the ZMQ PUB socket (and replay socket) the export writes to.
+
+pub mod publish;
+pub mod reports;
+pub mod vllm_export;
+mod vllm_origins;
+pub mod zmq_export;
