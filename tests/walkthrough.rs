@@ -1,4 +1,4 @@
-//! The two-node walk-through of `docs/operations.md` ("A two-node cluster on one machine"),
+//! The two-node walk-through of `docs/operations/two-nodes.md`,
 //! run as written: the first ```bash block after `<!-- walkthrough -->`, in an empty
 //! directory, with `kvcached` and `engine` on PATH. Its every step must succeed, the decode
 //! node must load every block byte-exact from the peer, before and after the prefill node's
@@ -9,9 +9,9 @@ use std::path::Path;
 use std::process::Command;
 
 fn script() -> String {
-    let doc = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/operations.md")).unwrap();
-    let after =
-        doc.split("<!-- walkthrough -->").nth(1).expect("docs/operations.md has no <!-- walkthrough --> marker");
+    let doc =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/operations/two-nodes.md")).unwrap();
+    let after = doc.split("<!-- walkthrough -->").nth(1).expect("two-nodes.md has no <!-- walkthrough --> marker");
     let body = after.split("```bash\n").nth(1).expect("no ```bash block after the marker");
     body.split("\n```").next().unwrap().to_string()
 }
