@@ -175,11 +175,11 @@ impl PoolBaseline {
 
 /// Copies `src` into `dst` (pieces of a block's memory, in order), as a save copies out of
 /// engine memory into G2's pages.
-fn copy_into_pieces(src: &[u8], dst: &[(*mut u8, usize)]) {
+fn copy_into_pieces(src: &[u8], dst: &mut [&mut [u8]]) {
     let mut at = 0;
-    for &(p, n) in dst {
-        // SAFETY: the caller's pieces, writable for `n` bytes and apart from `src`.
-        unsafe { std::ptr::copy_nonoverlapping(src[at..at + n].as_ptr(), p, n) };
+    for d in dst.iter_mut() {
+        let n = d.len();
+        d.copy_from_slice(&src[at..at + n]);
         at += n;
     }
 }
@@ -447,8 +447,11 @@ fn g3_hit(c: &mut Criterion) {
                                 .map(|d| d.chunks_mut(segment).map(|c| (c.as_mut_ptr(), c.len())).collect())
                                 .collect();
                             let t0 = std::time::Instant::now();
-                            // SAFETY: each slot is this bench's mapping, untouched until the call returns.
-                            let got = unsafe { store.read_into_foreign(batch, |i, _| Some(segments[i].clone())) };
+                            let got = store.read_into_foreign(batch, |i, _| {
+                                // SAFETY: each slot is this bench's mapping, untouched until the
+                                // call returns.
+                                Some(unsafe { kvtiers::Destination::new(segments[i].clone()) })
+                            });
                             let took = t0.elapsed();
                             for ((k, d), slot) in batch.iter().zip(got).zip(&dsts) {
                                 let (tier, d) = d.expect("a G3 block was not delivered");

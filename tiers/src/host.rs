@@ -197,6 +197,15 @@ impl Filling {
         &self.pieces
     }
 
+    /// The same pieces as slices this reservation alone may write: what a caller fills safely.
+    pub fn pieces_mut(&mut self) -> Vec<&mut [u8]> {
+        // SAFETY: each piece is a run of pool pages reserved for this block alone (no reader
+        // sees them before `finish_fill`, no other writer is handed them), the pieces do not
+        // overlap, and the slices borrow `self` mutably, so they end before the reservation is
+        // finished, aborted or handed out again.
+        self.pieces.iter().map(|&(p, n)| unsafe { std::slice::from_raw_parts_mut(p, n) }).collect()
+    }
+
     pub fn key(&self) -> &BlockKey {
         &self.key
     }
@@ -505,9 +514,10 @@ impl HostTier {
             return Err(TierError::LengthMismatch { expected: meta.len, actual: total });
         }
         self.put_with(key, meta, dirty, |dst| {
-            // SAFETY: destinations are runs inside the mapping owned by this reservation;
-            // sources are the caller's slices; the total lengths are equal.
-            unsafe { copy_pieces(parts.iter().map(|p| (p.as_ptr(), p.len())), dst.iter().copied()) };
+            let dst = dst.iter_mut().map(|d| (d.as_mut_ptr(), d.len()));
+            // SAFETY: destinations are this reservation's own slices, sources the caller's;
+            // they do not overlap and the total lengths are equal.
+            unsafe { copy_pieces(parts.iter().map(|p| (p.as_ptr(), p.len())), dst) };
             Ok(())
         })
     }
@@ -521,10 +531,10 @@ impl HostTier {
         key: BlockKey,
         meta: BlockMeta,
         dirty: bool,
-        fill: impl FnOnce(&[(*mut u8, usize)]) -> Result<()>,
+        fill: impl FnOnce(&mut [&mut [u8]]) -> Result<()>,
     ) -> Result<bool> {
-        let Some(filling) = self.begin_fill(key, meta, dirty)? else { return Ok(false) };
-        match fill(filling.pieces()) {
+        let Some(mut filling) = self.begin_fill(key, meta, dirty)? else { return Ok(false) };
+        match fill(&mut filling.pieces_mut()) {
             Ok(()) => Ok(self.finish_fill(filling)),
             Err(e) => {
                 self.abort_fill(filling);

@@ -12,6 +12,9 @@
 //!   its own.
 //! - [`store`]: [`BlockStore`], G2 over the lower tiers: write-through, promotion, prefix
 //!   lookup, leases.
+//! - [`load`]: the store's one load operation, [`BlockStore::load_into`]: a chain's blocks,
+//!   each from the fastest tier holding it, into a [`LoadSink`] (an engine's slots), straight
+//!   into the sink's own memory where it offers some ([`Destination`]).
 //! - [`writethrough`]: the background writers (one per lower tier) that copy G2 blocks down in
 //!   batches.
 //! - [`residency`]: reserve -> write -> commit states, child counts, leases and eviction
@@ -38,6 +41,7 @@ pub mod error;
 pub mod eviction;
 pub mod host;
 pub mod listener;
+pub mod load;
 pub mod lru_policy;
 pub mod object;
 pub mod pages;
@@ -56,6 +60,7 @@ pub use disk::{DiskTier, DiskTierConfig};
 pub use error::{Result, TierError};
 pub use host::{CudaRegister, Filling, HostTier, HostTierConfig};
 pub use listener::{Fanout, TierListener};
+pub use load::{Destination, DirectRead, LoadEnd, LoadError, LoadOptions, LoadReport, LoadSink};
 pub use object::{ObjectTier, ObjectTierConfig};
 pub use stats::{TierStats, TierUsage};
 pub use store::{BlockStore, BlockStoreConfig, Hit, PrefixMatch, StoreStats, WriteThroughPause};

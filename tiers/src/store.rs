@@ -6,14 +6,14 @@ use std::time::{Duration, Instant};
 
 use kvproto::{BlockKey, TierKind};
 
-use crate::block::{BlockMeta, LeaseId, StreamingChecksum};
+use crate::block::{BlockMeta, LeaseId};
 use crate::buf::BlockBuf;
 use crate::disk::{DiskTier, DiskTierConfig};
 use crate::error::{Result, TierError};
 use crate::host::{HostTier, HostTierConfig};
 use crate::object::{ObjectTier, ObjectTierConfig};
 use crate::stats::{Count, TierStats};
-use crate::tier::{BlockRef, Delivered, Tier};
+use crate::tier::{BlockRef, Tier};
 use crate::writethrough::{WriteThrough, WriteThroughConfig, Writer};
 
 /// Configuration of a whole store.
@@ -104,11 +104,11 @@ enum Direct {
 #[derive(Debug)]
 pub struct BlockStore {
     // Field order: the writers drain before the tiers drop.
-    writers: Vec<WriteThrough>,
-    g2: Arc<HostTier>,
-    lower: Arc<Vec<Arc<dyn Tier>>>,
+    pub(crate) writers: Vec<WriteThrough>,
+    pub(crate) g2: Arc<HostTier>,
+    pub(crate) lower: Arc<Vec<Arc<dyn Tier>>>,
     next_lease: AtomicU64,
-    promotions: Count,
+    pub(crate) promotions: Count,
 }
 
 impl BlockStore {
@@ -198,7 +198,7 @@ impl BlockStore {
         &self,
         key: BlockKey,
         meta: BlockMeta,
-        fill: impl FnOnce(&[(*mut u8, usize)]) -> Result<()>,
+        fill: impl FnOnce(&mut [&mut [u8]]) -> Result<()>,
     ) -> Result<bool> {
         let stored = self.g2.put_with(key, meta, !self.writers.is_empty(), fill)?;
         self.after_put(key, stored)
@@ -214,7 +214,7 @@ impl BlockStore {
     /// Queues `key` for the writers of the tiers faster than `faster_than` (every lower tier
     /// when None: a save). G2 keeps the block dirty for the first writer only; if that writer
     /// cannot queue it, the block is clean now.
-    fn write_through(&self, key: &BlockKey, faster_than: Option<TierKind>) {
+    pub(crate) fn write_through(&self, key: &BlockKey, faster_than: Option<TierKind>) {
         for (i, w) in self.writers.iter().enumerate() {
             if faster_than.is_some_and(|t| w.tier.index() >= t.index()) {
                 continue;
@@ -377,100 +377,6 @@ impl BlockStore {
         failed.retain(|k| left.contains(k));
         out.failed = failed;
         out
-    }
-
-    /// Reads the blocks of `keys` that G2 lacks and a lower tier holds straight into memory
-    /// another process can write (a CPU engine's KV memory), skipping G2: one read per block,
-    /// checked where it lands, instead of a read into G2 and a copy on. `dest(i, meta)` names
-    /// key `i`'s destination (None: not wanted, e.g. of another length). Returns, per key, the
-    /// tier and what was delivered; a key not delivered (in G2, not held, not readable this way,
-    /// or failed there) is `None`, for the caller to load the usual way, which tells a bad
-    /// block from a bad destination. Delivered blocks are not in G2:
-    /// [`BlockStore::promote_copy`] brings them up afterwards, checked again.
-    ///
-    /// # Safety
-    /// As [`Tier::read_into_foreign`]: each destination writable for the block's length until
-    /// this returns.
-    pub unsafe fn read_into_foreign(
-        &self,
-        keys: &[BlockKey],
-        mut dest: impl FnMut(usize, &BlockMeta) -> Option<Vec<(*mut u8, usize)>>,
-    ) -> Vec<Option<(TierKind, Delivered)>> {
-        let mut out: Vec<Option<(TierKind, Delivered)>> = keys.iter().map(|_| None).collect();
-        let present = self.g2.contains_each(keys);
-        let mut asked: Vec<bool> = present;
-        for tier in self.lower.iter() {
-            let metas = tier.peek_each(keys);
-            let mut idx = Vec::new();
-            let mut dests = Vec::new();
-            for (i, meta) in metas.iter().enumerate() {
-                let Some(meta) = meta.filter(|_| !asked[i]) else { continue };
-                // Asked of its first tier only: a block that tier holds but could not deliver
-                // is the usual load's to settle.
-                asked[i] = true;
-                if let Some(d) = dest(i, &meta) {
-                    idx.push(i);
-                    dests.push(d);
-                }
-            }
-            if idx.is_empty() {
-                continue;
-            }
-            let picked: Vec<BlockKey> = idx.iter().map(|&i| keys[i]).collect();
-            let slices: Vec<&[(*mut u8, usize)]> = dests.iter().map(Vec::as_slice).collect();
-            // SAFETY: the caller's contract.
-            let Some(got) = (unsafe { tier.read_into_foreign(&picked, &slices) }) else { continue };
-            for (i, d) in idx.into_iter().zip(got) {
-                out[i] = d.map(|d| (tier.kind(), d));
-            }
-        }
-        out
-    }
-
-    /// Brings a block that [`BlockStore::read_into_foreign`] delivered up into G2 afterwards,
-    /// copied back out of where it was delivered by `copy` (into G2's pages, given as pieces in
-    /// block order; false: the copy failed) and checked against the sum it was delivered with:
-    /// the other process may have written its memory since, and G2 must hold only the block.
-    /// Returns whether it is in G2 now. A full G2, or a copy that differs, only skips the
-    /// promotion; a copy that differs is counted in `kvcached_promotions_skipped_total`.
-    pub fn promote_copy(
-        &self,
-        key: &BlockKey,
-        from: TierKind,
-        delivered: &Delivered,
-        copy: impl FnOnce(&[(*mut u8, usize)]) -> bool,
-    ) -> bool {
-        let dirty = self.writers.first().is_some_and(|w| w.tier.index() < from.index());
-        let fill = match self.g2.begin_fill(*key, delivered.meta, dirty) {
-            Ok(Some(f)) => f,
-            Ok(None) => return true,
-            Err(e) => {
-                tracing::debug!(%key, "promotion into G2 skipped: {e}");
-                return false;
-            }
-        };
-        let mut sum = StreamingChecksum::new(delivered.sum_kind);
-        let same = copy(fill.pieces()) && {
-            for &(p, n) in fill.pieces() {
-                // SAFETY: the reservation's pages, written by `copy` above and by nothing else
-                // until the fill is finished or aborted.
-                sum.update(unsafe { std::slice::from_raw_parts(p.cast_const(), n) });
-            }
-            sum.digest() == delivered.sum
-        };
-        if !same {
-            self.g2.abort_fill(fill);
-            metrics::counter!("kvcached_promotions_skipped_total").increment(1);
-            return false;
-        }
-        let stored = self.g2.finish_fill(fill);
-        if stored {
-            self.promotions.add(1);
-            if dirty {
-                self.write_through(key, Some(from));
-            }
-        }
-        stored
     }
 
     /// Reads what `tier` holds of `keys` straight into pages reserved in G2 (no buffer between,

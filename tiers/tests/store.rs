@@ -197,13 +197,11 @@ fn g3_blocks_are_read_straight_into_foreign_memory_and_promoted_only_from_a_matc
         })
         .collect();
     let mut asked = Vec::new();
-    // SAFETY: every destination lies in `mem`, untouched until the call returns.
-    let got = unsafe {
-        s.read_into_foreign(&keys, |i, m| {
-            asked.push((i, m.len));
-            Some(dests[i].clone())
-        })
-    };
+    let got = s.read_into_foreign(&keys, |i, m| {
+        asked.push((i, m.len));
+        // SAFETY: every destination lies in `mem`, untouched until the call returns.
+        Some(unsafe { kvtiers::Destination::new(dests[i].clone()) })
+    });
     assert_eq!(asked.iter().map(|a| a.0).collect::<Vec<_>>(), vec![0, 1, 2, 4, 5], "a block in G2 is not asked for");
     for (i, g) in got.iter().enumerate() {
         match i {
@@ -225,11 +223,11 @@ fn g3_blocks_are_read_straight_into_foreign_memory_and_promoted_only_from_a_matc
     // Promoted from a copy: a changed copy is refused, the block's own bytes are taken.
     let (tier, dl) = got[0].unwrap();
     let copy_from = |src: Vec<u8>| {
-        move |dst: &[(*mut u8, usize)]| {
+        move |dst: &mut [&mut [u8]]| {
             let mut at = 0;
-            for &(p, n) in dst {
-                // SAFETY: G2's reserved pages, `n` bytes each; `src` is the block's length.
-                unsafe { std::ptr::copy_nonoverlapping(src[at..].as_ptr(), p, n) };
+            for d in dst.iter_mut() {
+                let n = d.len();
+                d.copy_from_slice(&src[at..at + n]);
                 at += n;
             }
             true
@@ -530,4 +528,122 @@ fn a_pool_file_left_by_a_killed_daemon_is_removed_and_a_live_one_is_kept() {
     assert_eq!(pools(d.path()), 2, "a live pool was removed");
     drop((live, second));
     assert_eq!(pools(d.path()), 0, "a clean shutdown unlinks its pool");
+}
+
+/// A load's destination in these tests: one buffer per block (`lens` its expected length), what
+/// it was told, and memory it offers for reads straight in when `direct`.
+struct VecSink {
+    lens: Vec<usize>,
+    got: Vec<Option<Vec<u8>>>,
+    from: Vec<(usize, TierKind)>,
+    chunks: usize,
+    refuse: Option<usize>,
+    mem: Vec<BlockBuf>,
+    /// `mem`'s buffers, taken once: what `direct` hands out.
+    at: Vec<*mut u8>,
+    direct: bool,
+}
+
+impl VecSink {
+    fn new(lens: &[usize], direct: bool) -> Self {
+        let mut mem: Vec<BlockBuf> = lens.iter().map(|&l| BlockBuf::zeroed(l.next_multiple_of(4096))).collect();
+        let at = mem.iter_mut().map(|m| m.as_mut_ptr()).collect();
+        Self {
+            lens: lens.to_vec(),
+            got: lens.iter().map(|_| None).collect(),
+            from: Vec::new(),
+            chunks: 0,
+            refuse: None,
+            mem,
+            at,
+            direct,
+        }
+    }
+}
+
+impl kvtiers::LoadSink for VecSink {
+    type Error = String;
+    fn accepts(&self, i: usize, meta: &BlockMeta) -> bool {
+        meta.len as usize == self.lens[i] && self.refuse != Some(i)
+    }
+    fn fill(&mut self, i: usize, pieces: &[&[u8]]) -> Result<(), String> {
+        self.got[i] = Some(pieces.concat());
+        Ok(())
+    }
+    fn done(&mut self, i: usize, from: TierKind) {
+        self.from.push((i, from));
+    }
+    fn chunk_done(&mut self) {
+        self.chunks += 1;
+    }
+    fn direct(&self, i: usize) -> Option<kvtiers::Destination<'_>> {
+        let p = *self.at.get(i).filter(|_| self.direct)?;
+        // SAFETY: `mem[i]`'s heap buffer (at least `lens[i]` bytes), not read or written by
+        // anything else while a load borrows the sink.
+        Some(unsafe { kvtiers::Destination::new(vec![(p, self.lens[i])]) })
+    }
+    fn copy_back(&self, i: usize, dst: &mut [&mut [u8]]) -> bool {
+        let mut at = 0;
+        for d in dst.iter_mut() {
+            let n = d.len();
+            d.copy_from_slice(&self.mem[i][at..at + n]);
+            at += n;
+        }
+        true
+    }
+}
+
+/// The one load: each block of the chain from the tier holding it, in order, its tier told,
+/// a progress call per chunk; it ends at the first block no tier serves (here one corrupt on
+/// disk), and a later load from past it serves G2's block and the rest. A block the sink does
+/// not take ends the load there.
+#[test]
+fn load_into_serves_a_chain_in_order_and_ends_at_the_first_gap() {
+    let d = tempfile::tempdir().unwrap();
+    let lens = [PAGE, 3 * 4096, 2 * PAGE, PAGE, PAGE, 5000];
+    let (s, keys) = blocks_in_g3_one_corrupt_one_in_g2(d.path(), 13, &lens, 2, 3);
+    let opts = kvtiers::LoadOptions { chunk: 2, direct: false };
+    let mut sink = VecSink::new(&lens, false);
+    let r = s.load_into(&keys, 0, &mut sink, &opts).unwrap();
+    assert_eq!((r.loaded, r.end), (2, kvtiers::LoadEnd::Miss), "the corrupt block ends the load");
+    assert_eq!(sink.from, vec![(0, TierKind::G3Disk), (1, TierKind::G3Disk)]);
+    assert_eq!(sink.chunks, 1);
+    for i in 0..2 {
+        assert!(sink.got[i].as_deref() == Some(&content(&keys[i], lens[i])[..]), "block {i} byte-exact");
+        assert!(s.g2().contains(&keys[i]), "block {i} came up into G2");
+    }
+    let r = s.load_into(&keys, 3, &mut sink, &opts).unwrap();
+    assert_eq!((r.loaded, r.end), (3, kvtiers::LoadEnd::Whole));
+    assert_eq!(&sink.from[2..], &[(3, TierKind::G2Host), (4, TierKind::G3Disk), (5, TierKind::G3Disk)]);
+    assert!(sink.got[5].as_deref() == Some(&content(&keys[5], lens[5])[..]));
+
+    let mut picky = VecSink::new(&lens, false);
+    picky.refuse = Some(1);
+    let r = s.load_into(&keys, 0, &mut picky, &opts).unwrap();
+    assert_eq!((r.loaded, r.end), (1, kvtiers::LoadEnd::Mismatch));
+    assert!(picky.got[1].is_none(), "a block the sink does not take is not copied");
+}
+
+/// With `direct`, blocks only G3 holds are read straight into the sink's memory (not G2), and
+/// `settle` brings them up into G2 afterwards, copied back out of the sink.
+#[test]
+fn a_direct_load_reads_into_the_sink_and_settles_into_g2_after() {
+    let d = tempfile::tempdir().unwrap();
+    let lens = [PAGE, 2 * PAGE, PAGE, PAGE];
+    let (s, keys) = blocks_in_g3_one_corrupt_one_in_g2(d.path(), 14, &lens, 3, 1);
+    let mut sink = VecSink::new(&lens, true);
+    let opts = kvtiers::LoadOptions { chunk: 16, direct: true };
+    let r = s.load_into(&keys, 0, &mut sink, &opts).unwrap();
+    assert_eq!((r.loaded, r.end), (3, kvtiers::LoadEnd::Miss));
+    let direct: Vec<usize> = r.direct.iter().map(|d| d.index).collect();
+    assert_eq!(direct, vec![0, 2], "G3's blocks read straight in; G2's copied");
+    for &i in &direct {
+        assert!(sink.mem[i][..lens[i]] == content(&keys[i], lens[i])[..], "block {i} byte-exact in the sink");
+        assert!(!s.g2().contains(&keys[i]), "block {i} is not in G2 before settle");
+    }
+    assert!(sink.got[1].as_deref() == Some(&content(&keys[1], lens[1])[..]));
+    s.settle(&keys, &r.direct, &sink);
+    for &i in &direct {
+        assert!(s.g2().contains(&keys[i]), "block {i} settled into G2");
+    }
 }

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use kvproto::{TierKind, pb};
-use kvtiers::{BlockBuf, BlockMeta, BlockStore};
+use kvtiers::{BlockMeta, BlockStore};
 use parking_lot::Mutex;
 use tokio::sync::watch;
 
@@ -18,6 +18,8 @@ use crate::error::ServerError;
 use crate::export::reports::{GpuChange, Reports};
 use crate::peer::{Incoming, Peers};
 use crate::policy::limits::{Held, Limits, Principal};
+
+mod load;
 
 /// What a prefetch started (`POST /prefetch`'s answer).
 #[derive(Debug, serde::Serialize, serde::Deserialize, PartialEq, Eq)]
@@ -487,212 +489,6 @@ impl Daemon {
         ops.start(id, engine.id, rx);
         drop(ops);
         Ok((id, engine, tx, held))
-    }
-
-    /// Runs a load to completion (on a blocking thread) and publishes its status.
-    pub fn run_load(&self, op: u64, engine: &Engine, req: &pb::LoadRequest, tx: &watch::Sender<pb::LoadStatus>) {
-        // A load that panicked still finishes (failed): its engine's pending count, and the
-        // wait at shutdown, must not count it for ever.
-        let mut delivered = Vec::new();
-        let loaded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            self.load_blocks(op, engine, req, tx, &mut delivered)
-        }))
-        .unwrap_or_else(|_| {
-            Err(ServerError::Io(std::io::Error::other("the load failed inside kvcached (see its log)")))
-        });
-        let status = match loaded {
-            Ok(s) => s,
-            Err(e) => pb::LoadStatus {
-                op_id: op,
-                state: pb::load_status::State::Failed as i32,
-                error: e.to_string(),
-                ..Default::default()
-            },
-        };
-        let tpb = u64::from(engine.namespace.layout.tokens_per_block);
-        for (tier, blocks) in
-            [("g2", status.from_g2), ("g3", status.from_g3), ("g4", status.from_g4), ("peer", status.from_peer)]
-        {
-            if blocks > 0 {
-                metrics::counter!("kvcached_prefill_tokens_saved_total", "tier" => tier, "kv_namespace" => engine.kv_label.clone())
-                    .increment(u64::from(blocks) * tpb);
-            }
-        }
-        self.ops.lock().finish(op, self.max_pending);
-        self.loads.fetch_add(1, Ordering::Relaxed);
-        let _ = tx.send(status);
-        // Blocks read from below straight into the engine's slots come up into G2 now, after
-        // the engine was told: copied back out of its slots and checked against the sum they
-        // were read with (the engine may have written them since; then they stay below).
-        for (key, slot, tier, d) in delivered {
-            self.store.promote_copy(&key, tier, &d, |dst| engine.read_slot_into(slot, dst).is_ok());
-        }
-    }
-
-    /// Copies the blocks into the engine's slots; `progress` is told what is in so far (as
-    /// PENDING), after each block while blocks arrive from a peer, else after each chunk.
-    /// Blocks read from a lower tier straight into the slots (not through G2) are added to
-    /// `delivered` (key, slot, tier, what was read), for the caller to bring up into G2 once
-    /// the engine has been told.
-    fn load_blocks(
-        &self,
-        op: u64,
-        engine: &Engine,
-        req: &pb::LoadRequest,
-        progress: &watch::Sender<pb::LoadStatus>,
-        delivered: &mut Vec<(kvproto::BlockKey, u32, TierKind, kvtiers::Delivered)>,
-    ) -> Result<pb::LoadStatus, ServerError> {
-        let keys = self.keys(engine, &req.tokens)?;
-        Self::span(engine, keys.len(), req.first_block, &req.block_ids)?;
-        let first = req.first_block as usize;
-        let wanted = &keys[first..first + req.block_ids.len()];
-        let lease = self.store.pin(wanted, LOAD_LEASE);
-        let mut st = pb::LoadStatus { op_id: op, state: pb::load_status::State::Done as i32, ..Default::default() };
-        let mut buf = BlockBuf::new();
-        let want_len = engine.block_bytes();
-        // Blocks past what this node holds come from the peers the request names, straight
-        // into G2; each is copied on into the engine as soon as it is in.
-        let incoming = match (&self.peers, req.sources.is_empty()) {
-            (Some(peers), false) => {
-                let sources: Vec<String> = req.sources.iter().take(MAX_SOURCES).cloned().collect();
-                let deadline = Instant::now() + Duration::from_millis(peers.config().pull_deadline_ms);
-                let local = crate::peer::handoff::local_end(&self.store, wanted);
-                let incoming = Incoming::plan(peers, engine.namespace_id, wanted, local, want_len, &sources, deadline);
-                if incoming.is_none() && local < wanted.len() && self.store.has_remote_tier() {
-                    // No pull started (each source refused, marked bad, or the pulls busy):
-                    // what G4 holds of the rest is the next best, as after a failed pull.
-                    self.store.probe_lower(engine.namespace_id, &wanted[local..]);
-                }
-                incoming
-            }
-            _ => None,
-        };
-        let mut fell_back = false;
-        let cpu_engine = req.block_ids.first().is_some_and(|&b| engine.slot_memory(b).is_some());
-        // Chunk by chunk: blocks not in G2 come up from G3 in one batch read per chunk. Into a
-        // CPU engine they are read straight into its slots (one read and one check, no copy
-        // through G2); otherwise each is read into G2 and copied on into its slot as soon as it
-        // is in (while it is in cache, and while the chunk's later reads are in flight). The
-        // rest of the chunk is copied out of G2.
-        'chain: for (c, (keys, slots)) in wanted.chunks(LOAD_CHUNK).zip(req.block_ids.chunks(LOAD_CHUNK)).enumerate() {
-            let mut early: Vec<Option<(TierKind, Result<(), ServerError>)>> = keys.iter().map(|_| None).collect();
-            if cpu_engine {
-                // SAFETY: the slots are this engine's mapped memory (range-checked at attach and
-                // by `check_slots`), the daemon's alone while this load runs (the engine
-                // protocol); a page the engine truncates away fails the read or trips the fault
-                // guard, checked right after.
-                let read = unsafe {
-                    self.store.read_into_foreign(keys, |i, meta| {
-                        (meta.namespace == engine.namespace_id && meta.len == want_len)
-                            .then(|| engine.slot_memory(slots[i]))
-                            .flatten()
-                    })
-                };
-                if let Err(e) = engine.check_memory() {
-                    self.store.release(lease);
-                    return Err(e);
-                }
-                for (i, got) in read.into_iter().enumerate() {
-                    if let Some((tier, d)) = got {
-                        early[i] = Some((tier, Ok(())));
-                        delivered.push((keys[i], slots[i], tier, d));
-                    }
-                }
-            }
-            // Blocks not delivered that way: what G2 lacks is promoted into it from below.
-            let rest: Vec<kvproto::BlockKey> =
-                keys.iter().zip(&early).filter(|(_, e)| e.is_none()).map(|(k, _)| *k).collect();
-            // A lower tier failing (a disk error, a store down or hung) is a miss from the
-            // first block it failed on: counted and logged by the store, never a failed load
-            // (the blocks before it are served), and not asked again.
-            let kvtiers::store::Promoted { mut promoted, failed, mut unplaced, .. } =
-                self.store.promote_batch_lossy_each(&rest, &mut |key, meta, tier, pieces| {
-                    let Some(i) = keys.iter().position(|k| k == key) else { return };
-                    // A block of another namespace or size is left to the loop below, which
-                    // counts it and stops there.
-                    if early[i].is_none() && meta.namespace == engine.namespace_id && meta.len == want_len {
-                        early[i] = Some((tier, engine.write_slot_from(slots[i], pieces)));
-                    }
-                });
-            for (i, (key, &slot)) in keys.iter().zip(slots).enumerate() {
-                if failed.contains(key) && incoming.as_ref().is_none_or(|inc| c * LOAD_CHUNK + i < inc.offset) {
-                    break 'chain;
-                }
-                let j = c * LOAD_CHUNK + i;
-                let mut pulled = false;
-                if let Some(inc) = incoming.as_ref().filter(|inc| j >= inc.offset && early[i].is_none()) {
-                    pulled = inc.wait(j);
-                    if !pulled && !fell_back {
-                        // The peer is gone, stalled, sent wrong bytes or lacks the rest: what
-                        // G4 has of it is the next best; beyond that, a miss.
-                        fell_back = true;
-                        if self.store.has_remote_tier() {
-                            self.store.probe_lower(engine.namespace_id, &wanted[j..]);
-                            let more = self.store.promote_batch_lossy(&keys[i..]);
-                            if let Some(e) = &more.error {
-                                tracing::debug!("G4 after a failed pull: {e}");
-                            }
-                            // Counted for the tier they came from, like the chunk's own.
-                            promoted.extend(more.promoted);
-                            unplaced.extend(more.unplaced);
-                        }
-                    }
-                }
-                let copy = |meta: &kvtiers::BlockMeta, pieces: &[&[u8]]| {
-                    // Defence in depth: keys already bind the namespace, but a block of another
-                    // namespace or size is never copied into an engine.
-                    if meta.namespace != engine.namespace_id || meta.len != want_len {
-                        return Ok(false);
-                    }
-                    engine.write_slot_from(slot, pieces).map(|()| true)
-                };
-                // A block read from below that G2 had no room for is served from its buffer,
-                // not read a second time.
-                let got = match (early[i].take(), unplaced.iter().find(|(k, ..)| k == key)) {
-                    (Some((tier, copied)), _) => Ok(Some((tier, copied.map(|()| true)))),
-                    (None, Some((_, meta, tier, b))) => Ok(Some((*tier, copy(meta, &[&b[..]])))),
-                    (None, None) => self.store.read_with(key, &mut buf, copy),
-                };
-                match got {
-                    Ok(Some((_, Err(e)))) => {
-                        self.store.release(lease);
-                        return Err(e);
-                    }
-                    Ok(Some((tier, Ok(true)))) => {
-                        st.loaded_blocks += 1;
-                        // Where the block was before this load: promoted ones count for the tier
-                        // they came up from, pulled ones for the peer.
-                        let from = promoted.iter().find(|(k, _)| k == key).map_or(tier, |(_, t)| *t);
-                        match from {
-                            _ if pulled => st.from_peer += 1,
-                            TierKind::G4Object => st.from_g4 += 1,
-                            TierKind::G3Disk => st.from_g3 += 1,
-                            _ => st.from_g2 += 1,
-                        }
-                        if pulled || i + 1 == keys.len() {
-                            Self::tell(progress, &st);
-                        }
-                    }
-                    Ok(Some((_, Ok(false)))) => {
-                        self.namespace_mismatch.increment(1);
-                        tracing::warn!(%key, engine = engine.id, "block namespace or size differs from the engine's; served as a miss");
-                        break 'chain;
-                    }
-                    Ok(None) => break 'chain,
-                    Err(e) => {
-                        self.store.release(lease);
-                        return Err(e.into());
-                    }
-                }
-            }
-        }
-        self.store.release(lease);
-        Ok(st)
-    }
-
-    /// Publishes a load's progress (PENDING) to its waiters.
-    fn tell(progress: &watch::Sender<pb::LoadStatus>, st: &pb::LoadStatus) {
-        progress.send_replace(pb::LoadStatus { state: pb::load_status::State::Pending as i32, ..st.clone() });
     }
 
     /// Starts bringing the chain `keys` of `namespace` into G2 before an engine asks: what

@@ -409,8 +409,12 @@ impl Engine {
 
     /// Copies engine block `block` into `dst` (pieces of the block's bytes in order: its G2
     /// pages). `block` must have passed [`Engine::check_slots`].
-    pub fn read_slot_into(&self, block: u32, dst: &[(*mut u8, usize)]) -> Result<(), ServerError> {
-        let dst: Vec<(usize, usize)> = dst.iter().map(|&(p, n)| (p as usize, n)).collect();
+    pub fn read_slot_into(&self, block: u32, dst: &mut [&mut [u8]]) -> Result<(), ServerError> {
+        let total: usize = dst.iter().map(|d| d.len()).sum();
+        if total as u64 != self.block_bytes() {
+            return Err(ServerError::Invalid("block pieces and slot segments differ in length".into()));
+        }
+        let dst: Vec<(usize, usize)> = dst.iter_mut().map(|d| (d.as_mut_ptr() as usize, d.len())).collect();
         match &self.memory {
             EngineMemory::Shm { guard, map, path } => {
                 if guard.faulted() {
@@ -421,7 +425,7 @@ impl Engine {
                 // SAFETY: sources are this engine's mapped segments (range-checked at attach; the
                 // engine does not write a slot it asked to save until the call returns; a page
                 // the engine truncated away reads as zeros, see `fault_guard`), destinations the
-                // caller's pieces; both add up to one block.
+                // caller's slices, borrowed mutably for this call; both add up to one block.
                 unsafe { kvtiers::pieces::copy_pieces(src, dst.iter().map(|&(p, n)| (p as *mut u8, n))) };
                 // What a faulted copy read is not the block: fail, so it is never stored.
                 if guard.faulted() { Err(shrank(path)) } else { Ok(()) }

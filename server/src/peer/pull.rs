@@ -477,10 +477,7 @@ impl Peers {
         let mut outcome: Option<Result<(), Reject>> = None;
         let stored = store.put_with(h.key, meta, |dst| {
             let mut hasher = p::block_sum();
-            for &(ptr, len) in dst {
-                // SAFETY: `put_with` hands this reservation's own pages, `len` bytes at `ptr`,
-                // not visible to any reader until the closure returns Ok.
-                let piece = unsafe { std::slice::from_raw_parts_mut(ptr, len) };
+            for piece in dst.iter_mut() {
                 for step in piece.chunks_mut(p::HASH_STEP) {
                     if let Err(e) = c.read_exact(step) {
                         outcome = Some(Err(Reject::Io(e)));

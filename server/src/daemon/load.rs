@@ -1,0 +1,253 @@
+//! LOAD: an engine asks for a chain's blocks in its slots. A load is
+//! 1. plan: how far this node's own tiers hold the chain, and whether the rest is pulled from
+//!    the peers the request names (or joins a pull already bringing it);
+//! 2. load what this node holds: one [`BlockStore::load_into`] into the engine's slots
+//!    ([`SlotSink`]), each block from the fastest tier holding it;
+//! 3. fill the rest from the peers, block by block as each arrives in G2; if the pull comes up
+//!    short, what G4 holds of the rest;
+//! 4. tally: the status the engine waits for, and the tokens of prefill each tier saved.
+//!
+//! [`BlockStore::load_into`]: kvtiers::BlockStore::load_into
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use kvproto::{BlockKey, TierKind, pb};
+use kvtiers::{BlockMeta, Destination, LoadEnd, LoadError, LoadOptions, LoadReport, LoadSink};
+use tokio::sync::watch;
+
+use super::{Daemon, LOAD_CHUNK, LOAD_LEASE, MAX_SOURCES};
+use crate::engine::Engine;
+use crate::error::ServerError;
+use crate::peer::Incoming;
+
+/// An engine's slots as a load's destination: block `i` of the load goes to slot
+/// `slots[i]`. It keeps the load's status (blocks in, and from where) and publishes it as
+/// PENDING after each chunk, or after each block while blocks arrive from a peer.
+struct SlotSink<'a> {
+    engine: &'a Engine,
+    slots: &'a [u32],
+    progress: &'a watch::Sender<pb::LoadStatus>,
+    status: pb::LoadStatus,
+    /// Blocks now come from a peer's pull (counted for the peer, whatever tier they landed in).
+    pulling: bool,
+}
+
+impl SlotSink<'_> {
+    fn tell(&self) {
+        let st = pb::LoadStatus { state: pb::load_status::State::Pending as i32, ..self.status.clone() };
+        self.progress.send_replace(st);
+    }
+}
+
+impl LoadSink for SlotSink<'_> {
+    type Error = ServerError;
+
+    fn accepts(&self, _i: usize, meta: &BlockMeta) -> bool {
+        // Defence in depth: keys already bind the namespace, but a block of another namespace
+        // or size is never copied into an engine.
+        meta.namespace == self.engine.namespace_id && meta.len == self.engine.block_bytes()
+    }
+
+    fn fill(&mut self, i: usize, pieces: &[&[u8]]) -> Result<(), ServerError> {
+        self.engine.write_slot_from(self.slots[i], pieces)
+    }
+
+    fn done(&mut self, _i: usize, from: TierKind) {
+        let st = &mut self.status;
+        st.loaded_blocks += 1;
+        match from {
+            _ if self.pulling => st.from_peer += 1,
+            TierKind::G4Object => st.from_g4 += 1,
+            TierKind::G3Disk => st.from_g3 += 1,
+            _ => st.from_g2 += 1,
+        }
+    }
+
+    fn chunk_done(&mut self) {
+        self.tell();
+    }
+
+    fn direct(&self, i: usize) -> Option<Destination<'_>> {
+        let pieces = self.engine.slot_memory(self.slots[i])?;
+        // SAFETY: the slot's segments are this engine's mapped memory (range-checked at attach
+        // and by `check_slots`), mapped for as long as the engine (borrowed for 'a) lives, and
+        // the daemon's alone while this load runs (the engine protocol); a page the engine
+        // truncates away fails the read or trips the fault guard, which `check` reads right
+        // after.
+        Some(unsafe { Destination::new(pieces) })
+    }
+
+    fn check(&self) -> Result<(), ServerError> {
+        self.engine.check_memory()
+    }
+
+    fn copy_back(&self, i: usize, dst: &mut [&mut [u8]]) -> bool {
+        self.engine.read_slot_into(self.slots[i], dst).is_ok()
+    }
+}
+
+fn failed<E>(e: LoadError<E>) -> E
+where
+    E: From<kvtiers::TierError>,
+{
+    match e {
+        LoadError::Sink(e) => e,
+        LoadError::Tier(e) => e.into(),
+    }
+}
+
+impl Daemon {
+    /// Runs a load to completion (on a blocking thread) and publishes its status.
+    pub fn run_load(&self, op: u64, engine: &Engine, req: &pb::LoadRequest, tx: &watch::Sender<pb::LoadStatus>) {
+        // A load that panicked still finishes (failed): its engine's pending count, and the
+        // wait at shutdown, must not count it for ever.
+        let mut settle = None;
+        let loaded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            self.load_blocks(op, engine, req, tx, &mut settle)
+        }))
+        .unwrap_or_else(|_| {
+            Err(ServerError::Io(std::io::Error::other("the load failed inside kvcached (see its log)")))
+        });
+        let status = match loaded {
+            Ok(s) => s,
+            Err(e) => pb::LoadStatus {
+                op_id: op,
+                state: pb::load_status::State::Failed as i32,
+                error: e.to_string(),
+                ..Default::default()
+            },
+        };
+        let tpb = u64::from(engine.namespace.layout.tokens_per_block);
+        for (tier, blocks) in
+            [("g2", status.from_g2), ("g3", status.from_g3), ("g4", status.from_g4), ("peer", status.from_peer)]
+        {
+            if blocks > 0 {
+                metrics::counter!("kvcached_prefill_tokens_saved_total", "tier" => tier, "kv_namespace" => engine.kv_label.clone())
+                    .increment(u64::from(blocks) * tpb);
+            }
+        }
+        self.ops.lock().finish(op, self.max_pending);
+        self.loads.fetch_add(1, Ordering::Relaxed);
+        let _ = tx.send(status);
+        // Blocks read from below straight into the engine's slots come up into G2 now, after
+        // the engine was told: copied back out of its slots and checked against the sum they
+        // were read with (the engine may have written them since; then they stay below).
+        if let Some((keys, report)) = settle {
+            let sink = SlotSink {
+                engine,
+                slots: &req.block_ids,
+                progress: tx,
+                status: pb::LoadStatus::default(),
+                pulling: false,
+            };
+            self.store.settle(&keys, &report.direct, &sink);
+        }
+    }
+
+    /// Copies the blocks into the engine's slots (plan, load, fill from peers, tally: see the
+    /// module's introduction). Blocks read from a lower tier straight into the slots (not
+    /// through G2) are left in `settle` (the keys and the load's report), for the caller to
+    /// bring up into G2 once the engine has been told.
+    fn load_blocks(
+        &self,
+        op: u64,
+        engine: &Engine,
+        req: &pb::LoadRequest,
+        progress: &watch::Sender<pb::LoadStatus>,
+        settle: &mut Option<(Vec<BlockKey>, LoadReport)>,
+    ) -> Result<pb::LoadStatus, ServerError> {
+        let keys = self.keys(engine, &req.tokens)?;
+        Self::span(engine, keys.len(), req.first_block, &req.block_ids)?;
+        let first = req.first_block as usize;
+        let wanted = keys[first..first + req.block_ids.len()].to_vec();
+        let lease = self.store.pin(&wanted, LOAD_LEASE);
+        let status = pb::LoadStatus { op_id: op, state: pb::load_status::State::Done as i32, ..Default::default() };
+        let mut sink = SlotSink { engine, slots: &req.block_ids, progress, status, pulling: false };
+        // 1. Plan.
+        let incoming = self.plan_pulls(engine, req, &wanted);
+        let local = incoming.as_ref().map_or(wanted.len(), |inc| inc.offset);
+        // Into a CPU engine, blocks below G2 are read straight into its slots (one read and
+        // one check, no copy through G2).
+        let direct = req.block_ids.first().is_some_and(|&b| engine.slot_memory(b).is_some());
+        let opts = LoadOptions { chunk: LOAD_CHUNK, direct };
+        // 2. What this node holds.
+        let loaded = self.store.load_into(&wanted[..local], 0, &mut sink, &opts);
+        let report = match loaded {
+            Ok(r) => r,
+            Err(e) => {
+                self.store.release(lease);
+                return Err(failed(e));
+            }
+        };
+        let mut end = report.end;
+        if !report.direct.is_empty() {
+            *settle = Some((wanted.clone(), report));
+        }
+        // 3. The rest from the peers (then G4).
+        if let (Some(inc), LoadEnd::Whole) = (&incoming, end) {
+            end = match self.fill_from_peer(engine, inc, &wanted, &mut sink) {
+                Ok(end) => end,
+                Err(e) => {
+                    self.store.release(lease);
+                    return Err(e);
+                }
+            };
+        }
+        self.store.release(lease);
+        // 4. Tally.
+        if end == LoadEnd::Mismatch {
+            self.namespace_mismatch.increment(1);
+            if let Some(key) = wanted.get(sink.status.loaded_blocks as usize) {
+                tracing::warn!(%key, engine = engine.id, "block namespace or size differs from the engine's; served as a miss");
+            }
+        }
+        Ok(sink.status)
+    }
+
+    /// The peer part of a load: a pull of the blocks past what this node's own tiers hold,
+    /// started from the sources the request names or joined; none when no source is usable.
+    /// Without one, what G4 holds of the rest is looked for instead.
+    fn plan_pulls(&self, engine: &Engine, req: &pb::LoadRequest, wanted: &[BlockKey]) -> Option<Incoming> {
+        let peers = self.peers.as_ref().filter(|_| !req.sources.is_empty())?;
+        let sources: Vec<String> = req.sources.iter().take(MAX_SOURCES).cloned().collect();
+        let deadline = Instant::now() + Duration::from_millis(peers.config().pull_deadline_ms);
+        let local = crate::peer::handoff::local_end(&self.store, wanted);
+        let incoming =
+            Incoming::plan(peers, engine.namespace_id, wanted, local, engine.block_bytes(), &sources, deadline);
+        if incoming.is_none() && local < wanted.len() && self.store.has_remote_tier() {
+            // No pull started (each source refused, marked bad, or the pulls busy): what G4
+            // holds of the rest is the next best, as after a failed pull.
+            self.store.probe_lower(engine.namespace_id, &wanted[local..]);
+        }
+        incoming
+    }
+
+    /// Copies the pulled blocks into the slots as each arrives in G2. When the peer is gone,
+    /// stalls, sends wrong bytes or lacks the rest, what G4 has of it is the next best; beyond
+    /// that, a miss.
+    fn fill_from_peer(
+        &self,
+        engine: &Engine,
+        inc: &Incoming,
+        wanted: &[BlockKey],
+        sink: &mut SlotSink<'_>,
+    ) -> Result<LoadEnd, ServerError> {
+        let one = LoadOptions { chunk: 1, direct: false };
+        for j in inc.offset..wanted.len() {
+            if !inc.wait(j) {
+                if self.store.has_remote_tier() {
+                    self.store.probe_lower(engine.namespace_id, &wanted[j..]);
+                }
+                let rest = LoadOptions { chunk: LOAD_CHUNK, direct: false };
+                return Ok(self.store.load_into(wanted, j, sink, &rest).map_err(failed)?.end);
+            }
+            sink.pulling = true;
+            let r = self.store.load_into(&wanted[..=j], j, sink, &one).map_err(failed)?;
+            sink.pulling = false;
+            if r.end != LoadEnd::Whole {
+                return Ok(r.end);
+            }
+        }
+        Ok(LoadEnd::Whole)
+    }
+}
