@@ -37,14 +37,23 @@ def label(r: dict) -> str:
     return s + " blocks/node"
 
 
+def replays(runs: list[dict]):
+    """(line style, run, its replay) of each run that has a replay; the style is the run's."""
+    for i, r in enumerate(runs):
+        if r.get("replay"):
+            yield LINES[i % len(LINES)], r, r["replay"]
+
+
+def save(fig, dst: str) -> None:
+    fig.tight_layout()
+    fig.savefig(dst)
+    plt.close(fig)
+
+
 def hit_rate_over_time(runs: list[dict], dst: str) -> None:
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
-    for i, r in enumerate(runs):
-        rep = r.get("replay")
-        if not rep:
-            continue
+    for ls, r, rep in replays(runs):
         xs = [w["trace_s"] / 60 for w in rep["series"]]
-        ls = LINES[i % len(LINES)]
         ax.plot(xs, [w["hit_rate"]["total"] for w in rep["series"]], color="black", linestyle=ls,
                 linewidth=1.8, label=f"total ({label(r)})")
         for tier, color in TIERS:
@@ -61,9 +70,7 @@ def hit_rate_over_time(runs: list[dict], dst: str) -> None:
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="upper left")
-    fig.tight_layout()
-    fig.savefig(dst)
-    plt.close(fig)
+    save(fig, dst)
 
 
 def hit_rate_vs_capacity(runs: list[dict], dst: str) -> bool:
@@ -97,32 +104,25 @@ def hit_rate_vs_capacity(runs: list[dict], dst: str) -> bool:
     ax.set_ylim(0, max(p["infinite_hit_rate"] for p in pts) * 1.15)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(dst)
-    plt.close(fig)
+    save(fig, dst)
     return True
 
 
 def latency_cdf(runs: list[dict], dst: str) -> None:
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
-    for i, r in enumerate(runs):
-        rep = r.get("replay")
-        if not rep:
-            continue
+    for ls, r, rep in replays(runs):
         for op, color in OPS:
             d = rep["latency"][op]
             if d["cdf"]:
                 ax.plot([us / 1e3 for _, us in d["cdf"]], [q for q, _ in d["cdf"]], color=color,
-                        linestyle=LINES[i % len(LINES)], label=f"{op} ({label(r)})")
+                        linestyle=ls, label=f"{op} ({label(r)})")
     ax.set_xscale("log")
     ax.set_xlabel("latency (ms)")
     ax.set_ylabel("fraction of requests")
     ax.set_title("Replay latency CDFs (per request, through the real socket and router)")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(dst)
-    plt.close(fig)
+    save(fig, dst)
 
 
 def main(out: str, srcs: list[str]) -> None:

@@ -43,6 +43,28 @@ def series(ax, rows, ts, name, label, color, fitted=True):
             ax.plot(fx, fy, color=color, linestyle="--", linewidth=1.6)
 
 
+def ceiling(rows, name, headroom):
+    """The top of an axis that shows `name` with this much room above its largest value."""
+    return max(float(r[name]) for r in rows) * headroom
+
+
+def right_axis(ax, rows, ts, name, label, color, ylabel, headroom, fitted=True):
+    """`name` on a second axis, at the panel's right; returns that axis."""
+    ax2 = ax.twinx()
+    series(ax2, rows, ts, name, label, color, fitted=fitted)
+    ax2.set_ylabel(ylabel)
+    ax2.set_ylim(0, ceiling(rows, name, headroom))
+    return ax2
+
+
+def legend_of_both(ax, ax2, title):
+    """One legend for a panel's two axes, and the panel's title."""
+    h1, l1 = ax.get_legend_handles_labels()
+    h2, l2 = ax2.get_legend_handles_labels()
+    ax.legend(h1 + h2, l1 + l2, fontsize=8, loc="lower right")
+    ax.set_title(title)
+
+
 def main():
     samples, report, dst = sys.argv[1], sys.argv[2], sys.argv[3]
     with open(samples) as f:
@@ -82,28 +104,19 @@ def main():
     series(ax, rows, ts, "daemon_threads", "kvcached threads", "tab:blue")
     series(ax, rows, ts, "router_threads", "kvrouter threads", "tab:orange")
     ax.set_ylabel("threads")
-    ax.set_ylim(0, max(float(r["daemon_threads"]) for r in rows) * 1.8)
-    ax2 = ax.twinx()
-    series(ax2, rows, ts, "daemon_maps", "kvcached mappings (right)", "tab:green")
-    ax2.set_ylabel("memory mappings")
-    ax2.set_ylim(0, max(float(r["daemon_maps"]) for r in rows) * 1.15)
-    h1, l1 = ax.get_legend_handles_labels()
-    h2, l2 = ax2.get_legend_handles_labels()
-    ax.legend(h1 + h2, l1 + l2, fontsize=8, loc="lower right")
-    ax.set_title("Threads and mappings")
+    ax.set_ylim(0, ceiling(rows, "daemon_threads", 1.8))
+    ax2 = right_axis(ax, rows, ts, "daemon_maps", "kvcached mappings (right)", "tab:green", "memory mappings", 1.15)
+    legend_of_both(ax, ax2, "Threads and mappings")
 
     ax = axs[1][0]
     series(ax, rows, ts, "shm_dir_mib", "the run's /dev/shm directory (G2 pool, engines' KV files)", "tab:purple")
     ax.set_ylabel("MiB")
-    ax.set_ylim(0, max(float(r["shm_dir_mib"]) for r in rows) * 1.5)
-    ax2 = ax.twinx()
-    series(ax2, rows, ts, "dev_shm_used_mib", "/dev/shm used, whole machine (right)", "tab:gray", fitted=False)
-    ax2.set_ylabel("MiB (other processes too)")
-    ax2.set_ylim(0, max(float(r["dev_shm_used_mib"]) for r in rows) * 1.25)
-    h1, l1 = ax.get_legend_handles_labels()
-    h2, l2 = ax2.get_legend_handles_labels()
-    ax.legend(h1 + h2, l1 + l2, fontsize=8, loc="lower right")
-    ax.set_title("Shared memory")
+    ax.set_ylim(0, ceiling(rows, "shm_dir_mib", 1.5))
+    ax2 = right_axis(
+        ax, rows, ts, "dev_shm_used_mib", "/dev/shm used, whole machine (right)", "tab:gray",
+        "MiB (other processes too)", 1.25, fitted=False,
+    )
+    legend_of_both(ax, ax2, "Shared memory")
 
     ax = axs[1][1]
     for op, color in [("lookup", "tab:blue"), ("load", "tab:green"), ("save", "tab:red"), ("route", "tab:gray")]:
@@ -130,10 +143,7 @@ def main():
     ax2.plot([t / 60 for t in ts], rate, color="black", linewidth=0.8, label="requests / s (right)")
     ax2.set_ylabel("requests / s")
     ax2.set_ylim(bottom=0)
-    h1, l1 = ax.get_legend_handles_labels()
-    h2, l2 = ax2.get_legend_handles_labels()
-    ax.legend(h1 + h2, l1 + l2, fontsize=8, loc="lower right")
-    ax.set_title("Tiers and load")
+    legend_of_both(ax, ax2, "Tiers and load")
 
     for i, ax in enumerate(axs.flat):
         ax.set_xlabel("minutes")

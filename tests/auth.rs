@@ -12,7 +12,7 @@
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -20,11 +20,12 @@ use kvclient::{Client, KvMemory, synthetic_block};
 use kvnet::http::{HttpClient, reqwest};
 use kvnet::testing::{Ca, CertFiles};
 use kvnet::{AuthConfig, ClientAuthConfig, Connector, Grant};
-use kvproto::events::KEY_SCHEME_KVCACHED;
 use kvproto::pb;
 use kvproto::{KvLayout, Namespace};
-use kvrouter::config::{NamespaceSpec, RouterConfig};
+use kvrouter::config::RouterConfig;
 use kvrouter::grpc::{RouterClient, pb as rpb};
+use kvtests::fixture::KillOnDrop;
+use kvtests::router_harness::small_spec;
 use serde_json::{Value, json};
 
 /// Identity `router-a` (granted every namespace).
@@ -153,26 +154,12 @@ fn layout() -> KvLayout {
 }
 
 fn prompt(blocks: u32) -> Vec<u32> {
-    (0..blocks * 16).map(|i| i.wrapping_mul(2_654_435_761) % 150_000).collect()
+    kvtests::fixture::prompt(0, blocks)
 }
 
 fn router_config(auth: AuthConfig, daemon_auth: ClientAuthConfig) -> RouterConfig {
     let mut c = RouterConfig {
-        namespaces: vec![NamespaceSpec {
-            name: Some("m".into()),
-            model_id: "auth/model".into(),
-            num_layers: 2,
-            kv_heads: 2,
-            head_dim: 64,
-            dtype: "bf16".into(),
-            tokens_per_block: 16,
-            layout_kind: "layer_separate".into(),
-            tenant_salt_hex: None,
-            adapter_id: None,
-            extra_hex: None,
-            key_scheme: KEY_SCHEME_KVCACHED.into(),
-            expected_blocks: 0,
-        }],
+        namespaces: vec![small_spec("auth/model")],
         seed: Some(1),
         auth,
         daemon_auth,
@@ -462,18 +449,6 @@ async fn daemon_tcp_port_admits_tokens_and_certificates_only() {
     d.stop().await;
 }
 
-/// A `kvcached` process, killed if the test fails before it is stopped.
-struct DaemonProc(Option<Child>);
-
-impl Drop for DaemonProc {
-    fn drop(&mut self) {
-        if let Some(mut c) = self.0.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
 fn toml_path(p: &Path) -> String {
     format!("{:?}", p.display().to_string())
 }
@@ -549,7 +524,7 @@ async fn a_daemon_publishes_to_a_token_protected_router_over_tls() {
         ),
     );
     let d = ddir.path().to_str().unwrap();
-    let _daemon = DaemonProc(Some(
+    let _daemon = KillOnDrop(Some(
         Command::new(env!("CARGO_BIN_EXE_daemon"))
             .args(["--config", cfg.to_str().unwrap(), "--socket", sock.to_str().unwrap()])
             .args(["--g2-capacity-bytes", "67108864", "--g2-shm-dir", d, "--g3-enabled", "false"])
@@ -649,7 +624,7 @@ async fn endpoints_on_the_network_need_credentials_or_open() {
 
     let port = free_port("0.0.0.0");
     let open = write(dir.path(), "open.toml", "[auth]\nopen = true\n");
-    let mut router = DaemonProc(Some(
+    let mut router = KillOnDrop(Some(
         Command::new(env!("CARGO_BIN_EXE_router"))
             .args(["--listen", &format!("0.0.0.0:{port}"), "--config", open.to_str().unwrap()])
             .stdout(Stdio::null())
@@ -667,9 +642,7 @@ async fn endpoints_on_the_network_need_credentials_or_open() {
         assert!(t0.elapsed() < Duration::from_secs(20), "the open router did not start");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    if let Some(mut c) = router.0.take() {
-        // SAFETY: plain kill(2) on our child's pid.
-        unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+    if let Some(mut c) = router.signal(libc::SIGTERM) {
         assert!(c.wait().unwrap().success());
     }
 

@@ -5,43 +5,25 @@
 #![allow(clippy::unwrap_used)]
 
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use kvclient::{Client, KvMemory, synthetic_block};
-use kvproto::events::KEY_SCHEME_KVCACHED;
+use kvproto::events::KEY_SCHEME_DYNAMO_XXH3_1337;
 use kvproto::{KvLayout, Namespace};
-use kvrouter::config::{NamespaceSpec, RouterConfig};
+use kvrouter::config::{DEFAULT_IDLE_RECONNECT_S, NamespaceSpec, RouterConfig, VllmSource};
+use kvtests::fixture::{KillOnDrop, daemon_command, prompt};
+use kvtests::proc::free_port;
+use kvtests::router_harness::{small_spec, vllm_source};
 use serde_json::{Value, json};
 
 fn layout() -> KvLayout {
     kvtests::fixture::small_layout()
 }
 
-fn prompt(seed: u32, blocks: u32) -> Vec<u32> {
-    (0..blocks * 16).map(|i| (i.wrapping_mul(2_654_435_761) ^ seed) % 150_000).collect()
-}
-
 fn router_config() -> RouterConfig {
-    let mut c = RouterConfig {
-        namespaces: vec![NamespaceSpec {
-            name: Some("m".into()),
-            model_id: "cluster/model".into(),
-            num_layers: 2,
-            kv_heads: 2,
-            head_dim: 64,
-            dtype: "bf16".into(),
-            tokens_per_block: 16,
-            layout_kind: "layer_separate".into(),
-            tenant_salt_hex: None,
-            adapter_id: None,
-            extra_hex: None,
-            key_scheme: KEY_SCHEME_KVCACHED.into(),
-            expected_blocks: 0,
-        }],
-        seed: Some(1),
-        ..RouterConfig::default()
-    };
+    let mut c =
+        RouterConfig { namespaces: vec![small_spec("cluster/model")], seed: Some(1), ..RouterConfig::default() };
     c.health.default_report_interval_ms = 200;
     // Off: these steps check which tier the index says holds each block, and a prefetch hint
     // would bring node-a's G3 blocks into its G2 (tests/cross_node.rs covers prefetch).
@@ -82,24 +64,12 @@ impl RouterProc {
 }
 
 /// Starts `kvcached` for `node` in `dir`, publishing to `router` every 200 ms.
-fn spawn_daemon(dir: &Path, node: &str, router: &str) -> Daemon {
+fn spawn_daemon(dir: &Path, node: &str, router: &str) -> KillOnDrop {
     spawn_daemon_with(dir, &format!("urls = [\"{router}\"]\nnode = \"{node}\"\nreport_interval_ms = 200\n"))
 }
 
 /// Starts `kvcached` in `dir` with `router_section` as its `[router]` settings.
-/// A daemon process, killed if the test fails before stopping it (no process outlives a test).
-struct Daemon(Option<Child>);
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        if let Some(mut c) = self.0.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
-fn spawn_daemon_with(dir: &Path, router_section: &str) -> Daemon {
+fn spawn_daemon_with(dir: &Path, router_section: &str) -> KillOnDrop {
     let cfg = dir.join("kvcached.toml");
     std::fs::write(
         &cfg,
@@ -108,22 +78,9 @@ fn spawn_daemon_with(dir: &Path, router_section: &str) -> Daemon {
     .unwrap();
     let sock = dir.join("kvcached.sock");
     let _ = std::fs::remove_file(&sock);
-    let child = Command::new(env!("CARGO_BIN_EXE_daemon"))
-        .args(["--config", cfg.to_str().unwrap(), "--socket", sock.to_str().unwrap()])
-        .args(["--g2-capacity-bytes", "67108864", "--g2-shm-dir", dir.to_str().unwrap()])
-        .args(["--g3-dir", dir.join("g3").to_str().unwrap(), "--g3-capacity-bytes", "134217728"])
-        .args(["--g3-fsync", "false", "--engine-lease-ms", "2000"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let daemon = Daemon(Some(child));
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while std::os::unix::net::UnixStream::connect(&sock).is_err() {
-        assert!(Instant::now() < deadline, "daemon in {} did not start", dir.display());
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    daemon
+    let mut cmd = daemon_command(env!("CARGO_BIN_EXE_daemon"), dir);
+    cmd.args(["--config", cfg.to_str().unwrap()]).stderr(Stdio::null());
+    KillOnDrop::spawn_serving(&mut cmd, &sock)
 }
 
 /// G2 pool files in a daemon's pool directory.
@@ -135,10 +92,8 @@ fn pool_files(dir: &Path) -> Vec<String> {
         .collect()
 }
 
-fn signal_and_wait(mut daemon: Daemon, sig: i32) {
-    let Some(mut child) = daemon.0.take() else { return };
-    // SAFETY: plain kill(2) on our child's pid.
-    unsafe { libc::kill(child.id() as i32, sig) };
+fn signal_and_wait(mut daemon: KillOnDrop, sig: i32) {
+    let Some(mut child) = daemon.signal(sig) else { return };
     let status = child.wait().unwrap();
     if sig == libc::SIGTERM {
         assert!(status.success(), "daemon exited with {status}");
@@ -331,37 +286,27 @@ async fn router_replicas_fed_by_the_same_daemons_answer_alike() {
     r2.stop().await;
 }
 
-/// A free TCP port on loopback (bound, then released for the daemon to take).
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
 /// A router that knows node `node-v` only as a vLLM event source at `endpoint` (as Dynamo or
 /// llm-d would): Dynamo XXH3-64 hashes of 16-token blocks, `medium` naming the tier.
 fn vllm_source_router(endpoint: &str) -> RouterConfig {
-    toml::from_str(&format!(
-        r#"
-seed = 1
-[health]
-default_report_interval_ms = 200
-[[namespaces]]
-name = "m-vllm"
-model_id = "cluster/model"
-num_layers = 2
-kv_heads = 2
-head_dim = 64
-dtype = "bf16"
-tokens_per_block = 16
-key_scheme = "dynamo-xxh3-1337"
-[[vllm_sources]]
-endpoint = "{endpoint}"
-worker = "node-v/gpu0"
-node = "node-v"
-namespace = "m-vllm"
-address = "http://v:8000"
-"#
-    ))
-    .unwrap()
+    let mut c = RouterConfig {
+        namespaces: vec![NamespaceSpec {
+            name: Some("m-vllm".into()),
+            key_scheme: KEY_SCHEME_DYNAMO_XXH3_1337.into(),
+            ..small_spec("cluster/model")
+        }],
+        vllm_sources: vec![VllmSource {
+            worker: "node-v/gpu0".into(),
+            node: "node-v".into(),
+            namespace: "m-vllm".into(),
+            address: "http://v:8000".into(),
+            ..vllm_source(endpoint, None, DEFAULT_IDLE_RECONNECT_S)
+        }],
+        seed: Some(1),
+        ..RouterConfig::default()
+    };
+    c.health.default_report_interval_ms = 200;
+    c
 }
 
 /// Asks `router` to place `tokens` until it answers with cached blocks `want` per tier (10 s).

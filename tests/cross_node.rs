@@ -10,8 +10,9 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use kvclient::{Client, KvMemory, synthetic_block};
+use kvclient::{KvMemory, synthetic_block};
 use kvproto::{KvLayout, Namespace};
+use kvtests::fixture::{check, filled_memory, worker};
 use kvtests::netns::{self, NodePair};
 use kvtests::proc::{DaemonProc, http_request};
 
@@ -107,34 +108,28 @@ async fn links_are_measured_and_the_split_flips_where_the_model_says() {
              report_interval_ms = 200\n"
         )
     };
-    let bin = Path::new(env!("CARGO_BIN_EXE_daemon"));
-    let a = DaemonProc::spawn(
-        bin,
-        &d.path().join("a"),
-        &format!("{}:9464", pair.addr_a),
-        &format!("{}[peer]\nlisten = \"{peer_a}\"\n[peer.auth]\nopen = true\n", reports("node-a")),
-        Some(&pair.a),
-        &[],
-    );
-    let b = DaemonProc::spawn(
-        bin,
-        &d.path().join("b"),
-        &format!("{}:9464", pair.addr_b),
-        &format!("{}[peer]\npeers = [\"{peer_a}\"]\nprobe_idle_s = 1\nprobe_bytes = 33554432\n", reports("node-b")),
-        Some(&pair.b),
-        &[],
+    let spawn = |name: &str, addr: &str, netns: &str, peer: &str| {
+        DaemonProc::spawn(
+            Path::new(env!("CARGO_BIN_EXE_daemon")),
+            &d.path().join(name),
+            &format!("{addr}:9464"),
+            &format!("{}[peer]\n{peer}", reports(&format!("node-{name}"))),
+            Some(netns),
+            &[],
+        )
+    };
+    let a = spawn("a", &pair.addr_a, &pair.a, &format!("listen = \"{peer_a}\"\n[peer.auth]\nopen = true\n"));
+    let b = spawn(
+        "b",
+        &pair.addr_b,
+        &pair.b,
+        &format!("peers = [\"{peer_a}\"]\nprobe_idle_s = 1\nprobe_bytes = 33554432\n"),
     );
     // Engines: a prefill worker on A, a decode worker on B, each reporting its prefill rate.
-    let len = layout().block_bytes() as usize;
-    let mut mem_a = KvMemory::anonymous(&layout(), 64).unwrap();
-    for i in 0..64 {
-        mem_a.write_block(i, &synthetic_block(41, i, len));
-    }
-    let ea = Client::connect(&a.socket).await.unwrap();
-    ea.register_worker("prefill-a", &ns(), &mem_a, "http://prefill-a", "prefill").await.unwrap();
+    let mem_a = filled_memory(&layout(), 64, 41, 64);
+    let ea = worker(&a.socket, "prefill-a", &ns(), &mem_a, "http://prefill-a", "prefill").await;
     let mem_b = KvMemory::anonymous(&layout(), 64).unwrap();
-    let eb = Client::connect(&b.socket).await.unwrap();
-    eb.register_worker("decode-b", &ns(), &mem_b, "http://decode-b", "decode").await.unwrap();
+    let eb = worker(&b.socket, "decode-b", &ns(), &mem_b, "http://decode-b", "decode").await;
     for e in [&ea, &eb] {
         e.report_load_and_prefill(0, 0, 0, 1000, 100_000, Duration::from_secs(1)).await.unwrap();
     }
@@ -181,9 +176,7 @@ async fn links_are_measured_and_the_split_flips_where_the_model_says() {
     assert_eq!(ea.save(&tokens, 0, &slots).await.unwrap().stored, 16);
     let done = eb.load_from(&tokens, 0, &slots, std::slice::from_ref(&peer_a)).await.unwrap();
     assert_eq!((done.loaded_blocks, done.from_peer), (16, 16), "{done:?}\n{}", b.log());
-    for i in 0..16 {
-        assert_eq!(mem_b.read_block(i), synthetic_block(41, i, len));
-    }
+    check(&mem_b, 41, 16, 0);
 
     // Prefetch: a second prompt prefilled on A; the router places its decode on B and tells
     // B's daemon, which pulls it into G2 before B's engine asks.
@@ -222,6 +215,8 @@ async fn links_are_measured_and_the_split_flips_where_the_model_says() {
     }
     let done = eb.load_now(&tokens2, 0, &(0..32).collect::<Vec<_>>()).await.unwrap();
     assert_eq!((done.loaded_blocks, done.from_g2), (32, 32), "{done:?}");
+    // Blocks 16.. of A's memory, in B's slots 0..
+    let len = layout().block_bytes() as usize;
     for i in 0..32 {
         assert_eq!(mem_b.read_block(i), synthetic_block(41, 16 + i, len));
     }

@@ -4,23 +4,21 @@
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use kvcached::{Config, Listeners};
 use kvclient::{Client, ClientError, KvMemory, synthetic_block};
-use kvproto::{Dtype, KvLayout, LayoutKind, Namespace};
+use kvproto::{KvLayout, LayoutKind, Namespace};
+use kvtests::fixture::{KillOnDrop, daemon_command, prompt};
+use kvtests::raw_grpc::raw_client;
 
 fn layout(kind: LayoutKind) -> KvLayout {
-    KvLayout { num_layers: 2, kv_heads: 2, head_dim: 64, dtype: Dtype::Bf16, tokens_per_block: 16, kind }
+    KvLayout { kind, ..kvtests::fixture::small_layout() }
 }
 
 fn ns(model: &str) -> Namespace {
     Namespace::new(model, layout(LayoutKind::LayerSeparate))
-}
-
-fn prompt(seed: u32, blocks: u32) -> Vec<u32> {
-    (0..blocks * 16).map(|i| (i.wrapping_mul(2_654_435_761) ^ seed) % 150_000).collect()
 }
 
 fn config(dir: &Path) -> Config {
@@ -42,6 +40,13 @@ struct InProcess {
     socket: PathBuf,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     task: tokio::task::JoinHandle<Result<(), kvcached::ServerError>>,
+}
+
+/// A daemon ([`start`]) in a new temporary directory, and the directory.
+async fn started() -> (tempfile::TempDir, InProcess) {
+    let d = tempfile::tempdir().unwrap();
+    let daemon = start(d.path()).await;
+    (d, daemon)
 }
 
 async fn start(dir: &Path) -> InProcess {
@@ -70,21 +75,6 @@ impl InProcess {
     }
 }
 
-/// The generated gRPC client over the daemon's Unix socket (it can send what the client crate
-/// never would).
-async fn raw_client(socket: &Path) -> kvproto::pb::kvcached_client::KvcachedClient<tonic::transport::Channel> {
-    let socket = socket.to_path_buf();
-    let ch = tonic::transport::Endpoint::try_from("http://kvcached.local")
-        .unwrap()
-        .connect_with_connector(tower::service_fn(move |_| {
-            let socket = socket.clone();
-            async move { tokio::net::UnixStream::connect(socket).await.map(hyper_util::rt::TokioIo::new) }
-        }))
-        .await
-        .unwrap();
-    kvproto::pb::kvcached_client::KvcachedClient::new(ch)
-}
-
 fn kv(dir: &Path, name: &str, slots: u32) -> KvMemory {
     KvMemory::create_layer_separate(dir.join(name), &layout(LayoutKind::LayerSeparate), slots).unwrap()
 }
@@ -99,9 +89,15 @@ fn fill(mem: &mut KvMemory, seed: u64, blocks: u32, first_slot: u32) {
 /// An engine `name` registered in namespace `m` with 8 block slots, the first `blocks` of them
 /// filled with KV of `seed`.
 async fn attached(daemon: &InProcess, dir: &Path, name: &str, seed: u64, blocks: u32) -> (Client, KvMemory) {
-    let mut mem = kv(dir, name, 8);
+    attached_to(&daemon.socket, dir, name, 8, seed, blocks).await
+}
+
+/// An engine `name` of the daemon at `socket`, registered in namespace `m` with `slots` block
+/// slots (a file in `dir`), the first `blocks` of them filled with KV of `seed`.
+async fn attached_to(socket: &Path, dir: &Path, name: &str, slots: u32, seed: u64, blocks: u32) -> (Client, KvMemory) {
+    let mut mem = kv(dir, name, slots);
     fill(&mut mem, seed, blocks, 0);
-    let c = Client::connect(&daemon.socket).await.unwrap();
+    let c = Client::connect(socket).await.unwrap();
     c.register(name, &ns("m"), &mem).await.unwrap();
     (c, mem)
 }
@@ -115,8 +111,7 @@ fn check(mem: &KvMemory, seed: u64, blocks: u32, first_slot: u32) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_engines_hand_over_through_g2_byte_exact() {
-    let d = tempfile::tempdir().unwrap();
-    let daemon = start(d.path()).await;
+    let (d, daemon) = started().await;
     let tokens = prompt(1, 40);
     let mut a_kv = kv(d.path(), "a", 64);
     fill(&mut a_kv, 11, 40, 0);
@@ -199,8 +194,7 @@ async fn register_prefaults_the_engine_region_unless_told_not_to() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wrong_layout_namespace_and_requests_get_clear_errors() {
-    let d = tempfile::tempdir().unwrap();
-    let daemon = start(d.path()).await;
+    let (d, daemon) = started().await;
     let mem = kv(d.path(), "a", 8);
     let c = Client::connect(&daemon.socket).await.unwrap();
     // The memory was laid out for 2 layers; claim 4.
@@ -290,8 +284,7 @@ async fn a_lookup_keeps_its_prefix_in_g2_under_eviction() {
 /// match exactly their cached prefix, whether the keys are derived, reused or partly both.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn long_prompts_match_exactly_their_cached_prefix() {
-    let d = tempfile::tempdir().unwrap();
-    let daemon = start(d.path()).await;
+    let (d, daemon) = started().await;
     let (c, _mem) = attached(&daemon, d.path(), "a", 4, 8).await;
     let tokens = prompt(21, 1000);
     for first in (0..600).step_by(8) {
@@ -365,8 +358,7 @@ async fn lookups_answer_the_same_over_lookup_and_grpc() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn token_bytes_that_are_not_whole_tokens_are_rejected() {
     use kvproto::pb;
-    let d = tempfile::tempdir().unwrap();
-    let daemon = start(d.path()).await;
+    let (d, daemon) = started().await;
 
     let (engine, _mem) = attached(&daemon, d.path(), "a", 9, 2).await;
     engine.save(&prompt(9, 2), 0, &[0, 1]).await.unwrap();
@@ -410,8 +402,7 @@ async fn token_bytes_that_are_not_whole_tokens_are_rejected() {
 /// copy read, and keeps serving the other engines.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_engine_that_truncates_its_memory_fails_alone() {
-    let d = tempfile::tempdir().unwrap();
-    let daemon = start(d.path()).await;
+    let (d, daemon) = started().await;
     let (bad, _bad_mem) = attached(&daemon, d.path(), "bad", 3, 8).await;
     let (good, good_mem) = attached(&daemon, d.path(), "good", 4, 8).await;
     let (t3, t4) = (prompt(3, 8), prompt(4, 8));
@@ -438,8 +429,7 @@ async fn an_engine_that_truncates_its_memory_fails_alone() {
 async fn long_prompts_travel_through_the_token_area() {
     use kvclient::token_area::TokenArea;
     use kvproto::pb;
-    let d = tempfile::tempdir().unwrap();
-    let daemon = start(d.path()).await;
+    let (d, daemon) = started().await;
     let (staged, mem) = attached(&daemon, d.path(), "a", 4, 8).await;
     assert!(staged.token_area_active());
     let mut inline = Client::connect(&daemon.socket).await.unwrap();
@@ -535,8 +525,7 @@ async fn long_prompts_travel_through_the_token_area() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn eight_engines_share_overlapping_prefixes_and_see_only_correct_bytes() {
-    let d = tempfile::tempdir().unwrap();
-    let daemon = start(d.path()).await;
+    let (d, daemon) = started().await;
     let shared = prompt(77, 8);
     let mut tasks = Vec::new();
     for e in 0..8u32 {
@@ -574,41 +563,14 @@ async fn eight_engines_share_overlapping_prefixes_and_see_only_correct_bytes() {
     daemon.stop().await;
 }
 
-/// A daemon process, killed if the test fails before stopping it.
-struct DaemonProc(Option<Child>);
-
-impl Drop for DaemonProc {
-    fn drop(&mut self) {
-        if let Some(mut c) = self.0.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
+fn spawn_daemon(dir: &Path) -> KillOnDrop {
+    let mut cmd = daemon_command(env!("CARGO_BIN_EXE_daemon"), dir);
+    cmd.args(["--metrics-addr", "127.0.0.1:0"]).stderr(Stdio::piped());
+    KillOnDrop::spawn_serving(&mut cmd, &dir.join("kvcached.sock"))
 }
 
-fn spawn_daemon(dir: &Path) -> DaemonProc {
-    let child = Command::new(env!("CARGO_BIN_EXE_daemon"))
-        .args(["--socket", dir.join("kvcached.sock").to_str().unwrap()])
-        .args(["--metrics-addr", "127.0.0.1:0", "--g2-capacity-bytes", "67108864"])
-        .args(["--g2-shm-dir", dir.to_str().unwrap(), "--g3-dir", dir.join("g3").to_str().unwrap()])
-        .args(["--g3-capacity-bytes", "134217728", "--g3-fsync", "false", "--engine-lease-ms", "2000"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let daemon = DaemonProc(Some(child));
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !dir.join("kvcached.sock").exists() {
-        assert!(Instant::now() < deadline, "daemon did not start");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    daemon
-}
-
-fn sigterm_and_wait(mut daemon: DaemonProc) {
-    let Some(mut child) = daemon.0.take() else { return };
-    // SAFETY: plain kill(2) on our child's pid.
-    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+fn sigterm_and_wait(mut daemon: KillOnDrop) {
+    let Some(mut child) = daemon.signal(libc::SIGTERM) else { return };
     let status = child.wait().unwrap();
     let mut err = String::new();
     if let Some(e) = child.stderr.take() {
@@ -626,10 +588,7 @@ async fn daemon_restart_brings_blocks_back_from_g3_and_clients_reconnect() {
     let d = tempfile::tempdir().unwrap();
     let daemon = spawn_daemon(d.path());
     let tokens = prompt(9, 24);
-    let mut mem = kv(d.path(), "engine", 64);
-    fill(&mut mem, 9, 24, 0);
-    let c = Client::connect(d.path().join("kvcached.sock")).await.unwrap();
-    c.register("engine", &ns("m"), &mem).await.unwrap();
+    let (c, mut mem) = attached_to(&d.path().join("kvcached.sock"), d.path(), "engine", 64, 9, 24).await;
     assert_eq!(c.save(&tokens, 0, &(0..24).collect::<Vec<_>>()).await.unwrap().stored, 24);
     let first_id = c.engine_id_now();
     // A load started before the restart and waited for after it.
@@ -675,10 +634,7 @@ async fn an_engine_that_truncates_its_memory_cannot_make_g3_drop_blocks_it_reads
     let d = tempfile::tempdir().unwrap();
     let daemon = spawn_daemon(d.path());
     let tokens = prompt(12, 8);
-    let mut mem = kv(d.path(), "saver", 8);
-    fill(&mut mem, 12, 8, 0);
-    let c = Client::connect(d.path().join("kvcached.sock")).await.unwrap();
-    c.register("saver", &ns("m"), &mem).await.unwrap();
+    let (c, _mem) = attached_to(&d.path().join("kvcached.sock"), d.path(), "saver", 8, 12, 8).await;
     assert_eq!(c.save(&tokens, 0, &(0..8).collect::<Vec<_>>()).await.unwrap().stored, 8);
     drop(c);
     sigterm_and_wait(daemon); // drains write-through to G3
@@ -750,8 +706,7 @@ fn child_engine_saving_forever() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_of_a_client_mid_save_leaves_no_partial_block() {
-    let d = tempfile::tempdir().unwrap();
-    let daemon = start(d.path()).await;
+    let (d, daemon) = started().await;
     let mut child = Command::new(std::env::current_exe().unwrap())
         .args(["--ignored", "--exact", "child_engine_saving_forever", "--nocapture", "--test-threads=1"])
         .env(CHILD_SOCKET, &daemon.socket)
@@ -807,8 +762,7 @@ async fn kill_9_of_a_client_mid_save_leaves_no_partial_block() {
 /// through a symlink too).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_engine_cannot_register_the_daemons_own_storage() {
-    let d = tempfile::tempdir().unwrap();
-    let daemon = start(d.path()).await;
+    let (d, daemon) = started().await;
     // Registered first: the daemon is serving, so its pool file exists.
     let (a, _ma) = attached(&daemon, d.path(), "a", 1, 2).await;
     let pool = std::fs::read_dir(d.path())
@@ -893,8 +847,7 @@ async fn stock_grpcio_engine_over_the_socket() {
         format!("{}/.cache/kvcached/venv-test/bin/python", std::env::var("HOME").unwrap_or_default())
     });
     assert!(Path::new(&python).exists(), "{python} missing: run scripts/test (it creates it)");
-    let d = tempfile::tempdir().unwrap();
-    let daemon = start(d.path()).await;
+    let (d, daemon) = started().await;
     let stubs = d.path().join("stubs");
     std::fs::create_dir(&stubs).unwrap();
     let proto = concat!(env!("CARGO_MANIFEST_DIR"), "/../proto/proto");

@@ -23,20 +23,17 @@ fn node(dir: &Path) -> Node {
     Node::start(Path::new(env!("CARGO_BIN_EXE_daemon")), dir, &g3_toml(&dir.join("g3"), 64 << 20, false), &[])
 }
 
-/// Saves prompt `seed` (`blocks` blocks) within [`BOUNDED`], all of it stored.
-async fn save(e: &mut Engine, seed: u64, blocks: u32) {
-    let t0 = Instant::now();
-    let r = e.save(seed, blocks, 0).await.unwrap();
-    assert_eq!(r.stored + r.already_present, blocks, "{r:?}");
-    assert!(t0.elapsed() < BOUNDED, "a save took {:?}", t0.elapsed());
+/// A node in `dir` ([`node`]) and an engine `e` of 128 slots on it, in namespace `model`.
+async fn node_and_engine(dir: &Path, model: &str) -> (Node, Engine) {
+    let n = node(dir);
+    let e = Engine::attach(&n.socket(), "e", &ns(model), 128).await.unwrap();
+    (n, e)
 }
 
-/// Loads prompt `seed` into slots 64.. and checks it; returns (blocks loaded, status, took).
-async fn load(e: &mut Engine, seed: u64, blocks: u32) -> (u32, kvproto::pb::LoadStatus, Duration) {
-    let t0 = Instant::now();
-    let (c, st) = e.load_checked(seed, blocks, 64).await.unwrap();
-    assert_eq!(c.wrong, 0, "wrong bytes served for prompt {seed}: {st:?}");
-    (c.loaded, st, t0.elapsed())
+/// The engine leaves, then the node stops (cleanly: it must exit 0).
+fn stop(n: Node, e: Engine) {
+    drop(e);
+    n.stop();
 }
 
 /// EIO on every G3 read: blocks only G3 held are misses (dropped, counted), G2 serves the rest
@@ -44,17 +41,16 @@ async fn load(e: &mut Engine, seed: u64, blocks: u32) -> (u32, kvproto::pb::Load
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn g3_read_errors_are_counted_misses_while_g2_serves() {
     let d = tempfile::tempdir().unwrap();
-    let mut n = node(d.path());
-    let mut e = Engine::attach(&n.socket(), "e", &ns("faults/read"), 128).await.unwrap();
-    save(&mut e, 1, 16).await;
-    save(&mut e, 2, 48).await;
+    let (mut n, mut e) = node_and_engine(d.path(), "faults/read").await;
+    e.save_within(1, 16, BOUNDED).await;
+    e.save_within(2, 48, BOUNDED).await;
     n.d().wait_metric(G3_WRITTEN, 64.0, WAIT);
     // Restarted: G2 is empty, G3 holds both prompts. The engine re-registers by itself.
     n.restart();
     n.set_faults("[g3]\nread_eio = 1.0\n");
-    save(&mut e, 3, 16).await;
+    e.save_within(3, 16, BOUNDED).await;
 
-    let (loaded, st, took) = load(&mut e, 1, 16).await;
+    let (loaded, st, took) = e.load_timed(1, 16).await;
     assert_eq!(loaded, 0, "{st:?}");
     assert!(took < BOUNDED, "a load took {took:?} while G3 failed");
     assert!(n.d().metric("kvcached_g3_io_errors_total{op=\"read\"}") >= 1.0);
@@ -62,7 +58,7 @@ async fn g3_read_errors_are_counted_misses_while_g2_serves() {
     assert!(n.d().metric(INJECTED) >= 1.0);
     let why = n.wait_degraded(&["G3 degraded", "block reads failed", "Input/output error"], BOUNDED);
     assert!(!why.contains("blocks failed verification"), "an I/O error is not a checksum mismatch: {why}");
-    let (loaded, st, took) = load(&mut e, 3, 16).await;
+    let (loaded, st, took) = e.load_timed(3, 16).await;
     assert_eq!((loaded, st.from_g2), (16, 16), "{st:?}");
     assert!(took < BOUNDED, "a G2 load took {took:?} while G3 failed");
 
@@ -71,13 +67,12 @@ async fn g3_read_errors_are_counted_misses_while_g2_serves() {
     // engine's memory that fails is read again into G2 before it counts as lost: a quarter of
     // the blocks are.)
     n.set_faults("[g3]\nread_eio = 0.5\n");
-    let (loaded, st, _) = load(&mut e, 2, 48).await;
+    let (loaded, st, _) = e.load_timed(2, 48).await;
     assert!(loaded < 48, "with half of the reads failing all 48 blocks came through: {st:?}");
     n.set_faults("");
-    let (again, st, _) = load(&mut e, 2, 48).await;
+    let (again, st, _) = e.load_timed(2, 48).await;
     assert!(again >= loaded, "{st:?}");
-    drop(e);
-    n.stop();
+    stop(n, e);
 }
 
 /// EIO and ENOSPC on G3 writes, and writes cut short: saves return at once and are served from
@@ -86,36 +81,34 @@ async fn g3_read_errors_are_counted_misses_while_g2_serves() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn g3_write_errors_keep_saves_in_g2() {
     let d = tempfile::tempdir().unwrap();
-    let mut n = node(d.path());
-    let mut e = Engine::attach(&n.socket(), "e", &ns("faults/write"), 128).await.unwrap();
+    let (mut n, mut e) = node_and_engine(d.path(), "faults/write").await;
     let faults =
         [("write_eio", "Input/output error"), ("enospc", "No space left on device"), ("short_write", "short write")];
     for (i, (fault, says)) in faults.iter().enumerate() {
         n.set_faults(&format!("[g3]\n{fault} = 1.0\n"));
         let seed = 10 + i as u64;
-        save(&mut e, seed, 8).await;
+        e.save_within(seed, 8, BOUNDED).await;
         n.d().wait_metric(G3_WRITE_ERRORS, 8.0 * (i + 1) as f64, WAIT);
         n.wait_degraded(&["G3 degraded", "block writes failed", says], BOUNDED);
         let hit = e.client.lookup(&kvtests::oracle::prompt(seed, 8)).await.unwrap();
         assert_eq!((hit.matched_blocks, hit.g2_blocks), (8, 8), "{fault}: {hit:?}");
-        let (loaded, st, took) = load(&mut e, seed, 8).await;
+        let (loaded, st, took) = e.load_timed(seed, 8).await;
         assert_eq!((loaded, st.from_g2), (8, 8), "{fault}: {st:?}");
         assert!(took < BOUNDED, "{fault}: a G2 load took {took:?}");
     }
     assert!(n.d().metric("kvcached_g3_io_errors_total{op=\"write\"}") >= 24.0);
     assert_eq!(n.d().metric(G3_WRITTEN), 0.0, "a failed write was counted as written");
     n.set_faults("");
-    save(&mut e, 20, 8).await;
+    e.save_within(20, 8, BOUNDED).await;
     n.d().wait_metric(G3_WRITTEN, 8.0, WAIT);
     n.restart();
     for (i, _) in faults.iter().enumerate() {
-        let (loaded, st, _) = load(&mut e, 10 + i as u64, 8).await;
+        let (loaded, st, _) = e.load_timed(10 + i as u64, 8).await;
         assert_eq!(loaded, 0, "a block whose write failed was indexed: {st:?}");
     }
-    let (loaded, st, _) = load(&mut e, 20, 8).await;
+    let (loaded, st, _) = e.load_timed(20, 8).await;
     assert_eq!((loaded, st.from_g3), (8, 8), "{st:?}");
-    drop(e);
-    n.stop();
+    stop(n, e);
 }
 
 /// Torn writes (half a block reaches the disk, the write reports success): the block is indexed
@@ -124,39 +117,37 @@ async fn g3_write_errors_keep_saves_in_g2() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn torn_writes_are_caught_by_checksums() {
     let d = tempfile::tempdir().unwrap();
-    let mut n = node(d.path());
-    let mut e = Engine::attach(&n.socket(), "e", &ns("faults/torn"), 128).await.unwrap();
+    let (mut n, mut e) = node_and_engine(d.path(), "faults/torn").await;
     // A prompt written whole first, so that the torn ones land on pages that held other bytes.
-    save(&mut e, 29, 8).await;
+    e.save_within(29, 8, BOUNDED).await;
     n.d().wait_metric(G3_WRITTEN, 8.0, WAIT);
     n.set_faults("[g3]\ntorn_write = 1.0\n");
-    save(&mut e, 30, 8).await;
+    e.save_within(30, 8, BOUNDED).await;
     n.d().wait_metric(G3_WRITTEN, 16.0, WAIT);
     assert!(n.d().metric(INJECTED) >= 8.0);
     // G2 holds the prompt whole: served from there, right, at once.
-    let (loaded, st, took) = load(&mut e, 30, 8).await;
+    let (loaded, st, took) = e.load_timed(30, 8).await;
     assert_eq!((loaded, st.from_g2), (8, 8), "{st:?}");
     assert!(took < BOUNDED, "{took:?}");
     n.set_faults("");
     n.restart();
     // Only G3 holds it now: every torn block fails its checksum and is dropped.
-    let (loaded, st, _) = load(&mut e, 30, 8).await;
+    let (loaded, st, _) = e.load_timed(30, 8).await;
     assert_eq!(loaded, 0, "{st:?}");
     assert!(n.d().metric(G3_CHECKSUM) >= 1.0);
     n.wait_degraded(&["G3 degraded", "blocks failed verification", "checksum mismatch"], BOUNDED);
     assert!(n.d().log().contains("G3 block failed verification"), "{}", n.d().log());
-    let (loaded, st, _) = load(&mut e, 29, 8).await;
+    let (loaded, st, _) = e.load_timed(29, 8).await;
     assert_eq!((loaded, st.from_g3), (8, 8), "the intact prompt is served: {st:?}");
     // Saved again: the blocks the read dropped are written anew, whole this time.
     let dropped = n.d().metric(G3_CHECKSUM);
-    save(&mut e, 30, 8).await;
+    e.save_within(30, 8, BOUNDED).await;
     n.d().wait_metric(G3_WRITTEN, dropped, WAIT);
     n.restart();
-    let (loaded, st, _) = load(&mut e, 30, 8).await;
+    let (loaded, st, _) = e.load_timed(30, 8).await;
     assert_eq!((loaded, st.from_g3), (8, 8), "{st:?}");
     assert_eq!(n.d().metric(G3_CHECKSUM), 0.0);
-    drop(e);
-    n.stop();
+    stop(n, e);
 }
 
 /// Latency spikes of 8 s on every G3 batch: a load of blocks only G3 holds waits for them and is
@@ -168,23 +159,23 @@ async fn g3_latency_spikes_hold_only_the_loads_that_need_g3() {
     let mut n = node(d.path());
     let namespace = ns("faults/slow");
     let mut a = Engine::attach(&n.socket(), "a", &namespace, 128).await.unwrap();
-    save(&mut a, 40, 16).await;
+    a.save_within(40, 16, BOUNDED).await;
     n.d().wait_metric(G3_WRITTEN, 16.0, WAIT);
     n.restart();
     let mut b = Engine::attach(&n.socket(), "b", &namespace, 128).await.unwrap();
-    save(&mut b, 41, 16).await;
+    b.save_within(41, 16, BOUNDED).await;
     n.set_faults("[g3]\nlatency_ms = 8000\nlatency = 1.0\n");
 
     let slow = tokio::spawn(async move {
-        let r = load(&mut a, 40, 16).await;
+        let r = a.load_timed(40, 16).await;
         (a, r)
     });
     tokio::time::sleep(Duration::from_millis(500)).await;
     let t0 = Instant::now();
-    let (loaded, st, took) = load(&mut b, 41, 16).await;
+    let (loaded, st, took) = b.load_timed(41, 16).await;
     assert_eq!((loaded, st.from_g2), (16, 16), "{st:?}");
     assert!(took < BOUNDED, "a G2 load waited {took:?} on a slow G3");
-    save(&mut b, 42, 16).await;
+    b.save_within(42, 16, BOUNDED).await;
     let hit = b.client.lookup(&kvtests::oracle::prompt(40, 16)).await.unwrap();
     assert_eq!(hit.matched_blocks, 16, "{hit:?}");
     assert!(t0.elapsed() < BOUNDED * 2, "G2 work waited {:?} on a slow G3", t0.elapsed());
@@ -260,7 +251,7 @@ async fn a_disk_that_fills_up() {
     let mut e = Engine::attach(&n.socket(), "e", &ns("faults/full"), 128).await.unwrap();
     // More than G3 holds (2048 pages of 8 KiB): it evicts and keeps taking blocks.
     for seed in 0..40 {
-        save(&mut e, 100 + seed, 64).await;
+        e.save_within(100 + seed, 64, BOUNDED).await;
     }
     n.d().wait_metric(G3_WRITTEN, 2560.0, WAIT);
     assert!(n.d().metric("kvcached_tier_evictions_total{tier=\"g3\"}") > 0.0);
@@ -273,18 +264,18 @@ async fn a_disk_that_fills_up() {
     let mut seed = 40;
     while n.d().metric(G3_WRITE_ERRORS) < 1.0 {
         assert!(seed < 400, "G3 never ran out of space\n{}", n.d().log());
-        save(&mut e, 100 + seed, 64).await;
+        e.save_within(100 + seed, 64, BOUNDED).await;
         seed += 1;
     }
     let full = seed;
     for s in full..full + 8 {
-        save(&mut e, 100 + s, 64).await;
+        e.save_within(100 + s, 64, BOUNDED).await;
     }
     n.wait_degraded(&["G3 degraded", "block writes failed", "No space left on device"], BOUNDED);
     assert!(n.d().metric("kvcached_g3_io_errors_total{op=\"write\"}") >= 1.0);
     assert!(n.d().log().contains("G3 write failed"), "{}", n.d().log());
     for s in full..full + 8 {
-        let (loaded, st, took) = load(&mut e, 100 + s, 64).await;
+        let (loaded, st, took) = e.load_timed(100 + s, 64).await;
         assert_eq!((loaded, st.from_g2), (64, 64), "seed {s}: {st:?}");
         assert!(took < BOUNDED, "a G2 load took {took:?} with the disk full");
     }
@@ -301,21 +292,20 @@ async fn a_disk_that_fills_up() {
             "G3 did not write again once space was freed\n{}",
             std::fs::read_to_string(disk.join("g3/index/LOG")).unwrap_or_default()
         );
-        save(&mut e, 100 + seed, 64).await;
+        e.save_within(100 + seed, 64, BOUNDED).await;
         seed += 1;
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
     let recovered = seed;
     for s in recovered..recovered + 4 {
-        save(&mut e, 100 + s, 64).await;
+        e.save_within(100 + s, 64, BOUNDED).await;
     }
     n.d().wait_metric(G3_WRITTEN, written + 4.0 * 64.0, WAIT);
     n.restart();
     assert!(!n.d().log().contains("unusable records"), "G3 needed repair\n{}", n.d().log());
     for s in recovered..recovered + 4 {
-        let (loaded, st, _) = load(&mut e, 100 + s, 64).await;
+        let (loaded, st, _) = e.load_timed(100 + s, 64).await;
         assert_eq!((loaded, st.from_g3), (64, 64), "seed {s} after the restart: {st:?}");
     }
-    drop(e);
-    n.stop();
+    stop(n, e);
 }

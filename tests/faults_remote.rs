@@ -39,35 +39,43 @@ fn node(dir: &Path, s3: &SeaweedFs, prefix: &str) -> Node {
     Node::start(Path::new(env!("CARGO_BIN_EXE_daemon")), dir, &toml, &env)
 }
 
-/// Saves prompt `seed` (`blocks` blocks) within [`BOUNDED`], all of it stored.
-async fn save(e: &mut Engine, seed: u64, blocks: u32) {
-    let t0 = Instant::now();
-    let r = e.save(seed, blocks, 0).await.unwrap();
-    assert_eq!(r.stored + r.already_present, blocks, "{r:?}");
-    assert!(t0.elapsed() < BOUNDED, "a save took {:?}", t0.elapsed());
-}
-
-/// Loads prompt `seed` into slots 64.. and checks it; returns (blocks loaded, status, took).
-async fn load(e: &mut Engine, seed: u64, blocks: u32) -> (u32, kvproto::pb::LoadStatus, Duration) {
-    let t0 = Instant::now();
-    let (c, st) = e.load_checked(seed, blocks, 64).await.unwrap();
-    assert_eq!(c.wrong, 0, "wrong bytes served for prompt {seed}: {st:?}");
-    (c.loaded, st, t0.elapsed())
-}
-
 /// A daemon whose G4 holds prompt 1 (16 blocks) and whose G2 holds prompt 2 (16 blocks) only:
 /// restarted after prompt 1 reached the bucket, so G2 starts empty.
 async fn with_g4_and_g2(n: &mut Node, e: &mut Engine) {
-    save(e, 1, 16).await;
+    e.save_within(1, 16, BOUNDED).await;
     n.d().wait_metric(G4_WRITTEN, 16.0, WAIT);
     n.restart();
-    save(e, 2, 16).await;
+    e.save_within(2, 16, BOUNDED).await;
     n.d().wait_metric(G4_WRITTEN, 16.0, WAIT);
-    let (loaded, st, _) = load(e, 1, 16).await;
+    let (loaded, st, _) = e.load_timed(1, 16).await;
     assert_eq!((loaded, st.from_g4), (16, 16), "{st:?}");
     // Restarted again: prompt 1 is in G4 only, prompt 2 is saved anew into G2 (and G4 has it).
     n.restart();
-    save(e, 2, 16).await;
+    e.save_within(2, 16, BOUNDED).await;
+}
+
+/// A fresh S3 server (under a temporary directory, returned first), a daemon on it (G4 prefix
+/// `name`) and its engine `engine` in namespace `remote/<name>`, brought to [`with_g4_and_g2`].
+async fn s3_node_engine(name: &str, engine: &str) -> (tempfile::TempDir, SeaweedFs, Node, Engine) {
+    let d = tempfile::tempdir().unwrap();
+    let s3 = SeaweedFs::start(&d.path().join("s3"));
+    let mut n = node(&d.path().join("node"), &s3, name);
+    let mut e = Engine::attach(&n.socket(), engine, &ns(&format!("remote/{name}")), 128).await.unwrap();
+    with_g4_and_g2(&mut n, &mut e).await;
+    (d, s3, n, e)
+}
+
+/// Loads prompt 1 (16 blocks) until all of it is served again (within [`WAIT`]): its status.
+async fn served_again(n: &Node, e: &mut Engine) -> kvproto::pb::LoadStatus {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let (loaded, st, _) = e.load_timed(1, 16).await;
+        if loaded == 16 {
+            return st;
+        }
+        assert!(Instant::now() < deadline, "G4 did not serve again: {st:?}\n{}", n.d().log());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 }
 
 /// The S3 server is killed: saves and G2 loads go on at once; a load reaching blocks only G4
@@ -75,43 +83,31 @@ async fn with_g4_and_g2(n: &mut Node, e: &mut Engine) {
 /// restarted, the server serves again what it held, byte for byte.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_s3_server_that_is_down() {
-    let d = tempfile::tempdir().unwrap();
-    let mut s3 = SeaweedFs::start(&d.path().join("s3"));
-    let mut n = node(&d.path().join("node"), &s3, "down");
-    let mut e = Engine::attach(&n.socket(), "e", &ns("remote/down"), 128).await.unwrap();
-    with_g4_and_g2(&mut n, &mut e).await;
+    let (_d, mut s3, n, mut e) = s3_node_engine("down", "e").await;
     // Prompt 1's first 4 blocks come up into G2; the other 12 stay in G4 only.
-    let (loaded, st, _) = load(&mut e, 1, 4).await;
+    let (loaded, st, _) = e.load_timed(1, 4).await;
     assert_eq!((loaded, st.from_g4), (4, 4), "{st:?}");
 
     s3.kill();
-    save(&mut e, 3, 16).await;
+    e.save_within(3, 16, BOUNDED).await;
     n.d().wait_metric(G4_WRITE_ERRORS, 1.0, WAIT);
     let why = n.wait_warning(&["G4 degraded"], WAIT);
     for seed in [2, 3] {
-        let (loaded, st, took) = load(&mut e, seed, 16).await;
+        let (loaded, st, took) = e.load_timed(seed, 16).await;
         assert_eq!((loaded, st.from_g2), (16, 16), "{st:?}");
         assert!(took < BOUNDED, "a G2 load took {took:?} with G4 down");
     }
     // The blocks G2 holds are served; the first one only G4 holds is a miss: the load ends
     // there (it does not fail).
-    let (loaded, st, took) = load(&mut e, 1, 16).await;
+    let (loaded, st, took) = e.load_timed(1, 16).await;
     assert_eq!((loaded, st.from_g2), (4, 4), "{st:?}");
     assert!(took < G4_BOUND, "a load waited {took:?} on a dead G4 ({why})");
     assert!(n.d().metric(G4_READ_ERRORS) >= 1.0, "{}", n.d().log());
     assert!(n.d().log().contains("served as misses"), "{}", n.d().log());
 
     s3.restart();
-    let deadline = Instant::now() + WAIT;
-    loop {
-        let (loaded, st, _) = load(&mut e, 1, 16).await;
-        if loaded == 16 {
-            assert_eq!((st.from_g2, st.from_g4), (4, 12), "{st:?}");
-            break;
-        }
-        assert!(Instant::now() < deadline, "G4 did not serve again: {st:?}\n{}", n.d().log());
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    let st = served_again(&n, &mut e).await;
+    assert_eq!((st.from_g2, st.from_g4), (4, 12), "{st:?}");
     drop(e);
     n.stop();
 }
@@ -122,23 +118,19 @@ async fn an_s3_server_that_is_down() {
 /// serves again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_s3_server_that_hangs() {
-    let d = tempfile::tempdir().unwrap();
-    let s3 = SeaweedFs::start(&d.path().join("s3"));
-    let mut n = node(&d.path().join("node"), &s3, "hung");
-    let mut e = Engine::attach(&n.socket(), "e", &ns("remote/hung"), 128).await.unwrap();
-    with_g4_and_g2(&mut n, &mut e).await;
+    let (_d, s3, n, mut e) = s3_node_engine("hung", "e").await;
 
     s3.pause();
     let t0 = Instant::now();
-    save(&mut e, 3, 16).await;
+    e.save_within(3, 16, BOUNDED).await;
     let hit = e.client.lookup(&prompt(2, 16)).await.unwrap();
     assert_eq!((hit.matched_blocks, hit.g2_blocks), (16, 16), "{hit:?}");
     for seed in [2, 3] {
-        let (loaded, st, _) = load(&mut e, seed, 16).await;
+        let (loaded, st, _) = e.load_timed(seed, 16).await;
         assert_eq!((loaded, st.from_g2), (16, 16), "{st:?}");
     }
     assert!(t0.elapsed() < BOUNDED, "G2 work waited {:?} on a hung G4", t0.elapsed());
-    let (loaded, st, took) = load(&mut e, 1, 16).await;
+    let (loaded, st, took) = e.load_timed(1, 16).await;
     assert_eq!(loaded, 0, "{st:?}");
     assert!(took < G4_BOUND, "a load waited {took:?} on a hung G4");
     assert!(n.d().metric(G4_READ_ERRORS) >= 1.0, "{}", n.d().log());
@@ -146,15 +138,7 @@ async fn an_s3_server_that_hangs() {
     n.wait_warning(&["G4 degraded"], WAIT);
 
     s3.resume();
-    let deadline = Instant::now() + WAIT;
-    loop {
-        let (loaded, st, _) = load(&mut e, 1, 16).await;
-        if loaded == 16 {
-            break;
-        }
-        assert!(Instant::now() < deadline, "G4 did not serve again: {st:?}\n{}", n.d().log());
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    served_again(&n, &mut e).await;
     drop(e);
     n.stop();
 }
@@ -164,21 +148,16 @@ async fn an_s3_server_that_hangs() {
 /// in G4's request durations.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_s3_server() {
-    let d = tempfile::tempdir().unwrap();
-    let s3 = SeaweedFs::start(&d.path().join("s3"));
-    let mut n = node(&d.path().join("node"), &s3, "slow");
-    let namespace = ns("remote/slow");
-    let mut a = Engine::attach(&n.socket(), "a", &namespace, 128).await.unwrap();
-    with_g4_and_g2(&mut n, &mut a).await;
-    let mut b = Engine::attach(&n.socket(), "b", &namespace, 128).await.unwrap();
+    let (_d, _s3, n, mut a) = s3_node_engine("slow", "a").await;
+    let mut b = Engine::attach(&n.socket(), "b", &ns("remote/slow"), 128).await.unwrap();
     n.set_faults("[g4]\nlatency_ms = 800\n");
 
     let slow = tokio::spawn(async move {
-        let r = load(&mut a, 1, 16).await;
+        let r = a.load_timed(1, 16).await;
         (a, r, Instant::now())
     });
     tokio::time::sleep(Duration::from_millis(100)).await;
-    let (loaded, st, took) = load(&mut b, 2, 16).await;
+    let (loaded, st, took) = b.load_timed(2, 16).await;
     let g2_done = Instant::now();
     assert_eq!((loaded, st.from_g2), (16, 16), "{st:?}");
     assert!(took < BOUNDED, "{took:?}");
@@ -212,7 +191,7 @@ async fn a_peer_that_stalls_mid_stream() {
         &[],
     );
     let mut e = Engine::attach(&n.socket(), "e", &ns("remote/peer"), 128).await.unwrap();
-    save(&mut e, 5, 16).await;
+    e.save_within(5, 16, BOUNDED).await;
     // The fake peer sends blocks of prompt 7 (the oracle's KV for seed 7), then stalls.
     let (stalls, conns) = fake_peer(Fake::StallsAfter(12), 7, block_len());
     let slots: Vec<u32> = (64..96).collect();
@@ -227,7 +206,7 @@ async fn a_peer_that_stalls_mid_stream() {
     assert_eq!(c.wrong, 0, "wrong bytes from the peer: {done:?}");
     assert!(took < BOUNDED, "a stalled peer held the load {took:?}");
     // Meanwhile and after, G2 serves at once.
-    let (loaded, st, took) = load(&mut e, 5, 16).await;
+    let (loaded, st, took) = e.load_timed(5, 16).await;
     assert_eq!((loaded, st.from_g2), (16, 16), "{st:?}");
     assert!(took < BOUNDED, "{took:?}");
 

@@ -15,24 +15,22 @@ use std::time::Duration;
 
 use kvcached::{Config, Listeners};
 use kvclient::{Client, KvMemory, synthetic_block};
+use kvproto::fuzzing::{bytes, case_count as cases};
 use kvproto::pb;
 use kvproto::{KvLayout, Namespace};
+use kvtests::raw_grpc::{raw_client, raw_unary};
 use proptest::prelude::*;
 use proptest::test_runner::{Config as RunnerConfig, TestRunner};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 static PANICS: AtomicUsize = AtomicUsize::new(0);
 
-fn cases(default: u32) -> u32 {
-    std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(default)
-}
-
 fn layout() -> KvLayout {
     kvtests::fixture::small_layout()
 }
 
 fn prompt(blocks: u32) -> Vec<u32> {
-    (0..blocks * 16).map(|i| i.wrapping_mul(2_654_435_761) % 150_000).collect()
+    kvtests::fixture::prompt(0, blocks)
 }
 
 struct Daemon {
@@ -67,22 +65,6 @@ async fn start() -> Daemon {
     Daemon { _dir: dir, socket, http, tcp, stop, task }
 }
 
-async fn raw_client(socket: &Path) -> pb::kvcached_client::KvcachedClient<tonic::transport::Channel> {
-    pb::kvcached_client::KvcachedClient::new(channel(socket).await)
-}
-
-async fn channel(socket: &Path) -> tonic::transport::Channel {
-    let socket = socket.to_path_buf();
-    tonic::transport::Endpoint::try_from("http://kvcached.local")
-        .unwrap()
-        .connect_with_connector(tower::service_fn(move |_| {
-            let socket = socket.clone();
-            async move { tokio::net::UnixStream::connect(socket).await.map(hyper_util::rt::TokioIo::new) }
-        }))
-        .await
-        .unwrap()
-}
-
 /// One generated call (a test's values: their sizes do not matter).
 #[derive(Debug, Clone)]
 #[allow(clippy::large_enum_variant)]
@@ -98,10 +80,6 @@ enum Call {
     Unregister(u64),
     /// Bytes sent as the body of a method (not a message of its type).
     RawBody(&'static str, Vec<u8>),
-}
-
-fn bytes(max: usize) -> impl Strategy<Value = Vec<u8>> {
-    proptest::collection::vec(any::<u8>(), 0..max)
 }
 
 fn n32() -> impl Strategy<Value = u32> {
@@ -280,11 +258,7 @@ async fn send(
         Call::ReportLoad(r) => c.report_load(r).await.map(drop),
         Call::Heartbeat(id) => c.heartbeat(pb::EngineRef { engine_id: id }).await.map(drop),
         Call::Unregister(id) => c.unregister(pb::EngineRef { engine_id: id }).await.map(drop),
-        Call::RawBody(method, body) => {
-            let mut g = tonic::client::Grpc::new(channel(socket).await);
-            g.ready().await.map_err(|e| tonic::Status::unavailable(e.to_string()))?;
-            g.unary(tonic::Request::new(body), http::uri::PathAndQuery::from_static(method), RawCodec).await.map(drop)
-        }
+        Call::RawBody(method, body) => raw_unary(socket, method, body).await,
     }
 }
 
@@ -407,42 +381,4 @@ fn daemon_survives_arbitrary_input() {
         d.task.await.unwrap().unwrap();
     });
     assert_eq!(PANICS.load(Ordering::SeqCst), 0, "the daemon panicked on input from a client");
-}
-
-/// Sends raw bytes as a gRPC message; the answer is decoded as nothing.
-struct RawCodec;
-
-impl tonic::codec::Codec for RawCodec {
-    type Encode = Vec<u8>;
-    type Decode = ();
-    type Encoder = RawEncoder;
-    type Decoder = RawDecoder;
-    fn encoder(&mut self) -> RawEncoder {
-        RawEncoder
-    }
-    fn decoder(&mut self) -> RawDecoder {
-        RawDecoder
-    }
-}
-
-struct RawEncoder;
-
-impl tonic::codec::Encoder for RawEncoder {
-    type Item = Vec<u8>;
-    type Error = tonic::Status;
-    fn encode(&mut self, item: Vec<u8>, dst: &mut tonic::codec::EncodeBuf<'_>) -> Result<(), tonic::Status> {
-        bytes::BufMut::put_slice(dst, &item);
-        Ok(())
-    }
-}
-
-struct RawDecoder;
-
-impl tonic::codec::Decoder for RawDecoder {
-    type Item = ();
-    type Error = tonic::Status;
-    fn decode(&mut self, src: &mut tonic::codec::DecodeBuf<'_>) -> Result<Option<()>, tonic::Status> {
-        bytes::Buf::advance(src, bytes::Buf::remaining(src));
-        Ok(Some(()))
-    }
 }

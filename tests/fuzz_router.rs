@@ -12,19 +12,14 @@ use std::sync::Arc;
 
 use axum::body::Body;
 use kvproto::events::KEY_SCHEME_DYNAMO_XXH3_1337;
+use kvproto::fuzzing::{cases, scalars};
 use kvproto::vllm;
-use kvrouter::config::VllmSource;
 use kvrouter::vllm_ingest::VllmIngest;
 use kvrouter::{Router, RouterConfig};
-use kvtests::router_harness::spec;
+use kvtests::router_harness::{spec, vllm_source};
 use proptest::prelude::*;
 use serde_json::{Value, json};
 use tower::ServiceExt;
-
-fn cases(default: u32) -> ProptestConfig {
-    let n = std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(default);
-    ProptestConfig { cases: n, failure_persistence: None, ..ProptestConfig::default() }
-}
 
 fn router() -> Arc<Router> {
     let mut cfg = RouterConfig { namespaces: vec![spec("m", "test/model", 4)], seed: Some(1), ..Default::default() };
@@ -91,13 +86,11 @@ fn word() -> impl Strategy<Value = String> {
 
 fn json_value() -> impl Strategy<Value = Value> {
     let leaf = prop_oneof![
-        Just(Value::Null),
-        any::<bool>().prop_map(Value::from),
-        any::<u64>().prop_map(Value::from),
-        any::<i64>().prop_map(Value::from),
-        (0u64..100).prop_map(Value::from),
-        any::<f64>().prop_filter("finite", |f| f.is_finite()).prop_map(Value::from),
-        word().prop_map(Value::from),
+        1 => Just(Value::Null),
+        3 => scalars(),
+        1 => (0u64..100).prop_map(Value::from),
+        1 => any::<f64>().prop_filter("finite", |f| f.is_finite()).prop_map(Value::from),
+        1 => word().prop_map(Value::from),
     ];
     leaf.prop_recursive(4, 48, 6, |inner| {
         prop_oneof![
@@ -221,17 +214,7 @@ proptest! {
     fn vllm_batches_ingested(events in proptest::collection::vec(vllm_event(), 0..6), v in json_value(),
                              seqs in proptest::collection::vec(prop_oneof![0u64..4, any::<u64>()], 1..4)) {
         let r = router();
-        let src = VllmSource {
-            endpoint: "tcp://127.0.0.1:1".into(),
-            topic: String::new(),
-            worker: "v1".into(),
-            node: "N1".into(),
-            namespace: "vllm".into(),
-            address: "http://v1.invalid".into(),
-            role: None,
-            replay_endpoint: None,
-            idle_reconnect_s: 30.0,
-        };
+        let src = vllm_source("tcp://127.0.0.1:1", None, 30.0);
         let ns = r.namespace("vllm").unwrap().clone();
         let mut ingest = VllmIngest::new(ns, kvproto::events::WorkerId("v1".into()), kvproto::events::NodeId("N1".into()));
         let mut last = None;

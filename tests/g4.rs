@@ -9,8 +9,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use kvclient::{Client, KvMemory, synthetic_block};
+use kvclient::{Client, KvMemory};
 use kvproto::{KvLayout, Namespace};
+use kvtests::fixture::{attach, check, filled_memory, worker};
 use kvtests::s3::{ACCESS_KEY, SECRET_KEY, SeaweedFs};
 use object_store::ObjectStoreExt;
 
@@ -23,7 +24,7 @@ fn ns() -> Namespace {
 }
 
 fn prompt(seed: u32, blocks: u32) -> Vec<u32> {
-    (0..blocks * 16).map(|i| (i.wrapping_mul(2_654_435_761) ^ seed) % 150_000).collect()
+    kvtests::fixture::prompt(seed, blocks)
 }
 
 /// A daemon process with G4 on `s3://kvtest/<prefix>`.
@@ -176,38 +177,46 @@ impl Daemon {
 
 /// An engine with 64 slots on `d`, the first `filled` holding synthetic KV of `seed`.
 async fn engine(d: &Daemon, namespace: &Namespace, seed: u64, filled: u32) -> (Client, KvMemory) {
-    let mut mem = KvMemory::anonymous(&layout(), 64).unwrap();
-    let len = layout().block_bytes() as usize;
-    for b in 0..filled {
-        mem.write_block(b, &synthetic_block(seed, b, len));
-    }
-    let c = Client::connect(&d.socket).await.unwrap();
-    c.register("e", namespace, &mem).await.unwrap();
-    (c, mem)
-}
-
-fn check(mem: &KvMemory, seed: u64, blocks: u32, first_slot: u32) {
-    let len = layout().block_bytes() as usize;
-    for b in 0..blocks {
-        assert_eq!(mem.read_block(first_slot + b), synthetic_block(seed, b, len), "block {b} differs");
-    }
+    let mem = filled_memory(&layout(), 64, seed, filled);
+    (attach(&d.socket, namespace, &mem).await, mem)
 }
 
 const G4_WRITTEN: &str = "kvcached_writethrough_blocks_total{tier=\"g4\"}";
+
+/// The engines leave, then each daemon stops (cleanly: each must exit 0).
+fn stop_all<E>(engines: E, daemons: impl IntoIterator<Item = Daemon>) {
+    drop(engines);
+    for d in daemons {
+        d.stop();
+    }
+}
+
+/// A test's directory and an S3 server (SeaweedFS) in it.
+fn bucket() -> (tempfile::TempDir, SeaweedFs) {
+    let d = tempfile::tempdir().unwrap();
+    let s3 = SeaweedFs::start(&d.path().join("s3"));
+    (d, s3)
+}
+
+/// Daemon A in `dir/a` (`setup`) with an engine that has saved prompt `seed`'s `blocks` blocks
+/// and seen them written through to G4 (its first save): the daemon, the engine, its memory,
+/// the prompt.
+async fn saved_to_g4(dir: &Path, setup: &Setup<'_>, seed: u32, blocks: u32) -> (Daemon, Client, KvMemory, Vec<u32>) {
+    let a = spawn(&dir.join("a"), setup);
+    let (ea, ma) = engine(&a, &ns(), u64::from(seed), blocks).await;
+    let tokens = prompt(seed, blocks);
+    assert_eq!(ea.save(&tokens, 0, &(0..blocks).collect::<Vec<_>>()).await.unwrap().stored, blocks);
+    a.wait_metric(G4_WRITTEN, f64::from(blocks), 30).await;
+    (a, ea, ma, tokens)
+}
 
 /// Daemon B, on another "node" with nothing of its own, finds and loads byte for byte what
 /// daemon A saved; another tenant and another model sharing the bucket see none of it; a
 /// restarted daemon with no G3 serves what the bucket holds.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn daemons_share_a_bucket_tenants_do_not_and_a_restart_keeps_it() {
-    let d = tempfile::tempdir().unwrap();
-    let s3 = SeaweedFs::start(&d.path().join("s3"));
-    let a = spawn(&d.path().join("a"), &Setup::new(&s3, "shared"));
-    let (ea, _ma) = engine(&a, &ns(), 11, 32).await;
-    let tokens = prompt(11, 32);
-    let slots: Vec<u32> = (0..32).collect();
-    assert_eq!(ea.save(&tokens, 0, &slots).await.unwrap().stored, 32);
-    a.wait_metric(G4_WRITTEN, 32.0, 30).await;
+    let (d, s3) = bucket();
+    let (a, ea, _ma, tokens) = saved_to_g4(d.path(), &Setup::new(&s3, "shared"), 11, 32).await;
 
     let b = spawn(&d.path().join("b"), &Setup::new(&s3, "shared"));
     let (eb, mb) = engine(&b, &ns(), 0, 0).await;
@@ -239,17 +248,14 @@ async fn daemons_share_a_bucket_tenants_do_not_and_a_restart_keeps_it() {
     let done = eb.load_now(&tokens, 0, &(0..32).collect::<Vec<_>>()).await.unwrap();
     assert_eq!(done.loaded_blocks, 32);
     check(&mb, 11, 32, 0);
-    drop((ea, eb));
-    a.stop();
-    b.stop();
+    stop_all((ea, eb), [a, b]);
 }
 
 /// Wrong credentials and a missing bucket: the daemon starts (G2/G3 serve), says why at start
 /// in its log, and `/healthz` warns that G4 is degraded (the node stays ready).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wrong_credentials_and_a_missing_bucket_are_clear_errors() {
-    let d = tempfile::tempdir().unwrap();
-    let s3 = SeaweedFs::start(&d.path().join("s3"));
+    let (d, s3) = bucket();
     for (name, setup) in [
         ("secret", Setup { secret: "not-the-secret", ..Setup::new(&s3, "p") }),
         ("bucket", Setup { bucket: "no-such-bucket", ..Setup::new(&s3, "p") }),
@@ -280,8 +286,7 @@ async fn wrong_credentials_and_a_missing_bucket_are_clear_errors() {
 /// object another daemon reads is whole (no partial object is ever served).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_object_store_killed_mid_write_and_restarted() {
-    let d = tempfile::tempdir().unwrap();
-    let mut s3 = SeaweedFs::start(&d.path().join("s3"));
+    let (d, mut s3) = bucket();
     let a = spawn(&d.path().join("a"), &Setup { g3: true, ..Setup::new(&s3, "faults") });
     let (ea, _ma) = engine(&a, &ns(), 21, 64).await;
     let len = layout().block_bytes();
@@ -328,21 +333,15 @@ async fn the_object_store_killed_mid_write_and_restarted() {
         checked += 1;
     }
     assert!(checked >= 8, "only {checked} objects reached the bucket");
-    drop(ea);
-    a.stop();
+    stop_all(ea, [a]);
 }
 
 /// A handoff whose prefill node dies mid-transfer: the decode node keeps the blocks that
 /// arrived whole from the peer and reads the rest of the chain from G4, byte for byte.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pull_cut_short_finishes_from_g4() {
-    let d = tempfile::tempdir().unwrap();
-    let s3 = SeaweedFs::start(&d.path().join("s3"));
-    let a = spawn(&d.path().join("a"), &Setup::new(&s3, "handoff"));
-    let (ea, _ma) = engine(&a, &ns(), 11, 32).await;
-    let tokens = prompt(11, 32);
-    assert_eq!(ea.save(&tokens, 0, &(0..32).collect::<Vec<_>>()).await.unwrap().stored, 32);
-    a.wait_metric(G4_WRITTEN, 32.0, 30).await;
+    let (d, s3) = bucket();
+    let (a, ea, _ma, tokens) = saved_to_g4(d.path(), &Setup::new(&s3, "handoff"), 11, 32).await;
     // The "prefill node" B pulls from: it sends the first 10 blocks (the same bytes A saved)
     // and dies.
     let len = layout().block_bytes() as usize;
@@ -353,9 +352,7 @@ async fn a_pull_cut_short_finishes_from_g4() {
     let done = eb.load_from(&tokens, 0, &slots, &[dying]).await.unwrap();
     assert_eq!((done.loaded_blocks, done.from_peer, done.from_g4), (32, 10, 22), "{done:?}\n{}", b.log());
     check(&mb, 11, 32, 32);
-    drop((ea, eb));
-    a.stop();
-    b.stop();
+    stop_all((ea, eb), [a, b]);
 }
 
 /// A router's prefetch hint to `d`: the chain of `tokens`, pulled from `sources` where this node
@@ -374,8 +371,7 @@ async fn prefetch(d: &Daemon, tokens: &[u32], sources: &[String]) -> serde_json:
 /// node pulls from it: the decode node reads the whole chain from G4, byte for byte.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prefetch_lifts_g3_and_g4_and_a_killed_peer_is_replaced_by_g4() {
-    let d = tempfile::tempdir().unwrap();
-    let s3 = SeaweedFs::start(&d.path().join("s3"));
+    let (d, s3) = bucket();
     let setup_b = Setup { g3: true, ..Setup::new(&s3, "prefetch") };
     let b = spawn(&d.path().join("b"), &setup_b);
     let (eb, _mb) = engine(&b, &ns(), 12, 32).await;
@@ -429,20 +425,14 @@ async fn prefetch_lifts_g3_and_g4_and_a_killed_peer_is_replaced_by_g4() {
     let done = eb.load_from(&t, 0, &(32..64).collect::<Vec<_>>(), std::slice::from_ref(&peer)).await.unwrap();
     assert_eq!((done.loaded_blocks, done.from_peer, done.from_g4), (32, 0, 32), "{done:?}\n{}", b.log());
     check(&mb, 17, 32, 32);
-    drop(eb);
-    b.stop();
+    stop_all(eb, [b]);
 }
 
 /// Flipped bytes in an object: a miss, counted, and the object deleted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_corrupted_object_is_a_counted_miss_and_deleted() {
-    let d = tempfile::tempdir().unwrap();
-    let s3 = SeaweedFs::start(&d.path().join("s3"));
-    let a = spawn(&d.path().join("a"), &Setup::new(&s3, "corrupt"));
-    let (ea, _ma) = engine(&a, &ns(), 31, 4).await;
-    let tokens = prompt(31, 4);
-    ea.save(&tokens, 0, &[0, 1, 2, 3]).await.unwrap();
-    a.wait_metric(G4_WRITTEN, 4.0, 30).await;
+    let (d, s3) = bucket();
+    let (a, ea, _ma, tokens) = saved_to_g4(d.path(), &Setup::new(&s3, "corrupt"), 31, 4).await;
     // Flip a byte in the third block's object.
     let keys = kvproto::block_keys(&ns().fingerprint(), 16, &tokens);
     let store = s3.store("corrupt");
@@ -460,17 +450,14 @@ async fn a_corrupted_object_is_a_counted_miss_and_deleted() {
     check(&mb, 31, 2, 10);
     b.wait_metric("kvcached_tier_checksum_failures_total{tier=\"g4\"}", 1.0, 5).await;
     assert!(matches!(store.head(&path).await, Err(object_store::Error::NotFound { .. })), "the object is deleted");
-    drop((ea, eb));
-    a.stop();
-    b.stop();
+    stop_all((ea, eb), [a, b]);
 }
 
 /// What one daemon writes to G4 reaches the router as blocks of the cluster holder: a prompt
 /// only G4 holds is credited, with G4's weight, on a worker of a node that never saw it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_router_credits_g4_blocks_on_every_node() {
-    let d = tempfile::tempdir().unwrap();
-    let s3 = SeaweedFs::start(&d.path().join("s3"));
+    let (d, s3) = bucket();
     let mut spec = kvtests::router_harness::spec("m", "g4/model", 16);
     (spec.num_layers, spec.kv_heads, spec.head_dim) = (2, 2, 64);
     let cfg = kvrouter::RouterConfig { namespaces: vec![spec], seed: Some(1), ..kvrouter::RouterConfig::default() };
@@ -479,16 +466,10 @@ async fn the_router_credits_g4_blocks_on_every_node() {
         |node: &str| format!("[router]\nurls = [\"{}\"]\nnode = \"{node}\"\nreport_interval_ms = 200\n", router.base);
     let a = spawn(&d.path().join("a"), &Setup { router: section("node-a"), ..Setup::new(&s3, "routed") });
     let b = spawn(&d.path().join("b"), &Setup { router: section("node-b"), ..Setup::new(&s3, "routed") });
-    let mut mem = KvMemory::anonymous(&layout(), 64).unwrap();
-    let len = layout().block_bytes() as usize;
-    for i in 0..32 {
-        mem.write_block(i, &synthetic_block(41, i, len));
-    }
-    let ea = Client::connect(&a.socket).await.unwrap();
-    ea.register_worker("gpu0", &ns(), &mem, "http://a:8000", "both").await.unwrap();
+    let mem = filled_memory(&layout(), 64, 41, 32);
+    let ea = worker(&a.socket, "gpu0", &ns(), &mem, "http://a:8000", "both").await;
     let mb = KvMemory::anonymous(&layout(), 64).unwrap();
-    let eb = Client::connect(&b.socket).await.unwrap();
-    eb.register_worker("gpu0", &ns(), &mb, "http://b:8000", "both").await.unwrap();
+    let eb = worker(&b.socket, "gpu0", &ns(), &mb, "http://b:8000", "both").await;
     let tokens = prompt(41, 32);
     ea.save(&tokens, 0, &(0..32).collect::<Vec<_>>()).await.unwrap();
     a.wait_metric(G4_WRITTEN, 32.0, 30).await;

@@ -8,25 +8,19 @@ use std::path::Path;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use kvclient::{Client, KvMemory, synthetic_block};
-use kvproto::{KvLayout, Namespace, pb};
+use kvclient::{Client, KvMemory};
+use kvproto::{Namespace, pb};
 use kvtests::fake_peer::{Fake, fake_peer};
+use kvtests::fixture::{attach, check, filled_memory};
+use kvtests::fixture::{small_block_len as block_len, small_layout as layout};
 use kvtests::proc::{DaemonProc, free_port, http_request};
 
-fn layout() -> KvLayout {
-    kvtests::fixture::small_layout()
-}
-
 fn ns() -> Namespace {
-    Namespace::new("peer/model", layout())
-}
-
-fn block_len() -> usize {
-    layout().block_bytes() as usize
+    kvtests::fixture::small_namespace("peer/model")
 }
 
 fn prompt(seed: u32, blocks: u32) -> Vec<u32> {
-    (0..blocks * 16).map(|i| (i.wrapping_mul(2_654_435_761) ^ seed.wrapping_mul(97)) % 150_000).collect()
+    kvtests::fixture::prompt(seed.wrapping_mul(97), blocks)
 }
 
 /// A daemon of a single-user test node: its HTTP port (prefetch hints) open without
@@ -49,19 +43,23 @@ fn peer_listen() -> (String, String) {
 
 /// An engine with `slots` slots on `d`, the first `filled` holding synthetic KV of `seed`.
 async fn engine(d: &DaemonProc, namespace: &Namespace, seed: u64, filled: u32, slots: u32) -> (Client, KvMemory) {
-    let mut mem = KvMemory::anonymous(&layout(), slots).unwrap();
-    for b in 0..filled {
-        mem.write_block(b, &synthetic_block(seed, b, block_len()));
-    }
-    let c = Client::connect(&d.socket).await.unwrap();
-    c.register("e", namespace, &mem).await.unwrap();
-    (c, mem)
+    let mem = filled_memory(&layout(), slots, seed, filled);
+    (attach(&d.socket, namespace, &mem).await, mem)
 }
 
-fn check(mem: &KvMemory, seed: u64, blocks: u32, first_slot: u32) {
-    for b in 0..blocks {
-        assert_eq!(mem.read_block(first_slot + b), synthetic_block(seed, b, block_len()), "block {b} differs");
-    }
+/// Daemon B alone in a temporary directory (`toml` added to its configuration) and an empty
+/// engine of `slots` slots on it: the decode side of a test whose prefill side is a fake peer.
+async fn decode_side(toml: &str, slots: u32) -> (tempfile::TempDir, DaemonProc, Client, KvMemory) {
+    let d = tempfile::tempdir().unwrap();
+    let b = daemon(&d.path().join("b"), toml);
+    let (eb, mb) = engine(&b, &ns(), 0, 0, slots).await;
+    (d, b, eb, mb)
+}
+
+/// The engine leaves, then its daemon stops (cleanly: it must exit 0).
+fn stop(d: DaemonProc, engine: Client) {
+    drop(engine);
+    d.stop();
 }
 
 fn hex(b: &[u8]) -> String {
@@ -121,10 +119,8 @@ async fn the_decode_node_pulls_what_the_prefill_node_saved_and_prefetch_brings_i
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_sending_wrong_bytes_is_a_counted_miss_and_not_asked_again() {
-    let d = tempfile::tempdir().unwrap();
-    let b = daemon(&d.path().join("b"), "");
     let (bad, conns) = fake_peer(Fake::WrongChecksum, 21, block_len());
-    let (eb, mb) = engine(&b, &ns(), 0, 0, 16).await;
+    let (_d, b, eb, mb) = decode_side("", 16).await;
     let tokens = prompt(21, 16);
     let done = eb.load_from(&tokens, 0, &(0..16).collect::<Vec<_>>(), std::slice::from_ref(&bad)).await.unwrap();
     assert_eq!(done.loaded_blocks, 0, "{done:?}");
@@ -137,19 +133,15 @@ async fn a_peer_sending_wrong_bytes_is_a_counted_miss_and_not_asked_again() {
     let again = eb.load_from(&tokens, 0, &(0..16).collect::<Vec<_>>(), std::slice::from_ref(&bad)).await.unwrap();
     assert_eq!(again.loaded_blocks, 0);
     assert_eq!(conns.load(Ordering::SeqCst), before, "a peer marked bad was asked again");
-    drop(eb);
-    b.stop();
+    stop(b, eb);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_dying_or_stalling_mid_transfer_leaves_the_intact_prefix() {
-    let d = tempfile::tempdir().unwrap();
-    let b = daemon(&d.path().join("b"), "[peer]\npull_deadline_ms = 1500\nio_timeout_ms = 1000\n");
-    let (eb, mb) = engine(&b, &ns(), 0, 0, 32).await;
+    let (dies, _) = fake_peer(Fake::DiesAfter(10), 21, block_len());
+    let (_d, b, eb, mb) = decode_side("[peer]\npull_deadline_ms = 1500\nio_timeout_ms = 1000\n", 32).await;
     let tokens = prompt(21, 32);
     let slots: Vec<u32> = (0..32).collect();
-
-    let (dies, _) = fake_peer(Fake::DiesAfter(10), 21, block_len());
     let done = eb.load_from(&tokens, 0, &slots, &[dies]).await.unwrap();
     assert_eq!((done.loaded_blocks, done.from_peer), (10, 10), "{done:?}");
     check(&mb, 21, 10, 0);
@@ -164,8 +156,7 @@ async fn a_peer_dying_or_stalling_mid_transfer_leaves_the_intact_prefix() {
     assert_eq!(done.loaded_blocks, 12, "{done:?}");
     assert!(took < Duration::from_secs(5), "a stalled peer held the load {took:?}");
     check(&mb, 21, 12, 0);
-    drop(eb);
-    b.stop();
+    stop(b, eb);
 }
 
 /// The decode engine uses the first blocks while later ones are still on the wire: a load
@@ -173,9 +164,7 @@ async fn a_peer_dying_or_stalling_mid_transfer_leaves_the_intact_prefix() {
 /// (byte-exact) while it is still PENDING, and ends with them once the peer is given up.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_engine_uses_the_first_blocks_while_later_ones_are_in_flight() {
-    let d = tempfile::tempdir().unwrap();
-    let b = daemon(&d.path().join("b"), "[peer]\npull_deadline_ms = 8000\nio_timeout_ms = 6000\n");
-    let (eb, mb) = engine(&b, &ns(), 0, 0, 32).await;
+    let (_d, b, eb, mb) = decode_side("[peer]\npull_deadline_ms = 8000\nio_timeout_ms = 6000\n", 32).await;
     let tokens = prompt(23, 32);
     let slots: Vec<u32> = (0..32).collect();
     let (stalls, _) = fake_peer(Fake::StallsAfter(12), 23, block_len());
@@ -192,8 +181,7 @@ async fn the_engine_uses_the_first_blocks_while_later_ones_are_in_flight() {
     assert_eq!((more.state, more.loaded_blocks), (early.state, 12), "nothing past the stall: {more:?}");
     let done = eb.wait(&op, Duration::from_secs(30)).await.unwrap();
     assert_eq!((done.state, done.loaded_blocks, done.from_peer), (pb::load_status::State::Done as i32, 12, 12));
-    drop(eb);
-    b.stop();
+    stop(b, eb);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

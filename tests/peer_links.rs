@@ -8,24 +8,17 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use kvclient::{Client, KvMemory, synthetic_block};
-use kvproto::{KvLayout, Namespace};
+use kvproto::Namespace;
+use kvtests::fixture::{small_block_len as block_len, small_layout as layout};
 use kvtests::node::Node;
 use kvtests::proc::free_port;
 
-fn layout() -> KvLayout {
-    kvtests::fixture::small_layout()
-}
-
 fn ns() -> Namespace {
-    Namespace::new("links/model", layout())
-}
-
-fn block_len() -> usize {
-    layout().block_bytes() as usize
+    kvtests::fixture::small_namespace("links/model")
 }
 
 fn prompt(seed: u32, blocks: u32) -> Vec<u32> {
-    (0..blocks * 16).map(|i| (i.wrapping_mul(2_654_435_761) ^ seed.wrapping_mul(131)) % 150_000).collect()
+    kvtests::fixture::prompt(seed.wrapping_mul(131), blocks)
 }
 
 const BLOCKS: u32 = 16;
@@ -62,9 +55,23 @@ async fn pull_on(node: &Node, seed: u32, peer: &str) -> (u32, u32) {
     (done.loaded_blocks, done.from_peer)
 }
 
-/// A prefill node A serving peers on `addr` (extra `[peer]` lines in `peer_extra`) and a decode
-/// node B that lists it.
-fn pair(dir: &Path, addr: &str, peer_extra: &str, auth: &str, client: &str) -> (Node, Node) {
+/// Saves prompt `seed` on A and asserts that B, pulling from A at `addr`, loads every block of
+/// it from there (`when`: what the failure message says happened before).
+async fn hand_off(a: &Node, b: &Node, addr: &str, seed: u32, when: &str) {
+    save_on(a, seed).await;
+    assert_eq!(pull_on(b, seed, addr).await, (BLOCKS, BLOCKS), "{when}\nA: {}\nB: {}", a.d().log(), b.d().log());
+}
+
+/// Both nodes stop (cleanly: each must exit 0).
+fn stop(a: Node, b: Node) {
+    a.stop();
+    b.stop();
+}
+
+/// A prefill node A serving peers on a free port (extra `[peer]` lines in `peer_extra`) and a
+/// decode node B that lists it: the nodes and A's peer address.
+fn pair(dir: &Path, peer_extra: &str, auth: &str, client: &str) -> (Node, Node, String) {
+    let addr = format!("127.0.0.1:{}", free_port());
     let a = Node::start(
         bin(),
         &dir.join("a"),
@@ -77,7 +84,7 @@ fn pair(dir: &Path, addr: &str, peer_extra: &str, auth: &str, client: &str) -> (
         &format!("[metrics_auth]\nopen = true\n[peer]\npeers = [\"{addr}\"]\nprobe_idle_s = 0\n{client}"),
         &[],
     );
-    (a, b)
+    (a, b, addr)
 }
 
 const OPEN: &str = "[peer.auth]\nopen = true\n";
@@ -88,18 +95,14 @@ const OPEN: &str = "[peer.auth]\nopen = true\n";
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pull_after_the_link_idled_past_the_serving_sides_timeout_gets_every_block() {
     let d = tempfile::tempdir().unwrap();
-    let addr = format!("127.0.0.1:{}", free_port());
-    let (a, b) = pair(d.path(), &addr, "idle_timeout_ms = 1000", OPEN, "");
-    save_on(&a, 1).await;
-    assert_eq!(pull_on(&b, 1, &addr).await, (BLOCKS, BLOCKS), "{}", b.d().log());
+    let (a, b, addr) = pair(d.path(), "idle_timeout_ms = 1000", OPEN, "");
+    hand_off(&a, &b, &addr, 1, "").await;
     // Idle three times the serving side's timeout: it has closed the kept connection.
     tokio::time::sleep(Duration::from_secs(3)).await;
-    save_on(&a, 2).await;
-    assert_eq!(pull_on(&b, 2, &addr).await, (BLOCKS, BLOCKS), "{}", b.d().log());
+    hand_off(&a, &b, &addr, 2, "").await;
     assert_eq!(b.d().metric("kvcached_peer_failures_total"), 0.0, "{}", b.d().log());
     assert_eq!(b.healthz(), (200, "ok\n".to_string()));
-    a.stop();
-    b.stop();
+    stop(a, b);
 }
 
 /// The prefill daemon restarts, cleanly (SIGTERM) and not (kill -9): the decode node's kept
@@ -107,20 +110,15 @@ async fn a_pull_after_the_link_idled_past_the_serving_sides_timeout_gets_every_b
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pull_after_the_serving_daemon_restarts_gets_every_block() {
     let d = tempfile::tempdir().unwrap();
-    let addr = format!("127.0.0.1:{}", free_port());
-    let (mut a, b) = pair(d.path(), &addr, "", OPEN, "");
-    save_on(&a, 1).await;
-    assert_eq!(pull_on(&b, 1, &addr).await, (BLOCKS, BLOCKS));
+    let (mut a, b, addr) = pair(d.path(), "", OPEN, "");
+    hand_off(&a, &b, &addr, 1, "").await;
     a.restart();
-    save_on(&a, 2).await;
-    assert_eq!(pull_on(&b, 2, &addr).await, (BLOCKS, BLOCKS), "after SIGTERM\n{}", b.d().log());
+    hand_off(&a, &b, &addr, 2, "after SIGTERM").await;
     a.kill9();
     a.start_again();
-    save_on(&a, 3).await;
-    assert_eq!(pull_on(&b, 3, &addr).await, (BLOCKS, BLOCKS), "after kill -9\n{}", b.d().log());
+    hand_off(&a, &b, &addr, 3, "after kill -9").await;
     assert_eq!(b.d().metric("kvcached_peer_failures_total"), 0.0, "{}", b.d().log());
-    a.stop();
-    b.stop();
+    stop(a, b);
 }
 
 /// A dead peer is the neighbour's trouble: the node that pulls from it stays ready (200), names
@@ -130,8 +128,7 @@ async fn a_pull_after_the_serving_daemon_restarts_gets_every_block() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_peer_leaves_the_other_node_ready_and_is_named() {
     let d = tempfile::tempdir().unwrap();
-    let addr = format!("127.0.0.1:{}", free_port());
-    let (mut a, b) = pair(d.path(), &addr, "", OPEN, "");
+    let (mut a, b, addr) = pair(d.path(), "", OPEN, "");
     save_on(&a, 1).await;
     a.halt();
     // Each pull that finds the peer down bars it (1 s, then 2, 4, ...): seen barred within a
@@ -166,8 +163,7 @@ async fn a_dead_peer_leaves_the_other_node_ready_and_is_named() {
     }
     assert_eq!(b.healthz(), (200, "ok\n".to_string()), "a success clears the peer's bar");
     assert_eq!(b.d().metric("kvcached_degraded_neighbours{kind=\"peer\"}"), 0.0);
-    a.stop();
-    b.stop();
+    stop(a, b);
 }
 
 /// A token taken out of `tokens_file` cuts off the connections it opened: the serving side
@@ -176,21 +172,18 @@ async fn a_dead_peer_leaves_the_other_node_ready_and_is_named() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_token_removed_from_tokens_file_is_cut_off_open_connections_included() {
     let d = tempfile::tempdir().unwrap();
-    let addr = format!("127.0.0.1:{}", free_port());
     let tokens = d.path().join("tokens");
     let b_line = "decode-b bbbbbbbbbbbbbbbbbbbbbbbbbbbb\n";
     std::fs::write(&tokens, format!("other oooooooooooooooooooooooo\n{b_line}")).unwrap();
     let token = d.path().join("token");
     std::fs::write(&token, "bbbbbbbbbbbbbbbbbbbbbbbbbbbb\n").unwrap();
-    let (a, b) = pair(
+    let (a, b, addr) = pair(
         d.path(),
-        &addr,
         "",
         &format!("[peer.auth]\ntokens_file = \"{}\"\n", tokens.display()),
         &format!("[peer.client]\ntoken_file = \"{}\"\n", token.display()),
     );
-    save_on(&a, 1).await;
-    assert_eq!(pull_on(&b, 1, &addr).await, (BLOCKS, BLOCKS), "{}", a.d().log());
+    hand_off(&a, &b, &addr, 1, "").await;
     // B keeps that connection open; its token goes.
     std::fs::write(&tokens, "other oooooooooooooooooooooooo\n").unwrap();
     let t0 = Instant::now();
@@ -207,8 +200,7 @@ async fn a_token_removed_from_tokens_file_is_cut_off_open_connections_included()
         assert!(Instant::now() < deadline, "the restored token does not pull\n{}", a.d().log());
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
-    a.stop();
-    b.stop();
+    stop(a, b);
 }
 
 /// A router that does not answer is a neighbour's trouble too: `/healthz` stays 200 and names
@@ -285,10 +277,8 @@ async fn a_certificate_whose_ca_left_tls_client_ca_is_cut_off() {
     let client = pki.valid("b", &["decode-b.kvcached"]);
     let client_ca = d.path().join("client-ca.pem");
     std::fs::copy(&pki.cert, &client_ca).unwrap();
-    let addr = format!("127.0.0.1:{}", free_port());
-    let (a, b) = pair(
+    let (a, b, addr) = pair(
         d.path(),
-        &addr,
         "",
         &format!(
             "[peer.auth]\ntls_cert = \"{}\"\ntls_key = \"{}\"\ntls_client_ca = \"{}\"\n",
@@ -303,13 +293,11 @@ async fn a_certificate_whose_ca_left_tls_client_ca_is_cut_off() {
             client.key.display()
         ),
     );
-    save_on(&a, 1).await;
-    assert_eq!(pull_on(&b, 1, &addr).await, (BLOCKS, BLOCKS), "{}", a.d().log());
+    hand_off(&a, &b, &addr, 1, "").await;
     // The operator trusts another CA now: B's certificate, and its open connection, are out.
     std::fs::copy(&other.cert, &client_ca).unwrap();
     a.d().wait_metric("kvcached_peer_refused_total{why=\"revoked\"}", 1.0, Duration::from_secs(10));
     save_on(&a, 2).await;
     assert_eq!(pull_on(&b, 2, &addr).await, (0, 0), "a revoked certificate pulled\n{}", a.d().log());
-    a.stop();
-    b.stop();
+    stop(a, b);
 }

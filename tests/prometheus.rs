@@ -19,15 +19,16 @@
 #![allow(clippy::unwrap_used)]
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use kvcached::{Config, Listeners};
 use kvclient::{Client, KvMemory, synthetic_block};
-use kvproto::events::KEY_SCHEME_KVCACHED;
 use kvproto::publisher::MemoryPublisher;
 use kvproto::{KvLayout, Namespace, TierKind};
-use kvrouter::config::{NamespaceSpec, RouterConfig};
+use kvrouter::config::RouterConfig;
+use kvtests::fixture::KillOnDrop;
+use kvtests::proc::free_port;
 use kvtests::router_harness::{self, Server};
 use serde_json::{Value, json};
 
@@ -45,44 +46,23 @@ fn ns() -> Namespace {
 
 /// `blocks` full blocks of prompt number `seed`.
 fn prompt(seed: u32, blocks: u32) -> Vec<u32> {
-    (0..blocks * 16).map(|i| (i.wrapping_mul(2_654_435_761) ^ seed.wrapping_mul(40_503)) % 150_000).collect()
+    kvtests::fixture::prompt(seed.wrapping_mul(40_503), blocks)
 }
 
 fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
 fn router_config() -> RouterConfig {
-    let mut c = RouterConfig {
-        namespaces: vec![NamespaceSpec {
-            name: Some("m".into()),
-            model_id: MODEL.into(),
-            num_layers: 2,
-            kv_heads: 2,
-            head_dim: 64,
-            dtype: "bf16".into(),
-            tokens_per_block: 16,
-            layout_kind: "layer_separate".into(),
-            tenant_salt_hex: None,
-            adapter_id: None,
-            extra_hex: None,
-            key_scheme: KEY_SCHEME_KVCACHED.into(),
-            expected_blocks: 0,
-        }],
-        seed: Some(1),
-        ..RouterConfig::default()
-    };
+    let mut c =
+        RouterConfig { namespaces: vec![router_harness::small_spec(MODEL)], seed: Some(1), ..RouterConfig::default() };
     c.health.default_report_interval_ms = 500;
     c
 }
 
-/// A child process killed (and waited for) when dropped: none outlives the test.
+/// A child process and its log, killed (and waited for) when dropped: none outlives the test.
 struct Proc {
-    child: Option<Child>,
+    child: KillOnDrop,
     log: PathBuf,
 }
 
@@ -97,18 +77,7 @@ impl Proc {
     }
 
     fn sigterm(mut self) {
-        if let Some(mut c) = self.child.take() {
-            // SAFETY: plain kill(2) on our own child's pid.
-            unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
-            let _ = c.wait();
-        }
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
+        if let Some(mut c) = self.child.signal(libc::SIGTERM) {
             let _ = c.wait();
         }
     }
@@ -181,7 +150,7 @@ fn spawn_node_b(dir: &Path, g4: &Path, router: &str, port: u16) -> Proc {
         .stderr(Stdio::from(std::fs::File::create(&log).unwrap()))
         .spawn()
         .unwrap();
-    let p = Proc { child: Some(child), log };
+    let p = Proc { child: KillOnDrop::new(child), log };
     let deadline = Instant::now() + Duration::from_secs(30);
     while std::os::unix::net::UnixStream::connect(&socket).is_err() {
         assert!(Instant::now() < deadline, "node-b's daemon did not start:\n{}", p.log());
@@ -228,7 +197,7 @@ fn start_prometheus(dir: &Path, port: u16, node_a: &str, node_b: &str, router: &
                  or set PROMETHEUS to the binary"
             )
         });
-    Proc { child: Some(child), log }
+    Proc { child: KillOnDrop::new(child), log }
 }
 
 /// An engine with 64 block slots of synthetic KV, registered as worker `<node>/<name>`.

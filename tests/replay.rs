@@ -10,6 +10,7 @@
 use clap::Parser;
 use kvbench::cli::{ReplayArgs, replay};
 use kvrouter::sim;
+use kvtests::fixture::kvbench_argv;
 
 #[derive(Debug, Parser)]
 struct Cmd {
@@ -27,28 +28,25 @@ async fn short_replay_through_daemons_and_router_hits_and_reports() {
     let text: String = trace.iter().map(|r| serde_json::to_string(r).unwrap() + "\n").collect();
     std::fs::write(&path, text).unwrap();
     let out = dir.path().join("out");
-    let (daemon, router) = (env!("CARGO_BIN_EXE_daemon"), env!("CARGO_BIN_EXE_router"));
-    let cmd = Cmd::parse_from([
-        "replay",
-        "--trace",
-        path.to_str().unwrap(),
-        "--nodes",
-        "2",
-        // Small enough that G2 evicts to G3 and later requests find their history there.
-        "--g2-blocks",
-        "64",
-        "--g3-blocks",
-        "2048",
-        "--no-progress",
-        "--kvcached",
-        daemon,
-        "--kvrouter",
-        router,
-        "--dir",
-        dir.path().to_str().unwrap(),
-        "--out",
-        out.to_str().unwrap(),
-    ]);
+    let cmd = Cmd::parse_from(kvbench_argv(
+        &[
+            "replay",
+            "--trace",
+            path.to_str().unwrap(),
+            "--nodes",
+            "2",
+            // Small enough that G2 evicts to G3 and later requests find their history there.
+            "--g2-blocks",
+            "64",
+            "--g3-blocks",
+            "2048",
+            "--no-progress",
+        ],
+        env!("CARGO_BIN_EXE_daemon"),
+        env!("CARGO_BIN_EXE_router"),
+        dir.path(),
+        &out,
+    ));
     let md = replay(&cmd.args).await.unwrap();
     println!("{md}");
 

@@ -98,10 +98,7 @@ async fn grpc_route_answers_like_post_route_on_the_same_port() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn grpc_route_carries_the_split_decision() {
-    let cfg = config();
-    let ns = resolved(&cfg);
-    let srv = Server::start(cfg).await;
-    let a = MemoryPublisher::new("daemon-a", 1, 100);
+    let (srv, ns, a) = Server::start_default_with("daemon-a").await;
     let mut inf = info("A", &[], &ns, 1000, None);
     for (w, role) in [("d1", "decode"), ("p1", "prefill")] {
         inf.workers.push(WorkerInfo {

@@ -5,9 +5,41 @@
 use std::time::Duration;
 
 use kvproto::TierKind;
-use kvproto::events::{KEY_SCHEME_DYNAMO_XXH3_1337, PublisherMessage, RouteOutcome, WorkerId};
+use kvproto::events::{KEY_SCHEME_DYNAMO_XXH3_1337, PublisherInfo, PublisherMessage, RouteOutcome, WorkerId};
+use kvrouter::RouterConfig;
+use kvrouter::config::ResolvedNamespace;
 use kvrouter::recovery::MemoryPublisher;
 use kvtests::router_harness::*;
+
+/// The harness's configuration and, beside its `m`, the namespaces a gateway gets wrong: `m8`
+/// (the same model in 8-token blocks) and `mdyn` (the same in Dynamo's key scheme).
+fn with_mismatches() -> RouterConfig {
+    let mut cfg = config();
+    cfg.namespaces.push(spec("m8", "test/model", 8));
+    let mut dyn_spec = spec("mdyn", "test/model", 4);
+    dyn_spec.key_scheme = KEY_SCHEME_DYNAMO_XXH3_1337.into();
+    cfg.namespaces.push(dyn_spec);
+    cfg
+}
+
+/// A router of `cfg` that knows one worker, `w1` of publisher `daemon-a` on node A (reports
+/// once a minute), and the namespace of `cfg`'s first entry.
+async fn serving_w1(cfg: RouterConfig) -> (Server, ResolvedNamespace) {
+    let ns = resolved(&cfg);
+    let srv = Server::start(cfg).await;
+    let p = MemoryPublisher::new("daemon-a", 1, 100);
+    srv.publish(&p.message(Some(info("A", &["w1"], &ns, 60_000, None)), vec![])).await;
+    (srv, ns)
+}
+
+/// Publisher `daemon-b` announces worker `w2` in a key scheme nobody knows: its announcement.
+async fn unknown_scheme(srv: &Server, ns: &ResolvedNamespace) -> (MemoryPublisher, PublisherInfo) {
+    let q = MemoryPublisher::new("daemon-b", 1, 100);
+    let mut inf = info("B", &["w2"], ns, 60_000, None);
+    inf.namespaces[0].key_scheme = "sha256-v9".into();
+    srv.publish(&q.message(Some(inf.clone()), vec![])).await;
+    (q, inf)
+}
 
 fn kinds(h: &serde_json::Value) -> Vec<String> {
     h["conditions"].as_array().unwrap().iter().map(|c| c["kind"].as_str().unwrap().to_string()).collect()
@@ -47,20 +79,13 @@ async fn a_silent_worker_becomes_stale_then_is_dropped_with_its_blocks() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn block_size_scheme_and_namespace_mismatches_are_reported() {
-    let mut cfg = config();
     // The gateway asks with 8-token blocks; the daemon stores 4-token blocks of the same model.
-    cfg.namespaces.push(spec("m8", "test/model", 8));
-    let mut dyn_spec = spec("mdyn", "test/model", 4);
-    dyn_spec.key_scheme = KEY_SCHEME_DYNAMO_XXH3_1337.into();
-    cfg.namespaces.push(dyn_spec);
+    let mut cfg = with_mismatches();
     let mut salted = spec("msalt", "test/model", 4);
     salted.tenant_salt_hex = Some("0102".into());
     cfg.namespaces.push(salted);
     cfg.namespaces.push(spec("other", "other/model", 4));
-    let ns = resolved(&cfg);
-    let srv = Server::start(cfg).await;
-    let p = MemoryPublisher::new("daemon-a", 1, 100);
-    srv.publish(&p.message(Some(info("A", &["w1"], &ns, 60_000, None)), vec![])).await;
+    let (srv, ns) = serving_w1(cfg).await;
     let body = |n: &str| serde_json::json!({"namespace": n, "tokens": prompt(1, 4)});
 
     srv.route(body("m")).await;
@@ -85,10 +110,7 @@ async fn block_size_scheme_and_namespace_mismatches_are_reported() {
     assert!(kinds(&srv.healthz().await).contains(&"namespace_mismatch".to_string()));
 
     // A publisher speaking an unknown key scheme.
-    let q = MemoryPublisher::new("daemon-b", 1, 100);
-    let mut inf = info("B", &["w2"], &ns, 60_000, None);
-    inf.namespaces[0].key_scheme = "sha256-v9".into();
-    srv.publish(&q.message(Some(inf), vec![])).await;
+    unknown_scheme(&srv, &ns).await;
     let h = srv.healthz().await;
     assert!(
         h["conditions"].as_array().unwrap().iter().any(|c| c["kind"] == "key_scheme_mismatch"
@@ -101,16 +123,9 @@ async fn block_size_scheme_and_namespace_mismatches_are_reported() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mismatch_conditions_expire_when_no_longer_seen() {
-    let mut cfg = config();
-    cfg.namespaces.push(spec("m8", "test/model", 8));
-    let mut dyn_spec = spec("mdyn", "test/model", 4);
-    dyn_spec.key_scheme = KEY_SCHEME_DYNAMO_XXH3_1337.into();
-    cfg.namespaces.push(dyn_spec);
+    let mut cfg = with_mismatches();
     cfg.health.mismatch_hold_s = 0.3;
-    let ns = resolved(&cfg);
-    let srv = Server::start(cfg).await;
-    let p = MemoryPublisher::new("daemon-a", 1, 100);
-    srv.publish(&p.message(Some(info("A", &["w1"], &ns, 60_000, None)), vec![])).await;
+    let (srv, ns) = serving_w1(cfg).await;
     for n in ["m8", "mdyn"] {
         srv.route(serde_json::json!({"namespace": n, "tokens": prompt(1, 4)})).await;
     }
@@ -118,10 +133,7 @@ async fn mismatch_conditions_expire_when_no_longer_seen() {
     srv.wait_for(5, "expiry", || async { srv.healthz().await["status"] == "ok" }).await;
 
     // A publisher's own unknown key scheme is not a passing request: it stays until fixed.
-    let q = MemoryPublisher::new("daemon-b", 1, 100);
-    let mut inf = info("B", &["w2"], &ns, 60_000, None);
-    inf.namespaces[0].key_scheme = "sha256-v9".into();
-    srv.publish(&q.message(Some(inf.clone()), vec![])).await;
+    let (q, mut inf) = unknown_scheme(&srv, &ns).await;
     tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
     assert_eq!(kinds(&srv.healthz().await), ["key_scheme_mismatch"]);
     inf.namespaces[0].key_scheme = kvproto::events::KEY_SCHEME_KVCACHED.into();

@@ -73,9 +73,7 @@ async fn a_gap_is_replayed_from_the_publisher_log() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_snapshot_recovers_when_the_log_no_longer_reaches_back() {
-    let cfg = config();
-    let ns = resolved(&cfg);
-    let srv = Server::start(cfg).await;
+    let (srv, ns) = Server::start_default().await;
     let (p, url) = http_publisher("daemon-a", 1, 4).await;
     let inf = info("A", &["w1"], &ns, 1000, Some(url));
     let evs = churn(&p, &ns, 0, 20);
@@ -144,9 +142,7 @@ async fn restarts_and_replicas_converge_on_the_same_index() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn in_process_sources_and_unrecoverable_gaps() {
-    let cfg = config();
-    let ns = resolved(&cfg);
-    let srv = Server::start(cfg).await;
+    let (srv, ns) = Server::start_default().await;
     // In-process source attached to the router (how an embedded publisher plugs in).
     let p = Arc::new(MemoryPublisher::new("embedded", 1, 100));
     srv.router.attach_recovery("embedded", p.clone());
@@ -175,11 +171,8 @@ async fn in_process_sources_and_unrecoverable_gaps() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_trailing_loss_shows_in_the_announced_last_id() {
-    let cfg = config();
-    let ns = resolved(&cfg);
-    let srv = Server::start(cfg).await;
     // Without a recovery API: loud.
-    let q = MemoryPublisher::new("no-log", 1, 100);
+    let (srv, ns, q) = Server::start_default_with("no-log").await;
     let evs = churn(&q, &ns, 0, 2);
     let msg = q.message(Some(info("B", &["w9"], &ns, 1000, None)), evs[..2].to_vec());
     assert_eq!(msg.last_event_id, Some(evs.len() as u64));

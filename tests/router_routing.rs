@@ -13,9 +13,7 @@ use kvtests::router_harness::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn credits_each_tier_along_the_prefix_and_knows_who_shares_what() {
-    let cfg = config();
-    let ns = resolved(&cfg);
-    let srv = Server::start(cfg).await;
+    let (srv, ns) = Server::start_default().await;
     let p = prompt(1, 10);
     let keys = ns.keys(&p);
     assert_eq!(keys.len(), 10);
@@ -72,10 +70,7 @@ async fn credits_each_tier_along_the_prefix_and_knows_who_shares_what() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn load_terms_spread_requests_that_no_cache_distinguishes() {
-    let cfg = config();
-    let ns = resolved(&cfg);
-    let srv = Server::start(cfg).await;
-    let a = MemoryPublisher::new("daemon-a", 1, 100);
+    let (srv, ns, a) = Server::start_default_with("daemon-a").await;
     let mut msg = a.message(Some(info("A", &["w1", "w2", "w3"], &ns, 1000, None)), vec![]);
     let load = |w: &str, running, used| EngineLoad {
         worker: WorkerId(w.into()),

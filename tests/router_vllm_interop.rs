@@ -13,7 +13,6 @@ use kvcached::export::zmq_export::VllmExporter;
 use kvproto::TierKind;
 use kvproto::events::KEY_SCHEME_DYNAMO_XXH3_1337;
 use kvproto::vllm::{self, Encoding, stored_for_export};
-use kvrouter::config::VllmSource;
 use kvtests::router_harness::*;
 
 /// The Python with pyzmq, msgspec and xxhash that `scripts/test` sets up (`KVCACHED_TEST_PYTHON`).
@@ -91,17 +90,7 @@ async fn subscribed(endpoint: &str, replay: Option<String>, idle_reconnect_s: f6
     let mut ns = spec("vllm", "test/vllm", 4);
     ns.key_scheme = KEY_SCHEME_DYNAMO_XXH3_1337.into();
     cfg.namespaces.push(ns);
-    cfg.vllm_sources.push(VllmSource {
-        endpoint: endpoint.to_string(),
-        topic: String::new(),
-        worker: "v1".into(),
-        node: "N1".into(),
-        namespace: "vllm".into(),
-        address: "http://v1.invalid".into(),
-        role: None,
-        replay_endpoint: replay,
-        idle_reconnect_s,
-    });
+    cfg.vllm_sources.push(vllm_source(endpoint, replay, idle_reconnect_s));
     let srv = Server::start(cfg).await;
     let publisher = format!("{{publisher=\"vllm:{endpoint}\"");
     let batches = format!("kvrouter_vllm_batches_total{publisher}}}");

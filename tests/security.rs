@@ -9,23 +9,21 @@ use std::time::Duration;
 
 use kvcached::Config;
 use kvclient::{Client, KvMemory, synthetic_block};
+use kvproto::Namespace;
 use kvproto::pb;
-use kvproto::{KvLayout, Namespace};
-use kvtests::inproc::{InProcess, is_root};
+use kvtests::fixture::small_layout as layout;
+use kvtests::inproc::InProcess;
+use kvtests::raw_grpc::{raw_client, raw_unary};
 use tokio::io::AsyncWriteExt;
 
 const NOBODY: u32 = 65534;
 
-fn layout() -> KvLayout {
-    kvtests::fixture::small_layout()
-}
-
 fn ns() -> Namespace {
-    Namespace::new("m", layout())
+    kvtests::fixture::small_namespace("m")
 }
 
 fn prompt(blocks: u32) -> Vec<u32> {
-    (0..blocks * 16).map(|i| i.wrapping_mul(2_654_435_761) % 150_000).collect()
+    kvtests::fixture::prompt(0, blocks)
 }
 
 /// Every line the daemons of this test binary log, at INFO and up as in production (one
@@ -98,22 +96,6 @@ impl Daemon {
     }
 }
 
-async fn channel(socket: &Path) -> tonic::transport::Channel {
-    let socket = socket.to_path_buf();
-    tonic::transport::Endpoint::try_from("http://kvcached.local")
-        .unwrap()
-        .connect_with_connector(tower::service_fn(move |_| {
-            let socket = socket.clone();
-            async move { tokio::net::UnixStream::connect(socket).await.map(hyper_util::rt::TokioIo::new) }
-        }))
-        .await
-        .unwrap()
-}
-
-async fn raw(socket: &Path) -> pb::kvcached_client::KvcachedClient<tonic::transport::Channel> {
-    pb::kvcached_client::KvcachedClient::new(channel(socket).await)
-}
-
 fn register_request(kind: pb::memory_region::Kind, token_area: Option<pb::TokenArea>) -> pb::RegisterRequest {
     let seg = layout().segment_bytes();
     pb::RegisterRequest {
@@ -135,7 +117,7 @@ fn register_request(kind: pb::memory_region::Kind, token_area: Option<pb::TokenA
 #[allow(deprecated)]
 async fn paths_are_refused_for_kv_memory_and_token_areas() {
     let d = start(|_| {}).await;
-    let mut c = raw(&d.socket).await;
+    let mut c = raw_client(&d.socket).await;
     let e =
         c.register(register_request(pb::memory_region::Kind::ShmPath("/etc/passwd".into()), None)).await.unwrap_err();
     assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
@@ -183,10 +165,7 @@ async fn tcp_serves_only_health() {
 /// it: to another uid it does not exist, whatever it tries.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn engines_answer_only_the_uid_that_registered_them() {
-    if !is_root() {
-        eprintln!("skipped: needs root to run a client as another uid");
-        return;
-    }
+    kvtests::require_root!("to run a client as another uid");
     let d = start(|_| {}).await;
     let (owner, mut mem) = d.engine().await;
     let id = owner.engine_id_now().unwrap().to_string();
@@ -205,10 +184,7 @@ async fn engines_answer_only_the_uid_that_registered_them() {
 /// out. A uid holds at most `limits.max_engines_per_uid`; the others are still served.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_uid_cannot_take_every_engine_slot() {
-    if !is_root() {
-        eprintln!("skipped: needs root to run a client as another uid");
-        return;
-    }
+    kvtests::require_root!("to run a client as another uid");
     let d = start(|c| {
         c.limits.max_engines_per_uid = 3;
         c.engines.max_engines = 8;
@@ -227,10 +203,7 @@ async fn one_uid_cannot_take_every_engine_slot() {
 /// timeout, and other clients and /healthz are served meanwhile.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_connections_of_one_uid_leave_the_others_served() {
-    if !is_root() {
-        eprintln!("skipped: needs root to run a client as another uid");
-        return;
-    }
+    kvtests::require_root!("to run a client as another uid");
     let d = start(|c| {
         c.limits.max_connections_per_uid = 16;
         c.limits.handshake_timeout_ms = 500;
@@ -395,7 +368,7 @@ async fn half_sent_requests_are_bounded() {
     .await;
     assert!(refused.is_ok(), "the per-uid bound on bytes arriving was never reached ({sent} bytes of data sent)");
     // A message announced longer than the limit is refused from its prefix.
-    let mut c = raw(&d.socket).await;
+    let mut c = raw_client(&d.socket).await;
     let big = pb::SaveRequest { tokens: vec![0u8; 3 << 20].into(), ..Default::default() };
     let e = c.save(big).await.unwrap_err();
     assert!(matches!(e.code(), tonic::Code::OutOfRange | tonic::Code::ResourceExhausted), "{e:?}");
@@ -412,7 +385,7 @@ async fn half_sent_requests_are_bounded() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn long_strings_are_refused_and_errors_stay_short() {
     let d = start(|_| {}).await;
-    let mut c = raw(&d.socket).await;
+    let mut c = raw_client(&d.socket).await;
     let mem = KvMemory::anonymous(&layout(), 8).unwrap();
     let t = kvclient::attach::attach(&d.socket, &[mem.file()]).unwrap();
     let mut req = register_request(pb::memory_region::Kind::FdTicket(t[0].to_vec()), None);
@@ -453,17 +426,13 @@ async fn req_ok(c: &mut pb::kvcached_client::KvcachedClient<tonic::transport::Ch
 async fn bad_input_is_invalid_argument_everywhere() {
     let d = start(|_| {}).await;
     // A body that is not a RegisterRequest (a length-delimited field that runs past the end).
-    let ch = channel(&d.socket).await;
-    let mut grpc = tonic::client::Grpc::new(ch);
-    grpc.ready().await.unwrap();
-    let path = http::uri::PathAndQuery::from_static("/kvcached.v1.Kvcached/Register");
-    let e = grpc.unary(tonic::Request::new(vec![0x0a, 0x7f, 0x01]), path, RawCodec).await.unwrap_err();
+    let e = raw_unary(&d.socket, "/kvcached.v1.Kvcached/Register", vec![0x0a, 0x7f, 0x01]).await.unwrap_err();
     assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
     assert!(e.message().contains("malformed request"), "{}", e.message());
 
     let (owner, _mem) = d.engine().await;
     let id = owner.engine_id_now().unwrap();
-    let mut c = raw(&d.socket).await;
+    let mut c = raw_client(&d.socket).await;
     let tokens = kvproto::tokens_to_le(&prompt(2));
     for (block_ids, why) in [(vec![0, 99], "out of range"), (vec![0, 1, 2], "full blocks"), (vec![1, 1], "named twice")]
     {
@@ -492,43 +461,6 @@ async fn bad_input_is_invalid_argument_everywhere() {
     assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
     assert!(e.message().contains("overlap"), "{}", e.message());
     d.stop().await;
-}
-
-/// Sends raw bytes as a gRPC message; decodes the answer as a RegisterResponse.
-struct RawCodec;
-
-impl tonic::codec::Codec for RawCodec {
-    type Encode = Vec<u8>;
-    type Decode = pb::RegisterResponse;
-    type Encoder = RawEncoder;
-    type Decoder = RawDecoder;
-    fn encoder(&mut self) -> RawEncoder {
-        RawEncoder
-    }
-    fn decoder(&mut self) -> RawDecoder {
-        RawDecoder
-    }
-}
-
-struct RawEncoder;
-
-impl tonic::codec::Encoder for RawEncoder {
-    type Item = Vec<u8>;
-    type Error = tonic::Status;
-    fn encode(&mut self, item: Vec<u8>, dst: &mut tonic::codec::EncodeBuf<'_>) -> Result<(), tonic::Status> {
-        bytes::BufMut::put_slice(dst, &item);
-        Ok(())
-    }
-}
-
-struct RawDecoder;
-
-impl tonic::codec::Decoder for RawDecoder {
-    type Item = pb::RegisterResponse;
-    type Error = tonic::Status;
-    fn decode(&mut self, src: &mut tonic::codec::DecodeBuf<'_>) -> Result<Option<pb::RegisterResponse>, tonic::Status> {
-        prost::Message::decode(src).map(Some).map_err(|e| tonic::Status::internal(e.to_string()))
-    }
 }
 
 /// A TCP peer that accepts and never answers: a load naming it as a source stays pending until

@@ -12,21 +12,18 @@ use std::time::{Duration, Instant};
 
 use kvcached::peer::protocol as p;
 use kvclient::{Client, KvMemory, synthetic_block};
-use kvproto::{BlockKey, KvLayout, Namespace, NamespaceId, pb};
+use kvproto::{BlockKey, Namespace, NamespaceId, pb};
+use kvtests::fixture::small_layout as layout;
 use kvtests::inproc::InProcess;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-fn layout() -> KvLayout {
-    kvtests::fixture::small_layout()
-}
-
 fn ns() -> Namespace {
-    Namespace::new("floods", layout())
+    kvtests::fixture::small_namespace("floods")
 }
 
 fn prompt(blocks: u32) -> Vec<u32> {
-    (0..blocks * 16).map(|i| i.wrapping_mul(2_654_435_761) % 150_000).collect()
+    kvtests::fixture::prompt(0, blocks)
 }
 
 /// The sum of the `/metrics` lines of `name` whose labels include `label` (e.g. `why="busy"`).

@@ -14,7 +14,8 @@ use kvcached::policy::tenants::NamespaceRule;
 use kvclient::{Client, ClientError, KvMemory, synthetic_block};
 use kvproto::pb;
 use kvproto::{Dtype, KvLayout, LayoutKind, Namespace};
-use kvtests::inproc::{InProcess, is_root};
+use kvtests::inproc::InProcess;
+use kvtests::raw_grpc::raw_client;
 use kvtests::{tenant_layout, tenant_prompt};
 
 const NOBODY: u32 = 65534;
@@ -109,19 +110,6 @@ fn sparse_register(ticket: Vec<u8>, size: u64, gap: u64, stride: u64) -> pb::Reg
     }
 }
 
-async fn raw(socket: &Path) -> pb::kvcached_client::KvcachedClient<tonic::transport::Channel> {
-    let socket = socket.to_path_buf();
-    let ch = tonic::transport::Endpoint::try_from("http://kvcached.local")
-        .unwrap()
-        .connect_with_connector(tower::service_fn(move |_| {
-            let socket = socket.clone();
-            async move { tokio::net::UnixStream::connect(socket).await.map(hyper_util::rt::TokioIo::new) }
-        }))
-        .await
-        .unwrap();
-    pb::kvcached_client::KvcachedClient::new(ch)
-}
-
 /// Finding 1: a Register of a 1 TiB sparse memfd with 16 slots of 4 KiB made the daemon map and
 /// prefault the whole declared size (1 GiB of shared RSS per 1.2 s, until the OOM killer). Only
 /// the extent of the slots is mapped, only pages the engine made resident are prefaulted, and
@@ -137,7 +125,7 @@ async fn a_sparse_region_costs_the_daemon_only_its_slots() {
     let tib = 1u64 << 40;
     let file = sparse_memfd(tib);
     let before = rss_shmem();
-    let mut c = raw(&d.socket).await;
+    let mut c = raw_client(&d.socket).await;
     let t = kvclient::attach::attach(&d.socket, &[&file]).unwrap();
     let r = c.register(sparse_register(t[0].to_vec(), tib, 16 * seg, seg)).await.unwrap().into_inner();
     tokio::time::sleep(Duration::from_millis(1500)).await;
@@ -167,10 +155,7 @@ async fn a_sparse_region_costs_the_daemon_only_its_slots() {
 /// root as its writer, nobody may read it but not write it, and root loads its own bytes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_users_writes_are_never_served_to_another_who_does_not_trust_them() {
-    if !is_root() {
-        eprintln!("skipped: needs root to run a client as another uid");
-        return;
-    }
+    kvtests::require_root!("to run a client as another uid");
     let plain = Namespace::new("m", tenant_layout());
     let prompt = tenant_prompt(8);
     let block = tenant_layout().block_bytes() as usize;
@@ -217,10 +202,7 @@ async fn one_users_writes_are_never_served_to_another_who_does_not_trust_them() 
 /// a salt binds only when a registration succeeds, and bindings survive a restart (with G3).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_salt_is_neither_revealed_nor_squatted_and_its_binding_survives_a_restart() {
-    if !is_root() {
-        eprintln!("skipped: needs root to run a client as another uid");
-        return;
-    }
+    kvtests::require_root!("to run a client as another uid");
     let state = tempfile::tempdir().unwrap();
     let g3 = state.path().join("g3");
     let with_g3 = |c: &mut kvcached::Config| {
@@ -262,10 +244,7 @@ async fn a_salt_is_neither_revealed_nor_squatted_and_its_binding_survives_a_rest
 /// that hold none yet, and root has an eighth of its own beyond it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn users_at_their_own_limits_cannot_lock_root_or_a_new_user_out() {
-    if !is_root() {
-        eprintln!("skipped: needs root to run clients as other uids");
-        return;
-    }
+    kvtests::require_root!("to run clients as other uids");
     let d = InProcess::start(|c| {
         c.limits.max_connections = 96;
         c.limits.max_connections_per_uid = 24;

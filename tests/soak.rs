@@ -9,6 +9,7 @@
 
 use clap::Parser;
 use kvbench::soak::{SoakArgs, run};
+use kvtests::fixture::kvbench_argv;
 
 #[derive(Debug, Parser)]
 struct Cmd {
@@ -20,28 +21,13 @@ struct Cmd {
 async fn short_soak_serves_right_bytes_and_stops_clean() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("out");
-    let (daemon, router) = (env!("CARGO_BIN_EXE_daemon"), env!("CARGO_BIN_EXE_router"));
-    let cmd = Cmd::parse_from([
-        "soak",
-        "--minutes",
-        "0.25",
-        "--interval-s",
-        "1",
-        "--g2-mib",
-        "64",
-        "--g3-mib",
-        "256",
-        "--bound-scale",
-        "10",
-        "--kvcached",
-        daemon,
-        "--kvrouter",
-        router,
-        "--dir",
-        dir.path().to_str().unwrap(),
-        "--out",
-        out.to_str().unwrap(),
-    ]);
+    let cmd = Cmd::parse_from(kvbench_argv(
+        &["soak", "--minutes", "0.25", "--interval-s", "1", "--g2-mib", "64", "--g3-mib", "256", "--bound-scale", "10"],
+        env!("CARGO_BIN_EXE_daemon"),
+        env!("CARGO_BIN_EXE_router"),
+        dir.path(),
+        &out,
+    ));
     let (md, passed) = run(&cmd.args).await.unwrap();
     println!("{md}");
     assert!(passed, "{md}");

@@ -8,7 +8,7 @@
 use kvcached::policy::tenants::TenantConfig;
 use kvclient::{Client, KvMemory, synthetic_block};
 use kvproto::Namespace;
-use kvtests::inproc::{InProcess, is_root};
+use kvtests::inproc::InProcess;
 use kvtests::{tenant_layout, tenant_prompt};
 
 const NOBODY: u32 = 65534;
@@ -20,10 +20,7 @@ fn b3(salt: &str) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn salts_are_bound_to_tenants_and_quotas_evict_only_their_own() {
-    if !is_root() {
-        eprintln!("skipped: needs root (another uid plays tenant b)");
-        return;
-    }
+    kvtests::require_root!("(another uid plays tenant b)");
     let block = tenant_layout().block_bytes();
     let d = InProcess::start(|c| {
         c.tenants = vec![
@@ -90,10 +87,7 @@ async fn salts_are_bound_to_tenants_and_quotas_evict_only_their_own() {
 /// tenant's own in that tier past the quota; another tenant's blocks all stay.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn g3_and_g4_quotas_charge_blocks_where_they_land() {
-    if !is_root() {
-        eprintln!("skipped: needs root (another uid plays tenant b)");
-        return;
-    }
+    kvtests::require_root!("(another uid plays tenant b)");
     let block = tenant_layout().block_bytes();
     let g4 = tempfile::tempdir().unwrap();
     let g4_dir = g4.path().to_path_buf();
@@ -127,7 +121,7 @@ async fn g3_and_g4_quotas_charge_blocks_where_they_land() {
     }
     let a = Client::connect(&d.socket).await.unwrap();
     a.register("a", &ns, &mem).await.unwrap();
-    let prompt: Vec<u32> = (0..256u32).map(|i| i.wrapping_mul(2_654_435_761) % 150_000).collect();
+    let prompt = tenant_prompt(16);
     assert_eq!(a.save(&prompt, 0, &(0..16).collect::<Vec<_>>()).await.unwrap().stored, 16);
 
     // Everything lands; a keeps 4 blocks in G3 and 6 in G4 (a prefix, as far as the order of

@@ -102,6 +102,19 @@ async fn raw_get_all(store: &Arc<dyn ObjectStore>, paths: &[ObjPath], conc: usiz
     (t0.elapsed(), n.iter().sum())
 }
 
+/// The bucket `bucket` of the S3 server at `endpoint` (plain HTTP; credentials in the
+/// environment), used directly.
+fn s3_store(endpoint: &str, bucket: &str) -> Result<Arc<dyn ObjectStore>, String> {
+    let s3 = object_store::aws::AmazonS3Builder::from_env()
+        .with_endpoint(endpoint)
+        .with_allow_http(true)
+        .with_bucket_name(bucket)
+        .with_region("us-east-1")
+        .build()
+        .map_err(|e| e.to_string())?;
+    Ok(Arc::new(s3))
+}
+
 /// Runs every measurement against the server at `endpoint` (bucket `bucket`, credentials in the
 /// environment), `count` blocks of each size.
 pub fn run(endpoint: &str, bucket: &str, count: u32, concurrency: usize) -> Result<Report, String> {
@@ -111,15 +124,7 @@ pub fn run(endpoint: &str, bucket: &str, count: u32, concurrency: usize) -> Resu
         .enable_all()
         .build()
         .map_err(|e| e.to_string())?;
-    let raw: Arc<dyn ObjectStore> = Arc::new(
-        object_store::aws::AmazonS3Builder::from_env()
-            .with_endpoint(endpoint)
-            .with_allow_http(true)
-            .with_bucket_name(bucket)
-            .with_region("us-east-1")
-            .build()
-            .map_err(|e| e.to_string())?,
-    );
+    let raw = s3_store(endpoint, bucket)?;
     let tier_cfg = |prefix: &str, latency: Option<Duration>| {
         let mut c = ObjectTierConfig::new(format!("s3://{bucket}/{prefix}"));
         c.endpoint = Some(endpoint.to_string());
@@ -326,15 +331,7 @@ pub async fn prompt_from_g4(
         if stored != BLOCKS {
             return Err(format!("daemon A stored {stored} of {BLOCKS} blocks"));
         }
-        let raw: Arc<dyn ObjectStore> = Arc::new(
-            object_store::aws::AmazonS3Builder::from_env()
-                .with_endpoint(endpoint)
-                .with_allow_http(true)
-                .with_bucket_name(bucket)
-                .with_region("us-east-1")
-                .build()
-                .map_err(|e| e.to_string())?,
-        );
+        let raw = s3_store(endpoint, bucket)?;
         let t0 = Instant::now();
         let paths = loop {
             let listed: Vec<ObjPath> = raw

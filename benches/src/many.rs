@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvclient::{Client, KvMemory};
-use kvproto::{Dtype, KvLayout, LayoutKind, Namespace};
+use kvproto::{KvLayout, Namespace};
 use serde::{Deserialize, Serialize};
 
 use crate::replay::cluster::DaemonProcess;
@@ -68,14 +68,7 @@ pub struct ManyReport {
 }
 
 fn layout() -> KvLayout {
-    KvLayout {
-        num_layers: 32,
-        kv_heads: 8,
-        head_dim: 128,
-        dtype: Dtype::Bf16,
-        tokens_per_block: 16,
-        kind: LayoutKind::LayerSeparate,
-    }
+    KvLayout::llama3_8b(16)
 }
 
 /// Tokens of prompt `p` (distinct per `p`) with `blocks` blocks of 16 tokens.
@@ -327,25 +320,13 @@ pub fn markdown(r: &ManyReport) -> String {
         r.loadavg_end
     );
     s += "| what | GB/s | / 2-thread memcpy | calls |\n|---|---|---|---|\n";
-    s += &format!(
-        "| {engines} engines at once | {:.2} | {:.2}x | {} |\n",
-        r.all.gbs,
-        ratio(r.all.gbs, r.memcpy2.gbs),
-        r.all.calls
-    );
-    s += &format!(
-        "| one engine alone | {:.2} | {:.2}x | {} |\n",
-        r.one.gbs,
-        ratio(r.one.gbs, r.memcpy2.gbs),
-        r.one.calls
-    );
-    s += &format!("| memcpy, 2 threads, same mix | {:.2} | 1.00x | {} |\n", r.memcpy2.gbs, r.memcpy2.calls);
-    s += &format!(
-        "| memcpy, 1 thread, same mix | {:.2} | {:.2}x | {} |\n",
-        r.memcpy1.gbs,
-        ratio(r.memcpy1.gbs, r.memcpy2.gbs),
-        r.memcpy1.calls
-    );
+    // One row a phase: its GB/s, that against the 2-thread memcpy's (`vs`), its calls.
+    let row = |what: &str, m: &Moved, vs: String| format!("| {what} | {:.2} | {vs} | {} |\n", m.gbs, m.calls);
+    let vs = |m: &Moved| format!("{:.2}x", ratio(m.gbs, r.memcpy2.gbs));
+    s += &row(&format!("{engines} engines at once"), &r.all, vs(&r.all));
+    s += &row("one engine alone", &r.one, vs(&r.one));
+    s += &row("memcpy, 2 threads, same mix", &r.memcpy2, "1.00x".into());
+    s += &row("memcpy, 1 thread, same mix", &r.memcpy1, vs(&r.memcpy1));
     s += &format!(
         "\nper engine (GB/s): {:?}\n\n| lookup of a cached {}-block prompt (us) | n | p50 | p90 | p99 | max |\n|---|---|---|---|---|---|\n",
         r.per_engine_gbs.iter().map(|x| (x * 100.0).round() / 100.0).collect::<Vec<_>>(),

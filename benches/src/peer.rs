@@ -63,18 +63,31 @@ fn in_ns<R: Send + 'static>(ns: Option<&str>, f: impl FnOnce() -> R + Send + 'st
     }
 }
 
-/// A raw TCP copy loop of `total` bytes in `chunk`-byte writes: server in `ns_a` at `addr_a`,
-/// reader in `ns_b`.
-fn raw_tcp(
-    addr_a: &str,
-    ns_a: Option<&str>,
-    ns_b: Option<&str>,
-    total: u64,
-    chunk: usize,
-    region: bool,
-) -> Result<f64, String> {
-    let bind = format!("{addr_a}:0");
-    let l = in_ns(ns_a, move || TcpListener::bind(bind)).map_err(|e| e.to_string())?;
+/// Where a measurement's two ends run: the serving side at `addr_a` in network namespace
+/// `ns_a`, the receiving side in `ns_b` (`None`: in this process's own).
+#[derive(Debug, Clone)]
+struct Ends {
+    addr_a: String,
+    ns_a: Option<String>,
+    ns_b: Option<String>,
+}
+
+impl Ends {
+    /// A listener of the serving side, on a free port.
+    fn listen(&self) -> Result<TcpListener, String> {
+        let bind = format!("{}:0", self.addr_a);
+        in_ns(self.ns_a.as_deref(), move || TcpListener::bind(bind)).map_err(|e| e.to_string())
+    }
+
+    /// Runs `f` on the receiving side.
+    fn at_b<R: Send + 'static>(&self, f: impl FnOnce() -> R + Send + 'static) -> R {
+        in_ns(self.ns_b.as_deref(), f)
+    }
+}
+
+/// A raw TCP copy loop of `total` bytes in `chunk`-byte writes, server to reader.
+fn raw_tcp(ends: &Ends, total: u64, chunk: usize, region: bool) -> Result<f64, String> {
+    let l = ends.listen()?;
     let addr = l.local_addr().map_err(|e| e.to_string())?.to_string();
     let server = std::thread::spawn(move || -> std::io::Result<()> {
         let buf = vec![0x5au8; if region { total as usize } else { chunk }];
@@ -92,24 +105,25 @@ fn raw_tcp(
         }
         Ok(())
     });
-    let took = in_ns(ns_b, move || -> std::io::Result<Duration> {
-        // Written once, so that the loop measures the copy, not the first touch of fresh pages.
-        let mut buf = vec![1u8; if region { total as usize } else { chunk }];
-        let mut s = TcpStream::connect(&addr)?;
-        let t0 = Instant::now();
-        let mut left = total;
-        let mut at = 0usize;
-        while left > 0 {
-            let n = left.min(chunk as u64) as usize;
-            s.read_exact(&mut buf[at..at + n])?;
-            left -= n as u64;
-            if region {
-                at += n;
+    let took = ends
+        .at_b(move || -> std::io::Result<Duration> {
+            // Written once, so that the loop measures the copy, not the first touch of fresh pages.
+            let mut buf = vec![1u8; if region { total as usize } else { chunk }];
+            let mut s = TcpStream::connect(&addr)?;
+            let t0 = Instant::now();
+            let mut left = total;
+            let mut at = 0usize;
+            while left > 0 {
+                let n = left.min(chunk as u64) as usize;
+                s.read_exact(&mut buf[at..at + n])?;
+                left -= n as u64;
+                if region {
+                    at += n;
+                }
             }
-        }
-        Ok(t0.elapsed())
-    })
-    .map_err(|e| e.to_string())?;
+            Ok(t0.elapsed())
+        })
+        .map_err(|e| e.to_string())?;
     server.join().map_err(|_| "raw server panicked".to_string())?.map_err(|e| e.to_string())?;
     Ok(mbs(total, took))
 }
@@ -117,11 +131,10 @@ fn raw_tcp(
 /// HTTP/2 streaming of `total` bytes in `chunk`-byte DATA frames of at most 1 MiB (the daemon's
 /// gRPC settings: 1 MiB frames, 8 MiB stream and 16 MiB connection windows), received into a
 /// buffer.
-fn http2(addr_a: &str, ns_a: Option<&str>, ns_b: Option<&str>, total: u64, chunk: usize) -> Result<f64, String> {
+fn http2(ends: &Ends, total: u64, chunk: usize) -> Result<f64, String> {
     use http_body_util::{BodyExt, StreamBody};
     use hyper::body::Frame;
-    let bind = format!("{addr_a}:0");
-    let l = in_ns(ns_a, move || TcpListener::bind(bind)).map_err(|e| e.to_string())?;
+    let l = ends.listen()?;
     l.set_nonblocking(true).map_err(|e| e.to_string())?;
     let addr = l.local_addr().map_err(|e| e.to_string())?.to_string();
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -149,7 +162,7 @@ fn http2(addr_a: &str, ns_a: Option<&str>, ns_b: Option<&str>, total: u64, chunk
             .await
             .map_err(std::io::Error::other)
     });
-    let took = in_ns(ns_b, move || -> Result<Duration, String> {
+    let took = ends.at_b(move || -> Result<Duration, String> {
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| e.to_string())?;
         rt.block_on(async move {
             let s = tokio::net::TcpStream::connect(&addr).await.map_err(|e| e.to_string())?;
@@ -194,24 +207,17 @@ fn http2(addr_a: &str, ns_a: Option<&str>, ns_b: Option<&str>, total: u64, chunk
     Ok(mbs(total, took))
 }
 
-/// The pull of `blocks` blocks of `len` bytes from a peer server (in `ns_a`) into another
-/// store (pulling from `ns_b`), verified and into G2: MB/s.
-fn pull(addr_a: &str, ns_a: Option<&str>, ns_b: Option<&str>, blocks: u32, len: usize) -> Result<f64, String> {
-    let took = pull_timed(addr_a, ns_a, ns_b, blocks, len, None)?;
+/// The pull of `blocks` blocks of `len` bytes from a peer server (the serving end) into another
+/// store (the receiving end), verified and into G2: MB/s.
+fn pull(ends: &Ends, blocks: u32, len: usize) -> Result<f64, String> {
+    let took = pull_timed(ends, blocks, len, None)?;
     Ok(mbs(u64::from(blocks) * len as u64, took))
 }
 
 /// How long an engine that asks for the blocks waits until all are loadable (in G2): the pull
 /// starts when it asks, or (`head_start`) that long before, as a router's prefetch hint starts
 /// it when it places the request.
-fn pull_timed(
-    addr_a: &str,
-    ns_a: Option<&str>,
-    ns_b: Option<&str>,
-    blocks: u32,
-    len: usize,
-    head_start: Option<Duration>,
-) -> Result<Duration, String> {
+fn pull_timed(ends: &Ends, blocks: u32, len: usize, head_start: Option<Duration>) -> Result<Duration, String> {
     // The pools in shared memory (/dev/shm where it exists), as a daemon's are by default: a
     // pool file on a disk's filesystem would add page-cache writeback to the transfer.
     let shm = HostTierConfig::with_capacity(0).shm_dir;
@@ -228,8 +234,7 @@ fn pull_timed(
         let meta = BlockMeta { namespace: NS, parent: i.checked_sub(1).map(|p| keys[p]), len: len as u64 };
         sender.put(*k, meta, &data).map_err(|e| e.to_string())?;
     }
-    let bind = format!("{addr_a}:0");
-    let l = in_ns(ns_a, move || TcpListener::bind(bind)).map_err(|e| e.to_string())?;
+    let l = ends.listen()?;
     l.set_nonblocking(true).map_err(|e| e.to_string())?;
     let addr = l.local_addr().map_err(|e| e.to_string())?;
     // Open: the bench measures the transfer; the namespaces it makes are its own.
@@ -253,7 +258,7 @@ fn pull_timed(
     };
     let peers = Arc::new(Peers::new(&cfg, Arc::clone(&receiver)).map_err(|e| e.to_string())?);
     let src = addr.to_string();
-    let took = in_ns(ns_b, move || -> Result<Duration, String> {
+    let took = ends.at_b(move || -> Result<Duration, String> {
         let hinted = match head_start {
             Some(h) => {
                 let p = peers.start(NS, keys.clone(), len as u64, std::slice::from_ref(&src));
@@ -291,20 +296,21 @@ pub fn run(blocks: u32, netns_mbit: Option<u64>) -> Result<Report, String> {
         p.shape(m);
         p
     });
-    let (addr_a, ns_a, ns_b, link) = match (&pair, netns_mbit) {
-        (Some(p), Some(m)) => {
-            (p.addr_a.clone(), Some(p.a.clone()), Some(p.b.clone()), format!("veth shaped to {m} Mbit/s"))
-        }
-        _ => ("127.0.0.1".to_string(), None, None, "loopback".to_string()),
+    let (ends, link) = match (&pair, netns_mbit) {
+        (Some(p), Some(m)) => (
+            Ends { addr_a: p.addr_a.clone(), ns_a: Some(p.a.clone()), ns_b: Some(p.b.clone()) },
+            format!("veth shaped to {m} Mbit/s"),
+        ),
+        _ => (Ends { addr_a: "127.0.0.1".to_string(), ns_a: None, ns_b: None }, "loopback".to_string()),
     };
     let mut report = Report { link, rows: Vec::new(), ready: Vec::new() };
     // Alternate: raw, ours, HTTP/2, three rounds; report each one's median.
     let (mut raw, mut raw_region, mut ours, mut h2) = (vec![], vec![], vec![], vec![]);
     for _ in 0..3 {
-        raw.push(raw_tcp(&addr_a, ns_a.as_deref(), ns_b.as_deref(), total, len, false)?);
-        raw_region.push(raw_tcp(&addr_a, ns_a.as_deref(), ns_b.as_deref(), total, len, true)?);
-        ours.push(pull(&addr_a, ns_a.as_deref(), ns_b.as_deref(), blocks, len)?);
-        h2.push(http2(&addr_a, ns_a.as_deref(), ns_b.as_deref(), total, len)?);
+        raw.push(raw_tcp(&ends, total, len, false)?);
+        raw_region.push(raw_tcp(&ends, total, len, true)?);
+        ours.push(pull(&ends, blocks, len)?);
+        h2.push(http2(&ends, total, len)?);
     }
     let median = |mut v: Vec<f64>| {
         v.sort_by(f64::total_cmp);
@@ -322,8 +328,8 @@ pub fn run(blocks: u32, netns_mbit: Option<u64>) -> Result<Report, String> {
     let mut without = vec![];
     let mut with = vec![];
     for _ in 0..3 {
-        without.push(ms(pull_timed(&addr_a, ns_a.as_deref(), ns_b.as_deref(), 64, len, None)?));
-        with.push(ms(pull_timed(&addr_a, ns_a.as_deref(), ns_b.as_deref(), 64, len, Some(Duration::from_millis(50)))?));
+        without.push(ms(pull_timed(&ends, 64, len, None)?));
+        with.push(ms(pull_timed(&ends, 64, len, Some(Duration::from_millis(50)))?));
     }
     report.ready.push(("no hint: the pull starts when the engine asks".into(), median(without)));
     report.ready.push(("prefetch hint at placement, engine asks 50 ms later".into(), median(with)));

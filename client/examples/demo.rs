@@ -12,7 +12,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use kvclient::{Client, ClientError, KvMemory, synthetic_block};
-use kvproto::{Dtype, KvLayout, LayoutKind, Namespace};
+use kvproto::{KvLayout, Namespace};
 
 fn shm_path(name: &str) -> std::path::PathBuf {
     let dir = if Path::new("/dev/shm").is_dir() { "/dev/shm".into() } else { std::env::temp_dir() };
@@ -33,14 +33,7 @@ async fn main() -> std::process::ExitCode {
 
 /// Runs the demo against the daemon at `socket`.
 async fn run(socket: &Path) -> Result<(), ClientError> {
-    let layout = KvLayout {
-        num_layers: 28,
-        kv_heads: 8,
-        head_dim: 128,
-        dtype: Dtype::Bf16,
-        tokens_per_block: 16,
-        kind: LayoutKind::LayerSeparate,
-    };
+    let layout = KvLayout::qwen3_0_6b(16);
     let ns = Namespace::new("Qwen/Qwen3-0.6B", layout);
     let blocks = 64u32; // a 1024-token prompt
     let tokens: Vec<u32> = (0..blocks * 16).map(|i| i.wrapping_mul(2_654_435_761) % 151_936).collect();

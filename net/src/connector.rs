@@ -10,16 +10,11 @@ use tokio::net::TcpStream;
 
 use crate::config::ClientAuthConfig;
 use crate::error::NetError;
-use crate::reload::Reloading;
+use crate::reload::{Reloading, read_first};
 use crate::tls::{self, Stream};
 
 fn load_token(paths: &[PathBuf]) -> Result<String, NetError> {
-    let path = &paths[0];
-    let text = std::fs::read_to_string(path).map_err(|e| NetError::File {
-        what: "token file",
-        path: path.clone(),
-        why: e.to_string(),
-    })?;
+    let (path, text) = read_first("token file", paths)?;
     text.lines()
         .map(str::trim)
         .find(|l| !l.is_empty() && !l.starts_with('#'))
@@ -51,18 +46,11 @@ impl Connector {
                     paths.push(c.clone());
                     paths.push(k.clone());
                 }
-                let alpn: Vec<Vec<u8>> = alpn.iter().map(|a| a.to_vec()).collect();
-                Some(Reloading::new("TLS client configuration", paths, move |p| {
-                    let a: Vec<&[u8]> = alpn.iter().map(Vec::as_slice).collect();
-                    tls::client_config(p, &a)
-                })?)
+                Some(Reloading::tls("TLS client configuration", paths, alpn, tls::client_config)?)
             }
             None => None,
         };
-        let token = match &cfg.token_file {
-            Some(f) => Some(Reloading::new("token file", vec![f.clone()], load_token)?),
-            None => None,
-        };
+        let token = Reloading::file("token file", cfg.token_file.as_ref(), load_token)?;
         Ok(Self { cfg: cfg.clone(), tls, token })
     }
 

@@ -14,7 +14,7 @@ use tokio::net::TcpStream;
 
 use crate::config::AuthConfig;
 use crate::error::NetError;
-use crate::reload::Reloading;
+use crate::reload::{Reloading, read_first};
 use crate::tls::{self, Stream};
 
 /// Shortest token accepted: a guessable token is no credential.
@@ -101,12 +101,7 @@ struct Tokens {
 }
 
 fn load_tokens(paths: &[PathBuf]) -> Result<Tokens, NetError> {
-    let path = &paths[0];
-    let text = std::fs::read_to_string(path).map_err(|e| NetError::File {
-        what: "tokens file",
-        path: path.clone(),
-        why: e.to_string(),
-    })?;
+    let (path, text) = read_first("tokens file", paths)?;
     let mut entries = Vec::new();
     for (n, line) in text.lines().enumerate() {
         let line = line.split('#').next().unwrap_or("").trim();
@@ -218,18 +213,11 @@ impl Guard {
             (Some(c), Some(k)) => {
                 let mut paths = vec![c.clone(), k.clone()];
                 paths.extend(cfg.tls_client_ca.clone());
-                let alpn: Vec<Vec<u8>> = alpn.iter().map(|a| a.to_vec()).collect();
-                Some(Reloading::new("TLS server certificate", paths, move |p| {
-                    let a: Vec<&[u8]> = alpn.iter().map(Vec::as_slice).collect();
-                    tls::server_tls(p, &a)
-                })?)
+                Some(Reloading::tls("TLS server certificate", paths, alpn, tls::server_tls)?)
             }
             _ => None,
         };
-        let tokens = match &cfg.tokens_file {
-            Some(f) => Some(Reloading::new("tokens file", vec![f.clone()], load_tokens)?),
-            None => None,
-        };
+        let tokens = Reloading::file("tokens file", cfg.tokens_file.as_ref(), load_tokens)?;
         Ok(Self {
             endpoint: endpoint.to_string(),
             cfg: cfg.clone(),

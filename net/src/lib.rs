@@ -19,6 +19,8 @@
 //! - [`blocking`]: the same on blocking sockets ([`blocking::SyncStream`]), for data paths that
 //!   copy between a socket and memory lent to a synchronous closure.
 //! - [`tls`]: rustls configurations from PEM files; [`Stream`], plain or TLS.
+//! - [`process`]: what the daemons do alike as processes: logging on stderr, SIGTERM / SIGINT,
+//!   tasks aborted on drop.
 //! - [`reload`]: [`reload::Reloading`], a value rebuilt when its files change.
 //! - [`slots`]: [`slots::Slots`], a listener's connections; when it is full, a newcomer takes
 //!   the place of the one idle longest with no request in flight (a flood of silent or slow
@@ -50,6 +52,8 @@ pub mod http;
 mod http_accept;
 #[cfg(feature = "http")]
 mod http_serve;
+#[cfg(feature = "runtime")]
+pub mod process;
 #[cfg(feature = "runtime")]
 pub mod reload;
 #[cfg(feature = "runtime")]

@@ -14,6 +14,18 @@ use crate::error::NetError;
 /// How often the files' modification times are looked at.
 const CHECK_EVERY: Duration = Duration::from_secs(1);
 
+/// The first of `paths` (the one file of a [`Reloading::file`]) and its text; an error names
+/// the file as `what`.
+pub(crate) fn read_first(what: &'static str, paths: &[PathBuf]) -> Result<(PathBuf, String), NetError> {
+    let path = paths.first().ok_or_else(|| NetError::Config(format!("no {what} named")))?;
+    let text =
+        std::fs::read_to_string(path).map_err(|e| NetError::File { what, path: path.clone(), why: e.to_string() })?;
+    Ok((path.clone(), text))
+}
+
+/// How [`Reloading::tls`] builds a TLS configuration: from the files, offering the protocols.
+type BuildTls<T> = fn(&[PathBuf], &[&[u8]]) -> Result<T, NetError>;
+
 type Build<T> = dyn Fn(&[PathBuf]) -> Result<T, NetError> + Send + Sync;
 
 struct State<T> {
@@ -50,6 +62,30 @@ impl<T> Reloading<T> {
         let value = Arc::new(build(&paths)?);
         let state = Mutex::new(State { checked: Instant::now(), stamps: stamps(&paths), value });
         Ok(Self { what, paths, build: Box::new(build), state })
+    }
+
+    /// A TLS configuration that `build` makes from `paths`, offering the protocols `alpn`.
+    pub fn tls(what: &'static str, paths: Vec<PathBuf>, alpn: &[&[u8]], build: BuildTls<T>) -> Result<Self, NetError>
+    where
+        T: 'static,
+    {
+        let alpn: Vec<Vec<u8>> = alpn.iter().map(|a| a.to_vec()).collect();
+        Self::new(what, paths, move |p| {
+            let a: Vec<&[u8]> = alpn.iter().map(Vec::as_slice).collect();
+            build(p, &a)
+        })
+    }
+
+    /// What `load` makes of the one file `path`, when one is named.
+    pub fn file(
+        what: &'static str,
+        path: Option<&PathBuf>,
+        load: fn(&[PathBuf]) -> Result<T, NetError>,
+    ) -> Result<Option<Self>, NetError>
+    where
+        T: 'static,
+    {
+        path.map(|p| Self::new(what, vec![p.clone()], load)).transpose()
     }
 
     /// The current value, rebuilt first if a file changed since the last look.

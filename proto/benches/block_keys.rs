@@ -10,7 +10,7 @@ use std::hint::black_box;
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use kvproto::dynamo::{DYNAMO_SEED, sequence_hashes};
-use kvproto::{Dtype, KvLayout, LayoutKind, Namespace, block_keys};
+use kvproto::{KvLayout, Namespace, block_keys};
 
 const PROMPT_TOKENS: usize = 128 * 1024;
 
@@ -20,17 +20,7 @@ fn prompt() -> Vec<u32> {
 }
 
 fn namespace(tokens_per_block: u32) -> Namespace {
-    let mut ns = Namespace::new(
-        "meta-llama/Llama-3.1-8B-Instruct",
-        KvLayout {
-            num_layers: 32,
-            kv_heads: 8,
-            head_dim: 128,
-            dtype: Dtype::Bf16,
-            tokens_per_block,
-            kind: LayoutKind::LayerSeparate,
-        },
-    );
+    let mut ns = Namespace::new("meta-llama/Llama-3.1-8B-Instruct", KvLayout::llama3_8b(tokens_per_block));
     ns.tenant_salt = Some(b"bench-tenant-salt".to_vec());
     ns
 }

@@ -117,6 +117,29 @@ pub struct KvLayout {
 }
 
 impl KvLayout {
+    /// Llama-3-8B's KV (32 layers): [`KvLayout::bf16_8x128`].
+    pub fn llama3_8b(tokens_per_block: u32) -> Self {
+        Self::bf16_8x128(32, tokens_per_block)
+    }
+
+    /// Qwen3-0.6B's KV (28 layers): [`KvLayout::bf16_8x128`].
+    pub fn qwen3_0_6b(tokens_per_block: u32) -> Self {
+        Self::bf16_8x128(28, tokens_per_block)
+    }
+
+    /// `num_layers` layers of 8 KV heads of 128 dimensions, bf16, layer-separate: the layout of
+    /// common grouped-query-attention models, as examples, tests and benches use it.
+    pub fn bf16_8x128(num_layers: u32, tokens_per_block: u32) -> Self {
+        KvLayout {
+            num_layers,
+            kv_heads: 8,
+            head_dim: 128,
+            dtype: Dtype::Bf16,
+            tokens_per_block,
+            kind: LayoutKind::LayerSeparate,
+        }
+    }
+
     /// A layout from its fields with the dtype and kind by name (`"bf16"`, `"layer_separate"`),
     /// as configuration files and the wire carry them. Not validated: see [`KvLayout::validate`].
     pub fn from_names(

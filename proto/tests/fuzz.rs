@@ -8,16 +8,11 @@
 #![allow(clippy::unwrap_used)]
 
 use kvproto::events::PublisherMessage;
+use kvproto::fuzzing::{bytes, cases, scalars};
 use kvproto::slots::{Segment, SlotLayout};
 use kvproto::{KvLayout, Namespace, pb, vllm};
 use proptest::prelude::*;
 use rmpv::Value;
-
-/// Cases per property: `PROPTEST_CASES` when set, else `default` (kept small for `cargo test`).
-fn cases(default: u32) -> ProptestConfig {
-    let n = std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(default);
-    ProptestConfig { cases: n, failure_persistence: None, ..ProptestConfig::default() }
-}
 
 /// Small and boundary numbers, where decoders go wrong, and any number.
 fn num32() -> impl Strategy<Value = u32> {
@@ -50,10 +45,6 @@ fn layout() -> impl Strategy<Value = pb::Layout> {
         })
 }
 
-fn bytes(max: usize) -> impl Strategy<Value = Vec<u8>> {
-    proptest::collection::vec(any::<u8>(), 0..max)
-}
-
 fn spec() -> impl Strategy<Value = pb::NamespaceSpec> {
     (
         ".{0,40}",
@@ -74,12 +65,10 @@ fn spec() -> impl Strategy<Value = pb::NamespaceSpec> {
 /// Any msgpack value, nested a few levels.
 fn msgpack() -> impl Strategy<Value = Value> {
     let leaf = prop_oneof![
-        Just(Value::Nil),
-        any::<bool>().prop_map(Value::from),
-        any::<u64>().prop_map(Value::from),
-        any::<i64>().prop_map(Value::from),
-        any::<f64>().prop_map(Value::from),
-        prop_oneof![
+        1 => Just(Value::Nil),
+        3 => scalars(),
+        1 => any::<f64>().prop_map(Value::from),
+        1 => prop_oneof![
             Just("BlockStored"),
             Just("BlockRemoved"),
             Just("AllBlocksCleared"),
@@ -91,7 +80,7 @@ fn msgpack() -> impl Strategy<Value = Value> {
             Just("medium"),
         ]
         .prop_map(Value::from),
-        bytes(40).prop_map(Value::Binary),
+        1 => bytes(40).prop_map(Value::Binary),
     ];
     leaf.prop_recursive(4, 64, 8, |inner| {
         prop_oneof![

@@ -194,19 +194,8 @@ fn dynamo_vectors() {
 // Properties
 // ---------------------------------------------------------------------------------------------
 
-fn layout(tokens_per_block: u32) -> KvLayout {
-    KvLayout {
-        num_layers: 32,
-        kv_heads: 8,
-        head_dim: 128,
-        dtype: Dtype::Bf16,
-        tokens_per_block,
-        kind: LayoutKind::LayerSeparate,
-    }
-}
-
 fn base() -> Namespace {
-    Namespace::new("meta-llama/Llama-3.1-8B-Instruct", layout(16))
+    Namespace::new("meta-llama/Llama-3.1-8B-Instruct", KvLayout::llama3_8b(16))
 }
 
 fn prompt(n: usize) -> Vec<u32> {

@@ -19,6 +19,7 @@ MP connector in the same run (docs/benchmarks.md, "Python and vLLM connector").
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -215,6 +216,16 @@ def scheduler_costs(sock: str, tokens: int, rounds: int, lmcache: dict | None) -
     return out
 
 
+def stop(p: subprocess.Popen, sig: int, timeout: float) -> int:
+    """Sends `sig` to `p` and waits up to `timeout` seconds for it to exit, then kills it: its
+    exit status."""
+    p.send_signal(sig)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        return p.wait(timeout=timeout)
+    p.kill()
+    return p.wait()
+
+
 def lmcache_server(path: str, port: int, http_port: int) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": path, "LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1"}
     code = "import sys; sys.argv=['lmcache']+sys.argv[1:]\nfrom lmcache.cli.main import main; main()"
@@ -298,11 +309,7 @@ def main() -> None:
             results.update(lmcache_bench(a.lmcache_path, 5611, 8611, 64))
     finally:
         if lm is not None:
-            lm.send_signal(signal.SIGINT)
-            try:
-                lm.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                lm.kill()
+            stop(lm, signal.SIGINT, 20)
         daemon.send_signal(signal.SIGTERM)
         daemon.wait(timeout=30)
         shutil.rmtree(root, ignore_errors=True)

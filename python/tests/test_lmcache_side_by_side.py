@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 os.environ.update(LMCACHE_TRACK_USAGE="false", DO_NOT_TRACK="1", LMCACHE_DISABLE_BANNER="1")
 
 import vllm_harness as h  # noqa: E402
-from bench_python import lmcache_server  # noqa: E402
+from bench_python import lmcache_server, stop  # noqa: E402
 from vllm.config import KVTransferConfig  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
@@ -47,12 +46,7 @@ def lmcache():
     port, http = free_port(), free_port()
     p = lmcache_server(LMCACHE, port, http)
     yield port
-    p.send_signal(signal.SIGINT)
-    try:
-        p.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        p.wait()
+    stop(p, signal.SIGINT, 20)
 
 
 def scheduler(sock: str, model_dir: str, transfer: KVTransferConfig | None) -> Scheduler:

@@ -223,21 +223,10 @@ class Engine:
         return out
 
 
-def engine(
-    socket: str,
-    role: str = "kv_both",
-    extra: dict[str, Any] | None = None,
-    *,
-    model_dir: str,
-    num_blocks: int = 64,
-    prefix_caching: bool = True,
-    layout: str = "LBHNC",
-    batched_tokens: int = 64,
-) -> Engine:
-    cfg = vllm_config(
-        socket, role, extra, model_dir=model_dir, prefix_caching=prefix_caching, layout=layout,
-        batched_tokens=batched_tokens,
-    )  # fmt: skip
+def engine(*args: Any, num_blocks: int = 64, layout: str = "LBHNC", **kwargs: Any) -> Engine:
+    """A scheduler and a worker of `vllm_config(*args, layout=layout, **kwargs)` with the
+    kvcached connector, over `num_blocks` blocks of KV in `layout`."""
+    cfg = vllm_config(*args, layout=layout, **kwargs)
     kcfg = kv_cache_config(cfg, num_blocks)
     sched = Scheduler(
         vllm_config=cfg, kv_cache_config=kcfg, log_stats=True,

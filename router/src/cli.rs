@@ -1,5 +1,5 @@
 //! The `kvrouter` command line: configuration from a TOML file, flags and environment, then
-//! [`crate::serve`] until SIGTERM / SIGINT. The binary only calls [`main`].
+//! [`crate::serve`] until SIGTERM / SIGINT ([`kvnet::process::shutdown_signal`]). The binary only calls [`main`].
 
 use std::path::PathBuf;
 
@@ -27,7 +27,7 @@ struct Args {
 /// Runs the command line given to this process.
 pub fn main() -> std::process::ExitCode {
     let args = Args::parse();
-    init_logging(&args.log_format);
+    kvnet::process::init_logging(&args.log_format);
     match run(args) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
@@ -47,22 +47,8 @@ fn run(args: Args) -> Result<(), crate::RouterError> {
     }
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(async move {
-        let shutdown = crate::signals::shutdown_signal();
+        let shutdown = kvnet::process::shutdown_signal();
         let listener = tokio::net::TcpListener::bind(&args.listen).await?;
         crate::serve(listener, config, shutdown).await
     })
-}
-
-/// Logs on stderr, filtered by `RUST_LOG` (default `info`): plain text without colour codes when
-/// stderr is not a terminal (a file, a pipe, a container's log), or JSON lines.
-fn init_logging(format: &str) {
-    use std::io::IsTerminal;
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let fmt = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
-    if format == "json" {
-        fmt.json().init();
-    } else {
-        fmt.with_ansi(std::io::stderr().is_terminal()).init();
-    }
 }

@@ -19,7 +19,6 @@
 //! - [`vllm_ingest`]: vLLM engines' events into the router (translation, gaps, restarts); no I/O.
 //! - [`zmq`]: the ZMQ SUB sockets of vLLM sources (gaps replayed from their replay socket).
 //! - [`sim`]: the simulation harness (LRU workers publishing real events to a real router).
-//! - [`signals`]: SIGTERM / SIGINT, which start the graceful shutdown.
 //! - [`error`]: the crate's error enum.
 //!
 //! The protocol, every weight and every health signal are documented in `docs/router.md`.
@@ -34,7 +33,6 @@ pub mod metrics;
 pub mod query;
 pub mod recovery;
 pub mod router;
-pub mod signals;
 pub mod sim;
 pub mod state;
 pub mod vllm_ingest;

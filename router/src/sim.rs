@@ -217,6 +217,20 @@ fn publisher_info(i: usize, interval_ms: u64) -> PublisherInfo {
     }
 }
 
+/// POSTs `body` as JSON to `{base}{path}`: the answer, or an error unless it is a success.
+async fn post_json(
+    http: &reqwest::Client,
+    base: &str,
+    path: &str,
+    body: &impl Serialize,
+) -> Result<reqwest::Response, RouterError> {
+    let r = http.post(format!("{base}{path}")).json(body).send().await.map_err(|e| RouterError::Http(e.to_string()))?;
+    if !r.status().is_success() {
+        return Err(RouterError::Http(format!("POST {path}: {}", r.status())));
+    }
+    Ok(r)
+}
+
 /// Runs `trace` against the router at `base` (`http://host:port`). The router must be empty;
 /// round-robin and random runs do not call it.
 pub async fn run(base: &str, trace: &[TraceRequest], cfg: &SimConfig) -> Result<SimResult, RouterError> {
@@ -231,25 +245,10 @@ pub async fn run(base: &str, trace: &[TraceRequest], cfg: &SimConfig) -> Result<
             dirty: true,
         })
         .collect();
-    let post = |msg: PublisherMessage| {
-        let http = http.clone();
-        async move {
-            let r = http
-                .post(format!("{base}/events"))
-                .json(&msg)
-                .send()
-                .await
-                .map_err(|e| RouterError::Http(e.to_string()))?;
-            if !r.status().is_success() {
-                return Err(RouterError::Http(format!("POST /events: {}", r.status())));
-            }
-            Ok::<(), RouterError>(())
-        }
-    };
     let kv = cfg.policy == Policy::KvAware;
     if kv {
         for (i, w) in workers.iter().enumerate() {
-            post(w.publisher.message(Some(publisher_info(i, 3_600_000)), vec![])).await?;
+            post_json(&http, base, "/events", &w.publisher.message(Some(publisher_info(i, 3_600_000)), vec![])).await?;
         }
     }
     let mut rng = StdRng::seed_from_u64(cfg.seed);
@@ -284,19 +283,14 @@ pub async fn run(base: &str, trace: &[TraceRequest], cfg: &SimConfig) -> Result<
                         }],
                     });
                     w.dirty = false;
-                    post(m).await?;
+                    post_json(&http, base, "/events", &m).await?;
                 }
                 let body = serde_json::json!({"namespace_id": SIM_NAMESPACE.to_string(), "keys": keys});
-                let r = http
-                    .post(format!("{base}/route"))
-                    .json(&body)
-                    .send()
+                let r: RouteResponse = post_json(&http, base, "/route", &body)
+                    .await?
+                    .json()
                     .await
                     .map_err(|e| RouterError::Http(e.to_string()))?;
-                if !r.status().is_success() {
-                    return Err(RouterError::Http(format!("POST /route: {}", r.status())));
-                }
-                let r: RouteResponse = r.json().await.map_err(|e| RouterError::Http(e.to_string()))?;
                 let i = r
                     .worker
                     .strip_prefix("sim-w")
@@ -357,7 +351,7 @@ pub async fn run(base: &str, trace: &[TraceRequest], cfg: &SimConfig) -> Result<
                     found_blocks: [hit as u32, 0, 0, 0],
                 }];
             }
-            post(m).await?;
+            post_json(&http, base, "/events", &m).await?;
         }
     }
     res.hit_rate = if res.blocks == 0 { 0.0 } else { res.hit_blocks as f64 / res.blocks as f64 };

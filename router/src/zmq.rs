@@ -12,6 +12,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use kvnet::process::AbortOnDrop;
 use kvproto::events::{NodeId, WorkerId};
 use kvproto::vllm;
 use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
@@ -269,15 +270,6 @@ const READ_AHEAD: usize = 256;
 
 /// How long gaps are only reported after a replay that got no answer.
 const REPLAY_BACKOFF: Duration = Duration::from_secs(30);
-
-/// A task aborted when its handle is dropped (a source's reader goes with the source).
-struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
-
-impl<T> Drop for AbortOnDrop<T> {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
-}
 
 /// Why a source's reader ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

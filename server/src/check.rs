@@ -13,6 +13,14 @@ use crate::peer::sources::SourcePolicy;
 use crate::policy::tenants::Tenants;
 use crate::serve;
 
+/// An error naming the first of `fields` whose value is below `min`.
+fn at_least<T: PartialOrd + std::fmt::Display + Copy>(min: T, fields: &[(&str, T)]) -> Result<(), ServerError> {
+    match fields.iter().find(|(_, v)| *v < min) {
+        Some((field, _)) => Err(bad(field, format!("must be at least {min}"))),
+        None => Ok(()),
+    }
+}
+
 /// Physical memory of the machine.
 fn machine_memory() -> u64 {
     // SAFETY: sysconf has no preconditions.
@@ -72,18 +80,17 @@ impl Config {
         }
         kvnet::Connector::new(&p.client, &[]).map_err(|e| bad("peer.client", e.to_string()))?;
         SourcePolicy::new(&p.peers, &p.allowed_sources).map_err(|e| bad("peer.allowed_sources", e))?;
-        for (f, v) in [
-            ("peer.max_connections", p.max_connections as u64),
-            ("peer.max_pulls", p.max_pulls as u64),
-            ("peer.pull_deadline_ms", p.pull_deadline_ms),
-            ("peer.connect_timeout_ms", p.connect_timeout_ms),
-            ("peer.io_timeout_ms", p.io_timeout_ms),
-            ("peer.idle_timeout_ms", p.idle_timeout_ms),
-        ] {
-            if v == 0 {
-                return Err(bad(f, "must be at least 1"));
-            }
-        }
+        at_least(
+            1,
+            &[
+                ("peer.max_connections", p.max_connections as u64),
+                ("peer.max_pulls", p.max_pulls as u64),
+                ("peer.pull_deadline_ms", p.pull_deadline_ms),
+                ("peer.connect_timeout_ms", p.connect_timeout_ms),
+                ("peer.io_timeout_ms", p.io_timeout_ms),
+                ("peer.idle_timeout_ms", p.idle_timeout_ms),
+            ],
+        )?;
         Ok(())
     }
 
@@ -162,32 +169,30 @@ impl Config {
             ));
         }
         let l = &self.limits;
-        for (field, v) in [
-            ("limits.max_connections", l.max_connections),
-            ("limits.max_connections_per_uid", l.max_connections_per_uid),
-            ("limits.max_engines_per_uid", l.max_engines_per_uid),
-            ("limits.max_pending_loads_per_uid", l.max_pending_loads_per_uid),
-            ("limits.max_concurrent_streams", l.max_concurrent_streams as usize),
-        ] {
-            if v == 0 {
-                return Err(bad(field, "must be at least 1"));
-            }
-        }
+        at_least(
+            1,
+            &[
+                ("limits.max_connections", l.max_connections),
+                ("limits.max_connections_per_uid", l.max_connections_per_uid),
+                ("limits.max_engines_per_uid", l.max_engines_per_uid),
+                ("limits.max_pending_loads_per_uid", l.max_pending_loads_per_uid),
+                ("limits.max_concurrent_streams", l.max_concurrent_streams as usize),
+            ],
+        )?;
         if !(64 << 10..=1 << 30).contains(&l.max_message_bytes) {
             return Err(bad("limits.max_message_bytes", "must be in 65536..=1073741824"));
         }
         if l.max_buffered_bytes_per_uid < l.max_message_bytes as u64 {
             return Err(bad("limits.max_buffered_bytes_per_uid", "must be at least limits.max_message_bytes"));
         }
-        for (field, v) in [
-            ("limits.request_timeout_ms", l.request_timeout_ms),
-            ("limits.idle_timeout_ms", l.idle_timeout_ms),
-            ("limits.handshake_timeout_ms", l.handshake_timeout_ms),
-        ] {
-            if v < 100 {
-                return Err(bad(field, "must be at least 100"));
-            }
-        }
+        at_least(
+            100,
+            &[
+                ("limits.request_timeout_ms", l.request_timeout_ms),
+                ("limits.idle_timeout_ms", l.idle_timeout_ms),
+                ("limits.handshake_timeout_ms", l.handshake_timeout_ms),
+            ],
+        )?;
         // A client waiting for an answer sends nothing: a shorter idle timeout would close
         // connections under requests still within their time.
         if l.idle_timeout_ms < l.request_timeout_ms {
@@ -263,16 +268,15 @@ impl Config {
             if g.endpoint.starts_with("http://") && !g.allow_http {
                 return Err(bad("g4.allow_http", "the endpoint is http://: set g4.allow_http = true to allow it"));
             }
-            for (field, v) in [
-                ("g4.concurrency", g.concurrency),
-                ("g4.probe_fanout", g.probe_fanout),
-                ("g4.writethrough_queue", g.writethrough_queue),
-                ("g4.writethrough_batch", g.writethrough_batch),
-            ] {
-                if v == 0 {
-                    return Err(bad(field, "must be at least 1"));
-                }
-            }
+            at_least(
+                1,
+                &[
+                    ("g4.concurrency", g.concurrency),
+                    ("g4.probe_fanout", g.probe_fanout),
+                    ("g4.writethrough_queue", g.writethrough_queue),
+                    ("g4.writethrough_batch", g.writethrough_batch),
+                ],
+            )?;
             if g.request_timeout_ms < 100 || g.retry_deadline_ms < g.request_timeout_ms {
                 return Err(bad("g4.retry_deadline_ms", "request_timeout_ms >= 100 and retry_deadline_ms >= it"));
             }

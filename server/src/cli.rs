@@ -157,7 +157,7 @@ impl Cli {
 /// configuration).
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_logging(&cli.log_format);
+    kvnet::process::init_logging(&cli.log_format);
     let json = cli.log_format == "json";
     let config = match cli.config() {
         Ok(c) => c,
@@ -184,7 +184,7 @@ pub fn main() -> ExitCode {
         }
         Command::Run => rt
             .block_on(async {
-                let shutdown = crate::signals::shutdown_signal();
+                let shutdown = kvnet::process::shutdown_signal();
                 let listeners = Listeners::bind(&config).await?;
                 let socket = config.socket.clone();
                 let scheme = if config.metrics_auth.tls() { "https" } else { "http" };
@@ -220,19 +220,5 @@ fn say(json: bool, error: bool, line: &str) {
         (false, _) => eprintln!("{line}"),
         (true, false) => tracing::info!("{line}"),
         (true, true) => tracing::error!("{line}"),
-    }
-}
-
-/// Logs on stderr, filtered by `RUST_LOG` (default `info`): plain text without colour codes when
-/// stderr is not a terminal (a file, a pipe, a container's log), or JSON lines.
-fn init_logging(format: &str) {
-    use std::io::IsTerminal;
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let fmt = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
-    if format == "json" {
-        fmt.json().init();
-    } else {
-        fmt.with_ansi(std::io::stderr().is_terminal()).init();
     }
 }

@@ -8,17 +8,9 @@
 #![allow(clippy::unwrap_used)]
 
 use kvcached::peer::protocol::{self, BlockHeader};
+use kvproto::fuzzing::{bytes, cases};
 use kvproto::{BlockKey, NamespaceId};
 use proptest::prelude::*;
-
-fn cases(default: u32) -> ProptestConfig {
-    let n = std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(default);
-    ProptestConfig { cases: n, failure_persistence: None, ..ProptestConfig::default() }
-}
-
-fn bytes(max: usize) -> impl Strategy<Value = Vec<u8>> {
-    proptest::collection::vec(any::<u8>(), 0..max)
-}
 
 /// Reads a whole server-side session the way `peer/server.rs` does: hello, then ops until BYE,
 /// an error or the end of input. Returns how many frames were read.

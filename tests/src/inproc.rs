@@ -15,6 +15,18 @@ pub fn is_root() -> bool {
     unsafe { libc::geteuid() == 0 }
 }
 
+/// Returns from the test (after saying it is skipped, and that it needs root `$why`) unless
+/// this process runs as root: the tests that play other uids.
+#[macro_export]
+macro_rules! require_root {
+    ($why:literal) => {
+        if !$crate::inproc::is_root() {
+            eprintln!(concat!("skipped: needs root ", $why));
+            return;
+        }
+    };
+}
+
 /// The daemon; [`InProcess::stop`] shuts it down and checks it ended cleanly.
 #[derive(Debug)]
 pub struct InProcess {

@@ -25,6 +25,8 @@
 //! - `replay.rs`: a short `kvbench replay`: a trace through daemon processes and a router process.
 //! - [`h2raw`]: HTTP/2 frames by hand, for requests no gRPC client would send.
 //! - [`lookup_raw`]: LOOKUP connections by hand, for lookups no client would send.
+//! - [`raw_grpc`]: the daemon's gRPC API over its socket without the client crate, raw bodies.
+//! - [`fixture`]: the small layout, prompts, child processes killed when dropped.
 //! - [`inproc`]: a root daemon in this process that other uids can reach.
 //! - `security.rs`: the daemon against hostile local clients (another uid, TCP, floods).
 //! - `security_floods.rs`: floods of idle or slow connections on `peer.listen`, the HTTP port and
@@ -44,22 +46,16 @@ pub mod netns;
 pub mod node;
 pub mod oracle;
 pub mod proc;
+pub mod raw_grpc;
 pub mod router_harness;
 pub mod s3;
 
 /// The layout of `tests/tenants.rs`'s engines (16 KiB blocks of 16 tokens).
 pub fn tenant_layout() -> kvproto::KvLayout {
-    kvproto::KvLayout {
-        num_layers: 2,
-        kv_heads: 2,
-        head_dim: 64,
-        dtype: kvproto::Dtype::Bf16,
-        tokens_per_block: 16,
-        kind: kvproto::LayoutKind::LayerSeparate,
-    }
+    fixture::small_layout()
 }
 
 /// The prompt of `tests/tenants.rs`: `blocks` blocks of 16 tokens.
 pub fn tenant_prompt(blocks: u32) -> Vec<u32> {
-    (0..blocks * 16).map(|i| i.wrapping_mul(2_654_435_761) % 150_000).collect()
+    fixture::prompt(0, blocks)
 }

@@ -4,6 +4,7 @@
 //! byte for byte without keeping a copy.
 
 use std::path::Path;
+use std::time::{Duration, Instant};
 
 use kvclient::{Client, ClientError, KvMemory, synthetic_block};
 use kvproto::pb;
@@ -106,6 +107,25 @@ impl Engine {
         let slots: Vec<u32> = (first_slot..first_slot + blocks).collect();
         let status = self.client.load_now(&prompt(seed, blocks), 0, &slots).await?;
         Ok((self.check(seed, status.loaded_blocks.min(blocks), first_slot), status))
+    }
+
+    /// Saves prompt `seed` (`blocks` blocks, from slot 0) within `bound`, all of it stored (the
+    /// fault suites' saves: the fault must not hold them).
+    pub async fn save_within(&mut self, seed: u64, blocks: u32, bound: Duration) {
+        let t0 = Instant::now();
+        let r = self.save(seed, blocks, 0).await.unwrap_or_else(|e| panic!("saving prompt {seed}: {e}"));
+        assert_eq!(r.stored + r.already_present, blocks, "{r:?}");
+        assert!(t0.elapsed() < bound, "a save took {:?}", t0.elapsed());
+    }
+
+    /// Loads prompt `seed` into slots 64.. (past the fault suites' saves) and checks it: (blocks
+    /// loaded, status, took).
+    pub async fn load_timed(&mut self, seed: u64, blocks: u32) -> (u32, pb::LoadStatus, Duration) {
+        let t0 = Instant::now();
+        let (c, st) =
+            self.load_checked(seed, blocks, 64).await.unwrap_or_else(|e| panic!("loading prompt {seed}: {e}"));
+        assert_eq!(c.wrong, 0, "wrong bytes served for prompt {seed}: {st:?}");
+        (c.loaded, st, t0.elapsed())
     }
 
     /// Checks slots `first_slot..` against prompt `seed`'s first `loaded` blocks.

@@ -9,7 +9,8 @@ use kvproto::events::{
     WorkerId, WorkerInfo,
 };
 use kvproto::{BlockKey, TierKind};
-use kvrouter::config::{NamespaceSpec, ResolvedNamespace};
+use kvrouter::config::{NamespaceSpec, ResolvedNamespace, VllmSource};
+use kvrouter::recovery::MemoryPublisher;
 use kvrouter::{RouteResponse, Router, RouterConfig};
 use serde_json::Value;
 
@@ -26,6 +27,20 @@ impl Server {
     pub async fn start(config: RouterConfig) -> Self {
         let router = Router::new(config).unwrap();
         Self::start_with(router).await
+    }
+
+    /// A router with [`config`], and its namespace `m`.
+    pub async fn start_default() -> (Self, ResolvedNamespace) {
+        let cfg = config();
+        let ns = resolved(&cfg);
+        (Self::start(cfg).await, ns)
+    }
+
+    /// [`Server::start_default`] and a publisher named `publisher` (epoch 1, a log of 100
+    /// events) to feed it.
+    pub async fn start_default_with(publisher: &str) -> (Self, ResolvedNamespace, MemoryPublisher) {
+        let (srv, ns) = Self::start_default().await;
+        (srv, ns, MemoryPublisher::new(publisher, 1, 100))
     }
 
     pub async fn start_with(router: Arc<Router>) -> Self {
@@ -125,6 +140,28 @@ pub fn spec(name: &str, model: &str, tokens_per_block: u32) -> NamespaceSpec {
         extra_hex: None,
         key_scheme: KEY_SCHEME_KVCACHED.into(),
         expected_blocks: 0,
+    }
+}
+
+/// Namespace `m` of model `model` with [`crate::fixture::small_layout`] (16-token blocks): the
+/// namespace of the daemons' engines in the tests with real daemons.
+pub fn small_spec(model: &str) -> NamespaceSpec {
+    NamespaceSpec { kv_heads: 2, head_dim: 64, ..spec("m", model, 16) }
+}
+
+/// A vLLM event source at `endpoint`: worker `v1` of node `N1`, namespace `vllm`, its replay
+/// socket `replay_endpoint`, reconnecting after `idle_reconnect_s` of silence.
+pub fn vllm_source(endpoint: &str, replay_endpoint: Option<String>, idle_reconnect_s: f64) -> VllmSource {
+    VllmSource {
+        endpoint: endpoint.to_string(),
+        topic: String::new(),
+        worker: "v1".into(),
+        node: "N1".into(),
+        namespace: "vllm".into(),
+        address: "http://v1.invalid".into(),
+        role: None,
+        replay_endpoint,
+        idle_reconnect_s,
     }
 }
 

@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use kvclient::{Client, KvMemory};
-use kvproto::{Dtype, KvLayout, LayoutKind, Namespace};
+use kvproto::{KvLayout, Namespace};
 use serde::{Deserialize, Serialize};
 
 use crate::replay::cluster::DaemonProcess;
@@ -38,14 +38,7 @@ const WARM_BASE: u64 = 1 << 48;
 
 /// Llama-3-8B's KV layout in 16-token blocks.
 pub fn layout() -> KvLayout {
-    KvLayout {
-        num_layers: 32,
-        kv_heads: 8,
-        head_dim: 128,
-        dtype: Dtype::Bf16,
-        tokens_per_block: PAGE_TOKENS,
-        kind: LayoutKind::LayerSeparate,
-    }
+    KvLayout::llama3_8b(PAGE_TOKENS)
 }
 
 /// Which peers, and how.

@@ -127,6 +127,31 @@ struct Figures {
     lookup_best_p99_us: f64,
 }
 
+impl Figures {
+    /// The figures of `seqs` sequences stored in `store` s, `churn` more each stored while the
+    /// oldest went in `churned` s, lookups timed `lat` (one pass) and `best` (each query's best),
+    /// `bytes_per_block` held.
+    fn of(
+        seqs: usize,
+        store: f64,
+        churn: usize,
+        churned: f64,
+        lat: &mut [f64],
+        best: &mut [f64],
+        bytes_per_block: f64,
+    ) -> Self {
+        Self {
+            store_blocks_per_s: (seqs * SEQ_BLOCKS) as f64 / store,
+            churn_blocks_per_s: (2 * churn * SEQ_BLOCKS) as f64 / churned,
+            lookup_p50_us: pct(lat, 0.5),
+            lookup_p99_us: pct(lat, 0.99),
+            bytes_per_block,
+            lookup_best_p50_us: pct(best, 0.5),
+            lookup_best_p99_us: pct(best, 0.99),
+        }
+    }
+}
+
 /// Lookup passes over the query set: 5 with `--bench`, 1 otherwise.
 fn passes() -> usize {
     if std::env::args().any(|a| a == "--bench") { 5 } else { 1 }
@@ -225,19 +250,8 @@ fn ours(seqs: &[Seq], churn: &[Seq], queries: &[usize], distinct: usize, sized: 
         });
         sums.push(m.iter().map(|m| m.prefix()).sum());
     }
-    let n_blocks = (seqs.len() * SEQ_BLOCKS) as f64;
-    (
-        Figures {
-            store_blocks_per_s: n_blocks / store,
-            churn_blocks_per_s: (2 * churn.len() * SEQ_BLOCKS) as f64 / churned,
-            lookup_p50_us: pct(&mut lat, 0.5),
-            lookup_p99_us: pct(&mut lat, 0.99),
-            bytes_per_block: bytes / distinct as f64,
-            lookup_best_p50_us: pct(&mut best, 0.5),
-            lookup_best_p99_us: pct(&mut best, 0.99),
-        },
-        sums,
-    )
+    let figures = Figures::of(seqs.len(), store, churn.len(), churned, &mut lat, &mut best, bytes / distinct as f64);
+    (figures, sums)
 }
 
 #[cfg(feature = "bench-dynamo")]
@@ -330,19 +344,8 @@ fn dynamo(seqs: &[Seq], churn: &[Seq], queries: &[usize], distinct: usize) -> (F
         bytes / distinct as f64,
         naive / distinct as f64
     );
-    let n_blocks = (seqs.len() * SEQ_BLOCKS) as f64;
-    (
-        Figures {
-            store_blocks_per_s: n_blocks / store,
-            churn_blocks_per_s: (2 * churn.len() * SEQ_BLOCKS) as f64 / churned,
-            lookup_p50_us: pct(&mut lat, 0.5),
-            lookup_p99_us: pct(&mut lat, 0.99),
-            bytes_per_block: bytes / distinct as f64,
-            lookup_best_p50_us: pct(&mut best, 0.5),
-            lookup_best_p99_us: pct(&mut best, 0.99),
-        },
-        sums,
-    )
+    let figures = Figures::of(seqs.len(), store, churn.len(), churned, &mut lat, &mut best, bytes / distinct as f64);
+    (figures, sums)
 }
 
 /// The overlaps a correct index gives: per query, the sum over workers of the blocks of the

@@ -771,6 +771,11 @@ impl HolderTable {
 mod tests {
     use super::*;
 
+    /// An empty index, namespace `[n; 16]`, and holders 1 and 2 in tiers `ta` and `tb`.
+    fn two_holders(n: u8, ta: TierKind, tb: TierKind) -> (NamespaceId, BlockIndex, Slot, Slot) {
+        (NamespaceId([n; 16]), BlockIndex::new(), Slot::new(1, ta), Slot::new(2, tb))
+    }
+
     fn chain(base: u64, n: u64) -> Vec<BlockKey> {
         (0..n).map(|i| kvproto::events::key_from_u64(base + i)).collect()
     }
@@ -780,10 +785,7 @@ mod tests {
     /// is, the counts stay right, and the dead keys are compacted away as they go.
     #[test]
     fn a_run_eaten_from_the_front_stays_right_and_compact() {
-        let ns = NamespaceId([5; 16]);
-        let mut ix = BlockIndex::new();
-        let a = Slot::new(1, TierKind::G2Host);
-        let b = Slot::new(2, TierKind::G2Host);
+        let (ns, mut ix, a, b) = two_holders(5, TierKind::G2Host, TierKind::G2Host);
         let keys = chain(0, 4096);
         ix.store(ns, None, &keys, a);
         for (i, k) in keys.iter().enumerate() {
@@ -891,10 +893,7 @@ mod tests {
 
     #[test]
     fn store_remove_walk_and_counts() {
-        let ns = NamespaceId([1; 16]);
-        let mut ix = BlockIndex::new();
-        let a = Slot::new(1, TierKind::G1Gpu);
-        let b = Slot::new(2, TierKind::G2Host);
+        let (ns, mut ix, a, b) = two_holders(1, TierKind::G1Gpu, TierKind::G2Host);
         ix.store(ns, None, &[k(1), k(2), k(3)], a);
         ix.store(ns, None, &[k(1), k(2)], b);
         ix.store(ns, None, &[k(1)], a); // duplicate: no new fact
@@ -948,10 +947,7 @@ mod tests {
 
     #[test]
     fn chains_are_runs_split_on_divergence_and_appended_to() {
-        let ns = NamespaceId([1; 16]);
-        let mut ix = BlockIndex::new();
-        let a = Slot::new(1, TierKind::G1Gpu);
-        let b = Slot::new(2, TierKind::G1Gpu);
+        let (ns, mut ix, a, b) = two_holders(1, TierKind::G1Gpu, TierKind::G1Gpu);
         let chain: Vec<BlockKey> = (1..=8).map(k).collect();
         ix.store(ns, None, &chain[..4], a);
         ix.store(ns, Some(&chain[3]), &chain[4..], a); // appended to the same run

@@ -13,7 +13,9 @@ use std::io;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::io::{AsyncRead, ReadBuf};
+
+use crate::edge::passthrough::{Passthrough, ReadSide, SameConnection};
 
 const PREFACE_LEN: usize = 24;
 const FRAME_HEADER: usize = 9;
@@ -48,8 +50,11 @@ enum State {
 }
 
 /// A client connection whose request header blocks are rewritten (see the module docs).
-pub struct HeaderFix<IO> {
-    io: IO,
+pub type HeaderFix<IO> = Passthrough<IO, HeaderRewrite>;
+
+/// The reader of a [`HeaderFix`]: where it is in the client's byte stream, and what it has
+/// rewritten but not yet handed over.
+pub struct HeaderRewrite {
     state: State,
     head: Vec<u8>,
     /// The header block being collected: (stream, END_STREAM, fragments so far).
@@ -76,16 +81,27 @@ enum Mode {
     Passthrough,
 }
 
-impl<IO: std::fmt::Debug> std::fmt::Debug for HeaderFix<IO> {
+impl std::fmt::Debug for HeaderRewrite {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("HeaderFix").field("io", &self.io).field("state", &self.state).finish_non_exhaustive()
+        f.debug_struct("HeaderRewrite").field("state", &self.state).finish_non_exhaustive()
     }
 }
 
 impl<IO> HeaderFix<IO> {
     pub fn new(io: IO) -> Self {
+        Self { io, side: HeaderRewrite::new() }
+    }
+}
+
+impl Default for HeaderRewrite {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl HeaderRewrite {
+    pub fn new() -> Self {
         Self {
-            io,
             state: State::Preface(PREFACE_LEN),
             head: Vec::with_capacity(FRAME_HEADER),
             block: None,
@@ -99,10 +115,6 @@ impl<IO> HeaderFix<IO> {
             mode: Mode::Deciding,
             raw: Vec::new(),
         }
-    }
-
-    pub fn get_ref(&self) -> &IO {
-        &self.io
     }
 
     /// Consumes bytes read from the client (not DATA payloads, which pass straight through).
@@ -312,9 +324,11 @@ fn put_int(out: &mut Vec<u8>, mut v: usize, n: u8, first: u8) {
     out.push(v as u8);
 }
 
-impl<IO: AsyncRead + Unpin> AsyncRead for HeaderFix<IO> {
-    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
-        let this = &mut *self;
+impl SameConnection for HeaderRewrite {}
+
+impl<IO: AsyncRead + Unpin> ReadSide<IO> for HeaderRewrite {
+    fn poll_read(&mut self, io: &mut IO, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        let this = self;
         loop {
             if this.out_at < this.out.len() {
                 let n = (this.out.len() - this.out_at).min(buf.remaining());
@@ -330,14 +344,14 @@ impl<IO: AsyncRead + Unpin> AsyncRead for HeaderFix<IO> {
                 return Poll::Ready(Ok(()));
             }
             if this.mode == Mode::Passthrough {
-                return Pin::new(&mut this.io).poll_read(cx, buf);
+                return Pin::new(&mut *io).poll_read(cx, buf);
             }
             // A DATA (or any non-header) payload: straight into the caller's buffer.
             if let State::Payload(left) = this.state {
                 let before = buf.filled().len();
                 let limit = left.min(buf.remaining());
                 let mut sub = buf.take(limit);
-                match Pin::new(&mut this.io).poll_read(cx, &mut sub) {
+                match Pin::new(&mut *io).poll_read(cx, &mut sub) {
                     Poll::Ready(Ok(())) => {
                         let n = sub.filled().len();
                         // SAFETY: `sub` wrote `n` initialised bytes into `buf`'s unfilled part.
@@ -355,7 +369,7 @@ impl<IO: AsyncRead + Unpin> AsyncRead for HeaderFix<IO> {
             }
             let mut tmp = [0u8; 8192];
             let mut rb = ReadBuf::new(&mut tmp);
-            match Pin::new(&mut this.io).poll_read(cx, &mut rb) {
+            match Pin::new(&mut *io).poll_read(cx, &mut rb) {
                 Poll::Ready(Ok(())) => {
                     let n = rb.filled().len();
                     if n == 0 {
@@ -366,35 +380,6 @@ impl<IO: AsyncRead + Unpin> AsyncRead for HeaderFix<IO> {
                 other => return other,
             }
         }
-    }
-}
-
-impl<IO: AsyncWrite + Unpin> AsyncWrite for HeaderFix<IO> {
-    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.io).poll_write(cx, buf)
-    }
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.io).poll_flush(cx)
-    }
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.io).poll_shutdown(cx)
-    }
-    fn poll_write_vectored(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[io::IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
-    }
-    fn is_write_vectored(&self) -> bool {
-        self.io.is_write_vectored()
-    }
-}
-
-impl<IO: tonic::transport::server::Connected> tonic::transport::server::Connected for HeaderFix<IO> {
-    type ConnectInfo = IO::ConnectInfo;
-    fn connect_info(&self) -> Self::ConnectInfo {
-        self.io.connect_info()
     }
 }
 
@@ -413,9 +398,9 @@ mod tests {
 
     /// Feeds `input` a byte at a time and in one piece; both give the same output.
     fn run(input: &[u8]) -> Vec<u8> {
-        let mut whole = HeaderFix::new(());
+        let mut whole = HeaderRewrite::new();
         whole.feed(input);
-        let mut bytewise = HeaderFix::new(());
+        let mut bytewise = HeaderRewrite::new();
         for b in input {
             bytewise.feed(std::slice::from_ref(b));
         }
@@ -483,7 +468,7 @@ mod tests {
         block.extend(std::iter::repeat_n(0x80 | 62, 10_000)); // 10,000 references to it
         let mut input = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
         input.extend(frame(HEADERS, END_HEADERS, 1, &block));
-        let mut fix = HeaderFix::new(());
+        let mut fix = HeaderRewrite::new();
         fix.feed(&input);
         assert_eq!(fix.mode, Mode::Passthrough);
         assert!(fix.out.len() < block.len() + 100, "nothing expanded: {} bytes out", fix.out.len());

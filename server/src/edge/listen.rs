@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use tokio::io::{AsyncRead, AsyncWrite, Interest, ReadBuf};
+use tokio::io::{AsyncRead, Interest, ReadBuf};
 use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
@@ -22,6 +22,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use crate::edge::caller::TcpPeer;
 use crate::edge::h2_authority::HeaderFix;
 use crate::edge::lookup_wire::LookupWire;
+use crate::edge::passthrough::{Passthrough, ReadSide, SameConnection};
 use crate::engine::attach::Tickets;
 use crate::policy::limits::{Held, Limits, Principal};
 use crate::rate_log::RateLog;
@@ -41,9 +42,11 @@ enum Hold {
 /// at once when evicted from its listener's slots (TCP) for a newcomer. A read only notes its
 /// time; the timer is moved when it fires early (not on every read, which would cost a
 /// timer-wheel update per request).
+pub type Conn<IO> = Passthrough<IO, Idle>;
+
+/// What a [`Conn`] keeps beside its stream: its count, and when it last read a byte.
 #[derive(Debug)]
-pub struct Conn<IO> {
-    io: IO,
+pub struct Idle {
     hold: Hold,
     idle: Duration,
     last_read: tokio::time::Instant,
@@ -57,12 +60,15 @@ impl<IO> Conn<IO> {
 
     fn holding(io: IO, hold: Hold, idle: Duration) -> Self {
         let now = tokio::time::Instant::now();
-        Self { io, hold, idle, last_read: now, deadline: Box::pin(tokio::time::sleep_until(now + idle)) }
+        let side = Idle { hold, idle, last_read: now, deadline: Box::pin(tokio::time::sleep_until(now + idle)) };
+        Self { io, side }
     }
 }
 
-impl<IO: AsyncRead + Unpin> AsyncRead for Conn<IO> {
-    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+impl SameConnection for Idle {}
+
+impl<IO: AsyncRead + Unpin> ReadSide<IO> for Idle {
+    fn poll_read(&mut self, io: &mut IO, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
         if let Hold::Slot(slot) = &self.hold
             && slot.poll_closed(cx).is_ready()
         {
@@ -72,7 +78,7 @@ impl<IO: AsyncRead + Unpin> AsyncRead for Conn<IO> {
             )));
         }
         let before = buf.filled().len();
-        match Pin::new(&mut self.io).poll_read(cx, buf) {
+        match Pin::new(io).poll_read(cx, buf) {
             Poll::Ready(r) => {
                 if buf.filled().len() > before {
                     self.last_read = tokio::time::Instant::now();
@@ -97,35 +103,6 @@ impl<IO: AsyncRead + Unpin> AsyncRead for Conn<IO> {
                 self.deadline.as_mut().reset(due);
             },
         }
-    }
-}
-
-impl<IO: AsyncWrite + Unpin> AsyncWrite for Conn<IO> {
-    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.io).poll_write(cx, buf)
-    }
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.io).poll_flush(cx)
-    }
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.io).poll_shutdown(cx)
-    }
-    fn poll_write_vectored(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[io::IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
-    }
-    fn is_write_vectored(&self) -> bool {
-        self.io.is_write_vectored()
-    }
-}
-
-impl<IO: tonic::transport::server::Connected> tonic::transport::server::Connected for Conn<IO> {
-    type ConnectInfo = IO::ConnectInfo;
-    fn connect_info(&self) -> Self::ConnectInfo {
-        self.io.connect_info()
     }
 }
 
@@ -264,45 +241,17 @@ pub fn unix(
     ReceiverStream::new(rx)
 }
 
-/// A TCP connection that passed its guard's handshake: plain, or TLS.
-#[derive(Debug)]
-pub struct GuardedTcp {
-    io: kvnet::Stream<TcpStream>,
-    peer: TcpPeer,
-}
+/// A TCP connection that passed its guard's handshake: plain, or TLS; what the client
+/// presented beside it.
+pub type GuardedTcp = Passthrough<kvnet::Stream<TcpStream>, TcpPeer>;
 
-impl AsyncRead for GuardedTcp {
-    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.io).poll_read(cx, buf)
-    }
-}
-
-impl AsyncWrite for GuardedTcp {
-    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.io).poll_write(cx, buf)
-    }
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.io).poll_flush(cx)
-    }
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.io).poll_shutdown(cx)
-    }
-    fn poll_write_vectored(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[io::IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
-    }
-    fn is_write_vectored(&self) -> bool {
-        self.io.is_write_vectored()
-    }
-}
+/// What the client presented travels beside the stream; reads pass straight through.
+impl<IO: AsyncRead + Unpin> ReadSide<IO> for TcpPeer {}
 
 impl tonic::transport::server::Connected for GuardedTcp {
     type ConnectInfo = TcpPeer;
     fn connect_info(&self) -> Self::ConnectInfo {
-        self.peer.clone()
+        self.side.clone()
     }
 }
 
@@ -378,7 +327,7 @@ pub fn tcp(
             // may lose it to a newcomer, as an idle connection would).
             let Some(slot) = tcp_slot(&limits, &slots, &mut refused_log) else { continue };
             let idle = Duration::from_millis(limits.cfg.idle_timeout_ms);
-            let plain = |io| GuardedTcp { io, peer: TcpPeer { remote, cert: kvnet::PeerCert::default() } };
+            let plain = |io| GuardedTcp { io, side: TcpPeer { remote, cert: kvnet::PeerCert::default() } };
             if !guard.tls() {
                 let conn = Conn::holding(plain(kvnet::Stream::Plain(stream)), Hold::Slot(slot), idle);
                 if tx.send(Ok(conn)).await.is_err() {
@@ -396,7 +345,7 @@ pub fn tcp(
                 };
                 let why = match done {
                     Ok(Ok((io, cert))) => {
-                        let conn = GuardedTcp { io, peer: TcpPeer { remote, cert } };
+                        let conn = GuardedTcp { io, side: TcpPeer { remote, cert } };
                         let _ = tx.send(Ok(Conn::holding(conn, Hold::Slot(slot), idle))).await;
                         return;
                     }

@@ -17,5 +17,6 @@ pub mod h2_authority;
 pub mod http;
 pub mod listen;
 pub mod lookup_wire;
+pub mod passthrough;
 pub mod prefetch;
 pub mod service;

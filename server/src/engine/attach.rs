@@ -239,9 +239,7 @@ mod tests {
 
     #[test]
     fn tickets_are_single_use_bound_to_their_process_and_bounded() {
-        let d = tempfile::tempdir().unwrap();
-        let own = d.path().join("pool");
-        std::fs::write(&own, [0u8; 64]).unwrap();
+        let (d, own) = crate::engine::temp_file("pool", &[0u8; 64]);
         let t = Tickets::new([own.clone()]);
         let mine =
             || File::options().read(true).write(true).create(true).truncate(false).open(d.path().join("kv")).unwrap();

@@ -200,10 +200,8 @@ mod tests {
 
     #[test]
     fn a_truncated_file_mapping_reads_zeros_and_is_marked_faulted() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("kv");
         let page = page_size();
-        std::fs::write(&path, vec![7u8; 4 * page]).unwrap();
+        let (_dir, path) = crate::engine::temp_file("kv", &vec![7u8; 4 * page]);
         let file = std::fs::OpenOptions::new().read(true).write(true).open(&path).unwrap();
         let map = memmap2::MmapOptions::new().len(4 * page).map_raw(&file).unwrap();
         let guard = FaultGuard::watch(map.as_ptr() as usize, 4 * page).unwrap();

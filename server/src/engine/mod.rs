@@ -658,3 +658,14 @@ impl Registry {
         metrics::gauge!("kvcached_engines_attached").set(0.0);
     }
 }
+
+/// For the engine modules' tests: a temporary directory holding one file, `name`, of `bytes`;
+/// the directory (the file goes with it) and the file's path.
+#[cfg(test)]
+fn temp_file(name: &str, bytes: &[u8]) -> (tempfile::TempDir, std::path::PathBuf) {
+    #![allow(clippy::unwrap_used)]
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join(name);
+    std::fs::write(&path, bytes).unwrap();
+    (dir, path)
+}

@@ -211,8 +211,10 @@ mod tests {
     }
 
     /// The error a request for `len` bytes at `offset` gets.
-    fn refusal(a: &TokenArea, offset: u64, len: u64) -> String {
-        a.tokens(&pb::TokenSpan { offset, len }).unwrap_err().to_string()
+    /// Asserts that `a` refuses the span (`offset`, `len`) saying `why`.
+    fn refused(a: &TokenArea, offset: u64, len: u64, why: &str) {
+        let e = a.tokens(&pb::TokenSpan { offset, len }).unwrap_err().to_string();
+        assert!(e.contains(why), "({offset}, {len}): {e}");
     }
 
     #[test]
@@ -223,11 +225,9 @@ mod tests {
         assert_eq!(a.tokens(&pb::TokenSpan { offset: 8, len: 16 }).unwrap().all(), &bytes[8..24]);
         assert_eq!(a.tokens(&pb::TokenSpan { offset: 64, len: 0 }).unwrap().all(), &[] as &[u8]);
         for (offset, len) in [(60, 8), (u64::MAX, 4), (4, u64::MAX), (65, 0)] {
-            let e = refusal(&a, offset, len);
-            assert!(e.contains("does not lie inside"), "{e}");
+            refused(&a, offset, len, "does not lie inside");
         }
-        let e = refusal(&a, 0, 6);
-        assert!(e.contains("not a whole number of 4-byte"), "{e}");
+        refused(&a, 0, 6, "not a whole number of 4-byte");
     }
 
     #[test]
@@ -263,8 +263,7 @@ mod tests {
         let e = t.check().unwrap_err().to_string();
         assert!(e.contains("shrank under the daemon"), "{e}");
         // And every later request of the engine is refused.
-        let e = refusal(&a, 0, 16);
-        assert!(e.contains("shrank under the daemon"), "{e}");
+        refused(&a, 0, 16, "shrank under the daemon");
     }
 
     #[test]

@@ -121,6 +121,14 @@ pub struct Peers {
     store: std::sync::Weak<BlockStore>,
 }
 
+/// What a pull from each of its sources in turn shares: where the blocks go, which, how long.
+#[derive(Clone, Copy)]
+struct Job<'a> {
+    store: &'a BlockStore,
+    pull: &'a Pull,
+    block_len: u64,
+}
+
 /// Why a block read from a peer is not kept.
 enum Reject {
     Io(std::io::Error),
@@ -312,7 +320,7 @@ impl Peers {
             }
             let started = Instant::now();
             let before = done;
-            match self.pull_from(&store, src, pull, block_len, &mut done) {
+            match self.pull_from(&Job { store: &store, pull, block_len }, src, &mut done) {
                 Ok(()) => self.book.succeeded(src),
                 Err(e) => {
                     self.book.failed(src, &e.why, e.how, self.longest_bar());
@@ -378,37 +386,23 @@ impl Peers {
 
     /// Asks `src` for the keys from `*done` on; each block that arrives intact goes into G2 and
     /// advances `*done`. `Ok` when the peer answered in full (with however many it had).
-    fn pull_from(
-        &self,
-        store: &BlockStore,
-        src: &str,
-        pull: &Pull,
-        block_len: u64,
-        done: &mut usize,
-    ) -> Result<(), PullErr> {
+    fn pull_from(&self, job: &Job<'_>, src: &str, done: &mut usize) -> Result<(), PullErr> {
         let (c, reused) = self.connection(src).map_err(PullErr::transient)?;
-        match self.pull_on(c, store, src, pull, block_len, done) {
+        match self.pull_on(c, job, src, done) {
             // A kept connection that failed before the first block (closed by the peer since:
             // an idle timeout, a restart): once more on a new one, and the peer is not blamed.
             Err(e) if reused && !e.after_first => {
                 tracing::debug!(src, "a kept peer connection failed ({}); pulling again on a new one", e.why);
                 let c = self.fresh(src).map_err(PullErr::transient)?;
-                self.pull_on(c, store, src, pull, block_len, done)
+                self.pull_on(c, job, src, done)
             }
             r => r,
         }
     }
 
     /// [`Self::pull_from`] on connection `c`; an error says whether any block had arrived.
-    fn pull_on(
-        &self,
-        mut c: SyncStream,
-        store: &BlockStore,
-        src: &str,
-        pull: &Pull,
-        block_len: u64,
-        done: &mut usize,
-    ) -> Result<(), PullErr> {
+    fn pull_on(&self, mut c: SyncStream, job: &Job<'_>, src: &str, done: &mut usize) -> Result<(), PullErr> {
+        let Job { store, pull, block_len } = *job;
         let io = Duration::from_millis(self.cfg.io_timeout_ms);
         let _ = c.tcp().set_read_timeout(Some(io));
         let _ = c.tcp().set_write_timeout(Some(io));

@@ -20,17 +20,10 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use kvclient::{BlockingClient, KvMemory, synthetic_block};
-use kvproto::{Dtype, KvLayout, LayoutKind, Namespace};
+use kvproto::{KvLayout, Namespace};
 
 fn layout() -> KvLayout {
-    KvLayout {
-        num_layers: 28,
-        kv_heads: 8,
-        head_dim: 128,
-        dtype: Dtype::Bf16,
-        tokens_per_block: 16,
-        kind: LayoutKind::LayerSeparate,
-    }
+    KvLayout::qwen3_0_6b(16)
 }
 
 fn tokens(seed: u32, blocks: u32) -> Vec<u32> {
