@@ -26,7 +26,7 @@ use kvproto::{BlockKey, NamespaceId};
 use kvtiers::disk::io::IoBackend;
 use kvtiers::{
     BlockBuf, BlockMeta, BlockRef, BlockStore, CudaRegister, DiskTier, DiskTierConfig, HostTier, HostTierConfig, Tier,
-    WriteThroughConfig,
+    TierExt, WriteThroughConfig,
 };
 
 const SIZES: [(usize, &str); 3] = [(256 << 10, "256KiB"), (2 << 20, "2MiB"), (16 << 20, "16MiB")];

@@ -43,56 +43,74 @@ impl RawDirectFile {
 
     /// Writes `buf` (aligned, `block` bytes) to the next slot.
     pub fn write_next(&mut self, buf: &BlockBuf) -> io::Result<()> {
+        self.fits(buf)?;
         let off = self.slot();
-        self.io(buf.as_ptr() as *mut u8, off, true)
+        // SAFETY: `buf` holds at least `block` bytes (checked), only read by a write.
+        unsafe { self.io(buf.as_ptr().cast_mut(), off, true) }
     }
 
     /// Reads the next slot into `buf`.
     pub fn read_next(&mut self, buf: &mut BlockBuf) -> io::Result<()> {
+        self.fits(buf)?;
         let off = self.slot();
-        self.io(buf.as_mut_ptr(), off, false)
+        // SAFETY: `buf` holds at least `block` bytes (checked), borrowed mutably here.
+        unsafe { self.io(buf.as_mut_ptr(), off, false) }
+    }
+
+    /// Refuses a buffer shorter than a block (the I/O would run past it).
+    fn fits(&self, buf: &BlockBuf) -> io::Result<()> {
+        match buf.len() >= self.block {
+            true => Ok(()),
+            false => Err(io::Error::other(format!("buffer of {} bytes for blocks of {}", buf.len(), self.block))),
+        }
     }
 
     /// Reads the next `bufs.len()` slots into `bufs` with every read in flight at once through
     /// `ring` (io_uring, as the tier's batched reads): the device's limit at that queue depth.
     pub fn read_batch(&mut self, ring: &mut io_uring::IoUring, bufs: &mut [BlockBuf]) -> io::Result<()> {
-        use io_uring::{opcode, types};
-        let len = u32::try_from(self.block).map_err(|_| io::Error::other("block over 4 GiB"))?;
-        if bufs.len() > ring.params().sq_entries() as usize {
-            return Err(io::Error::other("io_uring submission queue smaller than the batch"));
-        }
-        for (i, buf) in bufs.iter_mut().enumerate() {
-            let off = self.slot();
-            let sqe = opcode::Read::new(types::Fd(self.file.as_raw_fd()), buf.as_mut_ptr(), len)
-                .offset(off)
-                .build()
-                .user_data(i as u64);
-            // SAFETY: `buf` outlives the read: this function reaps every completion before it
-            // returns. The queue has room (checked above, and it is empty between calls).
-            unsafe { ring.submission().push(&sqe) }.map_err(|_| io::Error::other("io_uring submission queue full"))?;
-        }
-        self.reap(ring, bufs.len(), "read")
+        // SAFETY: every buffer is borrowed (mutably) for the whole call.
+        unsafe { self.batch(ring, bufs.iter_mut().map(|b| b.as_mut_ptr()), false) }
     }
 
     /// Writes `bufs` to the next `bufs.len()` slots with every write in flight at once through
     /// `ring`: the limit of a batched G3 write at that queue depth.
     pub fn write_batch(&mut self, ring: &mut io_uring::IoUring, bufs: &[BlockBuf]) -> io::Result<()> {
+        // SAFETY: every buffer is borrowed for the whole call, and a write only reads it.
+        unsafe { self.batch(ring, bufs.iter().map(|b| b.as_ptr() as *mut u8), true) }
+    }
+
+    /// One read (or write) of `block` bytes at `bufs` per buffer, each to the next slot, all in
+    /// flight at once through `ring`.
+    ///
+    /// # Safety
+    /// Each pointer is valid for `block` bytes (writable for a read) until this returns.
+    unsafe fn batch(
+        &mut self,
+        ring: &mut io_uring::IoUring,
+        bufs: impl ExactSizeIterator<Item = *mut u8>,
+        write: bool,
+    ) -> io::Result<()> {
         use io_uring::{opcode, types};
         let len = u32::try_from(self.block).map_err(|_| io::Error::other("block over 4 GiB"))?;
-        if bufs.len() > ring.params().sq_entries() as usize {
+        let n = bufs.len();
+        if n > ring.params().sq_entries() as usize {
             return Err(io::Error::other("io_uring submission queue smaller than the batch"));
         }
-        for (i, buf) in bufs.iter().enumerate() {
+        let fd = types::Fd(self.file.as_raw_fd());
+        for (i, buf) in bufs.enumerate() {
             let off = self.slot();
-            let sqe = opcode::Write::new(types::Fd(self.file.as_raw_fd()), buf.as_ptr(), len)
-                .offset(off)
-                .build()
-                .user_data(i as u64);
-            // SAFETY: `buf` outlives the write: this function reaps every completion before it
-            // returns. The queue has room (checked above, and it is empty between calls).
-            unsafe { ring.submission().push(&sqe) }.map_err(|_| io::Error::other("io_uring submission queue full"))?;
+            let sqe = if write {
+                opcode::Write::new(fd, buf, len).offset(off).build()
+            } else {
+                opcode::Read::new(fd, buf, len).offset(off).build()
+            };
+            // SAFETY: `buf` outlives the I/O: this function reaps every completion before it
+            // returns (the caller's contract). The queue has room (checked above, and it is
+            // empty between calls).
+            unsafe { ring.submission().push(&sqe.user_data(i as u64)) }
+                .map_err(|_| io::Error::other("io_uring submission queue full"))?;
         }
-        self.reap(ring, bufs.len(), "write")
+        self.reap(ring, n, if write { "write" } else { "read" })
     }
 
     fn reap(&self, ring: &mut io_uring::IoUring, n: usize, what: &str) -> io::Result<()> {
@@ -112,10 +130,14 @@ impl RawDirectFile {
         }
     }
 
-    fn io(&self, p: *mut u8, off: u64, write: bool) -> io::Result<()> {
+    /// One block's pread or pwrite at `off`, to or from `p`.
+    ///
+    /// # Safety
+    /// `p` must be valid for `block` bytes: readable for a write, writable for a read.
+    unsafe fn io(&self, p: *mut u8, off: u64, write: bool) -> io::Result<()> {
         let mut done = 0usize;
         while done < self.block {
-            // SAFETY: `p` points to at least `block` bytes owned by the caller's BlockBuf.
+            // SAFETY: `p` points to at least `block` bytes (the caller's contract).
             let r = unsafe {
                 let at = p.add(done).cast();
                 let o = (off + done as u64) as libc::off_t;

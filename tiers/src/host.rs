@@ -28,7 +28,7 @@ use crate::pieces::copy_pieces;
 use crate::residency::{Residency, SlotBytes};
 use crate::room::{self, Room};
 use crate::stats::{Count, TierCounters, TierStats, TierUsage};
-use crate::tier::{BlockRef, Tier};
+use crate::tier::{BlockRef, Extensions, Reports, Tier};
 
 const TIER: TierKind = TierKind::G2Host;
 
@@ -638,30 +638,12 @@ impl Tier for HostTier {
         TIER
     }
 
-    fn put(&self, block: BlockRef<'_>) -> Result<bool> {
-        self.put_marked(block, false)
+    fn put_batch(&self, blocks: &[BlockRef<'_>]) -> Vec<Result<bool>> {
+        blocks.iter().map(|b| self.put_marked(*b, false)).collect()
     }
 
-    fn get(&self, key: &BlockKey, out: &mut BlockBuf) -> Result<Option<BlockMeta>> {
-        let t0 = Instant::now();
-        let hit = self.with_block(key, |meta, pieces| {
-            out.resize(meta.len as usize);
-            let mut off = 0;
-            for p in pieces {
-                out[off..off + p.len()].copy_from_slice(p);
-                off += p.len();
-            }
-            *meta
-        });
-        if hit.is_none() {
-            self.counters.misses.add(1);
-        }
-        self.counters.get_took(t0.elapsed());
-        Ok(hit)
-    }
-
-    fn contains(&self, key: &BlockKey) -> bool {
-        self.state.lock().contains(key)
+    fn get_batch(&self, keys: &[BlockKey], outs: &mut [BlockBuf]) -> Vec<Result<Option<BlockMeta>>> {
+        keys.iter().zip(outs.iter_mut()).map(|(k, o)| Ok(self.read_one(k, o))).collect()
     }
 
     fn contains_each(&self, keys: &[BlockKey]) -> Vec<bool> {
@@ -677,10 +659,6 @@ impl Tier for HostTier {
         }
         self.counters.set_usage(self.pool.used_pages() as u64 * self.pool.page_size() as u64, st.len());
         Ok(removed)
-    }
-
-    fn set_listener(&self, listener: Arc<dyn TierListener>) -> bool {
-        self.listener.set(listener)
     }
 
     fn pin(&self, lease: LeaseId, keys: &[BlockKey], deadline: Instant) -> usize {
@@ -702,6 +680,43 @@ impl Tier for HostTier {
 
     fn keys(&self) -> Vec<(BlockKey, BlockMeta)> {
         self.state.lock().ready_keys()
+    }
+
+    fn extensions(&self) -> Extensions<'_> {
+        Extensions { reports: Some(self), ..Extensions::default() }
+    }
+}
+
+impl Reports for HostTier {
+    fn set_listener(&self, listener: Arc<dyn TierListener>) -> bool {
+        self.listener.set(listener)
+    }
+}
+
+impl HostTier {
+    /// Copies one block out of the pool into `out` (resized to its length); counted as a hit
+    /// or a miss.
+    fn read_one(&self, key: &BlockKey, out: &mut BlockBuf) -> Option<BlockMeta> {
+        let t0 = Instant::now();
+        let hit = self.with_block(key, |meta, pieces| {
+            out.resize(meta.len as usize);
+            let mut off = 0;
+            for p in pieces {
+                out[off..off + p.len()].copy_from_slice(p);
+                off += p.len();
+            }
+            *meta
+        });
+        if hit.is_none() {
+            self.counters.misses.add(1);
+        }
+        self.counters.get_took(t0.elapsed());
+        hit
+    }
+
+    /// Whether the block is visible ([`Tier::contains_each`] of one key, without a `Vec`).
+    pub fn contains(&self, key: &BlockKey) -> bool {
+        self.state.lock().contains(key)
     }
 }
 

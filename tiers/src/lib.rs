@@ -1,7 +1,9 @@
 //! `kvtiers`: the kvcached block store as a library, with no networking.
 //!
 //! # Layout
-//! - [`tier`]: the [`Tier`] trait every tier implements (G1-G4).
+//! - [`tier`]: the [`Tier`] trait every tier implements (G1-G4), small, with extension traits
+//!   for what only some tiers do ([`DirectIo`], [`PrefixProbe`], [`Medium`], [`Reports`]) and
+//!   [`TierExt`], the conveniences over them.
 //! - [`host`]: G2, the shared-memory host pool ([`HostTier`]).
 //! - [`disk`]: G3, blocks on NVMe via O_DIRECT (io_uring or pread/pwrite on named I/O
 //!   threads) with a durable RocksDB index ([`DiskTier`]); checksums computed while the I/O
@@ -64,5 +66,5 @@ pub use load::{Destination, DirectRead, LoadEnd, LoadError, LoadOptions, LoadRep
 pub use object::{ObjectTier, ObjectTierConfig};
 pub use stats::{TierStats, TierUsage};
 pub use store::{BlockStore, BlockStoreConfig, Hit, PrefixMatch, StoreStats, WriteThroughPause};
-pub use tier::{BlockRef, Delivered, PartsRef, Tier};
+pub use tier::{BlockRef, Delivered, DirectIo, Extensions, Medium, PartsRef, PrefixProbe, Reports, Tier, TierExt};
 pub use writethrough::WriteThroughConfig;

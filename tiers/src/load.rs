@@ -273,7 +273,8 @@ impl BlockStore {
         let present = self.g2.contains_each(keys);
         let mut asked: Vec<bool> = present;
         for tier in self.lower.iter() {
-            let metas = tier.peek_each(keys);
+            let Some(direct) = tier.extensions().direct else { continue };
+            let metas = direct.peek_each(keys);
             let mut idx = Vec::new();
             let mut dests = Vec::new();
             for (i, meta) in metas.iter().enumerate() {
@@ -293,7 +294,7 @@ impl BlockStore {
             let slices: Vec<&[(*mut u8, usize)]> = dests.iter().map(Destination::pieces).collect();
             // SAFETY: each destination is writable for its length until 'd, which outlasts
             // this call ([`Destination::new`]'s contract).
-            let Some(got) = (unsafe { tier.read_into_foreign(&picked, &slices) }) else { continue };
+            let got = unsafe { direct.read_into_foreign(&picked, &slices) };
             for (i, d) in idx.into_iter().zip(got) {
                 out[i] = d.map(|d| (tier.kind(), d));
             }

@@ -13,7 +13,7 @@ use crate::error::{Result, TierError};
 use crate::host::{HostTier, HostTierConfig};
 use crate::object::{ObjectTier, ObjectTierConfig};
 use crate::stats::{Count, TierStats};
-use crate::tier::{BlockRef, Tier};
+use crate::tier::{BlockRef, Tier, TierExt};
 use crate::writethrough::{WriteThrough, WriteThroughConfig, Writer};
 
 /// Configuration of a whole store.
@@ -134,12 +134,12 @@ impl BlockStore {
     pub fn with_tiers_each(g2: Arc<HostTier>, lower: Vec<(Arc<dyn Tier>, WriteThroughConfig)>) -> Result<Self> {
         let tiers: Vec<Arc<dyn Tier>> = lower.iter().map(|(t, _)| Arc::clone(t)).collect();
         let (base, len) = g2.region();
-        for t in &tiers {
+        for d in tiers.iter().filter_map(|t| t.extensions().direct) {
             let owner: Arc<dyn std::any::Any + Send + Sync> = Arc::clone(&g2) as _;
             // SAFETY: G2's pool is one shared mapping, read and written, that keeps its pages
             // for the tier's life (nothing remaps, truncates or punches it), and `owner` is
             // that tier.
-            unsafe { t.adopt_host_memory(base, len, owner) };
+            unsafe { d.adopt_host_memory(base, len, owner) };
         }
         let mut writers = Vec::new();
         for (i, (target, wt)) in lower.into_iter().enumerate() {
@@ -385,7 +385,8 @@ impl BlockStore {
     /// `NotTried`.
     fn read_into_g2(&self, tier: &dyn Tier, keys: &[BlockKey], ready: &mut ReadyBlock<'_>) -> Vec<Direct> {
         let mut outcome: Vec<Direct> = keys.iter().map(|_| Direct::NotTried).collect();
-        let metas = tier.peek_each(keys);
+        let Some(direct) = tier.extensions().direct else { return outcome };
+        let metas = direct.peek_each(keys);
         if metas.iter().all(Option::is_none) {
             return outcome;
         }
@@ -426,14 +427,8 @@ impl BlockStore {
         // SAFETY: each destination is the pages of a G2 reservation (`Filling`): aligned to
         // G2's page size (a multiple of 4 KiB), each piece whole pages but the last, whose pages
         // extend to the next page boundary; nothing else writes them until finished or aborted.
-        let read = unsafe { tier.get_batch_into(&fill_keys, &dests, &mut verified) };
+        let read = unsafe { direct.get_batch_into(&fill_keys, &dests, &mut verified) };
         drop(dests);
-        let Some(read) = read else {
-            for (_, f) in fills {
-                self.g2.abort_fill(f);
-            }
-            return outcome;
-        };
         for ((i, f), r) in fills.into_iter().zip(read) {
             let key = *f.key();
             outcome[i] = match r {

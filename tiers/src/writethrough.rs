@@ -20,7 +20,7 @@ use crate::block::BlockMeta;
 use crate::buf::BlockBuf;
 use crate::host::{HeldBlock, HostTier};
 use crate::stats::Count;
-use crate::tier::{PartsRef, Tier};
+use crate::tier::{PartsRef, Tier, TierExt};
 
 /// Tuning of one tier's write-through.
 #[derive(Debug, Clone, Copy)]

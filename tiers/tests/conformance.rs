@@ -1,4 +1,6 @@
-//! The conformance suite every `Tier` implementation runs.
+//! The conformance suite every `Tier` implementation runs: the core contract on every tier,
+//! and each extension trait (`DirectIo`, `PrefixProbe`, `Medium`, `Reports`) on every tier
+//! that offers it; which tier offers which is itself checked, so none goes untested.
 #![allow(clippy::unwrap_used)]
 
 mod common;
@@ -8,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use kvtiers::disk::io::IoBackend;
-use kvtiers::{BlockBuf, BlockRef, LeaseId, Tier, TierError};
+use kvtiers::{BlockBuf, BlockRef, LeaseId, Tier, TierError, TierExt};
 
 /// Builds a fresh tier of `capacity` bytes in a temp dir (kept alive by the returned guard).
 type Factory = fn(u64) -> (Arc<dyn Tier>, tempfile::TempDir);
@@ -318,10 +320,192 @@ fn listener_mirrors_contents(f: Factory) {
     assert!(!now.contains(&key(3, 19)));
 }
 
+/// What each tier is expected to offer beyond the core: (direct, probe, medium, reports).
+type Offers = (bool, bool, bool, bool);
+
+/// A tier offers exactly the extensions it is meant to (so that the extension cases below,
+/// which run on every tier offering one, skip none by mistake).
+fn offers_its_extensions(f: Factory, want: Offers) {
+    let (t, _d) = f(16 << 20);
+    let e = t.extensions();
+    let got = (e.direct.is_some(), e.probe.is_some(), e.medium.is_some(), e.reports.is_some());
+    assert_eq!(got, want, "{:?}: {e:?}", t.kind());
+}
+
+/// `len` bytes at the start of a 4 KiB-aligned buffer with room up to the next 4 KiB.
+fn aligned(len: usize) -> BlockBuf {
+    let mut b = BlockBuf::new();
+    b.resize(len);
+    b
+}
+
+/// `DirectIo`: pieces put as they are read back whole; `peek_each` knows present blocks
+/// without a read; reads straight into named memory deliver exactly the bytes, report each
+/// verified block, and refuse a destination of the wrong length (a miss that keeps the block).
+fn direct_io_moves_bytes_without_a_buffer(f: Factory) {
+    let (t, _d) = f(16 << 20);
+    let Some(d) = t.extensions().direct else { return };
+    let lens = [3 * 4096 + 100, 4096, 2 * PAGE];
+    let keys: Vec<_> = (0..3).map(|i| key(21, i)).collect();
+    let bodies: Vec<Vec<u8>> = keys.iter().zip(lens).map(|(k, n)| content(k, n)).collect();
+    // Each body as two pieces: whole 4 KiB pages, then the rest (G2's page runs look so).
+    let held: Vec<(BlockBuf, BlockBuf)> = bodies
+        .iter()
+        .map(|b| {
+            let cut = (b.len() / 2) & !4095;
+            (BlockBuf::from_slice(&b[..cut]), BlockBuf::from_slice(&b[cut..]))
+        })
+        .collect();
+    // (A body under two pages goes as one piece.)
+    let parts: Vec<Vec<&[u8]>> =
+        held.iter().map(|(a, b)| if a.is_empty() { vec![&b[..]] } else { vec![&a[..], &b[..]] }).collect();
+    let refs: Vec<kvtiers::PartsRef<'_>> = (0..3)
+        .map(|i| kvtiers::PartsRef { key: keys[i], meta: meta(21, i as u32, lens[i]), parts: &parts[i] })
+        .collect();
+    assert!(d.put_pieces(&refs).into_iter().all(|r| r.unwrap()));
+    assert!(!t.put_batch_parts(&refs[..1])[0].as_ref().unwrap(), "a second put of pieces is a no-op");
+    for (i, b) in bodies.iter().enumerate() {
+        assert_eq!(get_bytes(&*t, 21, i as u32).as_deref(), Some(&b[..]), "block {i} read back whole");
+    }
+    let absent = key(22, 0);
+    let peeked = d.peek_each(&[keys[0], absent, keys[2]]);
+    assert_eq!(peeked, vec![Some(meta(21, 0, lens[0])), None, Some(meta(21, 2, lens[2]))]);
+
+    // Block 1 gets a destination one byte short: not read, a miss, still held.
+    let mut outs: Vec<BlockBuf> = lens.iter().map(|&n| aligned(n)).collect();
+    let mut short = aligned(lens[1] - 1);
+    let dests: Vec<Vec<(*mut u8, usize)>> = outs
+        .iter_mut()
+        .enumerate()
+        .map(|(i, o)| match i {
+            1 => vec![(short.full_mut().as_mut_ptr(), lens[1] - 1)],
+            _ => vec![(o.full_mut().as_mut_ptr(), lens[i])],
+        })
+        .collect();
+    let views: Vec<&[(*mut u8, usize)]> = dests.iter().map(Vec::as_slice).collect();
+    let mut seen = Vec::new();
+    // SAFETY: each destination is a live 4 KiB-aligned BlockBuf with room up to the next
+    // 4 KiB, touched by nothing else until the call returns.
+    let got = unsafe { d.get_batch_into(&keys, &views, &mut |i| seen.push(i)) };
+    let got: Vec<_> = got.into_iter().map(Result::unwrap).collect();
+    assert_eq!(got, vec![Some(meta(21, 0, lens[0])), None, Some(meta(21, 2, lens[2]))]);
+    seen.sort_unstable();
+    assert!(seen.iter().all(|i| *i != 1), "only delivered blocks are reported verified: {seen:?}");
+    assert_eq!(&outs[0][..], &bodies[0][..]);
+    assert_eq!(&outs[2][..], &bodies[2][..]);
+    assert!(t.contains(&keys[1]), "a refused destination costs the block nothing");
+
+    // Into memory another process could write: whole pages delivered with their checksum;
+    // a destination that is not whole 4 KiB pages is not delivered.
+    let whole = 4096 * 3;
+    let k = key(23, 0);
+    let body = content(&k, whole);
+    t.put(BlockRef { key: k, meta: meta(23, 0, whole), data: &body }).unwrap();
+    let mut out = aligned(whole);
+    let mut odd = aligned(lens[0]);
+    let dests = [vec![(out.full_mut().as_mut_ptr(), whole)], vec![(odd.full_mut().as_mut_ptr(), lens[0])]];
+    let views: Vec<&[(*mut u8, usize)]> = dests.iter().map(Vec::as_slice).collect();
+    // SAFETY: as above: live aligned buffers, writable for their lengths until this returns.
+    let got = unsafe { d.read_into_foreign(&[k, keys[0]], &views) };
+    let delivered = got[0].expect("whole pages are delivered");
+    assert_eq!(delivered.meta, meta(23, 0, whole));
+    assert_eq!(delivered.sum, kvtiers::checksum_of(delivered.sum_kind, &body));
+    assert_eq!(&out[..], &body[..]);
+    assert!(got[1].is_none(), "a destination of part pages is not delivered");
+}
+
+/// `DirectIo::adopt_host_memory`: once a region is adopted, transfers into and out of it (and
+/// out of anywhere else) still move exactly the bytes.
+fn direct_io_with_adopted_memory(f: Factory) {
+    let (t, _d) = f(16 << 20);
+    let Some(d) = t.extensions().direct else { return };
+    let region = Arc::new(parking_lot::Mutex::new(aligned(4 * PAGE)));
+    let (base, len) = {
+        let mut r = region.lock();
+        (r.full_mut().as_mut_ptr().cast_const(), 4 * PAGE)
+    };
+    let owner: Arc<dyn std::any::Any + Send + Sync> = region.clone();
+    // SAFETY: the buffer is one live allocation, never moved or freed while `owner` (a clone
+    // of `region`, kept below) lives.
+    unsafe { d.adopt_host_memory(base, len, owner) };
+    let k = key(24, 0);
+    let body = content(&k, 2 * PAGE);
+    {
+        let mut r = region.lock();
+        r[..2 * PAGE].copy_from_slice(&body);
+        let r = &*r;
+        t.put(BlockRef { key: k, meta: meta(24, 0, 2 * PAGE), data: &r[..2 * PAGE] }).unwrap();
+    }
+    let mut r = region.lock();
+    r.full_mut()[2 * PAGE..].fill(0);
+    let dest = [(r.full_mut()[2 * PAGE..].as_mut_ptr(), 2 * PAGE)];
+    // SAFETY: the second half of the adopted region, aligned, locked here until this returns.
+    let got = unsafe { d.get_batch_into(&[k], &[&dest], &mut |_| {}) };
+    assert_eq!(got[0].as_ref().unwrap(), &Some(meta(24, 0, 2 * PAGE)));
+    assert_eq!(&r[2 * PAGE..4 * PAGE], &body[..]);
+    assert_eq!(get_bytes(&*t, 24, 0).as_deref(), Some(&body[..]));
+}
+
+/// `PrefixProbe`: the probe counts the leading blocks the medium holds, stopping at the first
+/// gap, whatever order they were written in.
+fn prefix_probe_counts_the_held_prefix(f: Factory) {
+    let (t, _d) = f(16 << 20);
+    let Some(p) = t.extensions().probe else { return };
+    for i in [0u32, 2, 1, 4] {
+        put(&*t, 25, i, 4096).unwrap();
+    }
+    t.flush().unwrap();
+    let keys: Vec<_> = (0..6).map(|i| key(25, i)).collect();
+    assert_eq!(p.probe_prefix(NS, &keys), 3);
+    assert_eq!(t.probe_prefix(NS, &keys), 3, "TierExt goes through the extension");
+    assert_eq!(p.probe_prefix(NS, &[key(26, 0)]), 0);
+    assert_eq!(p.probe_prefix(NS, &[]), 0);
+}
+
+/// `Medium`: a healthy medium says so, and a flush keeps every block readable.
+fn medium_flushes_and_reports_health(f: Factory) {
+    let (t, _d) = f(16 << 20);
+    let Some(m) = t.extensions().medium else {
+        assert_eq!(t.degraded(), None, "a tier with no medium is never degraded");
+        t.flush().unwrap();
+        return;
+    };
+    assert_eq!(m.degraded(), None);
+    for i in 0..4 {
+        put(&*t, 27, i, PAGE + 17).unwrap();
+    }
+    m.flush().unwrap();
+    m.flush().unwrap();
+    for i in 0..4 {
+        assert_eq!(get_bytes(&*t, 27, i).map(|b| b.len()), Some(PAGE + 17));
+    }
+    assert_eq!(t.degraded(), None);
+}
+
 macro_rules! suite {
-    ($modname:ident, $factory:expr) => {
+    ($modname:ident, $factory:expr, $offers:expr) => {
         mod $modname {
             use super::*;
+            #[test]
+            fn offers_its_extensions() {
+                super::offers_its_extensions($factory, $offers)
+            }
+            #[test]
+            fn direct_io_moves_bytes_without_a_buffer() {
+                super::direct_io_moves_bytes_without_a_buffer($factory)
+            }
+            #[test]
+            fn direct_io_with_adopted_memory() {
+                super::direct_io_with_adopted_memory($factory)
+            }
+            #[test]
+            fn prefix_probe_counts_the_held_prefix() {
+                super::prefix_probe_counts_the_held_prefix($factory)
+            }
+            #[test]
+            fn medium_flushes_and_reports_health() {
+                super::medium_flushes_and_reports_health($factory)
+            }
             #[test]
             fn roundtrip_sizes() {
                 super::roundtrip_sizes($factory)
@@ -386,9 +570,10 @@ macro_rules! suite {
     };
 }
 
-suite!(g2_host, g2);
-suite!(g3_disk_uring, g3_uring);
-suite!(g3_disk_psync, g3_psync);
-suite!(g3_disk_inline, g3_inline);
-suite!(g4_object_memory, g4_memory);
-suite!(g4_object_file, g4_file);
+// (direct, probe, medium, reports)
+suite!(g2_host, g2, (false, false, false, true));
+suite!(g3_disk_uring, g3_uring, (true, false, true, true));
+suite!(g3_disk_psync, g3_psync, (true, false, true, true));
+suite!(g3_disk_inline, g3_inline, (true, false, true, true));
+suite!(g4_object_memory, g4_memory, (false, true, true, true));
+suite!(g4_object_file, g4_file, (false, true, true, true));

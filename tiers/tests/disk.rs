@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use common::*;
 use kvtiers::disk::io::{EngineFactory, IoBackend, IoEngine, IoKind, IoOp, IoProgress};
 use kvtiers::disk::psync::PsyncEngine;
-use kvtiers::{BlockBuf, BlockRef, BlockStore, DiskTier, Tier, TierError, WriteThroughConfig};
+use kvtiers::{BlockBuf, BlockRef, BlockStore, DiskTier, Tier, TierError, TierExt, WriteThroughConfig};
 
 fn put(t: &dyn Tier, chain: u32, i: u32, len: usize) {
     let k = key(chain, i);
@@ -537,16 +537,25 @@ fn blocks_of_the_xxh3_record_version_are_still_served() {
     assert_eq!(t.stats().checksum_failures, 1);
 }
 
-/// An engine that fails whole batches before running any op while `broken` is set.
-#[derive(Debug)]
-struct Breakable {
-    inner: Box<dyn IoEngine>,
-    broken: Arc<std::sync::atomic::AtomicBool>,
+/// What [`hooked`] calls with each batch before running it.
+type Hook = Arc<dyn Fn(&[IoOp]) -> std::io::Result<()> + Send + Sync>;
+
+/// A psync engine that calls a hook with each batch before running it: an error from the hook
+/// fails the batch before any op runs.
+struct Hooked {
+    name: &'static str,
+    before: Hook,
 }
 
-impl IoEngine for Breakable {
+impl std::fmt::Debug for Hooked {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Hooked").field("name", &self.name).finish_non_exhaustive()
+    }
+}
+
+impl IoEngine for Hooked {
     fn name(&self) -> &'static str {
-        "breakable"
+        self.name
     }
     unsafe fn run(
         &mut self,
@@ -554,12 +563,19 @@ impl IoEngine for Breakable {
         ops: &[IoOp],
         progress: &mut dyn IoProgress,
     ) -> std::io::Result<()> {
-        if self.broken.load(std::sync::atomic::Ordering::SeqCst) {
-            return Err(std::io::Error::other("engine unavailable"));
-        }
+        (self.before)(ops)?;
         // SAFETY: the caller of `run` vouches for the ops' memory.
-        unsafe { self.inner.run(fd, ops, progress) }
+        unsafe { PsyncEngine.run(fd, ops, progress) }
     }
+}
+
+/// Engines named `name` that call `before` with each batch before running it (psync).
+fn hooked(
+    name: &'static str,
+    before: impl Fn(&[IoOp]) -> std::io::Result<()> + Send + Sync + 'static,
+) -> EngineFactory {
+    let before: Hook = Arc::new(before);
+    Arc::new(move || Ok(Box::new(Hooked { name, before: Arc::clone(&before) }) as Box<dyn IoEngine>))
 }
 
 /// A read whose batch fails before any op runs is an error of the call: the block stays and is
@@ -569,9 +585,12 @@ fn a_read_that_never_ran_keeps_the_block() {
     let d = tempfile::tempdir().unwrap();
     let broken = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let b = Arc::clone(&broken);
-    let factory: EngineFactory = Arc::new(move || {
-        let inner: Box<dyn IoEngine> = Box::new(PsyncEngine);
-        Ok(Box::new(Breakable { inner, broken: Arc::clone(&b) }) as Box<dyn IoEngine>)
+    // Whole batches fail before any op runs while `broken` is set.
+    let factory = hooked("breakable", move |_| {
+        if b.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(std::io::Error::other("engine unavailable"));
+        }
+        Ok(())
     });
     let mut cfg = disk_cfg(d.path(), 8 << 20);
     cfg.io_threads = 0;
@@ -586,38 +605,6 @@ fn a_read_that_never_ran_keeps_the_block() {
     assert_eq!(t.stats().checksum_failures, 0);
 }
 
-/// The gate's two ends: "arrived" (sent by the engine) and "go through" (received by it).
-type Gate = Option<(std::sync::mpsc::Sender<()>, std::sync::mpsc::Receiver<()>)>;
-
-/// An engine whose first write batch waits at a gate: it says it arrived, then waits to be let
-/// through.
-#[derive(Debug)]
-struct Gated {
-    inner: PsyncEngine,
-    gate: Arc<std::sync::Mutex<Gate>>,
-}
-
-impl IoEngine for Gated {
-    fn name(&self) -> &'static str {
-        "gated"
-    }
-    unsafe fn run(
-        &mut self,
-        fd: std::os::fd::RawFd,
-        ops: &[IoOp],
-        progress: &mut dyn IoProgress,
-    ) -> std::io::Result<()> {
-        let gate =
-            if ops.first().is_some_and(|o| o.kind == IoKind::Write) { self.gate.lock().unwrap().take() } else { None };
-        if let Some((arrived, through)) = gate {
-            arrived.send(()).unwrap();
-            through.recv().unwrap();
-        }
-        // SAFETY: the caller of `run` vouches for the ops' memory.
-        unsafe { self.inner.run(fd, ops, progress) }
-    }
-}
-
 /// A block removed while its bytes are on their way to disk never reaches the index: the
 /// index is written only for reservations still in place, under the lock the removal's delete
 /// takes (a record written after the delete would name pages another block may own later).
@@ -628,8 +615,15 @@ fn a_block_removed_mid_write_is_not_indexed() {
     let (through_tx, through_rx) = std::sync::mpsc::channel();
     let gate = Arc::new(std::sync::Mutex::new(Some((arrived_tx, through_rx))));
     let g = Arc::clone(&gate);
-    let factory: EngineFactory =
-        Arc::new(move || Ok(Box::new(Gated { inner: PsyncEngine, gate: Arc::clone(&g) }) as Box<dyn IoEngine>));
+    // The first write batch waits at the gate: it says it arrived, then waits to be let through.
+    let factory = hooked("gated", move |ops| {
+        let gate = if ops.first().is_some_and(|o| o.kind == IoKind::Write) { g.lock().unwrap().take() } else { None };
+        if let Some((arrived, through)) = gate {
+            arrived.send(()).unwrap();
+            through.recv().unwrap();
+        }
+        Ok(())
+    });
     let mut cfg = disk_cfg(d.path(), 8 * PAGE as u64);
     cfg.io_threads = 0;
     let t = Arc::new(DiskTier::open_with_engine(&cfg, factory).unwrap());

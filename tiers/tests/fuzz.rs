@@ -7,20 +7,12 @@
 //! --test fuzz --release` (docs/operations/security-limits.md, "Fuzzing").
 #![allow(clippy::unwrap_used)]
 
+use kvproto::fuzzing::{bytes, cases};
 use kvproto::{BlockKey, NamespaceId};
 use kvtiers::disk::index::{self, IndexEntry};
 use kvtiers::object::format;
-use kvtiers::{BlockBuf, BlockMeta, DiskTier, DiskTierConfig, SumKind, Tier};
+use kvtiers::{BlockBuf, BlockMeta, DiskTier, DiskTierConfig, SumKind, Tier, TierExt};
 use proptest::prelude::*;
-
-fn cases(default: u32) -> ProptestConfig {
-    let n = std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(default);
-    ProptestConfig { cases: n, failure_persistence: None, ..ProptestConfig::default() }
-}
-
-fn bytes(max: usize) -> impl Strategy<Value = Vec<u8>> {
-    proptest::collection::vec(any::<u8>(), 0..max)
-}
 
 fn entry() -> impl Strategy<Value = IndexEntry> {
     (

@@ -7,7 +7,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
-use kvtiers::{BlockBuf, BlockRef, ObjectTier, ObjectTierConfig, Tier};
+use kvtiers::{BlockBuf, BlockRef, ObjectTier, ObjectTierConfig, Tier, TierExt};
 
 fn shared(dir: &std::path::Path) -> ObjectTierConfig {
     ObjectTierConfig::new(format!("file://{}", dir.join("bucket").display()))

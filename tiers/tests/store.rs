@@ -10,7 +10,7 @@ use common::*;
 use kvproto::{BlockKey, TierKind};
 use kvtiers::disk::io::IoBackend;
 use kvtiers::{
-    BlockBuf, BlockMeta, BlockRef, BlockStore, BlockStoreConfig, LeaseId, Tier, TierStats, TierUsage,
+    BlockBuf, BlockMeta, BlockRef, BlockStore, BlockStoreConfig, LeaseId, Tier, TierExt, TierStats, TierUsage,
     WriteThroughConfig,
 };
 
@@ -35,12 +35,18 @@ fn put_chain(s: &BlockStore, chain: u32, n: u32, len: usize) -> Vec<BlockKey> {
         .collect()
 }
 
+/// [`put_chain`], then waits until the write-through has taken every block down to G3.
+fn put_through(s: &BlockStore, chain: u32, n: u32, len: usize) -> Vec<BlockKey> {
+    let keys = put_chain(s, chain, n, len);
+    s.flush().unwrap();
+    keys
+}
+
 #[test]
 fn write_through_then_promotion_on_use() {
     let d = tempfile::tempdir().unwrap();
     let s = store_in(d.path(), 8 * PAGE as u64, 64 << 20);
-    let chain = put_chain(&s, 1, 4, 2 * PAGE);
-    s.flush().unwrap();
+    let chain = put_through(&s, 1, 4, 2 * PAGE);
     let g3 = &s.lower()[0];
     assert!(chain.iter().all(|k| g3.contains(k)), "written through");
     assert_eq!(s.stats().writethrough_written, 4);
@@ -269,8 +275,7 @@ fn g3_reads_into_and_writes_from_g2_through_the_registered_pool() {
         std::thread::sleep(Duration::from_millis(5));
     }
     let len = 2 * PAGE + 4096;
-    let chain = put_chain(&s, 3, 8, len);
-    s.flush().unwrap();
+    let chain = put_through(&s, 3, 8, len);
     let written = disk.fixed_ops().unwrap();
     assert!(written >= 8, "write-through wrote G2's pages through the registered pool ({written} ops)");
     for k in &chain {
@@ -289,8 +294,7 @@ fn a_block_g2_has_no_room_for_is_handed_back_not_read_twice() {
     let d = tempfile::tempdir().unwrap();
     let s = store_in(d.path(), 4 * PAGE as u64, 64 << 20);
     // G2 full of pinned blocks: nothing can be evicted to make room.
-    let held = put_chain(&s, 10, 2, 2 * PAGE);
-    s.flush().unwrap();
+    let held = put_through(&s, 10, 2, 2 * PAGE);
     let lease = s.pin(&held, Duration::from_secs(30));
     let k = key(11, 0);
     let len = 2 * PAGE;
@@ -311,8 +315,7 @@ fn a_block_g2_has_no_room_for_is_handed_back_not_read_twice() {
 fn lookup_reports_longest_prefix_per_tier() {
     let d = tempfile::tempdir().unwrap();
     let s = store_in(d.path(), 32 << 20, 64 << 20);
-    let mut chain = put_chain(&s, 3, 6, 10_000);
-    s.flush().unwrap();
+    let mut chain = put_through(&s, 3, 6, 10_000);
     s.g2().remove(&chain[4]).unwrap();
     s.g2().remove(&chain[5]).unwrap();
     chain.push(key(3, 6)); // not stored
@@ -356,15 +359,15 @@ impl Tier for Slow {
     fn kind(&self) -> TierKind {
         self.0.kind()
     }
-    fn put(&self, b: BlockRef<'_>) -> kvtiers::Result<bool> {
-        std::thread::sleep(Duration::from_millis(20));
-        self.0.put(b)
+    fn put_batch(&self, b: &[BlockRef<'_>]) -> Vec<kvtiers::Result<bool>> {
+        std::thread::sleep(Duration::from_millis(20) * b.len() as u32);
+        self.0.put_batch(b)
     }
-    fn get(&self, k: &BlockKey, out: &mut BlockBuf) -> kvtiers::Result<Option<BlockMeta>> {
-        self.0.get(k, out)
+    fn get_batch(&self, k: &[BlockKey], out: &mut [BlockBuf]) -> Vec<kvtiers::Result<Option<BlockMeta>>> {
+        self.0.get_batch(k, out)
     }
-    fn contains(&self, k: &BlockKey) -> bool {
-        self.0.contains(k)
+    fn contains_each(&self, k: &[BlockKey]) -> Vec<bool> {
+        self.0.contains_each(k)
     }
     fn remove(&self, k: &BlockKey) -> kvtiers::Result<bool> {
         self.0.remove(k)
@@ -414,8 +417,7 @@ fn full_write_through_queue_drops_are_counted_and_puts_still_succeed() {
     let slow: Arc<dyn Tier> = Arc::new(Slow(as_tier(g3)));
     let s = BlockStore::with_tiers(host(d.path(), 32 << 20), vec![slow], WriteThroughConfig { queue: 2, batch: 1 })
         .unwrap();
-    let keys = put_chain(&s, 5, 40, 20_000);
-    s.flush().unwrap();
+    let keys = put_through(&s, 5, 40, 20_000);
     let st = s.stats();
     assert!(st.writethrough_dropped > 0, "{st:?}");
     assert_eq!(st.writethrough_dropped + st.writethrough_written, 40);
@@ -431,8 +433,7 @@ fn full_g2_waits_for_write_through_instead_of_dropping() {
     let s =
         BlockStore::with_tiers(host(d.path(), 4 * PAGE as u64), vec![slow], WriteThroughConfig { queue: 64, batch: 1 })
             .unwrap();
-    let keys = put_chain(&s, 11, 6, 2 * PAGE);
-    s.flush().unwrap();
+    let keys = put_through(&s, 11, 6, 2 * PAGE);
     let st = s.stats();
     assert_eq!(st.writethrough_evicted_before_write, 0, "{st:?}");
     assert_eq!(st.writethrough_written, 6);
@@ -443,8 +444,7 @@ fn full_g2_waits_for_write_through_instead_of_dropping() {
 fn pins_cover_every_tier() {
     let d = tempfile::tempdir().unwrap();
     let s = store_in(d.path(), 4 * PAGE as u64, 4 * PAGE as u64);
-    let a = put_chain(&s, 6, 1, 2 * PAGE);
-    s.flush().unwrap();
+    let a = put_through(&s, 6, 1, 2 * PAGE);
     let lease = s.pin(&a, Duration::from_secs(30));
     put_chain(&s, 7, 1, 2 * PAGE);
     s.flush().unwrap();
@@ -463,8 +463,7 @@ fn metrics_are_exported_under_kvcached_names() {
     let d = tempfile::tempdir().unwrap();
     metrics::with_local_recorder(&recorder, || {
         let s = store_in(d.path(), 8 << 20, 8 << 20);
-        let k = put_chain(&s, 9, 3, 10_000);
-        s.flush().unwrap();
+        let k = put_through(&s, 9, 3, 10_000);
         let mut buf = BlockBuf::new();
         s.get(&k[0], &mut buf).unwrap();
         s.get(&key(9, 99), &mut buf).unwrap();

@@ -53,7 +53,7 @@ mod tests {
     use kvproto::NamespaceId;
 
     use super::*;
-    use crate::{BlockMeta, BlockRef, DiskTierConfig, Tier};
+    use crate::{BlockMeta, BlockRef, DiskTierConfig, Tier, TierExt};
 
     fn key(i: u8) -> BlockKey {
         BlockKey([i; 16])

@@ -41,7 +41,7 @@ use crate::pages::{PagePool, Pages};
 use crate::residency::{Residency, SlotBytes};
 use crate::room::{self, Room};
 use crate::stats::{TierCounters, TierStats, TierUsage};
-use crate::tier::{BlockRef, Delivered, PartsRef, Tier};
+use crate::tier::{BlockRef, Delivered, DirectIo, Extensions, Medium, PartsRef, Reports, Tier};
 
 const TIER: TierKind = TierKind::G3Disk;
 
@@ -437,18 +437,130 @@ impl Tier for DiskTier {
         TIER
     }
 
-    fn put(&self, block: BlockRef<'_>) -> Result<bool> {
-        self.put_batch(&[block]).pop().unwrap_or(Ok(false))
-    }
-
     fn put_batch(&self, blocks: &[BlockRef<'_>]) -> Vec<Result<bool>> {
         let parts: Vec<[&[u8]; 1]> = blocks.iter().map(|b| [b.data]).collect();
         let refs: Vec<PartsRef<'_>> =
             blocks.iter().zip(&parts).map(|(b, p)| PartsRef { key: b.key, meta: b.meta, parts: p }).collect();
-        self.put_batch_parts(&refs)
+        self.put_pieces(&refs)
     }
 
-    fn put_batch_parts(&self, blocks: &[PartsRef<'_>]) -> Vec<Result<bool>> {
+    /// Reads every block in one I/O batch (one hand-off to the I/O threads, all reads in flight
+    /// at once), then verifies each on its own: a block that fails is dropped and is a miss,
+    /// the others are served.
+    fn get_batch(&self, keys: &[BlockKey], outs: &mut [BlockBuf]) -> Vec<Result<Option<BlockMeta>>> {
+        // SAFETY: every destination is one of `outs`' aligned buffers, sized to the block here
+        // (capacity covering the padded tail), which nothing else touches until this returns.
+        unsafe {
+            self.read_into(
+                keys,
+                |i, meta| {
+                    let out = &mut outs[i];
+                    out.resize(meta.len as usize);
+                    Some(vec![(out.full_mut().as_mut_ptr(), meta.len as usize)])
+                },
+                |_| {},
+                true,
+            )
+        }
+        .into_iter()
+        .map(|r| r.map(|d| d.map(|d| d.meta)))
+        .collect()
+    }
+
+    fn contains_each(&self, keys: &[BlockKey]) -> Vec<bool> {
+        let st = self.state.lock();
+        keys.iter().map(|k| st.contains(k)).collect()
+    }
+
+    fn remove(&self, key: &BlockKey) -> Result<bool> {
+        let mut st = self.state.lock();
+        let Some(e) = st.remove(key) else { return Ok(false) };
+        self.listener.removed(TIER, &[*key]);
+        self.forget(&st, forget::slots([(*key, e)]))?;
+        self.counters.set_usage(self.pool.used_pages() as u64 * self.pool.page_size() as u64, st.len());
+        Ok(true)
+    }
+
+    fn pin(&self, lease: LeaseId, keys: &[BlockKey], deadline: Instant) -> usize {
+        self.state.lock().pin(lease, keys, deadline)
+    }
+
+    fn release(&self, lease: LeaseId) {
+        self.state.lock().release(lease);
+    }
+
+    fn usage(&self) -> TierUsage {
+        let blocks = self.state.lock().len();
+        room::pool_usage(&self.pool, blocks)
+    }
+
+    fn stats(&self) -> TierStats {
+        self.counters.snapshot(self.usage())
+    }
+
+    fn keys(&self) -> Vec<(BlockKey, BlockMeta)> {
+        self.state.lock().ready_keys()
+    }
+
+    fn extensions(&self) -> Extensions<'_> {
+        Extensions { direct: Some(self), medium: Some(self), reports: Some(self), ..Extensions::default() }
+    }
+}
+
+impl DirectIo for DiskTier {
+    fn peek_each(&self, keys: &[BlockKey]) -> Vec<Option<BlockMeta>> {
+        let mut st = self.state.lock();
+        keys.iter().map(|k| st.get(k, false).map(|(_, meta)| meta)).collect()
+    }
+
+    unsafe fn get_batch_into(
+        &self,
+        keys: &[BlockKey],
+        dests: &[&[(*mut u8, usize)]],
+        verified: &mut dyn FnMut(usize),
+    ) -> Vec<Result<Option<BlockMeta>>> {
+        // SAFETY: the caller's contract (see `DirectIo::get_batch_into`) is `read_into`'s; a
+        // destination that does not add up to the block's length is not read into.
+        unsafe {
+            self.read_into(
+                keys,
+                |i, meta| {
+                    let d = dests.get(i)?;
+                    (d.iter().map(|(_, n)| *n as u64).sum::<u64>() == meta.len && meta.len > 0).then(|| d.to_vec())
+                },
+                verified,
+                true,
+            )
+            .into_iter()
+            .map(|r| r.map(|d| d.map(|d| d.meta)))
+            .collect()
+        }
+    }
+
+    unsafe fn read_into_foreign(&self, keys: &[BlockKey], dests: &[&[(*mut u8, usize)]]) -> Vec<Option<Delivered>> {
+        // Whole pages only: a read is padded to whole pages, and a padded tail would write
+        // past the destination into memory the caller did not name.
+        let whole = |d: &[(*mut u8, usize)]| {
+            d.iter().all(|&(p, n)| (p as usize).is_multiple_of(ALIGN) && n.is_multiple_of(ALIGN))
+        };
+        // SAFETY: destinations are whole aligned pages (checked here) adding up to the block's
+        // length, which the caller vouches are writable until this returns; what another
+        // process does to them can fail only the read or its sum, which is not trusted.
+        let read = unsafe {
+            self.read_into(
+                keys,
+                |i, meta| {
+                    let d = dests.get(i).filter(|d| whole(d))?;
+                    (d.iter().map(|(_, n)| *n as u64).sum::<u64>() == meta.len && meta.len > 0).then(|| d.to_vec())
+                },
+                |_| {},
+                false,
+            )
+        };
+        read.into_iter().map(|r| r.ok().flatten()).collect()
+    }
+
+    fn put_pieces(&self, blocks: &[PartsRef<'_>]) -> Vec<Result<bool>> {
         let t0 = Instant::now();
         let mut results: Vec<Option<Result<bool>>> = Vec::with_capacity(blocks.len());
         let mut reserved: Vec<(usize, Arc<DiskSlot>)> = Vec::new();
@@ -588,144 +700,15 @@ impl Tier for DiskTier {
         out
     }
 
-    fn get(&self, key: &BlockKey, out: &mut BlockBuf) -> Result<Option<BlockMeta>> {
-        self.get_batch(std::slice::from_ref(key), std::slice::from_mut(out)).pop().unwrap_or(Ok(None))
-    }
-
-    /// Reads every block in one I/O batch (one hand-off to the I/O threads, all reads in flight
-    /// at once), then verifies each on its own: a block that fails is dropped and is a miss,
-    /// the others are served.
-    fn get_batch(&self, keys: &[BlockKey], outs: &mut [BlockBuf]) -> Vec<Result<Option<BlockMeta>>> {
-        // SAFETY: every destination is one of `outs`' aligned buffers, sized to the block here
-        // (capacity covering the padded tail), which nothing else touches until this returns.
-        unsafe {
-            self.read_into(
-                keys,
-                |i, meta| {
-                    let out = &mut outs[i];
-                    out.resize(meta.len as usize);
-                    Some(vec![(out.full_mut().as_mut_ptr(), meta.len as usize)])
-                },
-                |_| {},
-                true,
-            )
-        }
-        .into_iter()
-        .map(|r| r.map(|d| d.map(|d| d.meta)))
-        .collect()
-    }
-
-    fn peek_each(&self, keys: &[BlockKey]) -> Vec<Option<BlockMeta>> {
-        let mut st = self.state.lock();
-        keys.iter().map(|k| st.get(k, false).map(|(_, meta)| meta)).collect()
-    }
-
-    unsafe fn get_batch_into(
-        &self,
-        keys: &[BlockKey],
-        dests: &[&[(*mut u8, usize)]],
-        verified: &mut dyn FnMut(usize),
-    ) -> Option<Vec<Result<Option<BlockMeta>>>> {
-        // SAFETY: the caller's contract (see `Tier::get_batch_into`) is `read_into`'s; a
-        // destination that does not add up to the block's length is not read into.
-        Some(unsafe {
-            self.read_into(
-                keys,
-                |i, meta| {
-                    let d = dests.get(i)?;
-                    (d.iter().map(|(_, n)| *n as u64).sum::<u64>() == meta.len && meta.len > 0).then(|| d.to_vec())
-                },
-                verified,
-                true,
-            )
-            .into_iter()
-            .map(|r| r.map(|d| d.map(|d| d.meta)))
-            .collect()
-        })
-    }
-
-    unsafe fn read_into_foreign(
-        &self,
-        keys: &[BlockKey],
-        dests: &[&[(*mut u8, usize)]],
-    ) -> Option<Vec<Option<Delivered>>> {
-        // Whole pages only: a read is padded to whole pages, and a padded tail would write
-        // past the destination into memory the caller did not name.
-        let whole = |d: &[(*mut u8, usize)]| {
-            d.iter().all(|&(p, n)| (p as usize).is_multiple_of(ALIGN) && n.is_multiple_of(ALIGN))
-        };
-        // SAFETY: destinations are whole aligned pages (checked here) adding up to the block's
-        // length, which the caller vouches are writable until this returns; what another
-        // process does to them can fail only the read or its sum, which is not trusted.
-        let read = unsafe {
-            self.read_into(
-                keys,
-                |i, meta| {
-                    let d = dests.get(i).filter(|d| whole(d))?;
-                    (d.iter().map(|(_, n)| *n as u64).sum::<u64>() == meta.len && meta.len > 0).then(|| d.to_vec())
-                },
-                |_| {},
-                false,
-            )
-        };
-        Some(read.into_iter().map(|r| r.ok().flatten()).collect())
-    }
-
-    fn contains(&self, key: &BlockKey) -> bool {
-        self.state.lock().contains(key)
-    }
-
-    fn contains_each(&self, keys: &[BlockKey]) -> Vec<bool> {
-        let st = self.state.lock();
-        keys.iter().map(|k| st.contains(k)).collect()
-    }
-
-    fn remove(&self, key: &BlockKey) -> Result<bool> {
-        let mut st = self.state.lock();
-        let Some(e) = st.remove(key) else { return Ok(false) };
-        self.listener.removed(TIER, &[*key]);
-        self.forget(&st, forget::slots([(*key, e)]))?;
-        self.counters.set_usage(self.pool.used_pages() as u64 * self.pool.page_size() as u64, st.len());
-        Ok(true)
-    }
-
-    fn set_listener(&self, listener: Arc<dyn TierListener>) -> bool {
-        self.listener.set(listener)
-    }
-
-    unsafe fn adopt_host_memory(
-        &self,
-        base: *const u8,
-        len: usize,
-        owner: std::sync::Arc<dyn std::any::Any + Send + Sync>,
-    ) {
+    unsafe fn adopt_host_memory(&self, base: *const u8, len: usize, owner: Arc<dyn std::any::Any + Send + Sync>) {
         // SAFETY: the caller's contract is `FixedMemory::new`'s.
         self.io.offer_fixed(Arc::new(unsafe { io::FixedMemory::new(base, len, owner) }));
     }
+}
 
+impl Medium for DiskTier {
     fn degraded(&self) -> Option<String> {
         self.health.degraded()
-    }
-
-    fn pin(&self, lease: LeaseId, keys: &[BlockKey], deadline: Instant) -> usize {
-        self.state.lock().pin(lease, keys, deadline)
-    }
-
-    fn release(&self, lease: LeaseId) {
-        self.state.lock().release(lease);
-    }
-
-    fn usage(&self) -> TierUsage {
-        let blocks = self.state.lock().len();
-        room::pool_usage(&self.pool, blocks)
-    }
-
-    fn stats(&self) -> TierStats {
-        self.counters.snapshot(self.usage())
-    }
-
-    fn keys(&self) -> Vec<(BlockKey, BlockMeta)> {
-        self.state.lock().ready_keys()
     }
 
     fn flush(&self) -> Result<()> {
@@ -738,6 +721,12 @@ impl Tier for DiskTier {
             return Err(TierError::io(TIER, "fdatasync", std::io::Error::last_os_error()));
         }
         self.index.flush()
+    }
+}
+
+impl Reports for DiskTier {
+    fn set_listener(&self, listener: Arc<dyn TierListener>) -> bool {
+        self.listener.set(listener)
     }
 }
 

@@ -40,7 +40,7 @@ use crate::lru_policy::LruPolicy;
 use crate::residency::{Residency, SlotBytes};
 use crate::room::Room;
 use crate::stats::{Count, TierCounters, TierStats, TierUsage};
-use crate::tier::{BlockRef, Tier};
+use crate::tier::{BlockRef, Extensions, Medium, PrefixProbe, Reports, Tier};
 
 const TIER: TierKind = TierKind::G4Object;
 
@@ -668,10 +668,6 @@ impl Tier for ObjectTier {
         TIER
     }
 
-    fn put(&self, block: BlockRef<'_>) -> Result<bool> {
-        self.put_batch(&[block]).pop().unwrap_or(Ok(false))
-    }
-
     /// PUTs the blocks not already known, `concurrency` at a time, each retried with backoff up
     /// to `retry_deadline` (the client's retry policy). Room under the budget is made first;
     /// a block is known (visible) only once its PUT succeeded.
@@ -754,10 +750,6 @@ impl Tier for ObjectTier {
         out
     }
 
-    fn get(&self, key: &BlockKey, out: &mut BlockBuf) -> Result<Option<BlockMeta>> {
-        self.get_batch(std::slice::from_ref(key), std::slice::from_mut(out)).pop().unwrap_or(Ok(None))
-    }
-
     /// GETs the blocks the index knows, `concurrency` at a time; each is verified. A block the
     /// index knows but the store no longer has (another daemon's budget, a lifecycle rule) is
     /// a miss and leaves the index.
@@ -825,10 +817,6 @@ impl Tier for ObjectTier {
         out
     }
 
-    fn contains(&self, key: &BlockKey) -> bool {
-        self.index.lock().res.contains(key)
-    }
-
     fn contains_each(&self, keys: &[BlockKey]) -> Vec<bool> {
         let idx = self.index.lock();
         keys.iter().map(|k| idx.res.contains(k)).collect()
@@ -872,15 +860,30 @@ impl Tier for ObjectTier {
         self.index.lock().res.ready_keys()
     }
 
-    fn set_listener(&self, listener: Arc<dyn TierListener>) -> bool {
-        self.listener.set(listener)
+    fn extensions(&self) -> Extensions<'_> {
+        Extensions { probe: Some(self), medium: Some(self), reports: Some(self), ..Extensions::default() }
     }
+}
 
+impl PrefixProbe for ObjectTier {
     fn probe_prefix(&self, namespace: NamespaceId, keys: &[BlockKey]) -> usize {
         self.probe(namespace, keys)
     }
+}
 
+impl Medium for ObjectTier {
     fn degraded(&self) -> Option<String> {
         ObjectTier::degraded(self)
+    }
+
+    /// Nothing to do: a block is known only once its PUT succeeded.
+    fn flush(&self) -> Result<()> {
+        Ok(())
+    }
+}
+
+impl Reports for ObjectTier {
+    fn set_listener(&self, listener: Arc<dyn TierListener>) -> bool {
+        self.listener.set(listener)
     }
 }

@@ -27,16 +27,7 @@ pub fn meta(chain: u32, i: u32, len: usize) -> BlockMeta {
 
 /// Deterministic content derived from the key, so any reader can verify every byte.
 pub fn content(k: &BlockKey, len: usize) -> Vec<u8> {
-    let mut x = k.low64() | 1;
-    let mut out = Vec::with_capacity(len + 8);
-    while out.len() < len {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        out.extend_from_slice(&x.to_le_bytes());
-    }
-    out.truncate(len);
-    out
+    kvclient::synthetic_block(k.low64(), 0, len)
 }
 
 pub fn host_cfg(dir: &Path, capacity: u64) -> HostTierConfig {
