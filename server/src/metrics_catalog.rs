@@ -78,6 +78,10 @@ pub fn describe() {
         ("kvcached_tier_put_errors_total", "Failed writes into a tier."),
         ("kvcached_tier_read_errors_total", "Block reads a lower tier failed (served as misses), by tier."),
         ("kvcached_writethrough_blocks_total", "Blocks written through to a lower tier."),
+        (
+            "kvcached_changes_queue_full_total",
+            "Tier changes that waited for room on the queue to the hit reports and vLLM export.",
+        ),
         ("kvcached_writethrough_dropped_total", "Write-throughs dropped, by tier and reason."),
         ("kvcached_writethrough_errors_total", "Write-throughs that failed, by tier."),
         ("kvcached_promotions_total", "Blocks promoted into G2 from a lower tier."),
@@ -183,6 +187,7 @@ pub fn describe() {
 /// histograms appear with their first sample.
 pub fn zero_series(config: &crate::Config) {
     for name in [
+        "kvcached_changes_queue_full_total",
         "kvcached_limit_refusals_total",
         "kvcached_load_mismatch_total",
         "kvcached_promotions_skipped_total",

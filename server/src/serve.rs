@@ -19,7 +19,7 @@ use crate::edge::service::{KvcachedService, TcpAuth, TcpService};
 use crate::edge::{http, listen};
 use crate::engine::attach::Tickets;
 use crate::error::ServerError;
-use crate::export::{reports, vllm_export};
+use crate::export::{changes, reports, vllm_export};
 use crate::peer::Peers;
 use crate::policy::limits::Limits;
 use crate::{Listeners, engine};
@@ -247,8 +247,14 @@ async fn start_daemon(
     )?);
     let ledger = crate::policy::quota::Ledger::start(&config.tenants, &store)?;
     let mut listeners: Vec<Arc<dyn kvtiers::TierListener>> = Vec::new();
-    if reports.listening() {
-        listeners.push(Arc::clone(&reports) as Arc<dyn kvtiers::TierListener>);
+    // Hit reports and the vLLM export hear the tiers through a queue and thread of their own
+    // (`export/changes.rs`): the tiers' locks and the saves wait for neither.
+    let changes = match reports.listening() {
+        true => Some(changes::Changes::start(Arc::clone(&reports), changes::CAPACITY).map_err(ServerError::Io)?),
+        false => None,
+    };
+    if let Some(c) = &changes {
+        listeners.push(Arc::clone(c) as Arc<dyn kvtiers::TierListener>);
     }
     if let Some(l) = &ledger {
         listeners.push(Arc::clone(l) as Arc<dyn kvtiers::TierListener>);
@@ -274,6 +280,7 @@ async fn start_daemon(
     );
     daemon.peers = Some(peers);
     daemon.ledger = ledger;
+    daemon.changes = changes;
     daemon.g4_lookup_probe = config.g4.lookup_probe;
     daemon.g4_queue = if config.g4.enabled { config.g4.writethrough_queue } else { 0 };
     Ok(Arc::new(daemon))
@@ -316,6 +323,16 @@ fn grpc_server(
         .layer(tower::util::MapResponseLayer::new(truncated_is_invalid as fn(Answer) -> Answer))
 }
 
+/// Runs a gRPC server's `serving` future in `tasks`, its error an I/O one.
+fn spawn_grpc<E>(
+    tasks: &mut JoinSet<Result<(), ServerError>>,
+    serving: impl Future<Output = Result<(), E>> + Send + 'static,
+) where
+    E: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    tasks.spawn(async move { serving.await.map_err(|e| ServerError::Io(std::io::Error::other(e))) });
+}
+
 /// Serves gRPC (and LOOKUP, when given) on the Unix socket, Health-only gRPC on TCP, HTTP on the
 /// metrics listener, and housekeeping, until `stop` flips.
 fn serve_listeners(
@@ -340,13 +357,7 @@ fn serve_listeners(
         let server = grpc_server(config, &limits).add_service(
             KvcachedServer::new(svc.clone()).max_decoding_message_size(max_msg).max_encoding_message_size(max_msg),
         );
-        let rx = stop.clone();
-        tasks.spawn(async move {
-            server
-                .serve_with_incoming_shutdown(incoming, stopped(rx))
-                .await
-                .map_err(|e| ServerError::Io(std::io::Error::other(e)))
-        });
+        spawn_grpc(&mut tasks, server.serve_with_incoming_shutdown(incoming, stopped(stop.clone())));
     }
     if let Some(tcp) = listeners.tcp {
         match endpoint_guard("tcp_auth", TCP_ENDPOINT, &config.tcp_auth, &tcp, &[b"h2"]) {
@@ -356,13 +367,7 @@ fn serve_listeners(
                     KvcachedServer::new(TcpService { inner: svc.clone() }).max_decoding_message_size(64 << 10);
                 let server =
                     grpc_server(config, &limits).add_service(InterceptedService::new(service, TcpAuth { guard }));
-                let rx = stop.clone();
-                tasks.spawn(async move {
-                    server
-                        .serve_with_incoming_shutdown(incoming, stopped(rx))
-                        .await
-                        .map_err(|e| ServerError::Io(std::io::Error::other(e)))
-                });
+                spawn_grpc(&mut tasks, server.serve_with_incoming_shutdown(incoming, stopped(stop.clone())));
             }
             Err(e) => {
                 tasks.spawn(async move { Err(e) });
@@ -507,7 +512,13 @@ async fn close(daemon: Arc<Daemon>) -> Result<(), ServerError> {
         if let Err(e) = daemon.store.flush() {
             tracing::warn!("flush at shutdown failed: {e}");
         }
-        // The write-through just stored blocks in G3: their export records go to the log too.
+        // The write-through just stored blocks in G3: their changes are passed on, and their
+        // export records go to the log too.
+        if let Some(c) = &daemon.changes
+            && !c.settle(Duration::from_secs(5))
+        {
+            tracing::warn!("tier changes not all passed on to reports within 5 s of shutdown");
+        }
         if let Some(v) = daemon.reports.vllm() {
             v.flush_log(Duration::from_secs(5));
         }

@@ -120,6 +120,9 @@ pub struct Daemon {
     pub peers: Option<Arc<Peers>>,
     /// The tenants' quotas, when any tenant has one.
     pub ledger: Option<Arc<crate::policy::quota::Ledger>>,
+    /// The queue carrying the tiers' changes (and saves' vLLM records) to the hit reports,
+    /// when reports or a vLLM export are on.
+    pub changes: Option<Arc<crate::export::changes::Changes>>,
     namespace_mismatch: metrics::Counter,
     key_memo: KeyMemo,
     /// Probes long prompts' keys while lookups derive them (thread `kv-probe`).
@@ -194,6 +197,7 @@ impl Daemon {
             g4_queue: 0,
             peers: None,
             ledger: None,
+            changes: None,
             namespace_mismatch: metrics::counter!("kvcached_load_mismatch_total"),
             key_memo: KeyMemo::new(key_memo_bytes),
             prober,
@@ -240,12 +244,13 @@ impl Daemon {
         let mut resp = pb::SaveResponse::default();
         let len = engine.block_bytes();
         let end = req.first_block as usize + req.block_ids.len();
-        let vllm = self.reports.vllm();
+        // The vLLM export's records of these blocks, made on the reporting thread.
+        let export = self.changes.as_ref().filter(|c| c.exports_vllm());
         // A tenant with quotas makes room among its own blocks first (`quota.rs`).
         let payer = self.ledger.as_ref().zip(self.engines.tenants().index_of(who));
-        if let Some(v) = vllm {
+        if let Some(c) = export {
             let tpb = engine.namespace.layout.tokens_per_block as usize;
-            v.note_save(&keys, &kvproto::tokens_from_le(&req.tokens)?, tpb, req.first_block as usize, end);
+            c.saving(&keys, kvproto::tokens_from_le(&req.tokens)?, tpb, req.first_block as usize, end);
         }
         let mut over_quota = false;
         for (i, &slot) in req.block_ids.iter().enumerate() {
@@ -288,10 +293,10 @@ impl Daemon {
                 }
             }
         }
-        if let Some(v) = vllm
+        if let Some(c) = export
             && resp.failed > 0
         {
-            v.forget_unstored(&keys[req.first_block as usize..end]);
+            c.unstored(&keys[req.first_block as usize..end]);
         }
         self.saves.fetch_add(1, Ordering::Relaxed);
         Ok(resp)

@@ -1,6 +1,8 @@
 //! What the daemon tells others about its blocks: hit reports for kvrouter and the vLLM-format
 //! event stream.
 //!
+//! - [`changes`]: the tiers' changes, queued off their locks for one thread to pass on to the
+//!   reports and the export.
 //! - [`reports`]: hit reports to kvrouter (tier events, G1 from engines, load, outcomes).
 //! - [`publish`]: [`publish::HttpPublisher`], shipping them to every router (bounded, never
 //!   blocks; routers replay what it could not send from the log served by
@@ -9,6 +11,7 @@
 //! - `vllm_origins`: the export's records of G3 blocks, kept in a file across restarts.
 //! - [`zmq_export`]: the ZMQ PUB socket (and replay socket) the export writes to.
 
+pub mod changes;
 pub mod publish;
 pub mod reports;
 pub mod vllm_export;
