@@ -498,16 +498,17 @@ impl Client {
         prefill_time: Duration,
     ) -> Result<(), ClientError> {
         let prefill_us = prefill_time.as_micros().min(u128::from(u64::MAX)) as u64;
+        let load = pb::EngineLoadRequest {
+            running,
+            waiting,
+            kv_used_blocks,
+            kv_total_blocks,
+            prefill_tokens,
+            prefill_us,
+            ..Default::default()
+        };
         self.with_retry(|mut rpc, engine_id| {
-            let req = pb::EngineLoadRequest {
-                engine_id,
-                running,
-                waiting,
-                kv_used_blocks,
-                kv_total_blocks,
-                prefill_tokens,
-                prefill_us,
-            };
+            let req = pb::EngineLoadRequest { engine_id, ..load };
             async move { rpc.report_load(req).await }
         })
         .await

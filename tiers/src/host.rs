@@ -432,14 +432,7 @@ impl HostTier {
     /// write-through's own reads): its pages stay allocated and unchanged while the hold lives.
     pub(crate) fn hold_uncounted(&self, key: &BlockKey) -> Option<HeldBlock> {
         let (slot, meta) = self.state.lock().get(key, true)?;
-        let ps = self.pool.page_size();
-        let mut left = meta.len as usize;
-        let mut pieces = Vec::new();
-        for (first, n) in slot.pages.runs() {
-            let take = left.min(n as usize * ps);
-            pieces.push((self.page_ptr(first).cast_const(), take));
-            left -= take;
-        }
+        let pieces = self.runs_of(&slot, meta.len);
         self.counters.bytes_read.add(meta.len);
         Some(HeldBlock { _slot: slot, meta, pieces })
     }
@@ -451,18 +444,28 @@ impl HostTier {
         f: impl FnOnce(&BlockMeta, &[&[u8]]) -> R,
     ) -> Option<R> {
         let (slot, meta) = self.state.lock().get(key, true)?;
+        let pieces: Vec<&[u8]> = self
+            .runs_of(&slot, meta.len)
+            .into_iter()
+            // SAFETY: the run lies inside the mapping and is not written while `slot` is held
+            // (a committed block is immutable; its pages are freed only when the Arc drops).
+            .map(|(p, n)| unsafe { std::slice::from_raw_parts(p, n) })
+            .collect();
+        self.counters.bytes_read.add(meta.len);
+        Some(f(&meta, &pieces))
+    }
+
+    /// Where the `len` bytes of a block in `slot` lie in the pool: one piece per run of pages.
+    fn runs_of(&self, slot: &HostSlot, len: u64) -> Vec<(*const u8, usize)> {
         let ps = self.pool.page_size();
-        let mut left = meta.len as usize;
+        let mut left = len as usize;
         let mut pieces = Vec::new();
         for (first, n) in slot.pages.runs() {
             let take = left.min(n as usize * ps);
-            // SAFETY: the run lies inside the mapping and is not written while `slot` is held
-            // (a committed block is immutable; its pages are freed only when the Arc drops).
-            pieces.push(unsafe { std::slice::from_raw_parts(self.page_ptr(first), take) });
+            pieces.push((self.page_ptr(first).cast_const(), take));
             left -= take;
         }
-        self.counters.bytes_read.add(meta.len);
-        Some(f(&meta, &pieces))
+        pieces
     }
 
     /// Makes room for `pages` more pages, evicting down to the low watermark when needed.
