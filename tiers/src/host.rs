@@ -432,7 +432,7 @@ impl HostTier {
     /// write-through's own reads): its pages stay allocated and unchanged while the hold lives.
     pub(crate) fn hold_uncounted(&self, key: &BlockKey) -> Option<HeldBlock> {
         let (slot, meta) = self.state.lock().get(key, true)?;
-        let pieces = self.runs_of(&slot, meta.len);
+        let pieces = self.runs_of(&slot, meta.len).collect();
         self.counters.bytes_read.add(meta.len);
         Some(HeldBlock { _slot: slot, meta, pieces })
     }
@@ -446,7 +446,6 @@ impl HostTier {
         let (slot, meta) = self.state.lock().get(key, true)?;
         let pieces: Vec<&[u8]> = self
             .runs_of(&slot, meta.len)
-            .into_iter()
             // SAFETY: the run lies inside the mapping and is not written while `slot` is held
             // (a committed block is immutable; its pages are freed only when the Arc drops).
             .map(|(p, n)| unsafe { std::slice::from_raw_parts(p, n) })
@@ -456,16 +455,13 @@ impl HostTier {
     }
 
     /// Where the `len` bytes of a block in `slot` lie in the pool: one piece per run of pages.
-    fn runs_of(&self, slot: &HostSlot, len: u64) -> Vec<(*const u8, usize)> {
+    fn runs_of<'a>(&'a self, slot: &'a HostSlot, len: u64) -> impl Iterator<Item = (*const u8, usize)> + 'a {
         let ps = self.pool.page_size();
-        let mut left = len as usize;
-        let mut pieces = Vec::new();
-        for (first, n) in slot.pages.runs() {
-            let take = left.min(n as usize * ps);
-            pieces.push((self.page_ptr(first).cast_const(), take));
-            left -= take;
-        }
-        pieces
+        slot.pages.runs().into_iter().scan(len as usize, move |left, (first, n)| {
+            let take = (*left).min(n as usize * ps);
+            *left -= take;
+            Some((self.page_ptr(first).cast_const(), take))
+        })
     }
 
     /// Makes room for `pages` more pages, evicting down to the low watermark when needed.
@@ -698,7 +694,11 @@ impl Reports for HostTier {
 
 impl HostTier {
     /// Copies one block out of the pool into `out` (resized to its length); counted as a hit
-    /// or a miss.
+    /// or a miss. ([`Tier::get_batch`] of one key, without a `Vec`.)
+    pub fn get(&self, key: &BlockKey, out: &mut BlockBuf) -> Result<Option<BlockMeta>> {
+        Ok(self.read_one(key, out))
+    }
+
     fn read_one(&self, key: &BlockKey, out: &mut BlockBuf) -> Option<BlockMeta> {
         let t0 = Instant::now();
         let hit = self.with_block(key, |meta, pieces| {

@@ -41,15 +41,6 @@ impl<'a> Destination<'a> {
         Self { pieces, _memory: PhantomData }
     }
 
-    /// Bytes in all pieces.
-    pub fn len(&self) -> usize {
-        self.pieces.iter().map(|&(_, n)| n).sum()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
     pub(crate) fn pieces(&self) -> &[(*mut u8, usize)] {
         &self.pieces
     }

@@ -628,12 +628,17 @@ impl BlockStore {
     /// tiers' indexes know) a lower tier holds after asking its medium: G4 finds what other
     /// daemons wrote, in a few round trips.
     pub fn probe_lower(&self, namespace: kvproto::NamespaceId, keys: &[BlockKey]) -> usize {
-        self.lower.iter().map(|t| t.probe_prefix(namespace, keys)).max().unwrap_or(0)
+        self.lower
+            .iter()
+            .filter_map(|t| t.extensions().probe)
+            .map(|p| p.probe_prefix(namespace, keys))
+            .max()
+            .unwrap_or(0)
     }
 
-    /// Whether any lower tier must be asked beyond its index (G4).
+    /// Whether any lower tier must be asked beyond its index (a [`crate::PrefixProbe`]: G4).
     pub fn has_remote_tier(&self) -> bool {
-        self.lower.iter().any(|t| t.kind() == TierKind::G4Object)
+        self.lower.iter().any(|t| t.extensions().probe.is_some())
     }
 
     /// Why lower tiers are degraded now, one line each.

@@ -18,13 +18,6 @@ pub struct Passthrough<IO, S> {
     pub(crate) side: S,
 }
 
-impl<IO, S> Passthrough<IO, S> {
-    /// The stream inside.
-    pub fn get_ref(&self) -> &IO {
-        &self.io
-    }
-}
-
 /// How a [`Passthrough`] reads its stream: as it comes, unless the side reads it its own way.
 pub trait ReadSide<IO: AsyncRead + Unpin>: Unpin {
     fn poll_read(&mut self, io: &mut IO, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {

@@ -210,7 +210,6 @@ mod tests {
         TokenArea::map(&file, declared, "token area")
     }
 
-    /// The error a request for `len` bytes at `offset` gets.
     /// Asserts that `a` refuses the span (`offset`, `len`) saying `why`.
     fn refused(a: &TokenArea, offset: u64, len: u64, why: &str) {
         let e = a.tokens(&pb::TokenSpan { offset, len }).unwrap_err().to_string();

@@ -80,24 +80,16 @@ impl Changes {
     }
 
     /// Blocks `keys[first..end]` of a save, whose `tokens` are whole blocks of
-    /// `tokens_per_block`, are about to be stored: their vLLM records are made first.
+    /// `tokens_per_block`, are about to be stored: their vLLM records are made first. Saves
+    /// call this only when [`Changes::exports_vllm`] (they decode the tokens for it).
     pub fn saving(&self, keys: &[BlockKey], tokens: Vec<u32>, tokens_per_block: usize, first: usize, end: usize) {
-        if self.exports_vllm {
-            self.push(Change::Saving {
-                keys: keys[..end.min(keys.len())].to_vec(),
-                tokens,
-                tokens_per_block,
-                first,
-                end,
-            });
-        }
+        let keys = keys[..end.min(keys.len())].to_vec();
+        self.push(Change::Saving { keys, tokens, tokens_per_block, first, end });
     }
 
-    /// Blocks of a save that no tier took: their records go.
+    /// Blocks of a save that no tier took: their records go (called as [`Changes::saving`]).
     pub fn unstored(&self, keys: &[BlockKey]) {
-        if self.exports_vllm {
-            self.push(Change::Unstored(keys.to_vec()));
-        }
+        self.push(Change::Unstored(keys.to_vec()));
     }
 
     /// Waits (at most `timeout`) until every change queued before now has been passed on;

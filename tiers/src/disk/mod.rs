@@ -522,18 +522,10 @@ impl DirectIo for DiskTier {
         // SAFETY: the caller's contract (see `DirectIo::get_batch_into`) is `read_into`'s; a
         // destination that does not add up to the block's length is not read into.
         unsafe {
-            self.read_into(
-                keys,
-                |i, meta| {
-                    let d = dests.get(i)?;
-                    (d.iter().map(|(_, n)| *n as u64).sum::<u64>() == meta.len && meta.len > 0).then(|| d.to_vec())
-                },
-                verified,
-                true,
-            )
-            .into_iter()
-            .map(|r| r.map(|d| d.map(|d| d.meta)))
-            .collect()
+            self.read_into(keys, |i, meta| fitting(dests.get(i)?, meta), verified, true)
+                .into_iter()
+                .map(|r| r.map(|d| d.map(|d| d.meta)))
+                .collect()
         }
     }
 
@@ -546,17 +538,8 @@ impl DirectIo for DiskTier {
         // SAFETY: destinations are whole aligned pages (checked here) adding up to the block's
         // length, which the caller vouches are writable until this returns; what another
         // process does to them can fail only the read or its sum, which is not trusted.
-        let read = unsafe {
-            self.read_into(
-                keys,
-                |i, meta| {
-                    let d = dests.get(i).filter(|d| whole(d))?;
-                    (d.iter().map(|(_, n)| *n as u64).sum::<u64>() == meta.len && meta.len > 0).then(|| d.to_vec())
-                },
-                |_| {},
-                false,
-            )
-        };
+        let read =
+            unsafe { self.read_into(keys, |i, meta| fitting(dests.get(i).filter(|d| whole(d))?, meta), |_| {}, false) };
         read.into_iter().map(|r| r.ok().flatten()).collect()
     }
 
@@ -728,6 +711,12 @@ impl Reports for DiskTier {
     fn set_listener(&self, listener: Arc<dyn TierListener>) -> bool {
         self.listener.set(listener)
     }
+}
+
+/// A destination's pieces, if they add up to the (non-empty) block `meta` describes: what a
+/// read into the caller's memory may write.
+fn fitting(d: &[(*mut u8, usize)], meta: &BlockMeta) -> Option<Vec<(*mut u8, usize)>> {
+    (d.iter().map(|(_, n)| *n as u64).sum::<u64>() == meta.len && meta.len > 0).then(|| d.to_vec())
 }
 
 /// `parts` gathered into one buffer, unless they can be written as they are: a single part, or
