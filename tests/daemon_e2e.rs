@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use kvcached::{Config, Listeners};
 use kvclient::{Client, ClientError, KvMemory, synthetic_block};
 use kvproto::{KvLayout, LayoutKind, Namespace};
-use kvtests::fixture::{KillOnDrop, daemon_command, prompt};
+use kvtests::fixture::{KillOnDrop, check, daemon_command, fill, prompt};
 use kvtests::raw_grpc::raw_client;
 
 fn layout(kind: LayoutKind) -> KvLayout {
@@ -79,13 +79,6 @@ fn kv(dir: &Path, name: &str, slots: u32) -> KvMemory {
     KvMemory::create_layer_separate(dir.join(name), &layout(LayoutKind::LayerSeparate), slots).unwrap()
 }
 
-fn fill(mem: &mut KvMemory, seed: u64, blocks: u32, first_slot: u32) {
-    let len = layout(LayoutKind::LayerSeparate).block_bytes() as usize;
-    for b in 0..blocks {
-        mem.write_block(first_slot + b, &synthetic_block(seed, b, len));
-    }
-}
-
 /// An engine `name` registered in namespace `m` with 8 block slots, the first `blocks` of them
 /// filled with KV of `seed`.
 async fn attached(daemon: &InProcess, dir: &Path, name: &str, seed: u64, blocks: u32) -> (Client, KvMemory) {
@@ -100,13 +93,6 @@ async fn attached_to(socket: &Path, dir: &Path, name: &str, slots: u32, seed: u6
     let c = Client::connect(socket).await.unwrap();
     c.register(name, &ns("m"), &mem).await.unwrap();
     (c, mem)
-}
-
-fn check(mem: &KvMemory, seed: u64, blocks: u32, first_slot: u32) {
-    let len = layout(LayoutKind::LayerSeparate).block_bytes() as usize;
-    for b in 0..blocks {
-        assert_eq!(mem.read_block(first_slot + b), synthetic_block(seed, b, len), "block {b} differs");
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

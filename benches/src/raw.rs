@@ -68,15 +68,19 @@ impl RawDirectFile {
     /// Reads the next `bufs.len()` slots into `bufs` with every read in flight at once through
     /// `ring` (io_uring, as the tier's batched reads): the device's limit at that queue depth.
     pub fn read_batch(&mut self, ring: &mut io_uring::IoUring, bufs: &mut [BlockBuf]) -> io::Result<()> {
-        // SAFETY: every buffer is borrowed (mutably) for the whole call.
+        bufs.iter().try_for_each(|b| self.fits(b))?;
+        // SAFETY: every buffer holds at least `block` bytes (checked) and is borrowed mutably
+        // for the whole call.
         unsafe { self.batch(ring, bufs.iter_mut().map(|b| b.as_mut_ptr()), false) }
     }
 
     /// Writes `bufs` to the next `bufs.len()` slots with every write in flight at once through
     /// `ring`: the limit of a batched G3 write at that queue depth.
     pub fn write_batch(&mut self, ring: &mut io_uring::IoUring, bufs: &[BlockBuf]) -> io::Result<()> {
-        // SAFETY: every buffer is borrowed for the whole call, and a write only reads it.
-        unsafe { self.batch(ring, bufs.iter().map(|b| b.as_ptr() as *mut u8), true) }
+        bufs.iter().try_for_each(|b| self.fits(b))?;
+        // SAFETY: every buffer holds at least `block` bytes (checked) and is borrowed for the
+        // whole call; a write only reads it.
+        unsafe { self.batch(ring, bufs.iter().map(|b| b.as_ptr().cast_mut()), true) }
     }
 
     /// One read (or write) of `block` bytes at `bufs` per buffer, each to the next slot, all in

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use kvclient::{Client, KvMemory, synthetic_block};
-use kvproto::{Dtype, KvLayout, LayoutKind, Namespace};
+use kvproto::{KvLayout, Namespace};
 
 /// Bytes moved by one save or load call in the throughput runs.
 const CALL_BYTES: u64 = 32 << 20;
@@ -62,14 +62,7 @@ pub struct Report {
 }
 
 fn layout(layers: u32, tokens_per_block: u32) -> KvLayout {
-    KvLayout {
-        num_layers: layers,
-        kv_heads: 8,
-        head_dim: 128,
-        dtype: Dtype::Bf16,
-        tokens_per_block,
-        kind: LayoutKind::LayerSeparate,
-    }
+    KvLayout::bf16_8x128(layers, tokens_per_block)
 }
 
 fn gibs(bytes: u64, d: Duration) -> f64 {

@@ -505,7 +505,7 @@ impl Client {
             kv_total_blocks,
             prefill_tokens,
             prefill_us,
-            ..Default::default()
+            engine_id: 0,
         };
         self.with_retry(|mut rpc, engine_id| {
             let req = pb::EngineLoadRequest { engine_id, ..load };

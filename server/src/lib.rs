@@ -41,7 +41,6 @@
 //! - [`vllm_export`]: the tiers' events in vLLM's ZMQ wire format, for routers that read those.
 //! - `vllm_origins`: the export's records of G3 blocks, kept in a file across restarts.
 //! - [`zmq_export`]: the ZMQ PUB socket (and replay socket) the export writes to.
-//! - [`signals`]: SIGTERM / SIGINT.
 //! - [`faults`]: fault injection into G3's I/O and G4's requests, for the fault suites only
 //!   (`inject_faults`).
 //! - [`error`]: the [`ServerError`] enum and the gRPC status and reason each variant becomes.
@@ -60,7 +59,6 @@ pub mod peer;
 pub mod policy;
 mod rate_log;
 mod serve;
-pub mod signals;
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;

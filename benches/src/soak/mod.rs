@@ -28,7 +28,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use kvproto::{Dtype, KvLayout, LayoutKind};
+use kvproto::KvLayout;
 
 use self::engine::{Counters, Recorder};
 use self::sample::{Row, Sampler};
@@ -88,14 +88,7 @@ pub struct SoakArgs {
 
 /// The KV layout: 2 layers x 8 KV heads x 128 dims, bf16, 16-token blocks: 128 KiB a block.
 pub fn layout() -> KvLayout {
-    KvLayout {
-        num_layers: 2,
-        kv_heads: 8,
-        head_dim: 128,
-        dtype: Dtype::Bf16,
-        tokens_per_block: 16,
-        kind: LayoutKind::LayerSeparate,
-    }
+    KvLayout::bf16_8x128(2, 16)
 }
 
 use crate::child::{Managed as Proc, tail as tail_n};

@@ -14,16 +14,9 @@ use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
 use kvproto::vllm::{self, Encoding, REPLAY_END_SEQ as END_SEQ, VllmBatch, VllmEvent};
 
+use kvnet::process::AbortOnDrop;
+
 use crate::error::ServerError;
-
-/// A task aborted when this is dropped.
-struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
-
-impl<T> Drop for AbortOnDrop<T> {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
-}
 
 /// Publishes events in vLLM's wire format on a ZMQ PUB socket (for routers that consume vLLM
 /// events, e.g. Dynamo or llm-d, to see our G2-G4 tiers).
