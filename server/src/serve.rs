@@ -267,7 +267,7 @@ async fn start_daemon(
         tracing::info!(blocks = n, "announced the blocks kept across the restart");
     }
     if let Some(v) = reports.vllm() {
-        v.start_log();
+        v.announced();
     }
     let mut daemon = Daemon::new(
         store,

@@ -16,7 +16,11 @@
 //! the exporter therefore sends every block it holds a record of, parents before children
 //! (`BlockStored` per tier; counted in `kvcached_vllm_export_snapshots_total`), paced so that the
 //! socket does not drop it. Subscribers that were already there receive those events again,
-//! which for a `BlockStored` changes nothing.
+//! which for a `BlockStored` changes nothing. No snapshot goes out before the daemon has
+//! announced the blocks its tiers kept across a restart ([`VllmExport::announced`]): the socket
+//! is bound earlier, and a subscriber joining in between would otherwise be sent a snapshot
+//! without them, then only their live events, children before parents (which a consumer
+//! drops as orphans).
 //!
 //! Tier notifications arrive under a tier's lock: they only append to a bounded channel
 //! (`try_send`; a full channel drops the event and counts it in
@@ -29,7 +33,7 @@ use std::time::Duration;
 
 use kvproto::vllm::{Encoding, ExtHash, VllmEvent, medium_of};
 use kvproto::{BlockKey, TierKind};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 
 use crate::error::ServerError;
 use crate::export::vllm_origins::{self, Origin, OriginLog, Origins};
@@ -75,10 +79,12 @@ impl StoredEvent for Origin {
 pub struct VllmExport {
     origins: Arc<Origins>,
     /// Where the records of G3's blocks are kept across restarts (none without G3), and its
-    /// writer once started ([`VllmExport::start_log`]).
+    /// writer once started ([`VllmExport::announced`]).
     log_path: Option<PathBuf>,
     log: OnceLock<OriginLog>,
     tx: mpsc::Sender<VllmEvent>,
+    /// Set once the blocks kept across a restart are announced: snapshots wait for it.
+    announced: watch::Sender<bool>,
     endpoint: String,
     replay_endpoint: Option<String>,
     dropped: metrics::Counter,
@@ -89,7 +95,7 @@ impl VllmExport {
     /// Binds the PUB socket at `endpoint` (e.g. `tcp://0.0.0.0:5557`) and starts the sending
     /// task on the current runtime. With `log_path` (next to G3), the records of the blocks G3
     /// kept across a restart are read back: those G3 still holds are exported again once it
-    /// announces them; call [`VllmExport::start_log`] after that.
+    /// announces them; call [`VllmExport::announced`] after that (no snapshot goes out before).
     pub async fn start(
         endpoint: &str,
         topic: &str,
@@ -120,13 +126,15 @@ impl VllmExport {
             }
         }
         let joins = exporter.subscriber_joins();
-        tokio::spawn(send_loop(exporter, rx, joins, Arc::clone(&origins)));
+        let (announced, ready) = watch::channel(false);
+        tokio::spawn(send_loop(exporter, rx, joins, Arc::clone(&origins), ready));
         tracing::info!(endpoint = %bound, replay = ?replay_bound, "exporting tier events in vLLM's format");
         Ok(Self {
             origins,
             log_path,
             log: OnceLock::new(),
             tx,
+            announced,
             endpoint: bound,
             replay_endpoint: replay_bound,
             dropped: metrics::counter!("kvcached_vllm_export_dropped_total"),
@@ -154,10 +162,11 @@ impl VllmExport {
         }
     }
 
-    /// Once G3's blocks are announced: forgets the records read back for blocks G3 no longer
-    /// holds, rewrites the log with the rest and starts appending to it. A log that cannot be
-    /// written is logged; the export itself goes on.
-    pub fn start_log(&self) {
+    /// Once the tiers' blocks are announced: lets snapshots go out, forgets the records read
+    /// back for blocks G3 no longer holds, rewrites the log with the rest and starts appending
+    /// to it. A log that cannot be written is logged; the export itself goes on.
+    pub fn announced(&self) {
+        self.announced.send_replace(true);
         let Some(path) = &self.log_path else { return };
         self.origins.lock().retain(|_, o| o.tiers != 0);
         match OriginLog::start(path.clone(), Arc::clone(&self.origins)) {
@@ -259,12 +268,14 @@ impl VllmExport {
 /// held blocks: built on a blocking thread, sent in small chunks at a bounded pace between live
 /// batches (a PUB socket drops what a peer's queue cannot take, and a burst would crowd out the
 /// live events of the subscribers already there). One snapshot at a time: subscribers joining
-/// while one is built or sent get one more afterwards.
+/// while one is built or sent get one more afterwards. None is built before `ready` (the
+/// blocks kept across a restart are announced).
 async fn send_loop(
     mut exporter: VllmExporter,
     mut rx: mpsc::Receiver<VllmEvent>,
     mut joins: mpsc::Receiver<()>,
     held: Arc<Origins>,
+    ready: watch::Receiver<bool>,
 ) {
     let snapshots = metrics::counter!("kvcached_vllm_export_snapshots_total");
     let mut batch = Vec::with_capacity(BATCH);
@@ -277,7 +288,10 @@ async fn send_loop(
     tokio::pin!(quiet);
     let build = |held: &Arc<Origins>| {
         let held = Arc::clone(held);
+        let mut ready = ready.clone();
         tokio::spawn(async move {
+            // A closed channel (the export is going away) builds what there is.
+            let _ = ready.wait_for(|r| *r).await;
             tokio::time::sleep(SNAPSHOT_DELAY).await;
             tokio::task::spawn_blocking(move || snapshot(&held)).await.unwrap_or_default()
         })
@@ -439,5 +453,44 @@ mod tests {
         assert_eq!(media.len(), 2);
         assert!(media.contains(&medium_of(TierKind::G2Host)) && media.contains(&medium_of(TierKind::G3Disk)));
         assert!(!stored.iter().any(|(h, _, _)| *h == 60));
+    }
+
+    /// A subscriber that joins while a restarted daemon is still starting (the socket is bound
+    /// before the tiers' blocks are announced) is sent them all, parents first, once they are:
+    /// not an empty snapshot followed by live events in key order, children before parents,
+    /// which a consumer drops as orphans.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_subscriber_joining_before_the_announce_is_sent_the_kept_blocks_in_order() {
+        use zeromq::{Socket, SocketRecv};
+        let export = VllmExport::start("tcp://127.0.0.1:0", "", None, None).await.unwrap();
+        // A chain of 5 blocks with records and no tier yet: what a restart reads back from the log.
+        let keys: Vec<BlockKey> = (0..5).map(key).collect();
+        let tokens: Vec<u32> = (0..5 * 16).collect();
+        export.note_save(&keys, &tokens, 16, 0, 5);
+        let mut sub = zeromq::SubSocket::new();
+        sub.connect(export.endpoint()).await.unwrap();
+        sub.subscribe("").await.unwrap();
+        // Well past the snapshot's delay after the join, then the announce, children first.
+        tokio::time::sleep(SNAPSHOT_DELAY * 3).await;
+        for k in keys.iter().rev() {
+            export.stored(TierKind::G3Disk, k);
+        }
+        export.announced();
+        // A consumer as kvrouter's: a block whose parent it does not know is dropped.
+        let mut known = std::collections::HashSet::new();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        while known.len() < keys.len() {
+            let Ok(m) = tokio::time::timeout_at(deadline, sub.recv()).await else {
+                panic!("only {} of {} blocks linked to their parents", known.len(), keys.len());
+            };
+            let m = m.unwrap();
+            for e in kvproto::vllm::decode_batch(m.get(2).unwrap()).unwrap().events {
+                if let VllmEvent::BlockStored { block_hashes, parent_block_hash, .. } = e
+                    && parent_block_hash.as_ref().is_none_or(|p| known.contains(p))
+                {
+                    known.extend(block_hashes);
+                }
+            }
+        }
     }
 }
