@@ -41,7 +41,7 @@ fn fresh_key() -> BlockKey {
 }
 
 fn meta(len: usize) -> BlockMeta {
-    BlockMeta { namespace: NamespaceId([1; 16]), parent: None, len: len as u64 }
+    BlockMeta { namespace: NamespaceId([1; 16]), parent: None, len: len as u64, owner: None }
 }
 
 fn filled(len: usize) -> BlockBuf {

@@ -145,7 +145,7 @@ pub fn run(endpoint: &str, bucket: &str, count: u32, concurrency: usize) -> Resu
             .enumerate()
             .map(|(i, b)| BlockRef {
                 key: key(len as u32, i as u32),
-                meta: BlockMeta { namespace: ns(), parent: None, len: b.len() as u64 },
+                meta: BlockMeta { namespace: ns(), parent: None, len: b.len() as u64, owner: None },
                 data: b,
             })
             .collect();
@@ -244,7 +244,7 @@ pub fn run(endpoint: &str, bucket: &str, count: u32, concurrency: usize) -> Resu
         .enumerate()
         .map(|(i, b)| BlockRef {
             key: key(99, i as u32),
-            meta: BlockMeta { namespace: ns(), parent: None, len: 64 },
+            meta: BlockMeta { namespace: ns(), parent: None, len: 64, owner: None },
             data: b,
         })
         .collect();

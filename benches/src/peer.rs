@@ -231,7 +231,7 @@ fn pull_timed(ends: &Ends, blocks: u32, len: usize, head_start: Option<Duration>
     let data: Vec<u8> = (0..len).map(|i| (i * 31 % 251) as u8).collect();
     let keys: Vec<BlockKey> = (0..blocks).map(key).collect();
     for (i, k) in keys.iter().enumerate() {
-        let meta = BlockMeta { namespace: NS, parent: i.checked_sub(1).map(|p| keys[p]), len: len as u64 };
+        let meta = BlockMeta { namespace: NS, parent: i.checked_sub(1).map(|p| keys[p]), len: len as u64, owner: None };
         sender.put(*k, meta, &data).map_err(|e| e.to_string())?;
     }
     let l = ends.listen()?;

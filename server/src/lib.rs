@@ -28,8 +28,8 @@
 //! - [`prefix_probe`]: thread `kv-probe`, probing a long prompt's keys while they are derived.
 //! - [`engine`]: attached engines, their memory mappings and heartbeat leases.
 //! - [`tenants`]: the trust model: who may name which tenant salt, who writes and who reads
-//!   each namespace (bindings kept across restarts); [`quota`]: what each tenant's blocks may
-//!   take in G2, G3 and G4, charged where they land.
+//!   each namespace (bindings kept across restarts). Tenants' quotas are applied by the tiers
+//!   themselves (`kvtiers::quota`), set from `[[tenants]]` by [`config`].
 //! - [`fault_guard`]: a SIGBUS in an engine's mapping (the engine truncated its file) becomes
 //!   that engine's error instead of the daemon's death.
 //! - [`token_area`]: an engine's shared-memory file of long prompts' tokens (read-only here).

@@ -109,6 +109,10 @@ pub fn describe() {
             "kvcached_tenant_quota_evictions_total",
             "Blocks a tenant at its quota removed of its own, by tenant and tier.",
         ),
+        (
+            "kvcached_tenant_quota_refused_total",
+            "Blocks not stored in a tier because their tenant's quota there could not make room, by tenant and tier.",
+        ),
         ("kvcached_accept_errors_total", "Failed accepts (out of descriptors, memory), by listener."),
         ("kvcached_g4_corrupt_deleted_total", "G4 objects that failed verification and were deleted."),
         ("kvcached_g4_stale_total", "G4 objects the index knew that the store no longer had."),

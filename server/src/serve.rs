@@ -245,8 +245,6 @@ async fn start_daemon(
         Some(Arc::clone(&peers)),
         vllm,
     )?);
-    let ledger = crate::policy::quota::Ledger::start(&config.tenants, &store)?;
-    let mut listeners: Vec<Arc<dyn kvtiers::TierListener>> = Vec::new();
     // Hit reports and the vLLM export hear the tiers through a queue and thread of their own
     // (`export/changes.rs`): the tiers' locks and the saves wait for neither.
     let changes = match reports.listening() {
@@ -254,13 +252,7 @@ async fn start_daemon(
         false => None,
     };
     if let Some(c) = &changes {
-        listeners.push(Arc::clone(c) as Arc<dyn kvtiers::TierListener>);
-    }
-    if let Some(l) = &ledger {
-        listeners.push(Arc::clone(l) as Arc<dyn kvtiers::TierListener>);
-    }
-    if !listeners.is_empty() {
-        store.set_listener(Arc::new(kvtiers::Fanout(listeners)));
+        store.set_listener(Arc::clone(c) as Arc<dyn kvtiers::TierListener>);
     }
     if reports.listening() {
         let n = reports.announce(&store);
@@ -279,7 +271,6 @@ async fn start_daemon(
         config.engines.key_memo_bytes as usize,
     );
     daemon.peers = Some(peers);
-    daemon.ledger = ledger;
     daemon.changes = changes;
     daemon.g4_lookup_probe = config.g4.lookup_probe;
     daemon.g4_queue = if config.g4.enabled { config.g4.writethrough_queue } else { 0 };

@@ -13,6 +13,10 @@ pub struct BlockMeta {
     pub parent: Option<BlockKey>,
     /// Length of the block's bytes.
     pub len: u64,
+    /// Whose quota the block is charged to in each tier that has one for it
+    /// ([`crate::quota`]); `None`: no one's. Kept in memory only: a block found in G3 or G4 at
+    /// start is no one's.
+    pub owner: Option<u32>,
 }
 
 /// Which function a stored checksum is.

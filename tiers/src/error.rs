@@ -33,6 +33,9 @@ pub enum TierError {
     /// A put's fill (a copy from memory the store does not own, e.g. an engine's) failed.
     #[error("copying the block in failed: {0}")]
     Fill(String),
+    /// The block's owner is at its quota in this tier and its own blocks cannot make room.
+    #[error("over the tenant's {} quota ({why})", tier.label().to_uppercase())]
+    OverQuota { tier: TierKind, why: crate::quota::OverQuota },
     /// CUDA is needed for the operation and no device or driver is present.
     #[error("no CUDA device: {0}")]
     NoCuda(String),

@@ -25,6 +25,7 @@ use crate::listener::{ListenerSlot, TierListener};
 use crate::lru_policy::LruPolicy;
 use crate::pages::{PagePool, Pages};
 use crate::pieces::copy_pieces;
+use crate::quota::Quotas;
 use crate::residency::{Residency, SlotBytes};
 use crate::room::{self, Room};
 use crate::stats::{Count, TierCounters, TierStats, TierUsage};
@@ -64,6 +65,9 @@ pub struct HostTierConfig {
     /// How long a put may wait for write-through to free space before it drops the
     /// write-through of the coldest waiting block instead (the bound on a save's stall).
     pub dirty_wait: Duration,
+    /// Owners' quotas in this tier, owner `i` having `quotas[i]` ([`crate::quota`]); empty:
+    /// none.
+    pub quotas: Vec<crate::quota::Quota>,
 }
 
 impl HostTierConfig {
@@ -80,6 +84,7 @@ impl HostTierConfig {
             high_watermark: 0.98,
             low_watermark: 0.95,
             dirty_wait: Duration::from_millis(100),
+            quotas: Vec::new(),
         }
     }
 
@@ -354,7 +359,11 @@ impl HostTier {
             region: SharedRegion { _cuda: cuda, map, path, _file: file },
             room: Room::of_pool(TIER, &pool, cfg.high_watermark, cfg.low_watermark),
             pool,
-            state: Mutex::new(Residency::new(Box::new(LruPolicy::new()) as Box<dyn EvictionPolicy>)),
+            state: Mutex::new({
+                let mut st = Residency::new(Box::new(LruPolicy::new()) as Box<dyn EvictionPolicy>);
+                st.set_quotas(Quotas::new(TIER, &cfg.quotas));
+                st
+            }),
             counters: TierCounters::new(TIER, len as u64),
             cleaned: Condvar::new(),
             committed: Condvar::new(),
@@ -561,6 +570,10 @@ impl HostTier {
             if st.has_entry(&key) {
                 return Ok(None);
             }
+            // The owner's quota makes its room among its own blocks first (pages freed here).
+            let own = room::quota_room(TIER, &self.counters, &self.listener, &mut st, &meta)?;
+            self.evicted_dirty.add(own.iter().filter(|(_, e)| e.dirty).count() as u64);
+            drop(own);
             if let Err(e) = self.make_room(&mut st, n) {
                 self.counters.put_errors.add(1);
                 return Err(e);

@@ -25,6 +25,8 @@
 //!   reports, a page pool's usage: one piece for G2, G3 and G4.
 //! - [`eviction`] / [`lru_policy`]: recency order behind a small trait, LRU via the `lru`
 //!   crate.
+//! - [`quota`]: owners' quotas per tier (kvcached's tenants), applied by the tiers beside
+//!   their eviction.
 //! - [`pages`]: page-granular space allocation shared by G2 and G3.
 //! - [`pieces`]: copies between block pieces (non-temporal stores into G2).
 //! - `shm_pages`: whether the G2 pool's filesystem gives it huge pages.
@@ -48,6 +50,7 @@ pub mod lru_policy;
 pub mod object;
 pub mod pages;
 pub mod pieces;
+pub mod quota;
 pub(crate) mod residency;
 pub(crate) mod room;
 pub(crate) mod shm_pages;
@@ -64,6 +67,7 @@ pub use host::{CudaRegister, Filling, HostTier, HostTierConfig};
 pub use listener::{Fanout, TierListener};
 pub use load::{Destination, DirectRead, LoadEnd, LoadError, LoadOptions, LoadReport, LoadSink};
 pub use object::{ObjectTier, ObjectTierConfig};
+pub use quota::{OverQuota, Quota};
 pub use stats::{TierStats, TierUsage};
 pub use store::{BlockStore, BlockStoreConfig, Hit, PrefixMatch, StoreStats, WriteThroughPause};
 pub use tier::{BlockRef, Delivered, DirectIo, Extensions, Medium, PartsRef, PrefixProbe, Reports, Tier, TierExt};

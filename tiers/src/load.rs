@@ -307,7 +307,8 @@ impl BlockStore {
         copy: impl FnOnce(&mut [&mut [u8]]) -> bool,
     ) -> bool {
         let dirty = self.writers.first().is_some_and(|w| w.tier.index() < from.index());
-        let mut fill = match self.g2.begin_fill(*key, delivered.meta, dirty) {
+        // A promoted block is no one's: a reader's load never spends its saver's quota.
+        let mut fill = match self.g2.begin_fill(*key, BlockMeta { owner: None, ..delivered.meta }, dirty) {
             Ok(Some(f)) => f,
             Ok(None) => return true,
             Err(e) => {

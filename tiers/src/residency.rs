@@ -7,6 +7,9 @@
 //! first), is being read, or (in the first pass) has not yet been written to the tiers below.
 //! A block passed for its children goes as soon as its last child is picked: strict LRU among
 //! the blocks that may leave.
+//!
+//! The owners' quotas ([`crate::quota`]) are kept here too: a block is charged when reserved
+//! and uncharged when removed, under the same lock as every other change of the tier.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -16,6 +19,7 @@ use kvproto::{BlockKey, key::BlockKeyBuildHasher};
 
 use crate::block::{BlockMeta, LeaseId};
 use crate::eviction::EvictionPolicy;
+use crate::quota::{OverQuota, Quotas};
 
 /// Size of a slot, in the tier's allocation unit (bytes of pages held).
 pub(crate) trait SlotBytes {
@@ -53,11 +57,41 @@ pub(crate) struct Residency<S> {
     leases: HashMap<LeaseId, Vec<BlockKey>>,
     ready: usize,
     dirty: usize,
+    quotas: Quotas,
 }
 
 impl<S: SlotBytes> Residency<S> {
     pub fn new(policy: Box<dyn EvictionPolicy>) -> Self {
-        Self { entries: HashMap::default(), policy, leases: HashMap::new(), ready: 0, dirty: 0 }
+        Self {
+            entries: HashMap::default(),
+            policy,
+            leases: HashMap::new(),
+            ready: 0,
+            dirty: 0,
+            quotas: Quotas::default(),
+        }
+    }
+
+    /// Sets the owners' quotas (at open, before any block is reserved).
+    pub fn set_quotas(&mut self, quotas: Quotas) {
+        self.quotas = quotas;
+    }
+
+    /// Makes room within the quota of `meta.owner` (if it has one here) for a block of
+    /// `meta.len` bytes continuing `meta.parent`: removes ends of the owner's own chains that
+    /// may go now (as [`Residency::evict`] would take them, write-through or not) and returns
+    /// them, for the caller to release and report like evictions. `Err` (nothing removed) when
+    /// the block cannot fit; see [`crate::quota`].
+    pub fn quota_room(&mut self, meta: &BlockMeta, now: Instant) -> Result<Vec<(BlockKey, Resident<S>)>, OverQuota> {
+        let entries = &self.entries;
+        let may_go = |k: &BlockKey| {
+            entries.get(k).is_some_and(|e| e.state == State::Ready && !e.pinned(now) && Arc::strong_count(&e.slot) == 1)
+        };
+        let keys = self.quotas.victims(meta.owner, meta.len, meta.parent, may_go).inspect_err(|_| {
+            self.quotas.refused(meta.owner);
+        })?;
+        self.quotas.evicted(meta.owner, keys.len());
+        Ok(keys.into_iter().filter_map(|k| self.remove(&k).map(|e| (k, e))).collect())
     }
 
     /// Visible blocks.
@@ -81,6 +115,7 @@ impl<S: SlotBytes> Residency<S> {
             return false;
         }
         self.dirty += usize::from(dirty);
+        self.quotas.charge(meta.owner, key, meta.len, meta.parent);
         self.entries
             .insert(key, Resident { slot, meta, state: State::Writing, children: 0, leases: Vec::new(), dirty });
         true
@@ -161,6 +196,7 @@ impl<S: SlotBytes> Residency<S> {
     pub fn remove(&mut self, key: &BlockKey) -> Option<Resident<S>> {
         let e = self.entries.remove(key)?;
         self.dirty -= usize::from(e.dirty);
+        self.quotas.uncharge(key);
         if e.state == State::Ready {
             self.ready -= 1;
             self.policy.remove(key);

@@ -2,13 +2,18 @@
 //! for G2 (pool pages), G3 (disk pages) and G4 (bytes under a budget), so that the rules are the
 //! same in each: eviction starts when an insert would take usage above the high watermark (or
 //! the free space cannot take it) and frees down to the low watermark; a block larger than the
-//! whole tier is refused at once; evicted blocks are counted and reported to the listener.
+//! whole tier is refused at once; evicted blocks are counted and reported to the listener. An
+//! owner's quota ([`crate::quota`]) makes its room first, among the owner's own blocks.
+
+use std::time::Instant;
 
 use kvproto::BlockKey;
 
+use crate::block::BlockMeta;
 use crate::error::{Result, TierError};
 use crate::listener::ListenerSlot;
 use crate::pages::PagePool;
+use crate::residency::{Residency, Resident, SlotBytes};
 use crate::stats::{TierCounters, TierUsage};
 use kvproto::TierKind;
 
@@ -58,6 +63,24 @@ impl Room {
 pub(crate) fn evicted(tier: TierKind, counters: &TierCounters, listener: &ListenerSlot, keys: &[BlockKey]) {
     counters.evictions.add(keys.len() as u64);
     listener.removed(tier, keys);
+}
+
+/// Makes room within the quota of the block's owner ([`crate::quota`]) before a put: the
+/// owner's own blocks it removes are counted and reported as evictions, and handed back for the
+/// caller to release. `Err` (nothing removed) when the block cannot fit the quota.
+pub(crate) fn quota_room<S: SlotBytes>(
+    tier: TierKind,
+    counters: &TierCounters,
+    listener: &ListenerSlot,
+    st: &mut Residency<S>,
+    meta: &BlockMeta,
+) -> Result<Vec<(BlockKey, Resident<S>)>> {
+    let victims = st.quota_room(meta, Instant::now()).map_err(|why| TierError::OverQuota { tier, why })?;
+    if !victims.is_empty() {
+        let keys: Vec<BlockKey> = victims.iter().map(|(k, _)| *k).collect();
+        evicted(tier, counters, listener, &keys);
+    }
+    Ok(victims)
 }
 
 /// A page pool's usage, as a tier of `blocks` blocks reports it.

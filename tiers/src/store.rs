@@ -266,6 +266,8 @@ impl BlockStore {
     /// (a G4 hit lands in G3 too). A full G2 only skips the promotion.
     fn promote(&self, key: &BlockKey, meta: BlockMeta, data: &[u8], from: TierKind) -> bool {
         let dirty = self.writers.first().is_some_and(|w| w.tier.index() < from.index());
+        // A promoted block is no one's: a reader's load never spends its saver's quota.
+        let meta = BlockMeta { owner: None, ..meta };
         match self.g2.put_marked(BlockRef { key: *key, meta, data }, dirty) {
             Ok(stored) => {
                 self.promotions.add(1);
@@ -394,7 +396,7 @@ impl BlockStore {
         let mut fills = Vec::new();
         for (i, (key, meta)) in keys.iter().zip(metas).enumerate() {
             let Some(meta) = meta.filter(|m| m.len > 0) else { continue };
-            match self.g2.begin_fill(*key, meta, dirty) {
+            match self.g2.begin_fill(*key, BlockMeta { owner: None, ..meta }, dirty) {
                 Ok(Some(f)) => fills.push((i, f)),
                 // Put there meanwhile by someone else: served from G2, not promoted by us.
                 Ok(None) => outcome[i] = Direct::Read(false),

@@ -18,6 +18,7 @@ use parking_lot::{Condvar, Mutex};
 
 use crate::block::BlockMeta;
 use crate::buf::BlockBuf;
+use crate::error::TierError;
 use crate::host::{HeldBlock, HostTier};
 use crate::stats::Count;
 use crate::tier::{PartsRef, Tier, TierExt};
@@ -44,6 +45,8 @@ pub(crate) struct WtCounters {
     pub dropped: Count,
     /// Blocks gone from every tier above before the writer reached them.
     pub vanished: Count,
+    /// Blocks the tier refused for their owner's quota ([`crate::quota`]).
+    pub over_quota: Count,
     pub errors: Count,
     depth: metrics::Gauge,
     lag: metrics::Gauge,
@@ -58,6 +61,10 @@ impl WtCounters {
             vanished: Count::labelled(
                 "kvcached_writethrough_dropped_total",
                 &[("tier", t), ("reason", "gone_before_write")],
+            ),
+            over_quota: Count::labelled(
+                "kvcached_writethrough_dropped_total",
+                &[("tier", t), ("reason", "over_quota")],
             ),
             errors: Count::labelled("kvcached_writethrough_errors_total", &[("tier", t)]),
             depth: metrics::gauge!("kvcached_writethrough_queue_depth", "tier" => t),
@@ -240,6 +247,8 @@ fn writer_loop(
         for (j, r) in w.target.put_batch_parts(&refs).into_iter().enumerate() {
             match r {
                 Ok(_) => ok += 1,
+                // The owner is at its quota there: a policy's choice, not a failure.
+                Err(TierError::OverQuota { .. }) => counters.over_quota.add(1),
                 Err(e) => {
                     counters.errors.add(1);
                     tracing::debug!(key = %refs[j].key, "write-through to {} failed: {e}", w.target.kind());

@@ -10,43 +10,64 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use kvtiers::disk::io::IoBackend;
-use kvtiers::{BlockBuf, BlockRef, LeaseId, Tier, TierError, TierExt};
+use kvtiers::{BlockBuf, BlockRef, LeaseId, OverQuota, Quota, Tier, TierError, TierExt};
 
-/// Builds a fresh tier of `capacity` bytes in a temp dir (kept alive by the returned guard).
-type Factory = fn(u64) -> (Arc<dyn Tier>, tempfile::TempDir);
+/// Builds a fresh tier of `capacity` bytes in a temp dir (kept alive by the returned guard),
+/// with owners' quotas (owner `i` having `quotas[i]`).
+type QuotaFactory = fn(u64, Vec<Quota>) -> (Arc<dyn Tier>, tempfile::TempDir);
 
-fn g2(capacity: u64) -> (Arc<dyn Tier>, tempfile::TempDir) {
-    let d = tempfile::tempdir().unwrap();
-    (as_tier(host(d.path(), capacity)), d)
+/// The same with no quotas: what most cases use.
+struct Factory(QuotaFactory);
+
+impl Factory {
+    fn call(&self, capacity: u64) -> (Arc<dyn Tier>, tempfile::TempDir) {
+        (self.0)(capacity, Vec::new())
+    }
 }
-fn g3_uring(capacity: u64) -> (Arc<dyn Tier>, tempfile::TempDir) {
+
+fn g2(capacity: u64, quotas: Vec<Quota>) -> (Arc<dyn Tier>, tempfile::TempDir) {
     let d = tempfile::tempdir().unwrap();
-    (as_tier(disk(d.path(), capacity, IoBackend::Auto)), d)
+    let mut cfg = host_cfg(d.path(), capacity);
+    cfg.quotas = quotas;
+    (Arc::new(kvtiers::HostTier::open(&cfg).unwrap()), d)
 }
-fn g3_psync(capacity: u64) -> (Arc<dyn Tier>, tempfile::TempDir) {
-    let d = tempfile::tempdir().unwrap();
-    (as_tier(disk(d.path(), capacity, IoBackend::Psync)), d)
-}
-fn g3_inline(capacity: u64) -> (Arc<dyn Tier>, tempfile::TempDir) {
+fn g3_with(
+    capacity: u64,
+    quotas: Vec<Quota>,
+    threads: usize,
+    backend: IoBackend,
+) -> (Arc<dyn Tier>, tempfile::TempDir) {
     let d = tempfile::tempdir().unwrap();
     let mut cfg = disk_cfg(d.path(), capacity);
-    cfg.io_threads = 0; // I/O on the calling thread
-    let t = kvtiers::DiskTier::open_with_engine(&cfg, kvtiers::disk::io::engine_factory(IoBackend::Auto, 32)).unwrap();
+    cfg.io_threads = threads;
+    cfg.quotas = quotas;
+    let t = kvtiers::DiskTier::open_with_engine(&cfg, kvtiers::disk::io::engine_factory(backend, 32)).unwrap();
     (as_tier(Arc::new(t)), d)
+}
+fn g3_uring(capacity: u64, quotas: Vec<Quota>) -> (Arc<dyn Tier>, tempfile::TempDir) {
+    g3_with(capacity, quotas, 2, IoBackend::Auto)
+}
+fn g3_psync(capacity: u64, quotas: Vec<Quota>) -> (Arc<dyn Tier>, tempfile::TempDir) {
+    g3_with(capacity, quotas, 2, IoBackend::Psync)
+}
+fn g3_inline(capacity: u64, quotas: Vec<Quota>) -> (Arc<dyn Tier>, tempfile::TempDir) {
+    g3_with(capacity, quotas, 0, IoBackend::Auto) // I/O on the calling thread
 }
 
 /// G4 over `object_store`'s in-memory store and over its local filesystem (a shared mount),
 /// with a byte budget of `capacity` (its LRU deletion is what the eviction cases check).
-fn g4_memory(capacity: u64) -> (Arc<dyn Tier>, tempfile::TempDir) {
+fn g4_memory(capacity: u64, quotas: Vec<Quota>) -> (Arc<dyn Tier>, tempfile::TempDir) {
     let d = tempfile::tempdir().unwrap();
     let mut cfg = kvtiers::ObjectTierConfig::new("memory://");
     cfg.capacity_bytes = capacity;
+    cfg.quotas = quotas;
     (Arc::new(kvtiers::ObjectTier::open(&cfg).unwrap()), d)
 }
-fn g4_file(capacity: u64) -> (Arc<dyn Tier>, tempfile::TempDir) {
+fn g4_file(capacity: u64, quotas: Vec<Quota>) -> (Arc<dyn Tier>, tempfile::TempDir) {
     let d = tempfile::tempdir().unwrap();
     let mut cfg = kvtiers::ObjectTierConfig::new(format!("file://{}", d.path().join("bucket").display()));
     cfg.capacity_bytes = capacity;
+    cfg.quotas = quotas;
     (Arc::new(kvtiers::ObjectTier::open(&cfg).unwrap()), d)
 }
 
@@ -65,7 +86,7 @@ fn get_bytes(t: &dyn Tier, chain: u32, i: u32) -> Option<Vec<u8>> {
 }
 
 fn roundtrip_sizes(f: Factory) {
-    let (t, _d) = f(64 << 20);
+    let (t, _d) = f.call(64 << 20);
     let sizes = [0usize, 1, 4095, 4096, 4097, PAGE - 1, PAGE, PAGE + 1, 3 * PAGE + 17, 1 << 20, (2 << 20) + 5];
     for (i, &len) in sizes.iter().enumerate() {
         assert!(put(&*t, 1, i as u32, len).unwrap(), "size {len}");
@@ -80,7 +101,7 @@ fn roundtrip_sizes(f: Factory) {
 }
 
 fn miss_and_visibility(f: Factory) {
-    let (t, _d) = f(4 << 20);
+    let (t, _d) = f.call(4 << 20);
     assert!(!t.contains(&key(9, 0)));
     assert!(get_bytes(&*t, 9, 0).is_none());
     assert_eq!(t.stats().misses, 1);
@@ -89,14 +110,14 @@ fn miss_and_visibility(f: Factory) {
 }
 
 fn put_is_idempotent(f: Factory) {
-    let (t, _d) = f(4 << 20);
+    let (t, _d) = f.call(4 << 20);
     assert!(put(&*t, 2, 0, 5000).unwrap());
     assert!(!put(&*t, 2, 0, 5000).unwrap());
     assert_eq!(t.usage().blocks, 1);
 }
 
 fn length_mismatch_is_rejected(f: Factory) {
-    let (t, _d) = f(4 << 20);
+    let (t, _d) = f.call(4 << 20);
     let k = key(3, 0);
     let r = t.put(BlockRef { key: k, meta: meta(3, 0, 10), data: &[1, 2, 3] });
     assert!(matches!(r, Err(TierError::LengthMismatch { .. })), "{r:?}");
@@ -104,7 +125,7 @@ fn length_mismatch_is_rejected(f: Factory) {
 }
 
 fn remove_frees_space(f: Factory) {
-    let (t, _d) = f(4 << 20);
+    let (t, _d) = f.call(4 << 20);
     put(&*t, 4, 0, 3 * PAGE).unwrap();
     let used = t.usage().used_bytes;
     assert!(used >= 3 * PAGE as u64);
@@ -116,7 +137,7 @@ fn remove_frees_space(f: Factory) {
 
 fn evicts_lru_when_full(f: Factory) {
     // 8 pages; each block takes 2 pages; independent chains (no parents).
-    let (t, _d) = f(8 * PAGE as u64);
+    let (t, _d) = f.call(8 * PAGE as u64);
     for c in 0..4 {
         put(&*t, 100 + c, 0, 2 * PAGE).unwrap();
     }
@@ -131,7 +152,7 @@ fn evicts_lru_when_full(f: Factory) {
 }
 
 fn evicts_descendants_before_ancestors(f: Factory) {
-    let (t, _d) = f(8 * PAGE as u64);
+    let (t, _d) = f.call(8 * PAGE as u64);
     // One chain of 4 blocks, put root first (root is the coldest by recency).
     for i in 0..4 {
         put(&*t, 7, i, 2 * PAGE).unwrap();
@@ -145,7 +166,7 @@ fn evicts_descendants_before_ancestors(f: Factory) {
 /// Room for a big block behind one long chain comes from the chain's tail, deepest first, in
 /// one put (the parents of evicted blocks become leaves as they go).
 fn a_long_chain_is_evicted_from_its_tail(f: Factory) {
-    let (t, _d) = f(64 * PAGE as u64);
+    let (t, _d) = f.call(64 * PAGE as u64);
     for i in 0..64 {
         put(&*t, 30, i, PAGE).unwrap();
     }
@@ -156,7 +177,7 @@ fn a_long_chain_is_evicted_from_its_tail(f: Factory) {
 }
 
 fn the_least_recently_used_chain_goes_first(f: Factory) {
-    let (t, _d) = f(64 * PAGE as u64);
+    let (t, _d) = f.call(64 * PAGE as u64);
     for i in 0..32 {
         put(&*t, 40, i, PAGE).unwrap();
     }
@@ -175,7 +196,7 @@ fn the_least_recently_used_chain_goes_first(f: Factory) {
 }
 
 fn pinned_blocks_stay_and_leases_expire(f: Factory) {
-    let (t, _d) = f(4 * PAGE as u64);
+    let (t, _d) = f.call(4 * PAGE as u64);
     put(&*t, 10, 0, 2 * PAGE).unwrap();
     put(&*t, 11, 0, 2 * PAGE).unwrap();
     let lease = LeaseId(1);
@@ -198,13 +219,13 @@ fn pinned_blocks_stay_and_leases_expire(f: Factory) {
 }
 
 fn too_large_block_is_full_error(f: Factory) {
-    let (t, _d) = f(4 * PAGE as u64);
+    let (t, _d) = f.call(4 * PAGE as u64);
     let r = put(&*t, 20, 0, 5 * PAGE);
     assert!(matches!(r, Err(TierError::Full { .. })), "{r:?}");
 }
 
 fn concurrent_same_keys(f: Factory) {
-    let (t, _d) = f(32 << 20);
+    let (t, _d) = f.call(32 << 20);
     let threads: Vec<_> = (0..8)
         .map(|th| {
             let t = Arc::clone(&t);
@@ -235,7 +256,7 @@ fn concurrent_same_keys(f: Factory) {
 
 fn concurrent_with_eviction(f: Factory) {
     // Small tier: puts evict while others read; a read returns the exact bytes or a miss.
-    let (t, _d) = f(16 * PAGE as u64);
+    let (t, _d) = f.call(16 * PAGE as u64);
     let threads: Vec<_> = (0..6)
         .map(|th| {
             let t = Arc::clone(&t);
@@ -262,7 +283,7 @@ fn concurrent_with_eviction(f: Factory) {
 
 /// A batch read returns exactly what one read per key would, misses included.
 fn get_batch_matches_get(f: Factory) {
-    let (t, _d) = f(16 << 20);
+    let (t, _d) = f.call(16 << 20);
     let sizes = [1usize, 4096, PAGE + 3, 3 * PAGE];
     for (i, &len) in sizes.iter().enumerate() {
         put(&*t, 5, i as u32, len).unwrap();
@@ -298,7 +319,7 @@ impl kvtiers::TierListener for Recorder {
 /// The listener hears every store and every loss, and replaying what it heard gives exactly
 /// the tier's contents (what the daemon's hit reports rely on).
 fn listener_mirrors_contents(f: Factory) {
-    let (t, _d) = f(8 * PAGE as u64);
+    let (t, _d) = f.call(8 * PAGE as u64);
     let rec = Arc::new(Recorder::default());
     assert!(t.set_listener(rec.clone()));
     assert!(!t.set_listener(rec.clone()), "a second listener is refused");
@@ -326,7 +347,7 @@ type Offers = (bool, bool, bool, bool);
 /// A tier offers exactly the extensions it is meant to (so that the extension cases below,
 /// which run on every tier offering one, skip none by mistake).
 fn offers_its_extensions(f: Factory, want: Offers) {
-    let (t, _d) = f(16 << 20);
+    let (t, _d) = f.call(16 << 20);
     let e = t.extensions();
     let got = (e.direct.is_some(), e.probe.is_some(), e.medium.is_some(), e.reports.is_some());
     assert_eq!(got, want, "{:?}: {e:?}", t.kind());
@@ -343,7 +364,7 @@ fn aligned(len: usize) -> BlockBuf {
 /// without a read; reads straight into named memory deliver exactly the bytes, report each
 /// verified block, and refuse a destination of the wrong length (a miss that keeps the block).
 fn direct_io_moves_bytes_without_a_buffer(f: Factory) {
-    let (t, _d) = f(16 << 20);
+    let (t, _d) = f.call(16 << 20);
     let Some(d) = t.extensions().direct else { return };
     let lens = [3 * 4096 + 100, 4096, 2 * PAGE];
     let keys: Vec<_> = (0..3).map(|i| key(21, i)).collect();
@@ -417,7 +438,7 @@ fn direct_io_moves_bytes_without_a_buffer(f: Factory) {
 /// `DirectIo::adopt_host_memory`: once a region is adopted, transfers into and out of it (and
 /// out of anywhere else) still move exactly the bytes.
 fn direct_io_with_adopted_memory(f: Factory) {
-    let (t, _d) = f(16 << 20);
+    let (t, _d) = f.call(16 << 20);
     let Some(d) = t.extensions().direct else { return };
     let region = Arc::new(parking_lot::Mutex::new(aligned(4 * PAGE)));
     let (base, len) = {
@@ -449,7 +470,7 @@ fn direct_io_with_adopted_memory(f: Factory) {
 /// `PrefixProbe`: the probe counts the leading blocks the medium holds, stopping at the first
 /// gap, whatever order they were written in.
 fn prefix_probe_counts_the_held_prefix(f: Factory) {
-    let (t, _d) = f(16 << 20);
+    let (t, _d) = f.call(16 << 20);
     let Some(p) = t.extensions().probe else { return };
     for i in [0u32, 2, 1, 4] {
         put(&*t, 25, i, 4096).unwrap();
@@ -464,7 +485,7 @@ fn prefix_probe_counts_the_held_prefix(f: Factory) {
 
 /// `Medium`: a healthy medium says so, and a flush keeps every block readable.
 fn medium_flushes_and_reports_health(f: Factory) {
-    let (t, _d) = f(16 << 20);
+    let (t, _d) = f.call(16 << 20);
     let Some(m) = t.extensions().medium else {
         assert_eq!(t.degraded(), None, "a tier with no medium is never degraded");
         t.flush().unwrap();
@@ -482,89 +503,174 @@ fn medium_flushes_and_reports_health(f: Factory) {
     assert_eq!(t.degraded(), None);
 }
 
+/// Puts block `i` of `chain` (2 pages) as `owner`'s.
+fn put_owned(t: &dyn Tier, owner: u32, chain: u32, i: u32) -> Result<bool, TierError> {
+    let k = key(chain, i);
+    let data = content(&k, 2 * PAGE);
+    t.put(BlockRef { key: k, meta: kvtiers::BlockMeta { owner: Some(owner), ..meta(chain, i, 2 * PAGE) }, data: &data })
+}
+
+/// Owner 0 may take `blocks` blocks of 2 pages; owner 1 has no quota. The tier is large.
+fn quota_tier(f: QuotaFactory, blocks: u64) -> (Arc<dyn Tier>, tempfile::TempDir) {
+    let q = |bytes| Quota { name: "conformance".into(), bytes };
+    f(64 << 20, vec![q(blocks * 2 * PAGE as u64), q(0)])
+}
+
+fn held(t: &dyn Tier, chain: u32, n: u32) -> Vec<bool> {
+    (0..n).map(|i| t.contains(&key(chain, i))).collect()
+}
+
+fn an_owner_at_its_quota_removes_its_own_chain_ends(f: QuotaFactory) {
+    let (t, _d) = quota_tier(f, 3);
+    for i in 0..3 {
+        assert!(put_owned(&*t, 1, 50, i).unwrap(), "no quota for owner 1");
+    }
+    for i in 0..3 {
+        assert!(put_owned(&*t, 0, 60, i).unwrap());
+    }
+    // A new prompt of owner 0: the old prompt goes from its end, its first block stays.
+    assert!(put_owned(&*t, 0, 61, 0).unwrap());
+    assert!(put_owned(&*t, 0, 61, 1).unwrap());
+    assert_eq!(held(&*t, 60, 3), [true, false, false]);
+    assert_eq!(held(&*t, 61, 2), [true, true]);
+    assert_eq!(held(&*t, 50, 3), [true, true, true], "another owner's blocks all stay");
+    assert!(t.stats().evictions >= 2);
+    // Blocks with no owner are no one's: they fit whatever owner 0 holds.
+    put(&*t, 62, 0, 2 * PAGE).unwrap();
+    assert_eq!(held(&*t, 61, 2), [true, true]);
+}
+
+fn a_block_that_needs_its_own_prefix_removed_is_refused(f: QuotaFactory) {
+    let (t, _d) = quota_tier(f, 2);
+    assert!(put_owned(&*t, 0, 70, 0).unwrap());
+    assert!(put_owned(&*t, 0, 70, 1).unwrap());
+    let r = put_owned(&*t, 0, 70, 2);
+    assert!(matches!(r, Err(TierError::OverQuota { why: OverQuota::OwnPrefix, .. })), "{r:?}");
+    assert!(r.unwrap_err().to_string().contains("over the tenant's"));
+    assert_eq!(held(&*t, 70, 3), [true, true, false], "nothing taken");
+    let k = key(71, 0);
+    let big = content(&k, 5 * PAGE);
+    let meta = kvtiers::BlockMeta { owner: Some(0), ..meta(71, 0, 5 * PAGE) };
+    let r = t.put(BlockRef { key: k, meta, data: &big });
+    assert!(matches!(r, Err(TierError::OverQuota { why: OverQuota::TooLarge, .. })), "{r:?}");
+    // A removal uncharges: the room is there again.
+    assert!(t.remove(&key(70, 1)).unwrap());
+    assert!(put_owned(&*t, 0, 72, 0).unwrap());
+    assert_eq!(held(&*t, 70, 1), [true]);
+}
+
+fn an_owners_blocks_in_use_are_not_taken(f: QuotaFactory) {
+    let (t, _d) = quota_tier(f, 2);
+    assert!(put_owned(&*t, 0, 80, 0).unwrap());
+    assert!(put_owned(&*t, 0, 81, 0).unwrap());
+    let far = Instant::now() + Duration::from_secs(60);
+    assert_eq!(t.pin(LeaseId(7), &[key(80, 0)], far), 1);
+    // The oldest end is pinned (being loaded): the next one goes.
+    assert!(put_owned(&*t, 0, 82, 0).unwrap());
+    assert!(t.contains(&key(80, 0)) && !t.contains(&key(81, 0)));
+    assert_eq!(t.pin(LeaseId(8), &[key(82, 0)], far), 1);
+    let r = put_owned(&*t, 0, 83, 0);
+    assert!(matches!(r, Err(TierError::OverQuota { why: OverQuota::Busy, .. })), "{r:?}");
+    t.release(LeaseId(7));
+    assert!(put_owned(&*t, 0, 83, 0).unwrap());
+    assert!(!t.contains(&key(80, 0)) && t.contains(&key(82, 0)));
+}
+
 macro_rules! suite {
     ($modname:ident, $factory:expr, $offers:expr) => {
         mod $modname {
             use super::*;
             #[test]
+            fn an_owner_at_its_quota_removes_its_own_chain_ends() {
+                super::an_owner_at_its_quota_removes_its_own_chain_ends($factory)
+            }
+            #[test]
+            fn a_block_that_needs_its_own_prefix_removed_is_refused() {
+                super::a_block_that_needs_its_own_prefix_removed_is_refused($factory)
+            }
+            #[test]
+            fn an_owners_blocks_in_use_are_not_taken() {
+                super::an_owners_blocks_in_use_are_not_taken($factory)
+            }
+            #[test]
             fn offers_its_extensions() {
-                super::offers_its_extensions($factory, $offers)
+                super::offers_its_extensions(Factory($factory), $offers)
             }
             #[test]
             fn direct_io_moves_bytes_without_a_buffer() {
-                super::direct_io_moves_bytes_without_a_buffer($factory)
+                super::direct_io_moves_bytes_without_a_buffer(Factory($factory))
             }
             #[test]
             fn direct_io_with_adopted_memory() {
-                super::direct_io_with_adopted_memory($factory)
+                super::direct_io_with_adopted_memory(Factory($factory))
             }
             #[test]
             fn prefix_probe_counts_the_held_prefix() {
-                super::prefix_probe_counts_the_held_prefix($factory)
+                super::prefix_probe_counts_the_held_prefix(Factory($factory))
             }
             #[test]
             fn medium_flushes_and_reports_health() {
-                super::medium_flushes_and_reports_health($factory)
+                super::medium_flushes_and_reports_health(Factory($factory))
             }
             #[test]
             fn roundtrip_sizes() {
-                super::roundtrip_sizes($factory)
+                super::roundtrip_sizes(Factory($factory))
             }
             #[test]
             fn miss_and_visibility() {
-                super::miss_and_visibility($factory)
+                super::miss_and_visibility(Factory($factory))
             }
             #[test]
             fn put_is_idempotent() {
-                super::put_is_idempotent($factory)
+                super::put_is_idempotent(Factory($factory))
             }
             #[test]
             fn length_mismatch_is_rejected() {
-                super::length_mismatch_is_rejected($factory)
+                super::length_mismatch_is_rejected(Factory($factory))
             }
             #[test]
             fn remove_frees_space() {
-                super::remove_frees_space($factory)
+                super::remove_frees_space(Factory($factory))
             }
             #[test]
             fn evicts_lru_when_full() {
-                super::evicts_lru_when_full($factory)
+                super::evicts_lru_when_full(Factory($factory))
             }
             #[test]
             fn a_long_chain_is_evicted_from_its_tail() {
-                super::a_long_chain_is_evicted_from_its_tail($factory)
+                super::a_long_chain_is_evicted_from_its_tail(Factory($factory))
             }
             #[test]
             fn the_least_recently_used_chain_goes_first() {
-                super::the_least_recently_used_chain_goes_first($factory)
+                super::the_least_recently_used_chain_goes_first(Factory($factory))
             }
             #[test]
             fn evicts_descendants_before_ancestors() {
-                super::evicts_descendants_before_ancestors($factory)
+                super::evicts_descendants_before_ancestors(Factory($factory))
             }
             #[test]
             fn pinned_blocks_stay_and_leases_expire() {
-                super::pinned_blocks_stay_and_leases_expire($factory)
+                super::pinned_blocks_stay_and_leases_expire(Factory($factory))
             }
             #[test]
             fn too_large_block_is_full_error() {
-                super::too_large_block_is_full_error($factory)
+                super::too_large_block_is_full_error(Factory($factory))
             }
             #[test]
             fn concurrent_same_keys() {
-                super::concurrent_same_keys($factory)
+                super::concurrent_same_keys(Factory($factory))
             }
             #[test]
             fn get_batch_matches_get() {
-                super::get_batch_matches_get($factory)
+                super::get_batch_matches_get(Factory($factory))
             }
             #[test]
             fn listener_mirrors_contents() {
-                super::listener_mirrors_contents($factory)
+                super::listener_mirrors_contents(Factory($factory))
             }
             #[test]
             fn concurrent_with_eviction() {
-                super::concurrent_with_eviction($factory)
+                super::concurrent_with_eviction(Factory($factory))
             }
         }
     };

@@ -469,7 +469,7 @@ fn restart_drops_huge_duplicated_and_stale_records_and_keeps_the_newer_block() {
     {
         let index = DiskIndex::open(&d.path().join("index"), PAGE).unwrap();
         let record = |len: u64, runs: Vec<(u32, u32)>| IndexEntry {
-            meta: kvtiers::BlockMeta { namespace: NS, parent: None, len },
+            meta: kvtiers::BlockMeta { namespace: NS, parent: None, len, owner: None },
             checksum: 1,
             sum_kind: kvtiers::SumKind::Crc64,
             tick: 0, // older than every block put above

@@ -25,7 +25,7 @@ fn entry() -> impl Strategy<Value = IndexEntry> {
         proptest::collection::vec((any::<u32>(), any::<u32>()), 0..6),
     )
         .prop_map(|(ns, parent, len, checksum, crc, tick, runs)| IndexEntry {
-            meta: BlockMeta { namespace: NamespaceId(ns), parent: parent.map(BlockKey), len },
+            meta: BlockMeta { namespace: NamespaceId(ns), parent: parent.map(BlockKey), len, owner: None },
             checksum,
             sum_kind: if crc { SumKind::Crc64 } else { SumKind::Xxh3 },
             tick,
@@ -93,7 +93,7 @@ proptest! {
     fn object_flips_are_caught(data in bytes(300), parent in proptest::option::of(any::<[u8; 16]>()),
                                at in any::<usize>(), x in 1u8..=255, cut in any::<usize>()) {
         let key = BlockKey([5; 16]);
-        let meta = BlockMeta { namespace: NamespaceId([1; 16]), parent: parent.map(BlockKey), len: data.len() as u64 };
+        let meta = BlockMeta { namespace: NamespaceId([1; 16]), parent: parent.map(BlockKey), len: data.len() as u64, owner: None };
         let mut o = format::header(&key, &meta, &data).to_vec();
         o.extend_from_slice(&data);
         prop_assert!(format::verify(&key, &o).is_ok());
@@ -125,7 +125,7 @@ proptest! {
         {
             let t = DiskTier::open(&cfg).unwrap();
             for (k, data) in &blocks {
-                let meta = BlockMeta { namespace: NamespaceId([9; 16]), parent: None, len: data.len() as u64 };
+                let meta = BlockMeta { namespace: NamespaceId([9; 16]), parent: None, len: data.len() as u64, owner: None };
                 t.put(kvtiers::BlockRef { key: *k, meta, data }).unwrap();
             }
             t.flush().unwrap();
@@ -158,7 +158,7 @@ proptest! {
         }
         // The tier still works: a new block goes in and comes back.
         let (k, data) = block(200, 5000);
-        let meta = BlockMeta { namespace: NamespaceId([9; 16]), parent: None, len: data.len() as u64 };
+        let meta = BlockMeta { namespace: NamespaceId([9; 16]), parent: None, len: data.len() as u64, owner: None };
         if t.put(kvtiers::BlockRef { key: k, meta, data: &data }).is_ok() {
             let got = t.get(&k, &mut out).unwrap();
             prop_assert!(got.is_some());

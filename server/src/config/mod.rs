@@ -411,7 +411,12 @@ impl Config {
 
     /// The block store configuration these settings describe.
     pub fn store_config(&self) -> kvtiers::BlockStoreConfig {
+        // Tenant `i` of `[[tenants]]` is owner `i` of the blocks its saves store.
+        let quotas = |bytes: fn(&TenantConfig) -> u64| -> Vec<kvtiers::Quota> {
+            self.tenants.iter().map(|t| kvtiers::Quota { name: t.name.clone(), bytes: bytes(t) }).collect()
+        };
         let mut g2 = kvtiers::HostTierConfig::with_capacity(self.g2.capacity_bytes);
+        g2.quotas = quotas(|t| t.g2_quota_bytes);
         g2.page_size = self.g2.page_size;
         g2.shm_dir = self.g2.shm_dir.clone();
         g2.mlock = self.g2.mlock;
@@ -433,6 +438,7 @@ impl Config {
             c.fsync = self.g3.fsync;
             c.high_watermark = self.g3.high_watermark;
             c.low_watermark = self.g3.low_watermark;
+            c.quotas = quotas(|t| t.g3_quota_bytes);
             c.backend = match self.g3.io_backend.as_str() {
                 "io_uring" => kvtiers::disk::io::IoBackend::IoUring,
                 "psync" => kvtiers::disk::io::IoBackend::Psync,
@@ -454,6 +460,7 @@ impl Config {
             c.probe_fanout = g.probe_fanout;
             c.absent_ttl = std::time::Duration::from_millis(g.absent_ttl_ms);
             c.inject_latency = (g.inject_latency_ms > 0).then(|| std::time::Duration::from_millis(g.inject_latency_ms));
+            c.quotas = quotas(|t| t.g4_quota_bytes);
             c
         });
         kvtiers::BlockStoreConfig {

@@ -118,8 +118,6 @@ pub struct Daemon {
     pub g4_queue: usize,
     /// Peer daemons this one pulls from (and their measured links).
     pub peers: Option<Arc<Peers>>,
-    /// The tenants' quotas, when any tenant has one.
-    pub ledger: Option<Arc<crate::policy::quota::Ledger>>,
     /// The queue carrying the tiers' changes (and saves' vLLM records) to the hit reports,
     /// when reports or a vLLM export are on.
     pub changes: Option<Arc<crate::export::changes::Changes>>,
@@ -196,7 +194,6 @@ impl Daemon {
             g4_lookup_probe: true,
             g4_queue: 0,
             peers: None,
-            ledger: None,
             changes: None,
             namespace_mismatch: metrics::counter!("kvcached_load_mismatch_total"),
             key_memo: KeyMemo::new(key_memo_bytes),
@@ -246,8 +243,9 @@ impl Daemon {
         let end = req.first_block as usize + req.block_ids.len();
         // The vLLM export's records of these blocks, made on the reporting thread.
         let export = self.changes.as_ref().filter(|c| c.exports_vllm());
-        // A tenant with quotas makes room among its own blocks first (`quota.rs`).
-        let payer = self.ledger.as_ref().zip(self.engines.tenants().index_of(who));
+        // The blocks are charged to the saver's tenant: where it has a quota, the tiers make
+        // its room among its own blocks (`kvtiers::quota`).
+        let owner = self.engines.tenants().index_of(who).and_then(|t| u32::try_from(t).ok());
         if let Some(c) = export {
             let tpb = engine.namespace.layout.tokens_per_block as usize;
             c.saving(&keys, kvproto::tokens_from_le(&req.tokens)?, tpb, req.first_block as usize, end);
@@ -255,37 +253,24 @@ impl Daemon {
         let mut over_quota = false;
         for (i, &slot) in req.block_ids.iter().enumerate() {
             let idx = req.first_block as usize + i;
-            let meta = BlockMeta { namespace: engine.namespace_id, parent: idx.checked_sub(1).map(|p| keys[p]), len };
-            let reserved = match payer {
-                None => None,
-                // Past a block the quota refused, the rest of the chain could only be stored by
-                // removing its own prefix: refused too.
-                Some((ledger, t)) => {
-                    match (!over_quota).then(|| ledger.reserve(&self.store, t, keys[idx], meta.parent, len)).flatten() {
-                        Some(r) => Some(r),
-                        None => {
-                            over_quota = true;
-                            resp.failed += 1;
-                            if resp.error.is_empty() {
-                                resp.error = crate::policy::quota::OVER_G2_QUOTA.into();
-                            }
-                            continue;
-                        }
-                    }
-                }
-            };
+            let meta =
+                BlockMeta { namespace: engine.namespace_id, parent: idx.checked_sub(1).map(|p| keys[p]), len, owner };
+            // Past a block the quota refused, the rest of the chain could only be stored by
+            // removing its own prefix: refused too, without asking.
+            if over_quota {
+                resp.failed += 1;
+                continue;
+            }
             // Straight from the engine's segments into the block's G2 pages: one copy (DMA for
             // GPU memory).
             let put = self.store.put_with(keys[idx], meta, |dst| {
                 engine.read_slot_into(slot, dst).map_err(|e| kvtiers::TierError::Fill(e.to_string()))
             });
-            if let (Some((ledger, _)), Some(r), Ok(false) | Err(_)) = (payer, reserved, &put) {
-                ledger.not_stored(&keys[idx], r);
-            }
             match put {
                 Ok(true) => resp.stored += 1,
                 Ok(false) => resp.already_present += 1,
                 Err(e) => {
+                    over_quota |= matches!(e, kvtiers::TierError::OverQuota { .. });
                     resp.failed += 1;
                     if resp.error.is_empty() {
                         resp.error = e.to_string();

@@ -303,6 +303,7 @@ mod tests {
                 namespace: kvproto::NamespaceId([1; 16]),
                 parent: i.checked_sub(1).map(|p| keys[p]),
                 len: 64,
+                owner: None,
             };
             store.put(*k, meta, &[i as u8; 64]).unwrap();
         }

@@ -10,9 +10,8 @@
 //!
 //! When the queue is full the tier waits for room (counted in
 //! `kvcached_changes_queue_full_total`) rather than lose a change: the thread takes no tier
-//! lock, so the wait always ends. The tenants' quota ledger stays a direct listener
-//! (`policy/quota.rs`): its charges must be in order with the saves' own reservations, which a
-//! queue would let a late removal undo; it only books under a lock of its own.
+//! lock, so the wait always ends. Tenants' quotas need no listener: the tiers apply them
+//! (`kvtiers::quota`).
 
 use std::sync::Arc;
 use std::sync::mpsc::{Receiver, SyncSender, TrySendError};

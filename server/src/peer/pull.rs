@@ -467,7 +467,7 @@ impl Peers {
         namespace: NamespaceId,
         h: &BlockHeader,
     ) -> Result<(), Reject> {
-        let meta = BlockMeta { namespace, parent: h.parent, len: h.len };
+        let meta = BlockMeta { namespace, parent: h.parent, len: h.len, owner: None };
         let mut outcome: Option<Result<(), Reject>> = None;
         let stored = store.put_with(h.key, meta, |dst| {
             let mut hasher = p::block_sum();

@@ -23,7 +23,8 @@
 //!   and bindings end with the process; pin salts and writers in the configuration to bind them
 //!   for good.
 //!
-//! Quotas (`g2_quota_bytes`, `g3_quota_bytes`, `g4_quota_bytes`) are kept by [`crate::policy::quota`].
+//! Quotas (`g2_quota_bytes`, `g3_quota_bytes`, `g4_quota_bytes`) are applied by the tiers
+//! (`kvtiers::quota`): a save's blocks name the saver's tenant as their owner.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -185,8 +186,8 @@ impl Tenants {
         }
     }
 
-    /// The index of `who`'s tenant in `[[tenants]]`, if it is listed there (the ledger's
-    /// tenant numbers, [`crate::policy::quota::Ledger`]).
+    /// The index of `who`'s tenant in `[[tenants]]`, if it is listed there: the owner its saves
+    /// charge their blocks to (`kvtiers::quota`, quotas set by `Config::store_config`).
     pub fn index_of(&self, who: Principal) -> Option<usize> {
         let Principal::Uid(uid) = who else { return None };
         self.by_uid.get(&uid).copied()

@@ -70,7 +70,7 @@ mod tests {
         cfg.fsync = false;
         cfg.high_watermark = 1.0;
         cfg.low_watermark = 1.0;
-        let meta = BlockMeta { namespace: NamespaceId([3; 16]), parent: None, len: 2 * page as u64 };
+        let meta = BlockMeta { namespace: NamespaceId([3; 16]), parent: None, len: 2 * page as u64, owner: None };
         let data = vec![7u8; 2 * page];
         let other = vec![9u8; 2 * page];
         {

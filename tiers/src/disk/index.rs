@@ -108,7 +108,7 @@ pub fn decode(b: &[u8]) -> Option<IndexEntry> {
         runs.push((first, count));
     }
     Some(IndexEntry {
-        meta: BlockMeta { namespace, parent: (has_parent == 1).then_some(BlockKey(parent)), len },
+        meta: BlockMeta { namespace, parent: (has_parent == 1).then_some(BlockKey(parent)), len, owner: None },
         checksum,
         sum_kind,
         tick,
@@ -245,7 +245,12 @@ mod tests {
     #[test]
     fn record_roundtrip_and_rejects_garbage() {
         let e = IndexEntry {
-            meta: BlockMeta { namespace: NamespaceId([7; 16]), parent: Some(BlockKey([9; 16])), len: 12345 },
+            meta: BlockMeta {
+                namespace: NamespaceId([7; 16]),
+                parent: Some(BlockKey([9; 16])),
+                len: 12345,
+                owner: None,
+            },
             checksum: 0xdead_beef,
             sum_kind: SumKind::Crc64,
             tick: 42,

@@ -72,6 +72,9 @@ pub struct DiskTierConfig {
     /// Fault injection into the tier's I/O, for the fault suites only ([`faults`]); None (the
     /// default) opens the real engines unwrapped.
     pub faults: Option<Arc<faults::DiskFaults>>,
+    /// Owners' quotas in this tier, owner `i` having `quotas[i]` ([`crate::quota`]); empty:
+    /// none.
+    pub quotas: Vec<crate::quota::Quota>,
 }
 
 impl DiskTierConfig {
@@ -91,6 +94,7 @@ impl DiskTierConfig {
             high_watermark: 0.98,
             low_watermark: 0.95,
             faults: None,
+            quotas: Vec::new(),
         }
     }
 }
@@ -259,6 +263,7 @@ impl DiskTier {
         let used: Vec<u32> = good.iter().flat_map(|(_, _, p)| p.iter().copied()).collect();
         let pool = PagePool::with_used(cfg.page_size, total, &used);
         let mut st = Residency::new(Box::new(LruPolicy::new()));
+        st.set_quotas(crate::quota::Quotas::new(TIER, &cfg.quotas));
         let mut max_tick = 0;
         let recovered = good.len();
         // Oldest first into the LRU order.
@@ -557,6 +562,13 @@ impl DirectIo for DiskTier {
                 }
                 if st.has_entry(&b.key) {
                     results.push(Some(Ok(false)));
+                    continue;
+                }
+                // The owner's quota makes its room among its own blocks first.
+                let own = room::quota_room(TIER, &self.counters, &self.listener, &mut st, &b.meta)
+                    .and_then(|own| self.forget(&st, forget::slots(own)));
+                if let Err(e) = own {
+                    results.push(Some(Err(e)));
                     continue;
                 }
                 let n = self.pool.pages_for(b.meta.len);

@@ -128,7 +128,7 @@ pub fn parse_header(h: &[u8]) -> Result<(BlockKey, BlockMeta), Invalid> {
     if len > MAX_DATA_BYTES {
         return Err(Invalid::Format(format!("a block of {len} bytes is larger than any block this build reads")));
     }
-    Ok((BlockKey(key), BlockMeta { namespace: NamespaceId(ns), parent, len }))
+    Ok((BlockKey(key), BlockMeta { namespace: NamespaceId(ns), parent, len, owner: None }))
 }
 
 /// Checks a whole object against the block `key` it was read for; returns its metadata and the
@@ -154,7 +154,7 @@ mod tests {
     use super::*;
 
     fn object(data: &[u8], parent: Option<BlockKey>) -> Vec<u8> {
-        let meta = BlockMeta { namespace: NamespaceId([3; 16]), parent, len: data.len() as u64 };
+        let meta = BlockMeta { namespace: NamespaceId([3; 16]), parent, len: data.len() as u64, owner: None };
         let mut o = header(&BlockKey([7; 16]), &meta, data).to_vec();
         o.extend_from_slice(data);
         o

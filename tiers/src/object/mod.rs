@@ -77,6 +77,9 @@ pub struct ObjectTierConfig {
     pub inject_latency: Option<Duration>,
     /// Switches of injected failures (fault tests); none in production.
     pub faults: Option<Arc<faults::Faults>>,
+    /// Owners' quotas in this tier, owner `i` having `quotas[i]` ([`crate::quota`]); empty:
+    /// none.
+    pub quotas: Vec<crate::quota::Quota>,
 }
 
 impl ObjectTierConfig {
@@ -97,6 +100,7 @@ impl ObjectTierConfig {
             index_max_entries: 4 << 20,
             inject_latency: None,
             faults: None,
+            quotas: Vec::new(),
         }
     }
 }
@@ -296,7 +300,11 @@ impl ObjectTier {
             store,
             root,
             rt: Some(rt),
-            index: Arc::new(Mutex::new(Index::new())),
+            index: Arc::new(Mutex::new({
+                let mut idx = Index::new();
+                idx.res.set_quotas(crate::quota::Quotas::new(TIER, &cfg.quotas));
+                idx
+            })),
             health: Arc::default(),
             counters: Arc::new(TierCounters::new(TIER, cfg.capacity_bytes)),
             deleted_corrupt: Count::labelled("kvcached_g4_corrupt_deleted_total", &[]),
@@ -401,7 +409,7 @@ impl ObjectTier {
                 let (Some(key), Some(ns)) = (parts.pop(), parts.pop()) else { continue };
                 let (Ok(key), Some(ns)) = (key.parse::<BlockKey>(), ns_of(&ns)) else { continue };
                 let len = meta.size.saturating_sub(format::HEADER_BYTES as u64);
-                let m = BlockMeta { namespace: ns, parent: None, len };
+                let m = BlockMeta { namespace: ns, parent: None, len, owner: None };
                 found.push((key, m, meta.last_modified.timestamp_millis()));
             }
             // Oldest first: they are the least recently used.
@@ -497,7 +505,7 @@ impl ObjectTier {
             if i == 0 {
                 parent = known_prefix.checked_sub(1).map(|p| keys[p]);
             }
-            idx.insert_ready(rest[i], BlockMeta { namespace, parent, len: len.unwrap_or(typical) });
+            idx.insert_ready(rest[i], BlockMeta { namespace, parent, len: len.unwrap_or(typical), owner: None });
         }
         let now = Instant::now();
         for i in absent.into_inner() {
@@ -685,6 +693,21 @@ impl Tier for ObjectTier {
                 }
                 if idx.res.has_entry(&b.key) {
                     continue;
+                }
+                // The owner's quota makes its room among its own objects first (deleted with the
+                // evicted ones below, and reported once deleted).
+                match idx.res.quota_room(&b.meta, Instant::now()) {
+                    Ok(own) => {
+                        self.counters.evictions.add(own.len() as u64);
+                        victims.extend(own.into_iter().map(|(k, e)| {
+                            idx.used -= e.slot.len;
+                            (k, e.meta.namespace)
+                        }));
+                    }
+                    Err(why) => {
+                        out[i] = Err(TierError::OverQuota { tier: TIER, why });
+                        continue;
+                    }
                 }
                 match self.make_room(&mut idx, b.meta.len) {
                     Ok(v) => victims.extend(v),

@@ -22,7 +22,7 @@ pub fn key(chain: u32, i: u32) -> BlockKey {
 
 /// Meta of block `i` of `chain` (parent = block i-1).
 pub fn meta(chain: u32, i: u32, len: usize) -> BlockMeta {
-    BlockMeta { namespace: NS, parent: (i > 0).then(|| key(chain, i - 1)), len: len as u64 }
+    BlockMeta { namespace: NS, parent: (i > 0).then(|| key(chain, i - 1)), len: len as u64, owner: None }
 }
 
 /// Deterministic content derived from the key, so any reader can verify every byte.
