@@ -19,7 +19,7 @@ pub mod faults;
 pub mod format;
 pub mod probe;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -191,6 +191,10 @@ struct Index {
     res: Residency<ObjSlot>,
     used: u64,
     absent: HashMap<BlockKey, Instant, kvproto::BlockKeyBuildHasher>,
+    /// While the start-up listing runs: keys this daemon put meanwhile. It knows them already,
+    /// and one it has removed since (evicted, over quota) must not come back from a listing
+    /// that saw its object before the delete.
+    put_while_listing: Option<HashSet<BlockKey, kvproto::BlockKeyBuildHasher>>,
 }
 
 impl Index {
@@ -199,6 +203,7 @@ impl Index {
             res: Residency::new(Box::new(LruPolicy::new()) as Box<dyn EvictionPolicy>),
             used: 0,
             absent: HashMap::default(),
+            put_while_listing: None,
         }
     }
 
@@ -397,6 +402,7 @@ impl ObjectTier {
             (Arc::clone(&self.store), self.root.clone(), Arc::clone(&self.index), Arc::clone(&self.listed));
         let max = self.cfg.index_max_entries;
         let counters = Arc::clone(&self.counters);
+        self.index.lock().put_while_listing = Some(HashSet::default());
         self.rt().spawn(async move {
             let mut found: Vec<(BlockKey, BlockMeta, i64)> = Vec::new();
             let mut stream = store.list(Some(&root));
@@ -415,8 +421,11 @@ impl ObjectTier {
             // Oldest first: they are the least recently used.
             found.sort_by_key(|(_, _, t)| *t);
             let mut idx = index.lock();
+            let put_meanwhile = idx.put_while_listing.take().unwrap_or_default();
             for (key, m, _) in found {
-                idx.insert_ready(key, m);
+                if !put_meanwhile.contains(&key) {
+                    idx.insert_ready(key, m);
+                }
             }
             counters.set_usage(idx.used, idx.res.len());
             drop(idx);
@@ -718,6 +727,9 @@ impl Tier for ObjectTier {
                     }
                 }
                 let slot = Arc::new(ObjSlot { len: b.meta.len });
+                if let Some(seen) = idx.put_while_listing.as_mut() {
+                    seen.insert(b.key);
+                }
                 if idx.res.reserve(b.key, b.meta, Arc::clone(&slot), false) {
                     idx.used += b.meta.len;
                     todo.push((i, slot));
