@@ -1,5 +1,6 @@
 //! The daemon through its real socket: save and load throughput per block size beside memcpy in
-//! the same run, lookup latency for a 128k-token prompt, and p50/p99 of small batches.
+//! the same run, lookup latency for a 128k-token prompt, and p50/p99 of small batches beside a
+//! raw Unix-socket round trip of a 4-block lookup's message sizes, measured between them.
 //!
 //! Everything goes through `kvclient::Client` over the Unix socket of a `kvcached::serve`
 //! started in this process (or an already running daemon given with `--socket`).
@@ -59,6 +60,48 @@ pub struct Latency {
 pub struct Report {
     pub throughput: Vec<Throughput>,
     pub latency: Vec<Latency>,
+    /// A request and its answer of a 4-block lookup's sizes over a Unix stream socket, blocking
+    /// I/O, between two threads, back to back: the floor under every row of `latency`.
+    pub raw: Option<Latency>,
+}
+
+/// The raw exchange the lookups are measured against: a thread answering each `req`-byte
+/// request with `ans` bytes over a Unix stream socket, both ends blocking.
+struct RawPeer {
+    sock: std::os::unix::net::UnixStream,
+    req: Vec<u8>,
+    ans: Vec<u8>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl RawPeer {
+    fn start(req: usize, ans: usize) -> std::io::Result<Self> {
+        use std::io::{Read, Write};
+        let (sock, mut peer) = std::os::unix::net::UnixStream::pair()?;
+        let thread = std::thread::Builder::new().name("raw-peer".into()).spawn(move || {
+            let (mut got, answer) = (vec![0u8; req], vec![7u8; ans]);
+            while peer.read_exact(&mut got).is_ok() && peer.write_all(&answer).is_ok() {}
+        })?;
+        Ok(Self { sock, req: vec![1u8; req], ans: vec![0u8; ans], thread: Some(thread) })
+    }
+
+    /// One request and its answer.
+    fn round_trip(&mut self) -> std::io::Result<Duration> {
+        use std::io::{Read, Write};
+        let t0 = Instant::now();
+        self.sock.write_all(&self.req)?;
+        self.sock.read_exact(&mut self.ans)?;
+        Ok(t0.elapsed())
+    }
+}
+
+impl Drop for RawPeer {
+    fn drop(&mut self) {
+        let _ = self.sock.shutdown(std::net::Shutdown::Both);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
 }
 
 fn layout(layers: u32, tokens_per_block: u32) -> KvLayout {
@@ -239,8 +282,20 @@ async fn latencies(cfg: &SocketBench, socket: &Path, report: &mut Report) -> Res
     let (g, _gmem) = engine(cfg, socket, "small-grpc", &small, 8).await?;
     g.set_lookup_wire(false);
     let (mut save, mut lookup, mut lookup_grpc, mut load) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    // The raw exchange has a lookup's sizes: the request with its tokens inline (the larger
+    // form; with the token area the daemon reads them from shared memory) and the answer.
+    let sizes = {
+        let p = prompt(999, 4, 16);
+        c.save(&p, 0, &[0, 1, 2, 3]).await.map_err(|e| e.to_string())?;
+        let answer = c.lookup(&p).await.map_err(|e| e.to_string())?;
+        let req = kvproto::pb::LookupRequest { engine_id: 1, tokens: kvproto::tokens_to_le(&p), ..Default::default() };
+        (4 + prost::Message::encoded_len(&req), 4 + prost::Message::encoded_len(&answer))
+    };
+    let mut raw_peer = RawPeer::start(sizes.0, sizes.1).map_err(|e| format!("raw socket pair: {e}"))?;
+    let mut raw = Vec::new();
     for i in 0..cfg.samples {
         let p = prompt(1_000 + i as u32, 4, 16);
+        raw.push(raw_peer.round_trip().map_err(|e| format!("raw round trip: {e}"))?);
         let t0 = Instant::now();
         c.save(&p, 0, &[0, 1, 2, 3]).await.map_err(|e| e.to_string())?;
         save.push(t0.elapsed());
@@ -261,6 +316,30 @@ async fn latencies(cfg: &SocketBench, socket: &Path, report: &mut Report) -> Res
         let (p50, p99) = percentiles(v);
         report.latency.push(Latency { what: format!("{what}, 4 blocks of 2 MiB"), p50_us: p50, p99_us: p99 });
     }
+    // Back to back, in turns of 20: the same cached lookup, and the raw exchange (both ends
+    // awake, as on a busy engine's scheduler path).
+    let p = prompt(999, 4, 16);
+    let (mut hot_lookup, mut hot_raw) = (Vec::new(), Vec::new());
+    while hot_raw.len() < cfg.samples {
+        for _ in 0..20 {
+            hot_raw.push(raw_peer.round_trip().map_err(|e| format!("raw round trip: {e}"))?);
+        }
+        for _ in 0..20 {
+            let t0 = Instant::now();
+            c.lookup(&p).await.map_err(|e| e.to_string())?;
+            hot_lookup.push(t0.elapsed());
+        }
+    }
+    drop(raw_peer);
+    let exchange = format!("{}-byte request, {}-byte answer", sizes.0, sizes.1);
+    let (p50_us, p99_us) = percentiles(hot_lookup);
+    report.latency.push(Latency { what: "lookup, 4 blocks, back to back".into(), p50_us, p99_us });
+    let (p50_us, p99_us) = percentiles(raw);
+    let what = format!("raw Unix-socket round trip between the operations above ({exchange})");
+    report.latency.push(Latency { what, p50_us, p99_us });
+    let (p50_us, p99_us) = percentiles(hot_raw);
+    let what = format!("raw Unix-socket round trip, back to back ({exchange})");
+    report.raw = Some(Latency { what, p50_us, p99_us });
     c.unregister().await.map_err(|e| e.to_string())?;
     g.unregister().await.map_err(|e| e.to_string())?;
     Ok(())
@@ -360,9 +439,17 @@ pub fn markdown(r: &Report) -> String {
             t.load_gibs / t.memcpy_hot_gibs
         ));
     }
-    s.push_str("\n| operation | p50 (us) | p99 (us) |\n|---|---|---|\n");
-    for l in &r.latency {
-        s.push_str(&format!("| {} | {:.0} | {:.0} |\n", l.what, l.p50_us, l.p99_us));
+    s.push_str("\n| operation | p50 (us) | p99 (us) | p50 / raw | p99 / raw |\n|---|---|---|---|---|\n");
+    let ratio = |x: f64, raw: Option<f64>| raw.map_or("-".to_string(), |r| format!("{:.1}x", x / r));
+    for l in r.latency.iter().chain(&r.raw) {
+        s.push_str(&format!(
+            "| {} | {:.0} | {:.0} | {} | {} |\n",
+            l.what,
+            l.p50_us,
+            l.p99_us,
+            ratio(l.p50_us, r.raw.as_ref().map(|w| w.p50_us)),
+            ratio(l.p99_us, r.raw.as_ref().map(|w| w.p99_us)),
+        ));
     }
     s
 }
