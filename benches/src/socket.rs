@@ -76,9 +76,15 @@ struct RawPeer {
 
 impl RawPeer {
     fn start(req: usize, ans: usize) -> std::io::Result<Self> {
+        Self::start_with(req, ans, || {})
+    }
+
+    /// [`RawPeer::start`], the answering thread calling `first` before it answers anything.
+    fn start_with(req: usize, ans: usize, first: impl FnOnce() + Send + 'static) -> std::io::Result<Self> {
         use std::io::{Read, Write};
         let (sock, mut peer) = std::os::unix::net::UnixStream::pair()?;
         let thread = std::thread::Builder::new().name("raw-peer".into()).spawn(move || {
+            first();
             let (mut got, answer) = (vec![0u8; req], vec![7u8; ans]);
             while peer.read_exact(&mut got).is_ok() && peer.write_all(&answer).is_ok() {}
         })?;
@@ -93,6 +99,97 @@ impl RawPeer {
         self.sock.read_exact(&mut self.ans)?;
         Ok(t0.elapsed())
     }
+}
+
+/// The same exchange through tokio, on the runtime the client and (in process) the daemon run
+/// on: what the async runtime's wake-ups add to the raw round trip. The answering end is a tokio
+/// task, or (`blocking_peer`) a thread with blocking I/O.
+struct AsyncPeer {
+    sock: tokio::net::UnixStream,
+    req: Vec<u8>,
+    ans: Vec<u8>,
+    task: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl AsyncPeer {
+    fn start(req: usize, ans: usize, blocking_peer: bool) -> std::io::Result<Self> {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        if blocking_peer {
+            use std::io::{Read, Write};
+            let (sock, mut peer) = std::os::unix::net::UnixStream::pair()?;
+            std::thread::Builder::new().name("raw-peer".into()).spawn(move || {
+                let (mut got, answer) = (vec![0u8; req], vec![7u8; ans]);
+                while peer.read_exact(&mut got).is_ok() && peer.write_all(&answer).is_ok() {}
+            })?;
+            sock.set_nonblocking(true)?;
+            let sock = tokio::net::UnixStream::from_std(sock)?;
+            return Ok(Self { sock, req: vec![1u8; req], ans: vec![0u8; ans], task: None });
+        }
+        let (sock, mut peer) = tokio::net::UnixStream::pair()?;
+        let task = tokio::spawn(async move {
+            let (mut got, answer) = (vec![0u8; req], vec![7u8; ans]);
+            while peer.read_exact(&mut got).await.is_ok() && peer.write_all(&answer).await.is_ok() {}
+        });
+        Ok(Self { sock, req: vec![1u8; req], ans: vec![0u8; ans], task: Some(task) })
+    }
+
+    async fn round_trip(&mut self) -> std::io::Result<Duration> {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let t0 = Instant::now();
+        self.sock.write_all(&self.req).await?;
+        self.sock.read_exact(&mut self.ans).await?;
+        Ok(t0.elapsed())
+    }
+}
+
+impl Drop for AsyncPeer {
+    fn drop(&mut self) {
+        if let Some(t) = &self.task {
+            t.abort();
+        }
+    }
+}
+
+/// Pins the calling thread to CPU `cpu` (false if the kernel refuses).
+fn pin_to(cpu: usize) -> bool {
+    // SAFETY: a zeroed cpu_set_t is a valid empty set; CPU_SET writes inside it; the call only
+    // reads it.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) == 0
+    }
+}
+
+/// `samples` raw round trips of `req` / `ans` bytes between two threads pinned to CPUs
+/// `asking` and `answering` (on one CPU, each wake-up is a switch on it; on two, a wake-up of
+/// the other CPU). `None` where the CPUs cannot be pinned.
+fn pinned_round_trips(
+    samples: usize,
+    req: usize,
+    ans: usize,
+    asking: usize,
+    answering: usize,
+) -> Option<Vec<Duration>> {
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            if !pin_to(asking) {
+                return None;
+            }
+            let (tx, rx) = std::sync::mpsc::channel();
+            let mut peer = RawPeer::start_with(req, ans, move || {
+                let _ = tx.send(pin_to(answering));
+            })
+            .ok()?;
+            if !rx.recv().ok()? {
+                return None;
+            }
+            (0..samples + 20).map(|_| peer.round_trip().ok()).skip(20).collect()
+        })
+        .join()
+        .ok()
+        .flatten()
+    })
 }
 
 impl Drop for RawPeer {
@@ -319,10 +416,18 @@ async fn latencies(cfg: &SocketBench, socket: &Path, report: &mut Report) -> Res
     // Back to back, in turns of 20: the same cached lookup, and the raw exchange (both ends
     // awake, as on a busy engine's scheduler path).
     let p = prompt(999, 4, 16);
-    let (mut hot_lookup, mut hot_raw) = (Vec::new(), Vec::new());
+    let mut async_peer = AsyncPeer::start(sizes.0, sizes.1, false).map_err(|e| format!("async socket pair: {e}"))?;
+    let mut half_peer = AsyncPeer::start(sizes.0, sizes.1, true).map_err(|e| format!("async socket pair: {e}"))?;
+    let (mut hot_lookup, mut hot_raw, mut hot_async, mut hot_half) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     while hot_raw.len() < cfg.samples {
         for _ in 0..20 {
             hot_raw.push(raw_peer.round_trip().map_err(|e| format!("raw round trip: {e}"))?);
+        }
+        for _ in 0..20 {
+            hot_async.push(async_peer.round_trip().await.map_err(|e| format!("async round trip: {e}"))?);
+        }
+        for _ in 0..20 {
+            hot_half.push(half_peer.round_trip().await.map_err(|e| format!("async round trip: {e}"))?);
         }
         for _ in 0..20 {
             let t0 = Instant::now();
@@ -337,6 +442,22 @@ async fn latencies(cfg: &SocketBench, socket: &Path, report: &mut Report) -> Res
     let (p50_us, p99_us) = percentiles(raw);
     let what = format!("raw Unix-socket round trip between the operations above ({exchange})");
     report.latency.push(Latency { what, p50_us, p99_us });
+    drop((async_peer, half_peer));
+    let (p50_us, p99_us) = percentiles(hot_async);
+    let what =
+        format!("tokio Unix-socket round trip, both ends tasks on the client's runtime, back to back ({exchange})");
+    report.latency.push(Latency { what, p50_us, p99_us });
+    let (p50_us, p99_us) = percentiles(hot_half);
+    let what = format!("tokio Unix-socket round trip to a blocking thread, back to back ({exchange})");
+    report.latency.push(Latency { what, p50_us, p99_us });
+    // Where the wake-ups land: both threads on one CPU, and on two.
+    for (what, cpus) in [("both threads on CPU 0", (0, 0)), ("threads on CPUs 0 and 1", (0, 1))] {
+        if let Some(v) = pinned_round_trips(cfg.samples, sizes.0, sizes.1, cpus.0, cpus.1) {
+            let (p50_us, p99_us) = percentiles(v);
+            let what = format!("raw Unix-socket round trip, {what}, back to back ({exchange})");
+            report.latency.push(Latency { what, p50_us, p99_us });
+        }
+    }
     let (p50_us, p99_us) = percentiles(hot_raw);
     let what = format!("raw Unix-socket round trip, back to back ({exchange})");
     report.raw = Some(Latency { what, p50_us, p99_us });
