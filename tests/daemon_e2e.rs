@@ -331,6 +331,21 @@ async fn lookups_answer_the_same_over_lookup_and_grpc() {
             got.push(wire.lookup(t).await.unwrap().matched_blocks);
         }
         assert_eq!(got, [64, 64, 10, 30, 0]);
+        // From a thread of its own with blocking I/O: the same answers where LOOKUP is served;
+        // `None` (ask through the runtime) where it is not, where the client was told not to use
+        // it, and before the engine is registered.
+        let unregistered = Client::connect(&daemon.socket).await.unwrap();
+        for (i, t) in asked.iter().enumerate() {
+            let want = wire.lookup(t).await.unwrap();
+            let (w, g, u, t) = (wire.clone(), grpc.clone(), unregistered.clone(), t.clone());
+            let (bw, bg, bu) = tokio::task::spawn_blocking(move || {
+                (w.lookup_blocking(&t).map(Result::unwrap), g.lookup_blocking(&t), u.lookup_blocking(&t))
+            })
+            .await
+            .unwrap();
+            assert_eq!(bw, served.then_some(want), "prompt {i}, blocking, LOOKUP served: {served}");
+            assert!(bg.is_none() && bu.is_none(), "prompt {i}");
+        }
         // Which way they went: LOOKUP where served; the other client never asked.
         assert_eq!(wire.lookup_wire_served(), Some(served));
         assert_eq!(grpc.lookup_wire_served(), None);

@@ -419,6 +419,7 @@ async fn latencies(cfg: &SocketBench, socket: &Path, report: &mut Report) -> Res
     let mut async_peer = AsyncPeer::start(sizes.0, sizes.1, false).map_err(|e| format!("async socket pair: {e}"))?;
     let mut half_peer = AsyncPeer::start(sizes.0, sizes.1, true).map_err(|e| format!("async socket pair: {e}"))?;
     let (mut hot_lookup, mut hot_raw, mut hot_async, mut hot_half) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut hot_blocking = Vec::new();
     while hot_raw.len() < cfg.samples {
         for _ in 0..20 {
             hot_raw.push(raw_peer.round_trip().map_err(|e| format!("raw round trip: {e}"))?);
@@ -434,11 +435,32 @@ async fn latencies(cfg: &SocketBench, socket: &Path, report: &mut Report) -> Res
             c.lookup(&p).await.map_err(|e| e.to_string())?;
             hot_lookup.push(t0.elapsed());
         }
+        // The same lookups from a thread of their own, with blocking I/O on it (what the
+        // blocking client and the Python package do).
+        let (client, tokens) = (c.clone(), p.clone());
+        let turn = tokio::task::spawn_blocking(move || -> Result<Vec<Duration>, String> {
+            (0..20)
+                .map(|_| {
+                    let t0 = Instant::now();
+                    match client.lookup_blocking(&tokens) {
+                        Some(Ok(_)) => Ok(t0.elapsed()),
+                        Some(Err(e)) => Err(e.to_string()),
+                        None => Err("a blocking lookup could not go over LOOKUP".into()),
+                    }
+                })
+                .collect()
+        })
+        .await
+        .map_err(|e| e.to_string())??;
+        hot_blocking.extend(turn);
     }
     drop(raw_peer);
     let exchange = format!("{}-byte request, {}-byte answer", sizes.0, sizes.1);
     let (p50_us, p99_us) = percentiles(hot_lookup);
     report.latency.push(Latency { what: "lookup, 4 blocks, back to back".into(), p50_us, p99_us });
+    let (p50_us, p99_us) = percentiles(hot_blocking);
+    let what = "lookup, 4 blocks, back to back, blocking on a thread of its own (`Client::lookup_blocking`)";
+    report.latency.push(Latency { what: what.into(), p50_us, p99_us });
     let (p50_us, p99_us) = percentiles(raw);
     let what = format!("raw Unix-socket round trip between the operations above ({exchange})");
     report.latency.push(Latency { what, p50_us, p99_us });

@@ -84,8 +84,10 @@ impl BlockingClient {
         self.rt.block_on(self.client.save(tokens, first_block, slots))
     }
 
+    /// See [`Client::lookup`]: over LOOKUP with blocking I/O on this thread
+    /// ([`Client::lookup_blocking`]) when it can, through the runtime otherwise.
     pub fn lookup(&self, tokens: &[u32]) -> Result<pb::LookupResponse, ClientError> {
-        self.rt.block_on(self.client.lookup(tokens))
+        self.client.lookup_blocking(tokens).unwrap_or_else(|| self.rt.block_on(self.client.lookup(tokens)))
     }
 
     pub fn load(&self, tokens: &[u32], first_block: u32, slots: &[u32]) -> Result<LoadOp, ClientError> {

@@ -389,6 +389,27 @@ impl Client {
         self.lookup_as(tokens, None, 0).await
     }
 
+    /// [`Client::lookup`] with blocking I/O on the calling thread, for callers on threads of
+    /// their own (never a runtime's worker, which it would stall): the daemon's answer wakes this
+    /// thread itself rather than a worker that then wakes it. Over LOOKUP only: `None` when that
+    /// cannot serve it now (not registered, LOOKUP off or not served, the daemon away, or a
+    /// daemon that no longer knows the engine); then call [`Client::lookup`], which also
+    /// recovers a lost registration.
+    pub fn lookup_blocking(&self, tokens: &[u32]) -> Option<Result<pb::LookupResponse, ClientError>> {
+        let engine_id = self.engine_id().ok()?;
+        let staged = self.stage(tokens);
+        let (tokens, tokens_at) = match &staged {
+            Some(s) if self.token_area_active() => (bytes::Bytes::new(), Some(s.span)),
+            _ => (kvproto::tokens_to_le(tokens), None),
+        };
+        let req = pb::LookupRequest { engine_id, tokens, route_id: None, g1_blocks: 0, tokens_at };
+        match self.inner.lookups.lookup_blocking(&self.inner.socket, &req)? {
+            Ok(r) => Some(Ok(r)),
+            Err(s) if needs_reconnect(&s) => None,
+            Err(s) => Some(Err(s.into())),
+        }
+    }
+
     /// A lookup whose tokens go through the token area when they can (see [`TokenArea`]).
     async fn lookup_as(
         &self,

@@ -4,8 +4,14 @@
 //! A lookup is on the path of every request an engine serves: this takes HTTP/2 and tonic, and
 //! the tasks they hand a call between, off both ends of it. Connections are opened on demand,
 //! one per lookup in flight up to [`MAX_OPEN`] (further lookups at once go over gRPC), and
-//! [`KEEP`] stay open between lookups; every one counts against the uid's
+//! [`KEEP`] of each kind (async, blocking) stay open between lookups; every one counts against the uid's
 //! `limits.max_connections_per_uid` on the daemon.
+//!
+//! A caller on a thread of its own (the blocking client, the Python package) can look up with
+//! blocking I/O on that thread ([`LookupConns::lookup_blocking`], connections kept apart): the
+//! daemon's answer wakes the caller itself, not a runtime's worker that then wakes the caller.
+//! Between the two vCPUs of the machine the figures were measured on, each such wake-up costs
+//! about 25 us (docs/benchmarks.md, "A lookup against the raw socket").
 
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
@@ -18,7 +24,7 @@ use prost::Message;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
 
-/// Connections kept open between lookups.
+/// Connections of each kind (async, blocking) kept open between lookups.
 pub const KEEP: usize = 2;
 /// LOOKUP connections in use at once.
 pub const MAX_OPEN: usize = 4;
@@ -31,6 +37,9 @@ const OPEN_TIMEOUT: Duration = Duration::from_secs(2);
 /// How long lookups go over gRPC after a LOOKUP connection could not be opened for a reason that
 /// may pass (the daemon away or busy, a connection limit).
 const PAUSE: Duration = Duration::from_secs(1);
+/// How long a blocking lookup waits for its answer (the daemon answers or closes within its
+/// `limits.request_timeout_ms`; this only bounds a daemon that stopped answering at all).
+const BLOCKING_ANSWER_TIMEOUT: Duration = Duration::from_secs(30);
 
 const UNKNOWN: u8 = 0;
 const SERVED: u8 = 1;
@@ -40,6 +49,8 @@ const UNSERVED: u8 = 2;
 #[derive(Debug)]
 pub(crate) struct LookupConns {
     kept: Mutex<Vec<UnixStream>>,
+    /// Connections kept for [`LookupConns::lookup_blocking`] (blocking sockets).
+    kept_blocking: Mutex<Vec<std::os::unix::net::UnixStream>>,
     /// Connections in use now.
     open: AtomicUsize,
     /// Whether the client may use LOOKUP at all ([`crate::Client::set_lookup_wire`]).
@@ -81,6 +92,7 @@ impl LookupConns {
     pub fn new() -> Self {
         Self {
             kept: Mutex::new(Vec::new()),
+            kept_blocking: Mutex::new(Vec::new()),
             open: AtomicUsize::new(0),
             wanted: AtomicBool::new(true),
             served: AtomicU8::new(UNKNOWN),
@@ -92,6 +104,7 @@ impl LookupConns {
         self.wanted.store(on, Ordering::Relaxed);
         if !on {
             self.kept.lock().clear();
+            self.kept_blocking.lock().clear();
         }
     }
 
@@ -108,6 +121,7 @@ impl LookupConns {
     /// the daemon may be another one.
     pub fn reset(&self) {
         self.kept.lock().clear();
+        self.kept_blocking.lock().clear();
         self.served.store(UNKNOWN, Ordering::Relaxed);
         *self.paused_until.lock() = None;
     }
@@ -120,23 +134,7 @@ impl LookupConns {
         socket: &Path,
         req: &pb::LookupRequest,
     ) -> Option<Result<pb::LookupResponse, tonic::Status>> {
-        if !self.wanted.load(Ordering::Relaxed)
-            || self.served.load(Ordering::Relaxed) == UNSERVED
-            || self.paused_until.lock().is_some_and(|t| Instant::now() < t)
-        {
-            return None;
-        }
-        let len = req.encoded_len();
-        if len > MAX_REQUEST_BYTES {
-            return None;
-        }
-        if self.open.fetch_add(1, Ordering::Relaxed) >= MAX_OPEN {
-            self.open.fetch_sub(1, Ordering::Relaxed);
-            return None;
-        }
-        let _in_use = InUse(&self.open);
-        let mut frame = lookup_wire::request_frame(len);
-        req.encode_raw(&mut frame);
+        let (frame, _in_use) = self.admit(req)?;
         // A kept connection may have been closed by the daemon since (its idle limit, a
         // restart): one that fails is dropped and the lookup goes on the next, or a new one.
         loop {
@@ -162,6 +160,85 @@ impl LookupConns {
                 Err(Broken::Garbled(why)) => return Some(Err(tonic::Status::internal(format!("LOOKUP: {why}")))),
             }
         }
+    }
+
+    /// [`LookupConns::lookup`] with blocking I/O on the calling thread, which must not be a
+    /// runtime's worker: the same rules, limits and fallbacks, on connections of its own.
+    pub fn lookup_blocking(
+        &self,
+        socket: &Path,
+        req: &pb::LookupRequest,
+    ) -> Option<Result<pb::LookupResponse, tonic::Status>> {
+        let (frame, _in_use) = self.admit(req)?;
+        loop {
+            let kept = self.kept_blocking.lock().pop();
+            let reused = kept.is_some();
+            let mut conn = match kept {
+                Some(c) => c,
+                None => match self.open_blocking(socket) {
+                    Ok(c) => c,
+                    Err(why) => return self.unopened(why),
+                },
+            };
+            match exchange_blocking(&mut conn, &frame) {
+                Ok(r) => {
+                    let mut kept = self.kept_blocking.lock();
+                    if kept.len() < KEEP {
+                        kept.push(conn);
+                    }
+                    return Some(r);
+                }
+                Err(Broken::Io(_)) if reused => continue,
+                Err(Broken::Io(e)) => return self.unopened(Unopened::Passing(e.to_string())),
+                Err(Broken::Garbled(why)) => return Some(Err(tonic::Status::internal(format!("LOOKUP: {why}")))),
+            }
+        }
+    }
+
+    /// Whether `req` may go over LOOKUP now, and its frame: `None` when it is to go over gRPC
+    /// (off, not served, paused, too large, too many in use).
+    fn admit(&self, req: &pb::LookupRequest) -> Option<(Vec<u8>, InUse<'_>)> {
+        if !self.wanted.load(Ordering::Relaxed)
+            || self.served.load(Ordering::Relaxed) == UNSERVED
+            || self.paused_until.lock().is_some_and(|t| Instant::now() < t)
+        {
+            return None;
+        }
+        let len = req.encoded_len();
+        if len > MAX_REQUEST_BYTES {
+            return None;
+        }
+        if self.open.fetch_add(1, Ordering::Relaxed) >= MAX_OPEN {
+            self.open.fetch_sub(1, Ordering::Relaxed);
+            return None;
+        }
+        let in_use = InUse(&self.open);
+        let mut frame = lookup_wire::request_frame(len);
+        req.encode_raw(&mut frame);
+        Some((frame, in_use))
+    }
+
+    /// [`LookupConns::open`] with blocking I/O.
+    fn open_blocking(&self, socket: &Path) -> Result<std::os::unix::net::UnixStream, Unopened> {
+        use std::io::{Read, Write};
+        let passing = |e: std::io::Error| Unopened::Passing(e.to_string());
+        let mut s = std::os::unix::net::UnixStream::connect(socket).map_err(passing)?;
+        s.set_read_timeout(Some(OPEN_TIMEOUT)).map_err(passing)?;
+        s.set_write_timeout(Some(OPEN_TIMEOUT)).map_err(passing)?;
+        s.write_all(&lookup_wire::hello()).map_err(passing)?;
+        let mut hello = [0u8; HELLO_BYTES];
+        match s.read_exact(&mut hello) {
+            Ok(()) if lookup_wire::check_hello(&hello).is_ok() => {}
+            Ok(()) => return Err(Unopened::Unserved),
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
+                return Err(Unopened::Passing("no hello within 2 s".into()));
+            }
+            Err(e) => return Err(passing(e)),
+        }
+        self.served.store(SERVED, Ordering::Relaxed);
+        s.set_read_timeout(Some(BLOCKING_ANSWER_TIMEOUT)).map_err(passing)?;
+        s.set_write_timeout(Some(BLOCKING_ANSWER_TIMEOUT)).map_err(passing)?;
+        Ok(s)
     }
 
     /// What a lookup does when no connection could be opened, or a new one failed.
@@ -220,7 +297,30 @@ async fn exchange(conn: &mut UnixStream, frame: &[u8]) -> Result<Result<pb::Look
     }
     let mut body = vec![0u8; n];
     conn.read_exact(&mut body).await.map_err(Broken::Io)?;
-    match lookup_wire::parse_answer(&body).map_err(Broken::Garbled)? {
+    answer_of(&body)
+}
+
+/// [`exchange`] with blocking I/O.
+fn exchange_blocking(
+    conn: &mut std::os::unix::net::UnixStream,
+    frame: &[u8],
+) -> Result<Result<pb::LookupResponse, tonic::Status>, Broken> {
+    use std::io::{Read, Write};
+    conn.write_all(frame).map_err(Broken::Io)?;
+    let mut len = [0u8; 4];
+    conn.read_exact(&mut len).map_err(Broken::Io)?;
+    let n = u32::from_le_bytes(len) as usize;
+    if n > MAX_ANSWER_BYTES {
+        return Err(Broken::Garbled(format!("an answer of {n} bytes")));
+    }
+    let mut body = vec![0u8; n];
+    conn.read_exact(&mut body).map_err(Broken::Io)?;
+    answer_of(&body)
+}
+
+/// The answer in an answer frame's body.
+fn answer_of(body: &[u8]) -> Result<Result<pb::LookupResponse, tonic::Status>, Broken> {
+    match lookup_wire::parse_answer(body).map_err(Broken::Garbled)? {
         Ok(message) => pb::LookupResponse::decode(message)
             .map(Ok)
             .map_err(|e| Broken::Garbled(format!("an answer that does not decode: {e}"))),

@@ -205,6 +205,14 @@ impl PyClient {
     /// How many leading blocks of `tokens` are cached, and in which tier. Moves no block data.
     fn lookup(&self, py: Python<'_>, tokens: &Bound<'_, PyAny>) -> PyResult<LookupResult> {
         let tokens = tokens_of(tokens)?;
+        // Over LOOKUP with blocking I/O on this thread (the GIL released) when it can: no hop
+        // through the runtime's worker; through the runtime otherwise.
+        if std::process::id() == self.pid {
+            let client = self.client.clone();
+            if let Some(r) = py.detach(|| client.lookup_blocking(&tokens)) {
+                return r.map(LookupResult::from).map_err(|e| to_py(py, e));
+            }
+        }
         self.call(py, move |c| async move { c.lookup(&tokens).await }).map(LookupResult::from)
     }
 
