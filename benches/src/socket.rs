@@ -81,13 +81,8 @@ impl RawPeer {
 
     /// [`RawPeer::start`], the answering thread calling `first` before it answers anything.
     fn start_with(req: usize, ans: usize, first: impl FnOnce() + Send + 'static) -> std::io::Result<Self> {
-        use std::io::{Read, Write};
-        let (sock, mut peer) = std::os::unix::net::UnixStream::pair()?;
-        let thread = std::thread::Builder::new().name("raw-peer".into()).spawn(move || {
-            first();
-            let (mut got, answer) = (vec![0u8; req], vec![7u8; ans]);
-            while peer.read_exact(&mut got).is_ok() && peer.write_all(&answer).is_ok() {}
-        })?;
+        let (sock, peer) = std::os::unix::net::UnixStream::pair()?;
+        let thread = answering_thread(peer, req, ans, first)?;
         Ok(Self { sock, req: vec![1u8; req], ans: vec![0u8; ans], thread: Some(thread) })
     }
 
@@ -99,6 +94,22 @@ impl RawPeer {
         self.sock.read_exact(&mut self.ans)?;
         Ok(t0.elapsed())
     }
+}
+
+/// A thread that calls `first`, then answers each `req`-byte request on `peer` with `ans` bytes
+/// (blocking I/O) until the other end closes.
+fn answering_thread(
+    mut peer: std::os::unix::net::UnixStream,
+    req: usize,
+    ans: usize,
+    first: impl FnOnce() + Send + 'static,
+) -> std::io::Result<std::thread::JoinHandle<()>> {
+    use std::io::{Read, Write};
+    std::thread::Builder::new().name("raw-peer".into()).spawn(move || {
+        first();
+        let (mut got, answer) = (vec![0u8; req], vec![7u8; ans]);
+        while peer.read_exact(&mut got).is_ok() && peer.write_all(&answer).is_ok() {}
+    })
 }
 
 /// The same exchange through tokio, on the runtime the client and (in process) the daemon run
@@ -115,12 +126,9 @@ impl AsyncPeer {
     fn start(req: usize, ans: usize, blocking_peer: bool) -> std::io::Result<Self> {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         if blocking_peer {
-            use std::io::{Read, Write};
-            let (sock, mut peer) = std::os::unix::net::UnixStream::pair()?;
-            std::thread::Builder::new().name("raw-peer".into()).spawn(move || {
-                let (mut got, answer) = (vec![0u8; req], vec![7u8; ans]);
-                while peer.read_exact(&mut got).is_ok() && peer.write_all(&answer).is_ok() {}
-            })?;
+            let (sock, peer) = std::os::unix::net::UnixStream::pair()?;
+            // Ends when this end closes (its read fails).
+            answering_thread(peer, req, ans, || {})?;
             sock.set_nonblocking(true)?;
             let sock = tokio::net::UnixStream::from_std(sock)?;
             return Ok(Self { sock, req: vec![1u8; req], ans: vec![0u8; ans], task: None });

@@ -398,15 +398,25 @@ impl Client {
     pub fn lookup_blocking(&self, tokens: &[u32]) -> Option<Result<pb::LookupResponse, ClientError>> {
         let engine_id = self.engine_id().ok()?;
         let staged = self.stage(tokens);
-        let (tokens, tokens_at) = match &staged {
-            Some(s) if self.token_area_active() => (bytes::Bytes::new(), Some(s.span)),
-            _ => (kvproto::tokens_to_le(tokens), None),
-        };
+        let (tokens, tokens_at) = self.carried(staged.as_ref(), || kvproto::tokens_to_le(tokens));
         let req = pb::LookupRequest { engine_id, tokens, route_id: None, g1_blocks: 0, tokens_at };
         match self.inner.lookups.lookup_blocking(&self.inner.socket, &req)? {
             Ok(r) => Some(Ok(r)),
             Err(s) if needs_reconnect(&s) => None,
             Err(s) => Some(Err(s.into())),
+        }
+    }
+
+    /// A request's tokens as it carries them: the span of the token area they were staged in
+    /// while the daemon has the area open, else `inline()`.
+    fn carried(
+        &self,
+        staged: Option<&Staged>,
+        inline: impl FnOnce() -> bytes::Bytes,
+    ) -> (bytes::Bytes, Option<pb::TokenSpan>) {
+        match staged {
+            Some(s) if self.token_area_active() => (bytes::Bytes::new(), Some(s.span)),
+            _ => (inline(), None),
         }
     }
 
@@ -421,10 +431,8 @@ impl Client {
         let inline = std::sync::OnceLock::new();
         self.with_retry(|mut rpc, engine_id| {
             // A retry after a daemon restart goes inline if the new daemon did not map the area.
-            let (le, tokens_at) = match &staged {
-                Some(s) if self.token_area_active() => (bytes::Bytes::new(), Some(s.span)),
-                _ => (inline.get_or_init(|| kvproto::tokens_to_le(tokens)).clone(), None),
-            };
+            let (le, tokens_at) =
+                self.carried(staged.as_ref(), || inline.get_or_init(|| kvproto::tokens_to_le(tokens)).clone());
             let req = pb::LookupRequest { engine_id, tokens: le, route_id, g1_blocks, tokens_at };
             async move {
                 match self.inner.lookups.lookup(&self.inner.socket, &req).await {

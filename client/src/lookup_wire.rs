@@ -147,17 +147,9 @@ impl LookupConns {
                     Err(why) => return self.unopened(why),
                 },
             };
-            match exchange(&mut conn, &frame).await {
-                Ok(r) => {
-                    let mut kept = self.kept.lock();
-                    if kept.len() < KEEP {
-                        kept.push(conn);
-                    }
-                    return Some(r);
-                }
-                Err(Broken::Io(_)) if reused => continue,
-                Err(Broken::Io(e)) => return self.unopened(Unopened::Passing(e.to_string())),
-                Err(Broken::Garbled(why)) => return Some(Err(tonic::Status::internal(format!("LOOKUP: {why}")))),
+            let r = exchange(&mut conn, &frame).await;
+            if let Some(end) = self.after(&self.kept, conn, reused, r) {
+                return end;
             }
         }
     }
@@ -180,18 +172,34 @@ impl LookupConns {
                     Err(why) => return self.unopened(why),
                 },
             };
-            match exchange_blocking(&mut conn, &frame) {
-                Ok(r) => {
-                    let mut kept = self.kept_blocking.lock();
-                    if kept.len() < KEEP {
-                        kept.push(conn);
-                    }
-                    return Some(r);
-                }
-                Err(Broken::Io(_)) if reused => continue,
-                Err(Broken::Io(e)) => return self.unopened(Unopened::Passing(e.to_string())),
-                Err(Broken::Garbled(why)) => return Some(Err(tonic::Status::internal(format!("LOOKUP: {why}")))),
+            let r = exchange_blocking(&mut conn, &frame);
+            if let Some(end) = self.after(&self.kept_blocking, conn, reused, r) {
+                return end;
             }
+        }
+    }
+
+    /// What one exchange on `conn` comes to: `None` to go on with the next connection (a kept
+    /// one failed: the daemon may have closed it since, at its idle limit or a restart),
+    /// otherwise the lookup's end. A connection that answered goes back to `kept`.
+    fn after<C>(
+        &self,
+        kept: &Mutex<Vec<C>>,
+        conn: C,
+        reused: bool,
+        r: Result<Result<pb::LookupResponse, tonic::Status>, Broken>,
+    ) -> Option<Option<Result<pb::LookupResponse, tonic::Status>>> {
+        match r {
+            Ok(r) => {
+                let mut kept = kept.lock();
+                if kept.len() < KEEP {
+                    kept.push(conn);
+                }
+                Some(Some(r))
+            }
+            Err(Broken::Io(_)) if reused => None,
+            Err(Broken::Io(e)) => Some(self.unopened(Unopened::Passing(e.to_string()))),
+            Err(Broken::Garbled(why)) => Some(Some(Err(tonic::Status::internal(format!("LOOKUP: {why}"))))),
         }
     }
 
@@ -291,11 +299,7 @@ async fn exchange(conn: &mut UnixStream, frame: &[u8]) -> Result<Result<pb::Look
     conn.write_all(frame).await.map_err(Broken::Io)?;
     let mut len = [0u8; 4];
     conn.read_exact(&mut len).await.map_err(Broken::Io)?;
-    let n = u32::from_le_bytes(len) as usize;
-    if n > MAX_ANSWER_BYTES {
-        return Err(Broken::Garbled(format!("an answer of {n} bytes")));
-    }
-    let mut body = vec![0u8; n];
+    let mut body = vec![0u8; answer_len(len)?];
     conn.read_exact(&mut body).await.map_err(Broken::Io)?;
     answer_of(&body)
 }
@@ -309,13 +313,18 @@ fn exchange_blocking(
     conn.write_all(frame).map_err(Broken::Io)?;
     let mut len = [0u8; 4];
     conn.read_exact(&mut len).map_err(Broken::Io)?;
+    let mut body = vec![0u8; answer_len(len)?];
+    conn.read_exact(&mut body).map_err(Broken::Io)?;
+    answer_of(&body)
+}
+
+/// The length an answer frame announces, refused past [`MAX_ANSWER_BYTES`].
+fn answer_len(len: [u8; 4]) -> Result<usize, Broken> {
     let n = u32::from_le_bytes(len) as usize;
     if n > MAX_ANSWER_BYTES {
         return Err(Broken::Garbled(format!("an answer of {n} bytes")));
     }
-    let mut body = vec![0u8; n];
-    conn.read_exact(&mut body).map_err(Broken::Io)?;
-    answer_of(&body)
+    Ok(n)
 }
 
 /// The answer in an answer frame's body.

@@ -47,6 +47,12 @@ impl<S> Resident<S> {
     fn pinned(&self, now: Instant) -> bool {
         self.leases.iter().any(|&(_, deadline)| deadline > now)
     }
+
+    /// Whether the block may leave now: visible, not pinned, and not being read (no one else
+    /// holds its slot).
+    fn may_leave(&self, now: Instant) -> bool {
+        self.state == State::Ready && !self.pinned(now) && Arc::strong_count(&self.slot) == 1
+    }
 }
 
 /// The residency map of one tier.
@@ -84,9 +90,7 @@ impl<S: SlotBytes> Residency<S> {
     /// the block cannot fit; see [`crate::quota`].
     pub fn quota_room(&mut self, meta: &BlockMeta, now: Instant) -> Result<Vec<(BlockKey, Resident<S>)>, OverQuota> {
         let entries = &self.entries;
-        let may_go = |k: &BlockKey| {
-            entries.get(k).is_some_and(|e| e.state == State::Ready && !e.pinned(now) && Arc::strong_count(&e.slot) == 1)
-        };
+        let may_go = |k: &BlockKey| entries.get(k).is_some_and(|e| e.may_leave(now));
         let keys = self.quotas.victims(meta.owner, meta.len, meta.parent, may_go).inspect_err(|_| {
             self.quotas.refused(meta.owner);
         })?;
@@ -234,12 +238,7 @@ impl<S: SlotBytes> Residency<S> {
             loop {
                 let mut picked = Vec::new();
                 let mut picked_bytes = 0u64;
-                let free_now = |e: &Resident<S>| {
-                    e.state == State::Ready
-                        && !e.pinned(now)
-                        && (allow_dirty || !e.dirty)
-                        && Arc::strong_count(&e.slot) == 1
-                };
+                let free_now = |e: &Resident<S>| e.may_leave(now) && (allow_dirty || !e.dirty);
                 // Least recently used first, a block only after its cached children. The scan
                 // passes a block whose children are still cached; once the last of them is
                 // picked, that block is colder than anything the scan has not reached yet, so
