@@ -64,7 +64,7 @@ pub use buf::BlockBuf;
 pub use disk::{DiskTier, DiskTierConfig};
 pub use error::{Result, TierError};
 pub use host::{CudaRegister, Filling, HostTier, HostTierConfig};
-pub use listener::{Fanout, TierListener};
+pub use listener::TierListener;
 pub use load::{Destination, DirectRead, LoadEnd, LoadError, LoadOptions, LoadReport, LoadSink};
 pub use object::{ObjectTier, ObjectTierConfig};
 pub use quota::{OverQuota, Quota};

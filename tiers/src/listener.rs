@@ -44,22 +44,3 @@ impl ListenerSlot {
         }
     }
 }
-
-/// Several listeners as one: each is told every change, in the order given (the daemon's hit
-/// reports and its tenants' quota ledger).
-#[derive(Debug)]
-pub struct Fanout(pub Vec<Arc<dyn TierListener>>);
-
-impl TierListener for Fanout {
-    fn stored(&self, tier: TierKind, key: BlockKey, meta: &BlockMeta) {
-        for l in &self.0 {
-            l.stored(tier, key, meta);
-        }
-    }
-
-    fn removed(&self, tier: TierKind, keys: &[BlockKey]) {
-        for l in &self.0 {
-            l.removed(tier, keys);
-        }
-    }
-}
