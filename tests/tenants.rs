@@ -137,7 +137,16 @@ async fn g3_and_g4_quotas_charge_blocks_where_they_land() {
         || objects(&g4_dir).len() < 12
         || d.metric("kvcached_tier_blocks{tier=\"g3\"}").await < 10.0
     {
-        assert!(std::time::Instant::now() < deadline, "the quotas were not applied: {:?}", objects(&g4_dir));
+        if std::time::Instant::now() >= deadline {
+            let (r3, r4) = (metric("refused", "g3").await, metric("refused", "g4").await);
+            let g3 = d.metric("kvcached_tier_blocks{tier=\"g3\"}").await;
+            let dropped =
+                d.metric("kvcached_writethrough_dropped_total{reason=\"gone_before_write\",tier=\"g4\"}").await;
+            panic!(
+                "the quotas were not applied: refused g3 {r3} g4 {r4}, g3 blocks {g3}, g4 gone {dropped}: {:?}",
+                objects(&g4_dir)
+            );
+        }
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     }
     assert_eq!((metric("refused", "g3").await, metric("refused", "g4").await), (12.0, 10.0));

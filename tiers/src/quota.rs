@@ -43,6 +43,9 @@ pub enum OverQuota {
     OwnPrefix,
     /// The owner's blocks that would have to go are in use now (being written, read or loaded).
     Busy,
+    /// The block's parent is not in this tier (gone, or not landed yet): the block could not be
+    /// reached, and taking the owner's blocks for it would cut a chain that can.
+    Unreachable,
 }
 
 impl std::fmt::Display for OverQuota {
@@ -51,6 +54,7 @@ impl std::fmt::Display for OverQuota {
             Self::TooLarge => "the block is larger than the quota",
             Self::OwnPrefix => "only the prompt's own prefix is left to remove",
             Self::Busy => "the blocks that would make room are in use",
+            Self::Unreachable => "its parent is not in this tier",
         })
     }
 }
@@ -187,12 +191,14 @@ impl Quotas {
     /// The blocks of `owner` to remove so that `bytes` more fit its quota: ends of its chains,
     /// oldest first, skipping those `may_go` refuses; never `keep` (the parent of the block
     /// that needs the room). Nothing is uncharged here: the tier removes the victims, which
-    /// uncharges them. Empty when the owner has no quota here or the block fits.
+    /// uncharges them. Empty when the owner has no quota here or the block fits. A block whose
+    /// parent is not in the tier (`reachable` false) takes nothing: refused.
     pub fn victims(
         &self,
         owner: Option<u32>,
         bytes: u64,
         keep: Option<BlockKey>,
+        reachable: bool,
         may_go: impl Fn(&BlockKey) -> bool,
     ) -> Result<Vec<BlockKey>, OverQuota> {
         let Some(o) = self.account_of(owner) else { return Ok(Vec::new()) };
@@ -202,6 +208,9 @@ impl Quotas {
         }
         if a.bytes + bytes <= a.quota {
             return Ok(Vec::new());
+        }
+        if !reachable {
+            return Err(OverQuota::Unreachable);
         }
         // Walk the ends as they would be after each removal: a removed end's parent becomes an
         // end once its last charged child of this owner is gone (it is older, so it is next).
@@ -285,7 +294,7 @@ mod tests {
 
     /// Takes the victims for `bytes` more, as the tier would (removing uncharges them).
     fn take(q: &mut Quotas, bytes: u64, keep: Option<BlockKey>) -> Result<Vec<BlockKey>, OverQuota> {
-        let v = q.victims(Some(0), bytes, keep, |_| true)?;
+        let v = q.victims(Some(0), bytes, keep, true, |_| true)?;
         for k in &v {
             q.uncharge(k);
         }
@@ -325,9 +334,11 @@ mod tests {
         chain(&mut q, 0, 1);
         chain(&mut q, 10, 2);
         // Block 0 (the oldest end) is being read: block 11 goes instead.
-        assert_eq!(q.victims(Some(0), 10, None, |k| *k != key(0)).unwrap(), vec![key(11)]);
+        assert_eq!(q.victims(Some(0), 10, None, true, |k| *k != key(0)).unwrap(), vec![key(11)]);
         // Nothing may go: refused as busy, nothing taken.
-        assert_eq!(q.victims(Some(0), 10, None, |_| false).unwrap_err(), OverQuota::Busy);
+        assert_eq!(q.victims(Some(0), 10, None, true, |_| false).unwrap_err(), OverQuota::Busy);
+        // A block whose parent is not here takes nothing.
+        assert_eq!(q.victims(Some(0), 10, Some(key(99)), false, |_| true).unwrap_err(), OverQuota::Unreachable);
         assert_eq!(q.charged(0), 30);
     }
 

@@ -91,7 +91,8 @@ impl<S: SlotBytes> Residency<S> {
     pub fn quota_room(&mut self, meta: &BlockMeta, now: Instant) -> Result<Vec<(BlockKey, Resident<S>)>, OverQuota> {
         let entries = &self.entries;
         let may_go = |k: &BlockKey| entries.get(k).is_some_and(|e| e.may_leave(now));
-        let keys = self.quotas.victims(meta.owner, meta.len, meta.parent, may_go).inspect_err(|_| {
+        let reachable = meta.parent.is_none_or(|p| entries.contains_key(&p));
+        let keys = self.quotas.victims(meta.owner, meta.len, meta.parent, reachable, may_go).inspect_err(|_| {
             self.quotas.refused(meta.owner);
         })?;
         self.quotas.evicted(meta.owner, keys.len());
