@@ -63,7 +63,7 @@ pub use block::{BlockMeta, LeaseId, SumKind, checksum, checksum_of};
 pub use buf::BlockBuf;
 pub use disk::{DiskTier, DiskTierConfig};
 pub use error::{Result, TierError};
-pub use host::{CudaRegister, Filling, HostTier, HostTierConfig};
+pub use host::{CudaRegister, Filling, HostTier, HostTierConfig, POPULATE_STEP};
 pub use listener::TierListener;
 pub use load::{Destination, DirectRead, LoadEnd, LoadError, LoadOptions, LoadReport, LoadSink};
 pub use object::{ObjectTier, ObjectTierConfig};

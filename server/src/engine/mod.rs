@@ -200,6 +200,9 @@ pub const PREFAULT_BUDGET: Duration = Duration::from_secs(2);
 /// Bytes of the region prefaulted per step (between steps the budget is checked).
 const PREFAULT_STEP: usize = 64 << 20;
 
+/// Pages one `MADV_POPULATE_WRITE` call maps (see [`kvtiers::POPULATE_STEP`]).
+const STEP_PAGES: usize = kvtiers::POPULATE_STEP / PAGE as usize;
+
 impl Engine {
     /// Maps the engine's memory, handed over as descriptors, for a registration [`Checked`]
     /// already.
@@ -382,7 +385,8 @@ impl Engine {
                     page += 1;
                     continue;
                 }
-                let run = resident[page..].iter().take_while(|r| *r & 1 == 1).count();
+                // At most `POPULATE_STEP` per call: it holds the mmap lock meanwhile.
+                let run = resident[page..].iter().take(STEP_PAGES).take_while(|r| *r & 1 == 1).count();
                 let (off, bytes) =
                     (at + page * PAGE as usize, (run * PAGE as usize).min(len - at - page * PAGE as usize));
                 // SAFETY: MADV_POPULATE_WRITE only faults in (writable) pages of this range of
