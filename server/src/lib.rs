@@ -16,6 +16,7 @@
 //! - [`edge`]: who sent a request (uid, TCP address and certificate), the bytes of requests
 //!   still arriving per uid, and `blocking()` for request work off the async path.
 //! - `rate_log`: a warning repeated at most every 10 s, with a count.
+//! - [`sched`]: a save's copy offers its core every MiB to the threads answering requests.
 //! - [`h2_authority`]: stock gRPC clients' header blocks made acceptable (grpcio sends the
 //!   socket path as `:authority`).
 //! - [`peer`]: peer transfer: the `peer.listen` endpoint and the puller (blocks from and to
@@ -58,6 +59,7 @@ pub mod metrics_catalog;
 pub mod peer;
 pub mod policy;
 mod rate_log;
+pub mod sched;
 mod serve;
 
 use std::os::unix::fs::PermissionsExt;

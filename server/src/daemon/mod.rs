@@ -266,6 +266,7 @@ impl Daemon {
             let put = self.store.put_with(keys[idx], meta, |dst| {
                 engine.read_slot_into(slot, dst).map_err(|e| kvtiers::TierError::Fill(e.to_string()))
             });
+            crate::sched::between_copies(len);
             match put {
                 Ok(true) => resp.stored += 1,
                 Ok(false) => resp.already_present += 1,
