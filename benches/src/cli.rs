@@ -277,6 +277,15 @@ pub struct ManyArgs {
     /// Lookups on the idle daemon.
     #[arg(long, default_value_t = 200)]
     pub idle_samples: usize,
+    /// MiB one engine saves in each round while the others look up.
+    #[arg(long, default_value_t = 2048)]
+    pub save_mib: u64,
+    /// Rounds of that save.
+    #[arg(long, default_value_t = 3)]
+    pub save_rounds: usize,
+    /// Each engine looks up this often meanwhile (ms).
+    #[arg(long, default_value_t = 2)]
+    pub lookup_interval_ms: u64,
     /// The kvcached binary (default: next to this one).
     #[arg(long)]
     pub kvcached: Option<PathBuf>,
@@ -298,6 +307,9 @@ pub async fn many(a: &ManyArgs) -> Result<String, String> {
         g2_bytes: a.g2_gib << 30,
         probe_interval_ms: a.probe_interval_ms,
         idle_samples: a.idle_samples,
+        save_bytes: a.save_mib << 20,
+        save_rounds: a.save_rounds,
+        lookup_interval_ms: a.lookup_interval_ms,
         kvcached_bin: kvcached_bin(&a.kvcached)?,
         dir: a.dir.clone().unwrap_or_else(std::env::temp_dir),
         shm_dir: a.shm_dir.clone().unwrap_or_else(default_shm_dir),

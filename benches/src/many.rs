@@ -3,7 +3,9 @@
 //! all at the same time, against one `kvcached` process; their aggregate throughput beside a
 //! 2-thread memcpy of the same mix in the same run (and one engine alone, for the scaling), and
 //! the latency of a lookup asked by another engine while they run, beside the same lookup on an
-//! idle daemon.
+//! idle daemon. Then the request path under a bulk write: every engine looking its prompt up
+//! from a thread of its own (as a scheduler does, `Client::lookup_blocking`), first alone, then
+//! while one more engine saves 2 GiB.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -30,6 +32,12 @@ pub struct ManyConfig {
     pub probe_interval_ms: u64,
     /// Lookups timed on the idle daemon.
     pub idle_samples: usize,
+    /// Bytes the saving engine stores in each round of the lookups-beside-a-save phase.
+    pub save_bytes: u64,
+    /// Rounds of that phase (each one save of `save_bytes`).
+    pub save_rounds: usize,
+    /// Each engine asks a lookup this often in that phase.
+    pub lookup_interval_ms: u64,
     pub kvcached_bin: PathBuf,
     pub dir: PathBuf,
     pub shm_dir: PathBuf,
@@ -63,6 +71,12 @@ pub struct ManyReport {
     pub memcpy1: Moved,
     pub lookup_idle: Dist,
     pub lookup_loaded: Dist,
+    /// Every engine looking up from a thread of its own, nothing else running.
+    pub lookups_alone: Dist,
+    /// The same while one engine saves `save_bytes` (samples started within its saves).
+    pub lookups_beside_save: Dist,
+    /// Seconds each of those saves took.
+    pub save_seconds: Vec<f64>,
     pub loadavg_start: Option<[f64; 3]>,
     pub loadavg_end: Option<[f64; 3]>,
 }
@@ -204,6 +218,99 @@ async fn probe(c: &Client, tokens: &[u32], until: Instant, interval: Duration) -
     Ok(v)
 }
 
+/// A thread looking an engine's prompt up: each lookup's start and latency (us).
+type Looker = std::thread::JoinHandle<Result<Vec<(Instant, f64)>, String>>;
+
+/// Lookups of every engine's cached prompt, alone and beside a bulk save.
+struct Beside {
+    alone: Dist,
+    saving: Dist,
+    save_seconds: Vec<f64>,
+}
+
+/// Every engine of `engines` looking its cached prompt up from a thread of its own, once every
+/// `interval`, until `stop`: each lookup's start and latency (us).
+fn start_lookers(engines: &[Engine], interval: Duration, stop: &Arc<std::sync::atomic::AtomicBool>) -> Vec<Looker> {
+    engines
+        .iter()
+        .map(|e| {
+            let (client, tokens, stop) = (e.client.clone(), e.cached.clone(), Arc::clone(stop));
+            std::thread::spawn(move || {
+                let mut v = Vec::new();
+                let mut next = Instant::now();
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let t0 = Instant::now();
+                    match client.lookup_blocking(&tokens) {
+                        Some(Ok(_)) => v.push((t0, t0.elapsed().as_secs_f64() * 1e6)),
+                        Some(Err(e)) => return Err(format!("lookup: {e}")),
+                        None => return Err("lookup: no LOOKUP connection to the daemon".into()),
+                    }
+                    next += interval;
+                    std::thread::sleep(next.saturating_duration_since(Instant::now()));
+                }
+                Ok(v)
+            })
+        })
+        .collect()
+}
+
+/// Stops the lookers; the latencies of the lookups that started within `windows`.
+async fn stop_lookers(
+    lookers: Vec<Looker>,
+    stop: &std::sync::atomic::AtomicBool,
+    windows: &[(Instant, Instant)],
+) -> Result<Vec<f64>, String> {
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let joined = tokio::task::spawn_blocking(move || lookers.into_iter().map(|h| h.join()).collect::<Vec<_>>())
+        .await
+        .map_err(|e| e.to_string())?;
+    let mut v = Vec::new();
+    for j in joined {
+        let samples = j.map_err(|_| "a lookup thread panicked".to_string())??;
+        v.extend(samples.into_iter().filter(|(t, _)| windows.iter().any(|(a, b)| t >= a && t < b)).map(|(_, us)| us));
+    }
+    Ok(v)
+}
+
+/// The lookups of `engines` alone, then beside `saver` saving `cfg.save_bytes` of fresh
+/// prompts, `cfg.save_rounds` times.
+async fn lookups_beside_save(
+    cfg: &ManyConfig,
+    engines: &[Engine],
+    saver: &mut Engine,
+    n: u32,
+    block: u64,
+) -> Result<Beside, String> {
+    let interval = Duration::from_millis(cfg.lookup_interval_ms.max(1));
+    for e in engines {
+        // Cached again where the concurrent phase's saves evicted it.
+        let slots: Vec<u32> = (0..n).collect();
+        e.client.save(&e.cached, 0, &slots).await.map_err(|e| format!("save: {e}"))?;
+    }
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let lookers = start_lookers(engines, interval, &stop);
+    let t0 = Instant::now();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let alone = stop_lookers(lookers, &stop, &[(t0 + Duration::from_millis(100), Instant::now())]).await?;
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let lookers = start_lookers(engines, interval, &stop);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let (mut windows, mut save_seconds) = (Vec::new(), Vec::new());
+    for _ in 0..cfg.save_rounds.max(1) {
+        let t0 = Instant::now();
+        let mut stored = 0;
+        while stored < cfg.save_bytes {
+            stored += saver.save_fresh(n, block).await?;
+        }
+        let t1 = Instant::now();
+        windows.push((t0, t1));
+        save_seconds.push((t1 - t0).as_secs_f64());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let saving = stop_lookers(lookers, &stop, &windows).await?;
+    Ok(Beside { alone: Dist::of(alone), saving: Dist::of(saving), save_seconds })
+}
+
 /// Runs the whole measurement.
 pub async fn run(cfg: &ManyConfig) -> Result<ManyReport, String> {
     let loadavg_start = crate::replay::loadavg();
@@ -281,6 +388,8 @@ async fn measure(cfg: &ManyConfig, socket: &Path) -> Result<ManyReport, String> 
         done.push(e);
     }
     let all = moved(saved, loaded, calls, t0.elapsed());
+    let mut prober = prober;
+    let beside = lookups_beside_save(cfg, &done, &mut prober, n, block).await?;
     for e in done {
         let _ = e.client.unregister().await;
     }
@@ -302,6 +411,9 @@ async fn measure(cfg: &ManyConfig, socket: &Path) -> Result<ManyReport, String> 
         memcpy1,
         lookup_idle: Dist::of(idle),
         lookup_loaded: Dist::of(probed),
+        lookups_alone: beside.alone,
+        lookups_beside_save: beside.saving,
+        save_seconds: beside.save_seconds,
         loadavg_start: None,
         loadavg_end: None,
     })
@@ -336,6 +448,22 @@ pub fn markdown(r: &ManyReport) -> String {
         [("idle daemon", &r.lookup_idle), (&*format!("while {engines} engines save and load"), &r.lookup_loaded)]
     {
         s += &format!("| {name} | {} | {:.0} | {:.0} | {:.0} | {:.0} |\n", d.n, d.p50_us, d.p90_us, d.p99_us, d.max_us);
+    }
+    let (interval, save_mib) = r.config.as_ref().map_or((0, 0), |c| (c.lookup_interval_ms, c.save_bytes >> 20));
+    s += &format!(
+        "\n{engines} engines each looking its prompt up every {interval} ms from a thread of its own (`lookup_blocking`); one more engine saving {save_mib} MiB of fresh prompts per round, rounds of {:?} s\n\n| lookups (us) | n | p50 | p90 | p99 | max | p99 / p50 |\n|---|---|---|---|---|---|---|\n",
+        r.save_seconds.iter().map(|x| (x * 100.0).round() / 100.0).collect::<Vec<_>>()
+    );
+    for (name, d) in [("nothing else running", &r.lookups_alone), ("while one engine saves", &r.lookups_beside_save)] {
+        s += &format!(
+            "| {name} | {} | {:.0} | {:.0} | {:.0} | {:.0} | {:.1}x |\n",
+            d.n,
+            d.p50_us,
+            d.p90_us,
+            d.p99_us,
+            d.max_us,
+            ratio(d.p99_us, d.p50_us)
+        );
     }
     s
 }
