@@ -36,6 +36,9 @@ class _Req:
     scheduled: bool = False
     # Of the last lookup's hit, tokens whose fastest copy is on disk (G3 or G4).
     disk_tokens: int = 0
+    # The request's leading token ids as uint32, converted once (a lookup, a load and a save
+    # of the same request hand over the same prefix).
+    tokens: array = field(default_factory=lambda: array("I"))
 
 
 @dataclass
@@ -121,12 +124,19 @@ class SchedulerSide:
         return st
 
     def _tokens(self, st: _Req, end: int) -> array:
-        return array("I", st.request.all_token_ids[:end])
+        """The request's first `end` token ids, as a new array (a transfer keeps its own)."""
+        have = st.tokens
+        if len(have) < end:
+            have.extend(st.request.all_token_ids[len(have) : end])
+        return have[:end]
 
     # -- vLLM's scheduler calls ----------------------------------------------------------------
 
     def on_new_request(self, request: Any) -> None:
-        self._track(request)
+        # The prompt's ids converted as the request arrives, not while schedule() admits it.
+        st = self._track(request)
+        if not st.unsupported:
+            self._tokens(st, len(request.all_token_ids))
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         st = self._track(request)
@@ -159,9 +169,9 @@ class SchedulerSide:
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         st = self._track(request)
-        st.block_ids = list(blocks.get_block_ids()[0])
         if num_external_tokens <= 0:
-            return
+            return  # build_connector_meta takes the block ids of the request it schedules
+        st.block_ids = list(blocks.get_block_ids()[0])
         bs = self.block_size
         first = st.local_tokens // bs
         count = -(-num_external_tokens // bs)
