@@ -5,63 +5,15 @@
 #![allow(clippy::unwrap_used)]
 
 use std::path::Path;
-use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use kvclient::{Client, KvMemory, synthetic_block};
 use kvproto::events::KEY_SCHEME_DYNAMO_XXH3_1337;
-use kvproto::{KvLayout, Namespace};
 use kvrouter::config::{DEFAULT_IDLE_RECONNECT_S, NamespaceSpec, RouterConfig, VllmSource};
-use kvtests::fixture::{KillOnDrop, daemon_command, prompt};
+use kvtests::cluster_harness::*;
+use kvtests::fixture::{KillOnDrop, prompt};
 use kvtests::proc::free_port;
 use kvtests::router_harness::{small_spec, vllm_source};
 use serde_json::{Value, json};
-
-fn layout() -> KvLayout {
-    kvtests::fixture::small_layout()
-}
-
-fn router_config() -> RouterConfig {
-    let mut c =
-        RouterConfig { namespaces: vec![small_spec("cluster/model")], seed: Some(1), ..RouterConfig::default() };
-    c.health.default_report_interval_ms = 200;
-    // Off: these steps check which tier the index says holds each block, and a prefetch hint
-    // would bring node-a's G3 blocks into its G2 (tests/cross_node.rs covers prefetch).
-    c.prefetch.enabled = false;
-    c
-}
-
-struct RouterProc {
-    base: String,
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
-    task: tokio::task::JoinHandle<()>,
-}
-
-async fn start_router(addr: &str) -> RouterProc {
-    start_router_with(addr, router_config()).await
-}
-
-async fn start_router_with(addr: &str, config: RouterConfig) -> RouterProc {
-    let listener = tokio::net::TcpListener::bind(addr).await.unwrap();
-    let base = format!("http://{}", listener.local_addr().unwrap());
-    let router = kvrouter::Router::new(config).unwrap();
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    let task = tokio::spawn(async move {
-        kvrouter::serve_router(listener, router, async move {
-            let _ = rx.await;
-        })
-        .await
-        .unwrap();
-    });
-    RouterProc { base, stop: Some(tx), task }
-}
-
-impl RouterProc {
-    async fn stop(mut self) {
-        let _ = self.stop.take().unwrap().send(());
-        tokio::time::timeout(Duration::from_secs(10), self.task).await.unwrap().unwrap();
-    }
-}
 
 /// Starts `kvcached` for `node` in `dir`, publishing to `router` every 200 ms.
 fn spawn_daemon(dir: &Path, node: &str, router: &str) -> KillOnDrop {
@@ -70,17 +22,7 @@ fn spawn_daemon(dir: &Path, node: &str, router: &str) -> KillOnDrop {
 
 /// Starts `kvcached` in `dir` with `router_section` as its `[router]` settings.
 fn spawn_daemon_with(dir: &Path, router_section: &str) -> KillOnDrop {
-    let cfg = dir.join("kvcached.toml");
-    std::fs::write(
-        &cfg,
-        format!("metrics_addr = \"127.0.0.1:0\"\n[metrics_auth]\nopen = true\n[router]\n{router_section}"),
-    )
-    .unwrap();
-    let sock = dir.join("kvcached.sock");
-    let _ = std::fs::remove_file(&sock);
-    let mut cmd = daemon_command(env!("CARGO_BIN_EXE_daemon"), dir);
-    cmd.args(["--config", cfg.to_str().unwrap()]).stderr(Stdio::null());
-    KillOnDrop::spawn_serving(&mut cmd, &sock)
+    spawn_daemon_bin(env!("CARGO_BIN_EXE_daemon"), dir, router_section)
 }
 
 /// G2 pool files in a daemon's pool directory.
@@ -90,69 +32,6 @@ fn pool_files(dir: &Path) -> Vec<String> {
         .filter_map(|e| e.ok()?.file_name().into_string().ok())
         .filter(|n| n.starts_with("kvcached-g2-"))
         .collect()
-}
-
-fn signal_and_wait(mut daemon: KillOnDrop, sig: i32) {
-    let Some(mut child) = daemon.signal(sig) else { return };
-    let status = child.wait().unwrap();
-    if sig == libc::SIGTERM {
-        assert!(status.success(), "daemon exited with {status}");
-    }
-}
-
-/// An engine attached to one daemon as worker `<node>/gpu0`.
-async fn engine(dir: &Path, address: &str) -> (Client, KvMemory) {
-    let mut mem = KvMemory::create_layer_separate(dir.join("engine-kv"), &layout(), 64).unwrap();
-    let len = layout().block_bytes() as usize;
-    for b in 0..64 {
-        mem.write_block(b, &synthetic_block(7, b, len));
-    }
-    let c = Client::connect(dir.join("kvcached.sock")).await.unwrap();
-    c.register_worker("gpu0", &Namespace::new("cluster/model", layout()), &mem, address, "both").await.unwrap();
-    (c, mem)
-}
-
-async fn route(http: &reqwest::Client, base: &str, tokens: &[u32]) -> Value {
-    let r = match http.post(format!("{base}/route")).json(&json!({"namespace": "m", "tokens": tokens})).send().await {
-        Ok(r) => r,
-        // The router is restarting: callers retry.
-        Err(e) => return json!({"error": e.to_string()}),
-    };
-    let status = r.status();
-    let v: Value = r.json().await.unwrap_or(Value::Null);
-    if status.is_success() { v } else { json!({"status": status.as_u16(), "body": v}) }
-}
-
-/// Polls the route of `tokens` until `ok` accepts it.
-async fn wait_route(
-    http: &reqwest::Client,
-    base: &str,
-    tokens: &[u32],
-    what: &str,
-    ok: impl Fn(&Value) -> bool,
-) -> Value {
-    let t0 = Instant::now();
-    loop {
-        let v = route(http, base, tokens).await;
-        if ok(&v) {
-            return v;
-        }
-        assert!(t0.elapsed() < Duration::from_secs(20), "timed out waiting for {what}; last answer {v}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
-fn cached(v: &Value) -> [u64; 4] {
-    let c = v["cached_blocks"].as_array().cloned().unwrap_or_default();
-    let g = |i: usize| c.get(i).and_then(Value::as_u64).unwrap_or(0);
-    [g(0), g(1), g(2), g(3)]
-}
-
-async fn metric(http: &reqwest::Client, base: &str, series: &str) -> f64 {
-    let text = http.get(format!("{base}/metrics")).send().await.unwrap().text().await.unwrap();
-    text.lines()
-        .find_map(|l| l.strip_prefix(series).and_then(|r| r.strip_prefix(' ')).and_then(|v| v.parse().ok()))
-        .unwrap_or(0.0)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -9,6 +9,7 @@
 //!   [`kvcached::export::publish`], its recovery routes, its vLLM-format export) and by an independent
 //!   Python encoder of vLLM's events (`py/`).
 //! - [`router_harness`]: a router on port 0 and a JSON client of its API.
+//! - [`cluster_harness`]: a router in process, daemons as processes publishing to it, engines.
 //! - [`s3`]: a real S3-compatible server (SeaweedFS) on ports of its own.
 //! - `g4.rs`: G4 against it: daemons sharing a bucket, tenants, faults, restarts.
 //! - [`fake_peer`]: a peer daemon that misbehaves as told (fault injection for pulls).
@@ -37,6 +38,7 @@
 //! - `src/bin/`: `daemon` and `router` (the real kvcached and kvrouter command lines) and `engine`, an engine in
 //!   a process of its own.
 
+pub mod cluster_harness;
 pub mod fake_peer;
 pub mod fixture;
 pub mod h2raw;
