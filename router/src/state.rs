@@ -484,15 +484,21 @@ impl State {
     pub fn apply_snapshot(&mut self, publisher: &str, snap: &Snapshot) {
         let n = self.drop_publisher_facts(publisher);
         self.counters.dropped_facts += n;
+        // A snapshot lists keys in no particular order and without their parents: each is
+        // stored on its own (a run head of its own), so lookups find every key of a chain.
+        // Stored as one list, a key placed after an unrelated one would sit inside that one's
+        // run, where a lookup walking the chain never looks.
         for e in &snap.entries {
-            let body = EventBody::Stored {
-                namespace: e.namespace,
-                parent: None,
-                keys: e.keys.clone(),
-                tier: e.tier,
-                holder: e.holder.clone(),
-            };
-            self.apply_body(publisher, &body);
+            for k in &e.keys {
+                let body = EventBody::Stored {
+                    namespace: e.namespace,
+                    parent: None,
+                    keys: vec![*k],
+                    tier: e.tier,
+                    holder: e.holder.clone(),
+                };
+                self.apply_body(publisher, &body);
+            }
         }
         if let Some(p) = self.publishers.get_mut(publisher) {
             p.last_id = snap.last_event_id;
