@@ -37,6 +37,7 @@ async fn a_bounded_publisher_never_blocks_and_routers_catch_up_by_replay() {
         PublishConfig {
             routers: vec![router.base.clone(), format!("http://{late_addr}")],
             auth: Default::default(),
+            nats: None,
             info: info("A", &["w1"], &ns, 50, Some(url)),
             max_pending: 8, // tiny: most of the burst below cannot be queued
             max_batch: 4,

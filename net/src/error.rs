@@ -22,4 +22,7 @@ pub enum NetError {
     /// does not parse. The message names the URL.
     #[error("{0}")]
     Http(String),
+    /// The NATS event plane refused or failed a request (no connection, no stream, no ack).
+    #[error("{0}")]
+    Bus(String),
 }

@@ -29,6 +29,8 @@
 //!   own, every request authenticated, probes left open) and an HTTP client presenting a
 //!   [`Connector`]'s credentials; `http_accept.rs`, its TLS accept loop; `http_serve.rs`, its
 //!   connection loop within [`HttpLimits`].
+//! - [`bus`]: [`bus::NatsConfig`], the NATS JetStream event plane's settings and subjects.
+//! - [`nats`] (feature `nats`): connecting to it (credentials, TLS, reconnects) and its stream.
 //! - [`error`]: the [`NetError`] enum.
 //!
 //! # Features
@@ -40,6 +42,7 @@
 
 #[cfg(feature = "runtime")]
 pub mod blocking;
+pub mod bus;
 pub mod config;
 #[cfg(feature = "runtime")]
 pub mod connector;
@@ -52,6 +55,8 @@ pub mod http;
 mod http_accept;
 #[cfg(feature = "http")]
 mod http_serve;
+#[cfg(feature = "nats")]
+pub mod nats;
 #[cfg(feature = "runtime")]
 pub mod process;
 #[cfg(feature = "runtime")]

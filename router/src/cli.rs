@@ -19,6 +19,12 @@ struct Args {
     /// Route on the router's own decisions (no events).
     #[arg(long)]
     approximate: bool,
+    /// NATS server URLs of the event plane to read (comma-separated; `[nats]` in the file).
+    #[arg(long, env = "KVROUTER_NATS_SERVERS", value_delimiter = ',')]
+    nats_servers: Option<Vec<String>>,
+    /// The deployment whose nodes to read (`nats.cluster`).
+    #[arg(long, env = "KVROUTER_NATS_CLUSTER")]
+    nats_cluster: Option<String>,
     /// Log format on stderr: text (colour only on a terminal) or json (one object per line).
     #[arg(long, env = "KVROUTER_LOG_FORMAT", default_value = "text", value_parser = ["text", "json"])]
     log_format: String,
@@ -45,6 +51,13 @@ fn run(args: Args) -> Result<(), crate::RouterError> {
     if args.approximate {
         config.mode = RoutingMode::Approximate;
     }
+    if let Some(s) = args.nats_servers {
+        config.nats.servers = s;
+    }
+    if let Some(c) = args.nats_cluster {
+        config.nats.cluster = c;
+    }
+    config.validate()?;
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(async move {
         let shutdown = kvnet::process::shutdown_signal();

@@ -23,6 +23,8 @@ pub enum ConditionKind {
     KeySchemeMismatch,
     /// A worker's predicted hits differ from the hits it reports.
     PredictionError,
+    /// The NATS event plane cannot be read (no connection, no stream, a consumer failing).
+    EventBus,
 }
 
 impl ConditionKind {
@@ -35,16 +37,18 @@ impl ConditionKind {
             Self::BlockSizeMismatch => "block_size_mismatch",
             Self::KeySchemeMismatch => "key_scheme_mismatch",
             Self::PredictionError => "prediction_error",
+            Self::EventBus => "event_bus",
         }
     }
     /// Every kind.
-    pub const ALL: [ConditionKind; 6] = [
+    pub const ALL: [ConditionKind; 7] = [
         Self::StaleWorker,
         Self::UnrecoveredGap,
         Self::NamespaceMismatch,
         Self::BlockSizeMismatch,
         Self::KeySchemeMismatch,
         Self::PredictionError,
+        Self::EventBus,
     ];
 }
 
@@ -171,6 +175,8 @@ pub struct Counters {
     pub vllm_batches: BTreeMap<String, u64>,
     pub vllm_orphan_blocks: BTreeMap<String, u64>,
     pub vllm_source_failures: BTreeMap<String, u64>,
+    /// The NATS event plane's consumer.
+    pub bus: crate::nats::BusCounters,
 }
 
 /// Adds 1 to a labelled counter.

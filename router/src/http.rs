@@ -172,6 +172,12 @@ pub async fn serve_router(
             }
         });
     }
+    if router.config().nats.enabled() {
+        let r = router.clone();
+        let cfg = router.config().nats.clone();
+        let stop = stop_rx.clone();
+        background.spawn(async move { crate::nats::run(r, cfg, stop).await });
+    }
     for (i, src) in router.config().vllm_sources.iter().enumerate() {
         let r = router.clone();
         let src = src.clone();

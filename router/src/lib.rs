@@ -17,6 +17,8 @@
 //! - [`grpc`]: the gRPC `kvrouter.v1.Router/Route` (`router/proto/kvrouter.proto`).
 //! - [`indexer_api`]: the Mooncake RFC #1403 indexer API (`/register`, `/query`, ...).
 //! - [`vllm_ingest`]: vLLM engines' events into the router (translation, gaps, restarts); no I/O.
+//! - [`nats`]: the NATS JetStream event plane: one ordered consumer per replica, from the
+//!   stream's start, into the same ingest as `POST /events`.
 //! - [`zmq`]: the ZMQ SUB sockets of vLLM sources (gaps replayed from their replay socket).
 //! - [`sim`]: the simulation harness (LRU workers publishing real events to a real router).
 //! - [`error`]: the crate's error enum.
@@ -30,6 +32,7 @@ pub mod health;
 pub mod http;
 pub mod indexer_api;
 pub mod metrics;
+pub mod nats;
 pub mod query;
 pub mod recovery;
 pub mod router;

@@ -24,6 +24,9 @@ pub const STALE_AFTER: Duration = Duration::from_secs(2);
 /// Buckets of `kvrouter_route_duration_seconds`: 10 us to 100 ms.
 const ROUTE_BUCKETS: &[f64] = &[1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1];
 
+/// Buckets of `kvrouter_bus_lag_seconds`: 1 ms to 10 s.
+const LAG_BUCKETS: &[f64] = &[1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0];
+
 /// One router's recorder and its renderer.
 pub struct RouterMetrics {
     recorder: PrometheusRecorder,
@@ -50,6 +53,12 @@ impl RouterMetrics {
                 metrics_exporter_prometheus::Matcher::Full("kvrouter_route_duration_seconds".into()),
                 ROUTE_BUCKETS,
             )
+            .and_then(|b| {
+                b.set_buckets_for_metric(
+                    metrics_exporter_prometheus::Matcher::Full("kvrouter_bus_lag_seconds".into()),
+                    LAG_BUCKETS,
+                )
+            })
             .unwrap_or_else(|_| PrometheusBuilder::new());
         let recorder = builder.build_recorder();
         let handle = recorder.handle();
@@ -65,6 +74,11 @@ impl RouterMetrics {
         });
     }
 
+    /// A stream message was applied `seconds` after the stream stored it.
+    pub fn bus_lag(&self, seconds: f64) {
+        metrics::with_local_recorder(&self.recorder, || histogram!("kvrouter_bus_lag_seconds").record(seconds));
+    }
+
     /// The Prometheus text of everything, with the state's facts as of now.
     pub fn render(&self, st: &State) -> String {
         metrics::with_local_recorder(&self.recorder, || write_state(st));
@@ -74,6 +88,11 @@ impl RouterMetrics {
 
 fn describe() {
     describe_histogram!("kvrouter_route_duration_seconds", Unit::Seconds, "Time to place a request, by outcome.");
+    describe_histogram!(
+        "kvrouter_bus_lag_seconds",
+        Unit::Seconds,
+        "From the NATS stream storing a message to this replica applying it."
+    );
     for (name, help) in [
         ("kvrouter_routes_total", "Requests placed."),
         ("kvrouter_route_errors_total", "Requests that could not be placed."),
@@ -100,6 +119,13 @@ fn describe() {
         ("kvrouter_dropped_holders_total", "Workers dropped (silent, unlisted)."),
         ("kvrouter_dropped_facts_total", "Index facts dropped with dead holders or restarts."),
         ("kvrouter_prefetch_total", "Prefetch hints sent to daemons, by result (sent, failed)."),
+        ("kvrouter_bus_messages_total", "NATS stream messages applied."),
+        (
+            "kvrouter_bus_refused_total",
+            "NATS stream messages refused (not a publisher message of their subject's node).",
+        ),
+        ("kvrouter_bus_dropped_total", "NATS messages the server dropped because this replica's buffer was full."),
+        ("kvrouter_bus_consumers_total", "Consumers of the stream created (the first, then one per resumption)."),
     ] {
         describe_counter!(name, help);
     }
@@ -115,6 +141,7 @@ fn describe() {
         ("kvrouter_holders", "Live holders (workers, nodes, cluster)."),
         ("kvrouter_workers", "Known workers."),
         ("kvrouter_publishers", "Known publishers."),
+        ("kvrouter_bus_pending_messages", "NATS stream messages this replica has not read yet."),
     ] {
         describe_gauge!(name, help);
     }
@@ -188,6 +215,11 @@ fn write_state(st: &State) {
     gauge!("kvrouter_publishers").set(st.publishers.len() as f64);
     counter!("kvrouter_dropped_holders_total").absolute(c.dropped_holders);
     counter!("kvrouter_dropped_facts_total").absolute(c.dropped_facts);
+    counter!("kvrouter_bus_messages_total").absolute(c.bus.messages);
+    counter!("kvrouter_bus_refused_total").absolute(c.bus.refused);
+    counter!("kvrouter_bus_dropped_total").absolute(c.bus.dropped);
+    counter!("kvrouter_bus_consumers_total").absolute(c.bus.consumers);
+    gauge!("kvrouter_bus_pending_messages").set(c.bus.pending as f64);
 }
 
 #[cfg(test)]

@@ -692,6 +692,11 @@ impl Router {
         }
     }
 
+    /// Records how long a stream message took from its publication to being applied.
+    pub fn bus_lag(&self, seconds: f64) {
+        self.metrics.bus_lag(seconds);
+    }
+
     /// Runs `f` on the state (vLLM ingest and tests).
     pub(crate) fn with_state<T>(&self, f: impl FnOnce(&mut State) -> T) -> T {
         f(&mut self.state.lock())

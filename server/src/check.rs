@@ -250,6 +250,16 @@ impl Config {
         if !self.router.vllm_export_replay.is_empty() && self.router.vllm_export_replay_bytes == 0 {
             return Err(bad("router.vllm_export_replay_bytes", "must be at least 1 with a replay socket"));
         }
+        match self.events.transport.as_str() {
+            "http" => {}
+            "nats" => {
+                if !self.events.nats.enabled() {
+                    return Err(bad("events.nats.servers", "transport \"nats\" needs at least one server URL"));
+                }
+                self.events.nats.validate().map_err(|e| bad("events.nats", e))?;
+            }
+            other => return Err(bad("events.transport", format!("{other:?} must be \"http\" or \"nats\""))),
+        }
         let g4_set = !self.g4.url.is_empty() || !self.g4.endpoint.is_empty();
         if g4_set && !self.g4.enabled {
             return Err(bad(

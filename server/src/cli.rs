@@ -92,6 +92,15 @@ struct Cli {
     /// This node's name in the cluster (default: the host name).
     #[arg(long, env = "KVCACHED_NODE", global = true)]
     node: Option<String>,
+    /// How hit reports travel: http (router URLs) or nats.
+    #[arg(long, env = "KVCACHED_EVENTS_TRANSPORT", global = true, value_parser = ["http", "nats"])]
+    events_transport: Option<String>,
+    /// NATS server URLs of the event plane (comma-separated).
+    #[arg(long, env = "KVCACHED_EVENTS_NATS_SERVERS", global = true, value_delimiter = ',')]
+    events_nats_servers: Option<Vec<String>>,
+    /// The deployment's name on the event plane (the subject token after the prefix).
+    #[arg(long, env = "KVCACHED_EVENTS_NATS_CLUSTER", global = true)]
+    events_nats_cluster: Option<String>,
     /// Log format on stderr: text (colour only on a terminal) or json (one object per line, for
     /// log collectors). The level comes from RUST_LOG (default info).
     #[arg(long, env = "KVCACHED_LOG_FORMAT", global = true, default_value = "text", value_parser = ["text", "json"])]
@@ -149,6 +158,9 @@ impl Cli {
         set!(self.engine_lease_ms => engines.lease_ms);
         set!(self.router_urls => router.urls);
         set!(self.node => router.node);
+        set!(self.events_transport => events.transport);
+        set!(self.events_nats_servers => events.nats.servers);
+        set!(self.events_nats_cluster => events.nats.cluster);
         c.resolve()
     }
 }

@@ -239,6 +239,7 @@ async fn start_daemon(
     }
     let reports = Arc::new(reports::Reports::start(
         &config.router,
+        config.events.nats(),
         recovery_url,
         peer_url,
         Arc::clone(&store),

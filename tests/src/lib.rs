@@ -10,6 +10,8 @@
 //!   Python encoder of vLLM's events (`py/`).
 //! - [`router_harness`]: a router on port 0 and a JSON client of its API.
 //! - [`cluster_harness`]: a router in process, daemons as processes publishing to it, engines.
+//! - [`nats`]: a real NATS server with JetStream (users, permissions, restarts).
+//! - `bus.rs`: daemons and router replicas through NATS JetStream.
 //! - [`s3`]: a real S3-compatible server (SeaweedFS) on ports of its own.
 //! - `g4.rs`: G4 against it: daemons sharing a bucket, tenants, faults, restarts.
 //! - [`fake_peer`]: a peer daemon that misbehaves as told (fault injection for pulls).
@@ -44,6 +46,7 @@ pub mod fixture;
 pub mod h2raw;
 pub mod inproc;
 pub mod lookup_raw;
+pub mod nats;
 pub mod netns;
 pub mod node;
 pub mod oracle;

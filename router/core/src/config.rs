@@ -443,6 +443,9 @@ pub struct RouterConfig {
     /// What the router presents to daemons' recovery routes (`/events/replay`,
     /// `/events/snapshot`): the CA their certificates chain to, a client certificate, a token.
     pub daemon_auth: kvnet::ClientAuthConfig,
+    /// The NATS JetStream event plane to read daemons' reports from (`[nats]`; no servers: only
+    /// `POST /events`, which stays open beside it).
+    pub nats: kvnet::bus::NatsConfig,
 }
 
 impl Default for RouterConfig {
@@ -466,6 +469,7 @@ impl Default for RouterConfig {
             auth: kvnet::AuthConfig::default(),
             http_limits: kvnet::HttpLimits::default(),
             daemon_auth: kvnet::ClientAuthConfig::default(),
+            nats: kvnet::bus::NatsConfig::default(),
         }
     }
 }
@@ -484,6 +488,9 @@ impl RouterConfig {
         self.split.validate()?;
         if let Err((key, reason)) = self.http_limits.validate() {
             return Err(CoreError::Config(format!("http_limits.{key} {reason}")));
+        }
+        if self.nats.enabled() {
+            self.nats.validate().map_err(|e| CoreError::Config(format!("nats: {e}")))?;
         }
         if !(self.approx_ttl_s.is_finite() && self.approx_ttl_s > 0.0) {
             return Err(CoreError::Config("approx_ttl_s must be > 0".into()));

@@ -43,6 +43,9 @@ pub struct Config {
     pub engines: EngineConfig,
     pub limits: LimitsConfig,
     pub router: RouterConfig,
+    /// How hit reports travel: each router's `POST /events` (`router.urls`), or the NATS
+    /// JetStream event plane (`[events]`, docs/router.md "The event plane on NATS").
+    pub events: EventsConfig,
     /// Peer transfer: blocks pulled from and served to other daemons.
     pub peer: PeerConfig,
     /// For the fault suites only, never in production: a file naming faults to inject into G3's
@@ -138,6 +141,30 @@ pub struct RouterConfig {
     pub vllm_export_replay: String,
     /// Bytes of recent export batches kept for replay.
     pub vllm_export_replay_bytes: u64,
+}
+
+/// How hit reports travel.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct EventsConfig {
+    /// "http": POST to each of `router.urls` (none: no reports). "nats": publish on
+    /// `nats`'s stream, and to `router.urls` as well when some are listed (a migration).
+    pub transport: String,
+    /// The NATS JetStream event plane (`[events.nats]`).
+    pub nats: kvnet::bus::NatsConfig,
+}
+
+impl Default for EventsConfig {
+    fn default() -> Self {
+        Self { transport: "http".into(), nats: kvnet::bus::NatsConfig::default() }
+    }
+}
+
+impl EventsConfig {
+    /// The NATS event plane, when the transport is "nats".
+    pub fn nats(&self) -> Option<&kvnet::bus::NatsConfig> {
+        (self.transport == "nats").then_some(&self.nats)
+    }
 }
 
 /// G2, the host pool.
@@ -299,6 +326,7 @@ impl Default for Config {
             engines: EngineConfig::default(),
             limits: LimitsConfig::default(),
             router: RouterConfig::default(),
+            events: EventsConfig::default(),
             peer: PeerConfig::default(),
             inject_faults: None,
             tenants: Vec::new(),

@@ -625,11 +625,11 @@ impl Daemon {
                 format!("peer {peer} failed and is not asked for now: {}", kvproto::limits::clip(&why, 200))
             }));
         }
-        let routers = self.reports.failing_routers();
+        let routers = self.reports.failing_targets();
         let failing_routers = routers.len();
-        warnings.extend(routers.into_iter().map(|(router, why)| {
+        warnings.extend(routers.into_iter().map(|(target, why)| {
             format!(
-                "router {router} is not taking this node's reports (it will replay them once back): {}",
+                "{target} is not taking this node's reports (routers will replay them once it is back): {}",
                 kvproto::limits::clip(&why, 200)
             )
         }));

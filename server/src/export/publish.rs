@@ -1,7 +1,7 @@
-//! Shipping hit reports to routers: [`HttpPublisher`] numbers events in a
-//! [`MemoryPublisher`] (bounded log + state for snapshots) and ships them, with its info, load and
-//! outcomes, to every router's `POST /events` once per report interval (or sooner when a batch is
-//! full).
+//! Shipping hit reports: [`HttpPublisher`] numbers events in a [`MemoryPublisher`] (a bounded
+//! log and the state for snapshots) and ships them, with its info, load and outcomes, once per report
+//! interval (or sooner when a batch is full) through each of its [`Sink`]s: every router's
+//! `POST /events` ([`HttpSink`]), or the NATS JetStream event plane ([`crate::export::bus`]).
 //!
 //! Never blocks the caller and never queues without bound: `publish` appends to the log and
 //! offers the event to a bounded channel; when the channel is full the event is not sent (counted
@@ -10,8 +10,10 @@
 //! (the daemon serves them at `info.recovery_url`: [`crate::edge::http`]).
 
 use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use kvnet::http::HttpClient;
@@ -19,6 +21,21 @@ use kvproto::events::{Event, EventBody, LoadReport, PublisherInfo, PublisherMess
 use tokio::sync::mpsc;
 
 use kvproto::publisher::MemoryPublisher;
+
+use crate::export::bus::Prepared;
+
+/// A boxed future (sinks are trait objects).
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// Per target (a router's URL, the NATS stream): the last attempt's failure (when and why),
+/// `None` after a success.
+pub type TargetHealth = Arc<parking_lot::Mutex<HashMap<String, Option<(Instant, String)>>>>;
+
+/// Where messages go. A sink records its targets' health in the [`TargetHealth`] it was given.
+pub trait Sink: Send {
+    /// Ships one message; returns when it is delivered or given up on.
+    fn ship<'a>(&'a mut self, msg: &'a PublisherMessage) -> BoxFuture<'a, ()>;
+}
 
 /// How an [`HttpPublisher`] ships events.
 #[derive(Debug, Clone)]
@@ -28,6 +45,8 @@ pub struct PublishConfig {
     /// What to present to the routers (TLS trust, client certificate, token), reloaded when
     /// its files change.
     pub auth: kvnet::ClientAuthConfig,
+    /// The NATS event plane to publish on as well (`None`: routers' `POST /events` only).
+    pub nats: Option<kvnet::bus::NatsConfig>,
     /// Sent with every message (small), so a restarted router learns it at once.
     pub info: PublisherInfo,
     /// Events waiting to be sent; beyond this they are left to the routers' replay.
@@ -51,11 +70,16 @@ pub struct HttpPublisher {
     tx: mpsc::Sender<Item>,
     dropped: Arc<AtomicU64>,
     failed_posts: Arc<AtomicU64>,
-    routers: RouterHealth,
+    targets: TargetHealth,
+    stopping: Arc<AtomicBool>,
+    bus: Option<Arc<kvnet::nats::BusState>>,
 }
 
-/// Per router: the last POST's failure (when and why), `None` after a success.
-type RouterHealth = Arc<parking_lot::Mutex<HashMap<String, Option<(Instant, String)>>>>;
+impl Drop for HttpPublisher {
+    fn drop(&mut self) {
+        self.stopping.store(true, Ordering::Relaxed);
+    }
+}
 
 impl std::fmt::Debug for Item {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -66,77 +90,91 @@ impl std::fmt::Debug for Item {
     }
 }
 
+/// Every router's `POST /events`, once per message; a router that fails replays later.
+#[derive(Debug)]
+pub struct HttpSink {
+    http: HttpClient,
+    routers: Vec<String>,
+    health: TargetHealth,
+    failed: Arc<AtomicU64>,
+}
+
+impl HttpSink {
+    /// A sink posting to `routers` with `auth`'s credentials, each POST bounded by `timeout`.
+    pub fn new(
+        routers: Vec<String>,
+        auth: &kvnet::ClientAuthConfig,
+        timeout: Duration,
+        health: TargetHealth,
+        failed: Arc<AtomicU64>,
+    ) -> Result<Self, kvnet::NetError> {
+        let http = HttpClient::new(auth, timeout)?;
+        health.lock().extend(routers.iter().map(|r| (format!("router {r}"), None)));
+        Ok(Self { http, routers, health, failed })
+    }
+}
+
+impl Sink for HttpSink {
+    fn ship<'a>(&'a mut self, msg: &'a PublisherMessage) -> BoxFuture<'a, ()> {
+        Box::pin(async move {
+            for r in &self.routers {
+                let posted = self.http.post_json(&format!("{r}/events"), msg).await;
+                let outcome = posted.as_ref().err().map(|e| (Instant::now(), e.to_string()));
+                if let Some(last) = self.health.lock().get_mut(&format!("router {r}")) {
+                    *last = outcome;
+                }
+                if let Err(e) = posted {
+                    // The router replays what it missed once it is back.
+                    if self.failed.fetch_add(1, Ordering::Relaxed).is_multiple_of(100) {
+                        tracing::warn!(router = %r, "publishing to router failed: {e}");
+                    }
+                }
+            }
+        })
+    }
+}
+
 impl HttpPublisher {
     /// Starts the shipping task on the current tokio runtime. `load` is called once per
-    /// message (return `None` to send no load report). Fails when `cfg.auth`'s files cannot be
-    /// read.
+    /// message (return `None` to send no load report). Fails when `cfg.auth`'s files (or the
+    /// NATS credentials) cannot be read.
     pub fn spawn(
         log: Arc<MemoryPublisher>,
         cfg: PublishConfig,
         load: impl Fn() -> Option<LoadReport> + Send + 'static,
     ) -> Result<Self, kvnet::NetError> {
-        let (tx, mut rx) = mpsc::channel::<Item>(cfg.max_pending.max(1));
+        let (tx, rx) = mpsc::channel::<Item>(cfg.max_pending.max(1));
         let dropped = Arc::new(AtomicU64::new(0));
         let failed_posts = Arc::new(AtomicU64::new(0));
         let interval = Duration::from_millis(cfg.info.report_interval_ms.max(1));
-        let http = HttpClient::new(&cfg.auth, cfg.timeout)?;
-        let name = log.name().to_string();
-        let epoch = log.epoch();
-        let failed = failed_posts.clone();
-        let log_for_task = log.clone();
-        let info = Arc::new(parking_lot::Mutex::new(cfg.info.clone()));
-        let info_for_task = Arc::clone(&info);
-        let routers: RouterHealth =
-            Arc::new(parking_lot::Mutex::new(cfg.routers.iter().map(|r| (r.clone(), None)).collect()));
-        let routers_for_task = Arc::clone(&routers);
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(interval);
-            let mut open = true;
-            while open {
-                let mut msg = PublisherMessage::new(name.clone(), epoch);
-                // Wait for the tick or a first item, then take what is ready up to a batch.
-                tokio::select! {
-                    _ = tick.tick() => {}
-                    item = rx.recv() => match item {
-                        Some(i) => push(&mut msg, i),
-                        None => open = false,
-                    },
-                }
-                while msg.events.len() < cfg.max_batch {
-                    match rx.try_recv() {
-                        Ok(i) => push(&mut msg, i),
-                        Err(mpsc::error::TryRecvError::Empty) => break,
-                        Err(mpsc::error::TryRecvError::Disconnected) => {
-                            open = false;
-                            break;
-                        }
-                    }
-                }
-                msg.info = Some(info_for_task.lock().clone());
-                // With an empty queue every assigned event was offered: announce the newest id so
-                // routers notice events that were dropped with nothing after them. (A race with a
-                // concurrent `publish` at worst triggers a harmless replay.)
-                msg.last_event_id = match msg.events.last() {
-                    Some(e) => Some(e.id),
-                    None => Some(log_for_task.last_id()),
-                };
-                msg.load = load();
-                for r in &cfg.routers {
-                    let posted = http.post_json(&format!("{r}/events"), &msg).await;
-                    let outcome = posted.as_ref().err().map(|e| (Instant::now(), e.to_string()));
-                    if let Some(last) = routers_for_task.lock().get_mut(r) {
-                        *last = outcome;
-                    }
-                    if let Err(e) = posted {
-                        // The router replays what it missed once it is back.
-                        if failed.fetch_add(1, Ordering::Relaxed).is_multiple_of(100) {
-                            tracing::warn!(router = %r, "publishing to router failed: {e}");
-                        }
-                    }
-                }
+        let targets: TargetHealth = Arc::default();
+        let stopping = Arc::new(AtomicBool::new(false));
+        let mut sinks: Vec<Box<dyn Sink>> = Vec::new();
+        if !cfg.routers.is_empty() {
+            let http =
+                HttpSink::new(cfg.routers.clone(), &cfg.auth, cfg.timeout, Arc::clone(&targets), failed_posts.clone())?;
+            sinks.push(Box::new(http));
+        }
+        let nats = match &cfg.nats {
+            Some(n) => {
+                let retry = interval.clamp(Duration::from_millis(100), Duration::from_secs(1));
+                Some(Prepared::new(n, &cfg.info.node.0, Arc::clone(&targets), Arc::clone(&stopping), retry)?)
             }
+            None => None,
+        };
+        let bus = nats.as_ref().map(Prepared::bus);
+        let info = Arc::new(parking_lot::Mutex::new(cfg.info.clone()));
+        let shipping = Shipping { log: Arc::clone(&log), info: Arc::clone(&info), max_batch: cfg.max_batch, interval };
+        tokio::spawn(async move {
+            if let Some(sink) = match nats {
+                Some(p) => p.connect().await,
+                None => None,
+            } {
+                sinks.push(Box::new(sink));
+            }
+            shipping.run(rx, sinks, load).await
         });
-        Ok(Self { log, info, tx, dropped, failed_posts, routers })
+        Ok(Self { log, info, tx, dropped, failed_posts, targets, stopping, bus })
     }
 
     /// Replaces the info sent with every message from now on (workers attached or detached,
@@ -176,16 +214,23 @@ impl HttpPublisher {
         self.failed_posts.load(Ordering::Relaxed)
     }
 
-    /// Routers whose last POST failed, with why and how long ago (for `/healthz`).
-    pub fn failing_routers(&self) -> Vec<(String, String)> {
+    /// Targets (`router <url>`, `NATS stream <name> (<servers>)`) whose last attempt failed,
+    /// with why and how long ago (for `/healthz`).
+    pub fn failing_targets(&self) -> Vec<(String, String)> {
         let mut out: Vec<(String, String)> = self
-            .routers
+            .targets
             .lock()
             .iter()
             .filter_map(|(r, last)| {
                 last.as_ref().map(|(at, why)| (r.clone(), format!("{why} ({} s ago)", at.elapsed().as_secs())))
             })
             .collect();
+        if let Some(b) = &self.bus
+            && let Some(why) = b.problem()
+            && out.is_empty()
+        {
+            out.push(("NATS".into(), why));
+        }
         out.sort();
         out
     }
@@ -193,6 +238,61 @@ impl HttpPublisher {
     /// The log (for the recovery API).
     pub fn log(&self) -> &Arc<MemoryPublisher> {
         &self.log
+    }
+}
+
+/// The shipping task's own state.
+struct Shipping {
+    log: Arc<MemoryPublisher>,
+    info: Arc<parking_lot::Mutex<PublisherInfo>>,
+    max_batch: usize,
+    interval: Duration,
+}
+
+impl Shipping {
+    async fn run(
+        self,
+        mut rx: mpsc::Receiver<Item>,
+        mut sinks: Vec<Box<dyn Sink>>,
+        load: impl Fn() -> Option<LoadReport> + Send + 'static,
+    ) {
+        let name = self.log.name().to_string();
+        let epoch = self.log.epoch();
+        let mut tick = tokio::time::interval(self.interval);
+        let mut open = true;
+        while open {
+            let mut msg = PublisherMessage::new(name.clone(), epoch);
+            // Wait for the tick or a first item, then take what is ready up to a batch.
+            tokio::select! {
+                _ = tick.tick() => {}
+                item = rx.recv() => match item {
+                    Some(i) => push(&mut msg, i),
+                    None => open = false,
+                },
+            }
+            while msg.events.len() < self.max_batch {
+                match rx.try_recv() {
+                    Ok(i) => push(&mut msg, i),
+                    Err(mpsc::error::TryRecvError::Empty) => break,
+                    Err(mpsc::error::TryRecvError::Disconnected) => {
+                        open = false;
+                        break;
+                    }
+                }
+            }
+            msg.info = Some(self.info.lock().clone());
+            // With an empty queue every assigned event was offered: announce the newest id so
+            // routers notice events that were dropped with nothing after them. (A race with a
+            // concurrent `publish` at worst triggers a harmless replay.)
+            msg.last_event_id = match msg.events.last() {
+                Some(e) => Some(e.id),
+                None => Some(self.log.last_id()),
+            };
+            msg.load = load();
+            for s in &mut sinks {
+                s.ship(&msg).await;
+            }
+        }
     }
 }
 

@@ -4,7 +4,8 @@
 //!
 //! Events are numbered and logged by a `kvproto::publisher::MemoryPublisher` (a bounded log plus
 //! the state it published, served at `/events/replay` and `/events/snapshot` on the daemon's
-//! HTTP listener) and shipped by [`HttpPublisher`] to every configured router.
+//! HTTP listener) and shipped by [`HttpPublisher`] to every configured router, or on the NATS
+//! event plane.
 //! Nothing here blocks: an event that finds the send queue full is left to the routers' replay.
 //! With no router configured every call is a no-op.
 
@@ -77,13 +78,14 @@ impl Reports {
     /// `router.auth`'s certificate, key or token files cannot be read.
     pub fn start(
         cfg: &RouterConfig,
+        nats: Option<&kvnet::bus::NatsConfig>,
         recovery_url: Option<String>,
         peer_url: Option<String>,
         store: Arc<BlockStore>,
         peers: Option<Arc<Peers>>,
         vllm: Option<Arc<VllmExport>>,
     ) -> Result<Self, ServerError> {
-        if cfg.urls.is_empty() {
+        if cfg.urls.is_empty() && nats.is_none() {
             return Ok(Self { vllm, ..Self::disabled(&cfg.node) });
         }
         let epoch = std::time::SystemTime::now()
@@ -102,6 +104,7 @@ impl Reports {
             PublishConfig {
                 routers: cfg.urls.clone(),
                 auth: cfg.auth.clone(),
+                nats: nats.cloned(),
                 info: base.clone(),
                 max_pending: cfg.max_pending,
                 max_batch: 4096,
@@ -117,8 +120,11 @@ impl Reports {
                 })
             },
         )
-        .map_err(|e| ServerError::Config { field: "router.auth".into(), reason: e.to_string() })?;
-        tracing::info!(routers = ?cfg.urls, node = %cfg.node, epoch, recovery = ?recovery_url, "publishing hit reports");
+        .map_err(|e| ServerError::Config {
+            field: if nats.is_some() { "router.auth or events.nats.auth" } else { "router.auth" }.into(),
+            reason: e.to_string(),
+        })?;
+        tracing::info!(routers = ?cfg.urls, nats = ?nats.map(|n| &n.servers), node = %cfg.node, epoch, recovery = ?recovery_url, "publishing hit reports");
         Ok(Self { node: NodeId(cfg.node.clone()), publisher: Some(publisher), base, engines, vllm })
     }
 
@@ -142,9 +148,9 @@ impl Reports {
         self.publisher.as_ref().map(|p| Arc::clone(p.log()))
     }
 
-    /// Routers whose last report failed, with why.
-    pub fn failing_routers(&self) -> Vec<(String, String)> {
-        self.publisher.as_ref().map(HttpPublisher::failing_routers).unwrap_or_default()
+    /// Targets (routers, the NATS stream) whose last report failed, with why.
+    pub fn failing_targets(&self) -> Vec<(String, String)> {
+        self.publisher.as_ref().map(HttpPublisher::failing_targets).unwrap_or_default()
     }
 
     /// Events and outcomes not sent because the queue was full (routers replay them).
