@@ -176,7 +176,24 @@ pub struct Counters {
     pub vllm_orphan_blocks: BTreeMap<String, u64>,
     pub vllm_source_failures: BTreeMap<String, u64>,
     /// The NATS event plane's consumer.
-    pub bus: crate::nats::BusCounters,
+    pub bus: BusCounters,
+}
+
+/// What a replica's consumer of the NATS event stream has seen (`crate::nats`) (rendered as `kvrouter_bus_*`).
+#[derive(Debug, Default, Clone)]
+pub struct BusCounters {
+    /// Messages applied.
+    pub messages: u64,
+    /// Messages refused: not a publisher message, or naming another node than their subject.
+    pub refused: u64,
+    /// Messages the server dropped because the client's buffer was full (slow consumer).
+    pub dropped: u64,
+    /// Messages in the stream this replica has not read yet.
+    pub pending: u64,
+    /// Stream sequence of the last message applied.
+    pub last_sequence: u64,
+    /// Consumers created (the first, and one per resumption after an error).
+    pub consumers: u64,
 }
 
 /// Adds 1 to a labelled counter.

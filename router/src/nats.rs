@@ -21,6 +21,7 @@ use kvnet::nats::async_nats::jetstream::{self, consumer};
 use kvproto::events::PublisherMessage;
 use tokio::sync::watch;
 
+pub use crate::health::BusCounters;
 use crate::health::ConditionKind;
 use crate::router::Router;
 
@@ -30,23 +31,6 @@ pub const PULL_BATCH: i64 = 256;
 pub const SUBSCRIPTION_CAPACITY: usize = 4096;
 /// How often the bus's state is folded into `/healthz`.
 const HEALTH_PERIOD: Duration = Duration::from_millis(500);
-
-/// What the replica's consumer has seen (rendered as `kvrouter_bus_*`).
-#[derive(Debug, Default, Clone)]
-pub struct BusCounters {
-    /// Messages applied.
-    pub messages: u64,
-    /// Messages refused: not a publisher message, or naming another node than their subject.
-    pub refused: u64,
-    /// Messages the server dropped because the client's buffer was full (slow consumer).
-    pub dropped: u64,
-    /// Messages in the stream this replica has not read yet.
-    pub pending: u64,
-    /// Stream sequence of the last message applied.
-    pub last_sequence: u64,
-    /// Consumers created (the first, and one per resumption after an error).
-    pub consumers: u64,
-}
 
 /// The node a publisher's messages must come from: the subject token of its name without the
 /// `kvcached@` a daemon puts before its node.

@@ -16,7 +16,7 @@ use kvnet::nats::BusState;
 use kvnet::nats::async_nats::jetstream::{self, message::PublishMessage};
 use kvproto::events::PublisherMessage;
 
-use crate::export::publish::{BoxFuture, Sink, TargetHealth};
+use crate::export::sink::{BoxFuture, Sink, TargetHealth};
 
 /// Used when the server has not said its own limit yet.
 const DEFAULT_MAX_PAYLOAD: usize = 1 << 20;

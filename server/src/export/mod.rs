@@ -9,6 +9,7 @@
 //!   [`crate::edge::http`]): every router's `POST /events`, and
 //! - [`bus`]: the NATS JetStream event plane (message ids for de-duplication, retries, parts
 //!   that fit the server's payload limit).
+//! - [`sink`]: [`sink::Sink`], where messages go, and the health of each target.
 //! - [`vllm_export`]: the tiers' events in vLLM's ZMQ wire format, for routers that read those.
 //! - `vllm_origins`: the export's records of G3 blocks, kept in a file across restarts.
 //! - [`zmq_export`]: the ZMQ PUB socket (and replay socket) the export writes to.
@@ -17,6 +18,7 @@ pub mod bus;
 pub mod changes;
 pub mod publish;
 pub mod reports;
+pub mod sink;
 pub mod vllm_export;
 mod vllm_origins;
 pub mod zmq_export;

@@ -9,9 +9,6 @@
 //! or its own restart, sees the gap in ids and replays them from the log through the recovery API
 //! (the daemon serves them at `info.recovery_url`: [`crate::edge::http`]).
 
-use std::collections::HashMap;
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -23,19 +20,7 @@ use tokio::sync::mpsc;
 use kvproto::publisher::MemoryPublisher;
 
 use crate::export::bus::Prepared;
-
-/// A boxed future (sinks are trait objects).
-pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
-
-/// Per target (a router's URL, the NATS stream): the last attempt's failure (when and why),
-/// `None` after a success.
-pub type TargetHealth = Arc<parking_lot::Mutex<HashMap<String, Option<(Instant, String)>>>>;
-
-/// Where messages go. A sink records its targets' health in the [`TargetHealth`] it was given.
-pub trait Sink: Send {
-    /// Ships one message; returns when it is delivered or given up on.
-    fn ship<'a>(&'a mut self, msg: &'a PublisherMessage) -> BoxFuture<'a, ()>;
-}
+pub use crate::export::sink::{BoxFuture, Sink, TargetHealth};
 
 /// How an [`HttpPublisher`] ships events.
 #[derive(Debug, Clone)]
