@@ -188,7 +188,8 @@ fn vllm_source_router(endpoint: &str) -> RouterConfig {
     c
 }
 
-/// Asks `router` to place `tokens` until it answers with cached blocks `want` per tier (10 s).
+/// Asks `router` to place `tokens` until it answers with cached blocks `want` per tier (20 s, as
+/// every wait of the cluster harness).
 async fn wait_until_cached(router: &RouterProc, tokens: &[u32], want: [u64; 4], what: &str) -> Value {
     let http = reqwest::Client::builder().pool_max_idle_per_host(0).build().unwrap();
     let t0 = Instant::now();
@@ -203,7 +204,7 @@ async fn wait_until_cached(router: &RouterProc, tokens: &[u32], want: [u64; 4], 
         if cached(&v) == want {
             return v;
         }
-        assert!(t0.elapsed() < Duration::from_secs(10), "{what}: {v}");
+        assert!(t0.elapsed() < Duration::from_secs(20), "{what}: {v}");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
