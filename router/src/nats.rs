@@ -154,7 +154,7 @@ fn apply(router: &Arc<Router>, cfg: &NatsConfig, m: &jetstream::Message, last: &
     router.bus_lag(kvnet::nats::age_s(published));
     let msg: Option<PublisherMessage> = serde_json::from_slice(&m.payload).ok();
     let from = cfg.node_token(m.subject.as_str());
-    let task = router.with_state(|st| {
+    let accepted = router.with_state(|st| {
         st.counters.bus.pending = pending;
         st.counters.bus.last_sequence = seq;
         match (&msg, from) {
@@ -175,7 +175,7 @@ fn apply(router: &Arc<Router>, cfg: &NatsConfig, m: &jetstream::Message, last: &
             }
         }
     });
-    let Some(msg) = msg.filter(|_| task) else { return };
+    let Some(msg) = msg.filter(|_| accepted) else { return };
     if let Some(task) = router.ingest(&msg) {
         let r = Arc::clone(router);
         tokio::spawn(async move { r.recover(task).await });

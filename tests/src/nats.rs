@@ -58,13 +58,13 @@ impl Nats {
              subscribe: [\"_INBOX.>\"] }} }}",
             ROUTER_USER.0, ROUTER_USER.1
         )];
+        let subjects = NatsConfig { cluster: CLUSTER.into(), ..NatsConfig::default() };
         for n in nodes {
-            let cfg = Self::base_config(0, "");
             users.push(format!(
                 "{{ user: \"daemon-{n}\", password: \"{}\", permissions: {{ publish: [\"{api}.STREAM.INFO.{stream}\", \
                  \"{api}.STREAM.CREATE.{stream}\", \"{}\"], subscribe: [\"_INBOX.>\"] }} }}",
                 daemon_password(n),
-                cfg.subject(n)
+                subjects.subject(n)
             ));
         }
         let conf = format!(

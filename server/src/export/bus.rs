@@ -21,17 +21,33 @@ use crate::export::sink::{BoxFuture, Sink, TargetHealth};
 /// Used when the server has not said its own limit yet.
 const DEFAULT_MAX_PAYLOAD: usize = 1 << 20;
 
-/// Ships messages to the stream.
-pub struct NatsSink {
-    client: kvnet::nats::async_nats::Client,
-    js: jetstream::Context,
+/// What a sink publishes as, and where it reports how that goes (the same before and after
+/// connecting).
+#[derive(Debug)]
+struct Publisher {
     cfg: NatsConfig,
     subject: String,
+    /// This sink's name in the publisher's [`TargetHealth`].
     target: String,
     health: TargetHealth,
     bus: Arc<BusState>,
     stopping: Arc<AtomicBool>,
     retry: Duration,
+}
+
+impl Publisher {
+    fn record(&self, outcome: Option<String>) {
+        if let Some(last) = self.health.lock().get_mut(&self.target) {
+            *last = outcome.map(|why| (Instant::now(), why));
+        }
+    }
+}
+
+/// Ships messages to the stream.
+pub struct NatsSink {
+    client: kvnet::nats::async_nats::Client,
+    js: jetstream::Context,
+    me: Publisher,
     /// Messages without events (load, info, outcomes) get ids from this.
     beats: u64,
     stream_ready: bool,
@@ -39,7 +55,7 @@ pub struct NatsSink {
 
 impl std::fmt::Debug for NatsSink {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("NatsSink").field("subject", &self.subject).finish_non_exhaustive()
+        f.debug_struct("NatsSink").field("subject", &self.me.subject).finish_non_exhaustive()
     }
 }
 
@@ -47,18 +63,12 @@ impl std::fmt::Debug for NatsSink {
 /// needs the runtime: it happens in the shipping task).
 pub struct Prepared {
     options: kvnet::nats::async_nats::ConnectOptions,
-    cfg: NatsConfig,
-    subject: String,
-    target: String,
-    health: TargetHealth,
-    bus: Arc<BusState>,
-    stopping: Arc<AtomicBool>,
-    retry: Duration,
+    me: Publisher,
 }
 
 impl std::fmt::Debug for Prepared {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Prepared").field("subject", &self.subject).finish_non_exhaustive()
+        f.debug_struct("Prepared").field("subject", &self.me.subject).finish_non_exhaustive()
     }
 }
 
@@ -75,36 +85,29 @@ impl Prepared {
         let options = kvnet::nats::options(cfg, &format!("kvcached@{node}"), Arc::clone(&bus), 64)?;
         let target = format!("NATS stream {} ({})", cfg.stream, cfg.servers.join(","));
         health.lock().insert(target.clone(), None);
-        Ok(Self { options, cfg: cfg.clone(), subject: cfg.subject(node), target, health, bus, stopping, retry })
+        let me = Publisher { cfg: cfg.clone(), subject: cfg.subject(node), target, health, bus, stopping, retry };
+        Ok(Self { options, me })
     }
 
     /// The connection's state, for health reports.
     pub fn bus(&self) -> Arc<BusState> {
-        Arc::clone(&self.bus)
+        Arc::clone(&self.me.bus)
     }
 
     /// Connects (the client keeps reconnecting in the background); `None` when the server
     /// addresses do not parse (recorded in the sink's health).
     pub async fn connect(self) -> Option<NatsSink> {
-        match kvnet::nats::connect(&self.cfg, self.options, &self.bus).await {
+        match kvnet::nats::connect(&self.me.cfg, self.options, &self.me.bus).await {
             Ok(client) => Some(NatsSink {
                 js: jetstream::new(client.clone()),
                 client,
-                cfg: self.cfg,
-                subject: self.subject,
-                target: self.target,
-                health: self.health,
-                bus: self.bus,
-                stopping: self.stopping,
-                retry: self.retry,
+                me: self.me,
                 beats: 0,
                 stream_ready: false,
             }),
             Err(e) => {
                 tracing::error!("kvcached: NATS event plane: {e}");
-                if let Some(last) = self.health.lock().get_mut(&self.target) {
-                    *last = Some((Instant::now(), e.to_string()));
-                }
+                self.me.record(Some(e.to_string()));
                 None
             }
         }
@@ -112,19 +115,13 @@ impl Prepared {
 }
 
 impl NatsSink {
-    fn record(&self, outcome: Option<String>) {
-        if let Some(last) = self.health.lock().get_mut(&self.target) {
-            *last = outcome.map(|why| (Instant::now(), why));
-        }
-    }
-
     async fn publish_once(&mut self, payload: &[u8], id: &str) -> Result<(), String> {
         if !self.stream_ready {
-            kvnet::nats::ensure_stream(&self.js, &self.cfg).await.map_err(|e| e.to_string())?;
+            kvnet::nats::ensure_stream(&self.js, &self.me.cfg).await.map_err(|e| e.to_string())?;
             self.stream_ready = true;
         }
         let p = PublishMessage::build().payload(payload.to_vec().into()).message_id(id);
-        let ack = self.js.send_publish(self.subject.clone(), p).await.map_err(|e| format!("publish: {e}"))?;
+        let ack = self.js.send_publish(self.me.subject.clone(), p).await.map_err(|e| format!("publish: {e}"))?;
         match ack.await {
             Ok(_) => Ok(()),
             Err(e) => {
@@ -137,7 +134,7 @@ impl NatsSink {
         }
     }
 
-    async fn ship_part(&mut self, part: PublisherMessage) {
+    async fn ship_part(&mut self, Part { msg: part, json: payload }: Part) {
         let id = match (part.events.first(), part.events.last()) {
             (Some(a), Some(b)) => format!("{}:{}:{}-{}", part.publisher, part.epoch, a.id, b.id),
             _ => {
@@ -145,34 +142,27 @@ impl NatsSink {
                 format!("{}:{}:{}+{}", part.publisher, part.epoch, part.last_event_id.unwrap_or(0), self.beats)
             }
         };
-        let payload = match serde_json::to_vec(&part) {
-            Ok(p) => p,
-            Err(e) => {
-                tracing::error!("kvcached: a report that does not serialise: {e}");
-                return;
-            }
-        };
         let mut failures = 0u64;
         loop {
             match self.publish_once(&payload, &id).await {
                 Ok(()) => {
-                    self.record(None);
+                    self.me.record(None);
                     return;
                 }
                 Err(why) => {
-                    let why = match self.bus.problem() {
+                    let why = match self.me.bus.problem() {
                         Some(conn) => format!("{why}; {conn}"),
                         None => why,
                     };
                     if failures.is_multiple_of(50) {
-                        tracing::warn!(stream = %self.cfg.stream, "publishing to NATS failed (retrying): {why}");
+                        tracing::warn!(stream = %self.me.cfg.stream, "publishing to NATS failed (retrying): {why}");
                     }
                     failures += 1;
-                    self.record(Some(why));
-                    if self.stopping.load(Ordering::Relaxed) {
+                    self.me.record(Some(why));
+                    if self.me.stopping.load(Ordering::Relaxed) {
                         return;
                     }
-                    tokio::time::sleep(self.retry).await;
+                    tokio::time::sleep(self.me.retry).await;
                 }
             }
         }
@@ -191,14 +181,28 @@ impl Sink for NatsSink {
     }
 }
 
+/// One message to publish, with its JSON.
+#[derive(Debug)]
+pub struct Part {
+    pub msg: PublisherMessage,
+    pub json: Vec<u8>,
+}
+
 /// `msg` in parts whose JSON fits `max` bytes (with room for the headers): events halved until
 /// each part fits. The first part carries the outcomes, the last the announced newest id (a
-/// router seeing it before the events would take them for a gap).
-pub fn split(msg: PublisherMessage, max: usize) -> Vec<PublisherMessage> {
+/// router seeing it before the events would take them for a gap). A message that does not
+/// serialise is logged and left out.
+pub fn split(msg: PublisherMessage, max: usize) -> Vec<Part> {
     let budget = max.saturating_sub(1024).max(1024);
-    let size = serde_json::to_vec(&msg).map_or(usize::MAX, |v| v.len());
-    if size <= budget || msg.events.len() <= 1 {
-        return vec![msg];
+    let json = match serde_json::to_vec(&msg) {
+        Ok(j) => j,
+        Err(e) => {
+            tracing::error!("kvcached: a report that does not serialise: {e}");
+            return Vec::new();
+        }
+    };
+    if json.len() <= budget || msg.events.len() <= 1 {
+        return vec![Part { msg, json }];
     }
     let mut first = msg.clone();
     let mut second = msg;
@@ -244,12 +248,13 @@ mod tests {
         let parts = split(m, whole / 5);
         assert!(parts.len() >= 5, "{}", parts.len());
         for p in &parts {
-            assert!(serde_json::to_vec(p).unwrap().len() <= whole / 5);
+            assert_eq!(p.json, serde_json::to_vec(&p.msg).unwrap());
+            assert!(p.json.len() <= whole / 5);
         }
-        let ids: Vec<u64> = parts.iter().flat_map(|p| p.events.iter().map(|e| e.id)).collect();
+        let ids: Vec<u64> = parts.iter().flat_map(|p| p.msg.events.iter().map(|e| e.id)).collect();
         assert_eq!(ids, (1..=200).collect::<Vec<_>>());
-        assert!(parts[..parts.len() - 1].iter().all(|p| p.last_event_id.is_none()));
-        assert_eq!(parts.last().unwrap().last_event_id, Some(200));
+        assert!(parts[..parts.len() - 1].iter().all(|p| p.msg.last_event_id.is_none()));
+        assert_eq!(parts.last().unwrap().msg.last_event_id, Some(200));
         assert_eq!(split(msg(3), 1 << 20).len(), 1);
     }
 }
