@@ -4,7 +4,6 @@
 #![allow(clippy::unwrap_used)]
 
 use std::path::Path;
-use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use kvclient::{Client, KvMemory, synthetic_block};
@@ -13,7 +12,7 @@ use kvproto::Namespace;
 use kvrouter::config::RouterConfig;
 use serde_json::{Value, json};
 
-use crate::fixture::{KillOnDrop, daemon_command};
+use crate::fixture::{KillOnDrop, daemon_command, daemon_stderr};
 use crate::router_harness::small_spec;
 
 /// The layout of the engines here.
@@ -79,7 +78,8 @@ pub fn spawn_daemon_at(bin: &str, dir: &Path, http: &str, router_section: &str) 
     let sock = dir.join("kvcached.sock");
     let _ = std::fs::remove_file(&sock);
     let mut cmd = daemon_command(bin, dir);
-    cmd.args(["--config", cfg.to_str().unwrap()]).stderr(Stdio::null());
+    cmd.args(["--config", cfg.to_str().unwrap()]);
+    daemon_stderr(&mut cmd, dir);
     KillOnDrop::spawn_serving(&mut cmd, &sock)
 }
 

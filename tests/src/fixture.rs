@@ -88,11 +88,21 @@ impl KillOnDrop {
     }
 
     /// Spawns `cmd` (a daemon) and waits, 30 s at most, until it accepts connections on `socket`.
+    /// A daemon that exits, or does not start in time, fails the test with the tail of
+    /// `kvcached.stderr` beside the socket, where [`daemon_stderr`] sends its standard error.
     pub fn spawn_serving(cmd: &mut Command, socket: &Path) -> Self {
-        let daemon = Self::new(cmd.spawn().unwrap_or_else(|e| panic!("{cmd:?}: {e}")));
+        let log = socket.with_file_name("kvcached.stderr");
+        let mut daemon = Self::new(cmd.spawn().unwrap_or_else(|e| panic!("{cmd:?}: {e}")));
         let deadline = Instant::now() + Duration::from_secs(30);
         while std::os::unix::net::UnixStream::connect(socket).is_err() {
-            assert!(Instant::now() < deadline, "the daemon on {} did not start", socket.display());
+            let exited = daemon.0.as_mut().and_then(|c| c.try_wait().ok().flatten());
+            if exited.is_some() || Instant::now() >= deadline {
+                let text = std::fs::read_to_string(&log).unwrap_or_default();
+                let tail: String =
+                    text.lines().rev().take(30).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("\n");
+                let what = exited.map_or("did not start in 30 s".to_string(), |s| format!("exited with {s}"));
+                panic!("the daemon on {} {what}; its stderr ends:\n{tail}", socket.display());
+            }
             std::thread::sleep(Duration::from_millis(20));
         }
         daemon
@@ -128,6 +138,13 @@ pub fn daemon_command(bin: &str, dir: &Path) -> Command {
         .args(["--g3-fsync", "false", "--engine-lease-ms", "2000"])
         .stdout(Stdio::null());
     c
+}
+
+/// Sends `cmd`'s standard error to `kvcached.stderr` in `dir` (appended to across restarts),
+/// where [`KillOnDrop::spawn_serving`] reads it back if the daemon does not start.
+pub fn daemon_stderr(cmd: &mut Command, dir: &Path) {
+    let file = std::fs::OpenOptions::new().create(true).append(true).open(dir.join("kvcached.stderr"));
+    cmd.stderr(file.map_or(Stdio::null(), Stdio::from));
 }
 
 /// `argv` of a `kvbench` command (`replay`, `soak`) followed by what every such run in the
