@@ -128,8 +128,9 @@ pub enum EventBody {
     },
 }
 
-/// One event with its publisher-local id (1, 2, 3, ... within an epoch).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// One event with its publisher-local id (1, 2, 3, ... within an epoch). Its body's fields sit
+/// beside `id` (flattened); read by `event_de.rs`, which reads each field once.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Event {
     pub id: u64,
     #[serde(flatten)]
@@ -419,14 +420,55 @@ pub mod ser {
 
         pub fn serialize<S: Serializer>(keys: &[BlockKey], s: S) -> Result<S::Ok, S::Error> {
             let mut seq = s.serialize_seq(Some(keys.len()))?;
+            let mut buf = [0u8; 32];
             for k in keys {
-                seq.serialize_element(&hex::encode(k.0))?;
+                // 16 bytes always fit 32 hex digits, which are ASCII.
+                hex::encode_to_slice(k.0, &mut buf).map_err(serde::ser::Error::custom)?;
+                seq.serialize_element(std::str::from_utf8(&buf).map_err(serde::ser::Error::custom)?)?;
             }
             seq.end()
         }
+        /// Each key decoded as it is read: no string or list in between (messages carry
+        /// thousands of keys; this is most of a router's work on them).
         pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<BlockKey>, D::Error> {
-            let v = <Vec<std::borrow::Cow<'de, str>>>::deserialize(d)?;
-            v.iter().map(|s| s.parse::<BlockKey>().map_err(D::Error::custom)).collect()
+            d.deserialize_seq(KeysVisitor)
+        }
+
+        struct KeysVisitor;
+
+        /// One key, decoded from the string the deserializer lends (or owns).
+        struct Key(BlockKey);
+
+        impl<'de> Deserialize<'de> for Key {
+            fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+                struct V;
+                impl serde::de::Visitor<'_> for V {
+                    type Value = Key;
+                    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                        f.write_str("a block key: 32 hex digits")
+                    }
+                    fn visit_str<E: Error>(self, s: &str) -> Result<Key, E> {
+                        s.parse::<BlockKey>().map(Key).map_err(E::custom)
+                    }
+                }
+                d.deserialize_str(V)
+            }
+        }
+
+        impl<'de> serde::de::Visitor<'de> for KeysVisitor {
+            type Value = Vec<BlockKey>;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a list of block keys")
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<BlockKey>, A::Error> {
+                // The hint is the sender's word: bounded, so that a hostile one cannot make a
+                // large allocation with a short list.
+                let mut out = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(4096));
+                while let Some(Key(k)) = seq.next_element()? {
+                    out.push(k);
+                }
+                Ok(out)
+            }
         }
     }
 

@@ -41,6 +41,7 @@ pub mod codec;
 pub mod convert;
 pub mod dynamo;
 pub mod error;
+mod event_de;
 pub mod events;
 #[cfg(feature = "fuzzing")]
 pub mod fuzzing;
