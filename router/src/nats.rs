@@ -10,6 +10,11 @@
 //! consumer resumes from the last applied sequence), so a publisher flooding the stream fills
 //! the stream's own limits, never the router's memory. A message that is not a publisher
 //! message, or that names a publisher other than the node of its subject, is refused and counted.
+//!
+//! Two stages, so that a replica rebuilding from the stream uses two cores: the consumer's task
+//! receives and decodes each message (JSON decoding is most of the work), a second task applies
+//! them in stream order, [`APPLY_QUEUE`] decoded messages between them (a full queue stops the
+//! pulls: the server keeps what is not read yet).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -29,6 +34,8 @@ use crate::router::Router;
 pub const PULL_BATCH: i64 = 256;
 /// Messages the client buffers for the consumer.
 pub const SUBSCRIPTION_CAPACITY: usize = 4096;
+/// Decoded messages waiting to be applied.
+pub const APPLY_QUEUE: usize = 64;
 /// How often the bus's state is folded into `/healthz`.
 const HEALTH_PERIOD: Duration = Duration::from_millis(500);
 
@@ -57,10 +64,12 @@ pub async fn run(router: Arc<Router>, cfg: NatsConfig, mut stop: watch::Receiver
         }
     };
     let js = jetstream::new(client);
+    let (tx, rx) = tokio::sync::mpsc::channel(APPLY_QUEUE);
+    let _applier = kvnet::process::AbortOnDrop(tokio::spawn(apply_loop(Arc::clone(&router), rx)));
     let mut last = 0u64;
     loop {
         let why = tokio::select! {
-            r = consume(&router, &cfg, &js, &bus, &mut last) => r,
+            r = consume(&router, &cfg, &js, &bus, &tx, &mut last) => r,
             _ = stop.changed() => return,
         };
         set_condition(&router, &cfg, why.clone());
@@ -82,6 +91,7 @@ async fn consume(
     cfg: &NatsConfig,
     js: &jetstream::Context,
     bus: &BusState,
+    apply: &tokio::sync::mpsc::Sender<Decoded>,
     last: &mut u64,
 ) -> String {
     let stream = match kvnet::nats::ensure_stream(js, cfg).await {
@@ -121,7 +131,13 @@ async fn consume(
                     // after the last message it delivered.
                     tracing::debug!("kvrouter: event stream: {e}");
                 }
-                Some(Ok(m)) => apply(router, cfg, &m, last),
+                Some(Ok(m)) => {
+                    if let Some(d) = decode(router, cfg, &m, last)
+                        && apply.send(d).await.is_err()
+                    {
+                        return "the applying task ended".into();
+                    }
+                }
             },
             _ = health.tick() => {
                 if bus.connects() != connects {
@@ -142,16 +158,24 @@ async fn consume(
     }
 }
 
-/// Applies one stream message (skipping one already applied: the ordered consumer may deliver
-/// again from the start after a recreation that found no message yet).
-fn apply(router: &Arc<Router>, cfg: &NatsConfig, m: &jetstream::Message, last: &mut u64) {
-    let Ok(info) = m.info() else { return };
+/// A stream message ready to apply, and when the stream stored it.
+#[derive(Debug)]
+pub struct Decoded {
+    msg: PublisherMessage,
+    /// When the stream stored it, on this process's clock.
+    stored: Instant,
+}
+
+/// Decodes one stream message and checks it comes from its subject's node (skipping one already
+/// taken: the ordered consumer may deliver again from the start after a recreation that found no
+/// message yet). `None`: nothing to apply.
+fn decode(router: &Arc<Router>, cfg: &NatsConfig, m: &jetstream::Message, last: &mut u64) -> Option<Decoded> {
+    let info = m.info().ok()?;
     let (seq, pending, published) = (info.stream_sequence, info.pending, info.published);
     if seq <= *last {
-        return;
+        return None;
     }
     *last = seq;
-    router.bus_lag(kvnet::nats::age_s(published));
     let msg: Option<PublisherMessage> = serde_json::from_slice(&m.payload).ok();
     let from = cfg.node_token(m.subject.as_str());
     let accepted = router.with_state(|st| {
@@ -175,10 +199,23 @@ fn apply(router: &Arc<Router>, cfg: &NatsConfig, m: &jetstream::Message, last: &
             }
         }
     });
-    let Some(msg) = msg.filter(|_| accepted) else { return };
-    if let Some(task) = router.ingest(&msg) {
-        let r = Arc::clone(router);
-        tokio::spawn(async move { r.recover(task).await });
+    let age = Duration::from_secs_f64(kvnet::nats::age_s(published));
+    let stored = Instant::now().checked_sub(age).unwrap_or_else(Instant::now);
+    msg.filter(|_| accepted).map(|msg| Decoded { msg, stored })
+}
+
+/// Applies decoded messages in stream order, as `POST /events` applies a report, recovering a
+/// gap each reveals on a task of its own.
+async fn apply_loop(router: Arc<Router>, mut rx: tokio::sync::mpsc::Receiver<Decoded>) {
+    let mut batch = Vec::with_capacity(APPLY_QUEUE);
+    while rx.recv_many(&mut batch, APPLY_QUEUE).await > 0 {
+        for d in batch.drain(..) {
+            if let Some(task) = router.ingest(&d.msg) {
+                let r = Arc::clone(&router);
+                tokio::spawn(async move { r.recover(task).await });
+            }
+            router.bus_lag(d.stored.elapsed().as_secs_f64());
+        }
     }
 }
 
