@@ -3,7 +3,7 @@
 //! replicas reading it. Replicas answer alike, a new replica rebuilds from the stream, the bus
 //! killed and restarted loses and doubles nothing, a daemon's restart clears its node in every
 //! replica, and a replica whose stream no longer holds a daemon's early events recovers them by
-//! snapshot.
+//! snapshot; `transport = "both"` posts to `router.urls` as well, `"nats"` does not.
 #![allow(clippy::unwrap_used)]
 
 use std::path::Path;
@@ -227,4 +227,48 @@ async fn a_daemon_publishes_only_on_the_subject_its_nats_user_is_granted() {
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(healthz(&http, &r.base).await["publishers"], 0);
     r.stop().await;
+}
+
+/// `transport = "nats"` publishes on the stream only, whatever `router.urls` lists; `"both"`
+/// (a cluster moving from one to the other) on the stream and to `router.urls`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_daemon_posts_to_router_urls_besides_nats_only_with_transport_both() {
+    let http = reqwest::Client::builder().pool_max_idle_per_host(0).build().unwrap();
+    let d = tempfile::tempdir().unwrap();
+    let nats = Nats::start(&d.path().join("nats"), &["node-a", "node-b"]);
+    let pushed = start_router_with("127.0.0.1:0", router_config()).await;
+    let replica = start_router_with("127.0.0.1:0", replica_config(&nats, d.path(), |_| {})).await;
+    let mut daemons = vec![];
+    for (node, transport) in [("node-a", "nats"), ("node-b", "both")] {
+        let dir = d.path().join(node);
+        std::fs::create_dir_all(&dir).unwrap();
+        let toml =
+            nats.daemon_toml(&dir, node).replace("transport = \"nats\"", &format!("transport = \"{transport}\""));
+        let section = format!("node = \"{node}\"\nreport_interval_ms = 200\nurls = [\"{}\"]\n{toml}", pushed.base);
+        daemons.push(spawn_daemon_at(
+            env!("CARGO_BIN_EXE_daemon"),
+            &dir,
+            &format!("127.0.0.1:{}", free_port()),
+            &section,
+        ));
+    }
+    wait("the replica to hear both daemons on the stream", async || {
+        let h = healthz(&http, &replica.base).await;
+        (h["publishers"] != 2).then(|| h.to_string())
+    })
+    .await;
+    wait("the pushed router to hear node-b", async || {
+        let h = healthz(&http, &pushed.base).await;
+        (h["publishers"] != 1).then(|| h.to_string())
+    })
+    .await;
+    // A second of node-a's reports (every 200 ms) has gone by: none reached the pushed router.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let h = healthz(&http, &pushed.base).await;
+    assert_eq!(h["publishers"], 1, "{h}");
+    let text = http.get(format!("{}/metrics", pushed.base)).send().await.unwrap().text().await.unwrap();
+    assert!(!text.contains("node-a"), "node-a posted to router.urls with transport \"nats\":\n{text}");
+    drop(daemons);
+    pushed.stop().await;
+    replica.stop().await;
 }

@@ -25,6 +25,12 @@ struct Args {
     /// The deployment whose nodes to read (`nats.cluster`).
     #[arg(long, env = "KVROUTER_NATS_CLUSTER")]
     nats_cluster: Option<String>,
+    /// The NATS user (`nats.auth.user`), with `--nats-password-file`.
+    #[arg(long, env = "KVROUTER_NATS_USER")]
+    nats_user: Option<String>,
+    /// A file whose first line is the NATS user's password (`nats.auth.password_file`).
+    #[arg(long, env = "KVROUTER_NATS_PASSWORD_FILE")]
+    nats_password_file: Option<PathBuf>,
     /// Log format on stderr: text (colour only on a terminal) or json (one object per line).
     #[arg(long, env = "KVROUTER_LOG_FORMAT", default_value = "text", value_parser = ["text", "json"])]
     log_format: String,
@@ -56,6 +62,12 @@ fn run(args: Args) -> Result<(), crate::RouterError> {
     }
     if let Some(c) = args.nats_cluster {
         config.nats.cluster = c;
+    }
+    if let Some(u) = args.nats_user {
+        config.nats.auth.user = Some(u);
+    }
+    if let Some(p) = args.nats_password_file {
+        config.nats.auth.password_file = Some(p);
     }
     config.validate()?;
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;

@@ -252,13 +252,16 @@ impl Config {
         }
         match self.events.transport.as_str() {
             "http" => {}
-            "nats" => {
+            "nats" | "both" => {
                 if !self.events.nats.enabled() {
-                    return Err(bad("events.nats.servers", "transport \"nats\" needs at least one server URL"));
+                    return Err(bad(
+                        "events.nats.servers",
+                        "transports \"nats\" and \"both\" need at least one server URL",
+                    ));
                 }
                 self.events.nats.validate().map_err(|e| bad("events.nats", e))?;
             }
-            other => return Err(bad("events.transport", format!("{other:?} must be \"http\" or \"nats\""))),
+            other => return Err(bad("events.transport", format!("{other:?} must be \"http\", \"nats\" or \"both\""))),
         }
         let g4_set = !self.g4.url.is_empty() || !self.g4.endpoint.is_empty();
         if g4_set && !self.g4.enabled {

@@ -92,8 +92,8 @@ struct Cli {
     /// This node's name in the cluster (default: the host name).
     #[arg(long, env = "KVCACHED_NODE", global = true)]
     node: Option<String>,
-    /// How hit reports travel: http (router URLs) or nats.
-    #[arg(long, env = "KVCACHED_EVENTS_TRANSPORT", global = true, value_parser = ["http", "nats"])]
+    /// How hit reports travel: http (router URLs), nats, or both (a migration).
+    #[arg(long, env = "KVCACHED_EVENTS_TRANSPORT", global = true, value_parser = ["http", "nats", "both"])]
     events_transport: Option<String>,
     /// NATS server URLs of the event plane (comma-separated).
     #[arg(long, env = "KVCACHED_EVENTS_NATS_SERVERS", global = true, value_delimiter = ',')]

@@ -148,7 +148,8 @@ pub struct RouterConfig {
 #[serde(default, deny_unknown_fields)]
 pub struct EventsConfig {
     /// "http": POST to each of `router.urls` (none: no reports). "nats": publish on
-    /// `nats`'s stream, and to `router.urls` as well when some are listed (a migration).
+    /// `nats`'s stream only (`router.urls` unused). "both": the stream and `router.urls`, for a
+    /// cluster migrating from one to the other.
     pub transport: String,
     /// The NATS JetStream event plane (`[events.nats]`).
     pub nats: kvnet::bus::NatsConfig,
@@ -161,9 +162,14 @@ impl Default for EventsConfig {
 }
 
 impl EventsConfig {
-    /// The NATS event plane, when the transport is "nats".
+    /// The NATS event plane, when the transport is "nats" or "both".
     pub fn nats(&self) -> Option<&kvnet::bus::NatsConfig> {
-        (self.transport == "nats").then_some(&self.nats)
+        matches!(self.transport.as_str(), "nats" | "both").then_some(&self.nats)
+    }
+
+    /// Whether reports are POSTed to `router.urls` ("http" or "both").
+    pub fn http(&self) -> bool {
+        self.transport != "nats"
     }
 }
 
