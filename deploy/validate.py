@@ -293,6 +293,12 @@ def check_router_urls(label: str, docs: list[dict], conf: dict) -> None:
     listen = (env_value(c, "KVROUTER_LISTEN") or {}).get("value", "")
     if not listen.endswith(f":{port}"):
         fail(where, f"KVROUTER_LISTEN {listen!r} is not containerPort http {port}")
+    events = conf.get("events", {})
+    if events.get("transport", "http") in ("nats", "both"):
+        check_nats(label, docs, conf, sts, c)
+        if events.get("transport") == "nats":
+            print("  ok   router.urls not used (events.transport = \"nats\")")
+            return
     replicas = sts["spec"].get("replicas", 1)
     want = {f"http://{sts['metadata']['name']}-{i}.{svc}.{ns}.svc:{port}" for i in range(replicas)}
     have = set(conf.get("router", {}).get("urls", []))
@@ -300,6 +306,52 @@ def check_router_urls(label: str, docs: list[dict], conf: dict) -> None:
         fail(where, f"kvcached router.urls must name every replica ({replicas}): missing {sorted(want - have)}, extra {sorted(have - want)}")
     else:
         print(f"  ok   router.urls name all {replicas} kvrouter replicas")
+
+
+def secret_mounted(where: str, pod: dict, c: dict, path: str, what: str) -> None:
+    """`path` lies in a volume of container `c` that comes from a Secret."""
+    volumes = {v["name"]: v for v in pod.get("volumes", [])}
+    for m in c.get("volumeMounts", []):
+        if path.startswith(m["mountPath"].rstrip("/") + "/"):
+            if "secret" not in volumes.get(m["name"], {}):
+                fail(where, f"{what} {path} is in volume {m['name']}, which is not a Secret")
+            return
+    fail(where, f"{what} {path} is not in any volume mounted in container {c['name']}")
+
+
+def check_nats(label: str, docs: list[dict], conf: dict, sts: dict, router: dict) -> None:
+    """The daemons and the routers name the same NATS servers and deployment, their passwords
+    come from Secrets, and a NATS server rendered here serves the client port they name."""
+    nats = conf.get("events", {}).get("nats", {})
+    servers = nats.get("servers", [])
+    where = f"{label} StatefulSet/kvrouter"
+    env = {k: (env_value(router, k) or {}).get("value") for k in ("KVROUTER_NATS_SERVERS", "KVROUTER_NATS_CLUSTER", "KVROUTER_NATS_PASSWORD_FILE")}
+    if env["KVROUTER_NATS_SERVERS"] is None or env["KVROUTER_NATS_SERVERS"].split(",") != servers:
+        fail(where, f"KVROUTER_NATS_SERVERS {env['KVROUTER_NATS_SERVERS']!r} is not the daemons' events.nats.servers {servers}")
+    if (env["KVROUTER_NATS_CLUSTER"] or "default") != nats.get("cluster", "default"):
+        fail(where, f"KVROUTER_NATS_CLUSTER {env['KVROUTER_NATS_CLUSTER']!r} is not the daemons' events.nats.cluster")
+    if env["KVROUTER_NATS_PASSWORD_FILE"]:
+        secret_mounted(where, sts["spec"]["template"]["spec"], router, env["KVROUTER_NATS_PASSWORD_FILE"], "KVROUTER_NATS_PASSWORD_FILE")
+    ds = one(label, docs, "DaemonSet", "kvcached")
+    pw = nats.get("auth", {}).get("password_file")
+    if ds is not None and pw:
+        pod = ds["spec"]["template"]["spec"]
+        secret_mounted(f"{label} DaemonSet/kvcached", pod, container(pod, "kvcached"), pw, "events.nats.auth.password_file")
+    for url in servers:
+        m = re.fullmatch(r"(?:nats|tls)://([a-z0-9-]+)\.([a-z0-9-]+)\.svc(?:\.cluster\.local)?:(\d+)", url)
+        if not m:
+            print(f"  ok   NATS server {url} is outside these manifests")
+            continue
+        name, ns, port = m.group(1), m.group(2), int(m.group(3))
+        svc = [d for d in find(docs, "Service", name) if d["metadata"].get("namespace") == ns]
+        if not svc:
+            fail(label, f"events.nats.servers names {url}, but no Service {name} in namespace {ns} is rendered")
+        elif port not in [p["port"] for p in svc[0]["spec"].get("ports", [])]:
+            fail(f"{label} Service/{name}", f"has no port {port} (events.nats.servers {url})")
+    js = find(docs, "StatefulSet", "nats")
+    if js and js[0]["spec"].get("replicas", 1) < nats.get("replicas", 1):
+        fail(f"{label} StatefulSet/nats", f"{js[0]['spec'].get('replicas', 1)} servers cannot hold events.nats.replicas = {nats.get('replicas')} copies")
+    print(f"  ok   daemons and routers read NATS {servers} (deployment {nats.get('cluster', 'default')!r})")
 
 
 def pods_of(docs: list[dict]) -> list[tuple[dict, dict]]:
