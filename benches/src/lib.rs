@@ -26,6 +26,7 @@
 //!   router, beside the router's simulation of it (`kvbench replay`; `tests/replay.rs` runs a
 //!   short one).
 
+pub mod bus;
 pub mod child;
 pub mod cli;
 pub mod document;

@@ -67,15 +67,31 @@ impl Nats {
                 subjects.subject(n)
             ));
         }
+        Self::start_conf(dir, port, &format!("authorization {{ users = [\n{}\n] }}\n", users.join(",\n")))
+    }
+
+    /// Starts a server without users: anyone reaching the port may publish and read (for
+    /// benchmarks on loopback only).
+    pub fn start_open(dir: &Path) -> Self {
+        let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).unwrap();
+        std::fs::create_dir_all(dir.join("js")).unwrap();
+        Self::start_conf(dir, port, "")
+    }
+
+    fn start_conf(dir: &Path, port: u16, auth: &str) -> Self {
         let conf = format!(
-            "listen: \"127.0.0.1:{port}\"\njetstream {{ store_dir: \"{}\" }}\nauthorization {{ users = [\n{}\n] }}\n",
-            dir.join("js").display(),
-            users.join(",\n")
+            "listen: \"127.0.0.1:{port}\"\njetstream {{ store_dir: \"{}\" }}\n{auth}",
+            dir.join("js").display()
         );
         std::fs::write(dir.join("nats.conf"), conf).unwrap();
         let mut s = Self { child: None, dir: dir.to_path_buf(), port };
         s.spawn();
         s
+    }
+
+    /// The server's process id (while it runs).
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
     }
 
     fn spawn(&mut self) {

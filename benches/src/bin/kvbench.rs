@@ -3,7 +3,8 @@
 //! `cargo run --release -p kvbench -- socket` starts a daemon in this process on a temp socket
 //! (G3 off unless `--g3`); `--socket PATH` measures a running daemon instead. `kvbench replay`
 //! replays a Mooncake trace through real daemon processes and a real router (peers behind
-//! `--lmcache`, `--redis`); `kvbench many` runs many engines at once on one daemon.
+//! `--lmcache`, `--redis`); `kvbench many` runs many engines at once on one daemon; `kvbench bus`
+//! drives the event plane (NATS JetStream and HTTP push) at the scale of a large cluster.
 
 use std::process::ExitCode;
 
@@ -82,6 +83,9 @@ enum Command {
     /// A real kvcached and kvrouter under sustained mixed load for minutes: RSS, descriptors,
     /// threads, /dev/shm and latency sampled; fails when one keeps growing (scripts/soak).
     Soak(kvbench::soak::SoakArgs),
+    /// The event plane at scale: simulated publishers into kvrouter replicas through a real
+    /// nats-server (JetStream) and by HTTP push, beside the index's own rate.
+    Bus(kvbench::bus::BusArgs),
 }
 
 /// Runs an async command on a 2-thread runtime and prints its Markdown.
@@ -159,6 +163,9 @@ fn main() -> ExitCode {
         Command::Replay(a) => return run_async(kvbench::cli::replay(&a)),
         Command::Many(a) => return run_async(kvbench::cli::many(&a)),
         Command::Soak(a) => return kvbench::soak::main(&a),
+        Command::Bus(a) => {
+            return run_async(async move { kvbench::bus::run(&a).await.map(|r| kvbench::bus::markdown(&r, &a)) });
+        }
         Command::Peer { blocks, netns_mbit } => {
             return match kvbench::peer::run(blocks.max(8), netns_mbit) {
                 Ok(r) => {

@@ -188,6 +188,14 @@ impl RouterHandle {
         }
     }
 
+    /// Its process id, when it is a process of its own that runs.
+    pub fn pid(&self) -> Option<u32> {
+        match self {
+            Self::Process { child, .. } => child.as_ref().map(Child::id),
+            Self::InProcess { .. } => None,
+        }
+    }
+
     /// Whether it is a process of its own.
     pub fn is_process(&self) -> bool {
         matches!(self, Self::Process { .. })

@@ -1,0 +1,756 @@
+//! `kvbench bus`: the event plane at the scale of a large cluster. `--publishers` simulated
+//! daemons ([`workload`]), each reporting once a second what a node of the Mooncake replay
+//! reports, into `--replicas` kvrouter processes, through a real nats-server with JetStream and,
+//! beside it in the same run, by HTTP push (every publisher POSTing to every replica, as daemons
+//! without NATS do). Measured:
+//!
+//! 1. **Ingest rate.** The same backlog of messages (`--backlog-s` seconds of every publisher)
+//!    applied to the router's index in this process (`kvrouter_core`'s store and remove: the
+//!    index's own rate), decoded from JSON and ingested by an in-process router
+//!    (`Router::ingest`: what each transport ends in), then rebuilt by replicas started after
+//!    the stream holds it (through NATS), and pushed to fresh replicas over HTTP.
+//! 2. **At the offered load** (`--seconds` of it per transport): publish-to-applied lag, from
+//!    the moment a probe publisher's message is handed to the transport until a replica routes
+//!    the probe chain it carries to that publisher's worker (`POST /route` every millisecond);
+//!    the publishers' completion latency (JetStream ack, or both POSTs answered); each
+//!    replica's CPU time (from /proc) per million block events applied.
+//! 3. **Index bytes per block** in the replicas (`kvrouter_index_bytes` / `kvrouter_index_blocks`)
+//!    beside the in-process index of the same events.
+//!
+//! # Layout
+//! - [`workload`]: the simulated publishers and their messages.
+//! - this file: the phases, the transports and the report.
+
+pub mod workload;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use clap::Args;
+use futures_util::StreamExt;
+use kvnet::nats::async_nats::jetstream::{self, message::PublishMessage};
+use kvproto::events::{EventBody, PublisherMessage};
+use kvrouter::index::{BlockIndex, Slot};
+use parking_lot::Mutex;
+
+use crate::replay::cluster::RouterHandle;
+use workload::{Publisher, Shape};
+
+/// `kvbench bus`.
+#[derive(Debug, Clone, Args)]
+pub struct BusArgs {
+    /// Simulated publishers (nodes), each with its own subject.
+    #[arg(long, default_value_t = 1000)]
+    pub publishers: usize,
+    /// Block events (stored plus removed keys) each publisher reports a second. The default is a
+    /// node of the Mooncake replay: 288,500 blocks, 0.76 of them missed and stored, as many
+    /// evicted past 8 x 2000 blocks, in 64 s on 8 nodes (docs/benchmarks.md): ~825.
+    #[arg(long, default_value_t = 825)]
+    pub events_per_s: usize,
+    /// Blocks a stored chain (a request's new blocks) and a removal carry: the replay's mean.
+    #[arg(long, default_value_t = 18)]
+    pub chain: usize,
+    /// Blocks each publisher holds (the replay's G2 blocks per node).
+    #[arg(long, default_value_t = 2000)]
+    pub capacity: usize,
+    /// Seconds of offered load per transport.
+    #[arg(long, default_value_t = 20)]
+    pub seconds: u64,
+    /// Seconds of every publisher's reports in the backlog the replicas rebuild from.
+    #[arg(long, default_value_t = 5)]
+    pub backlog_s: u64,
+    /// Router replicas (kvrouter processes).
+    #[arg(long, default_value_t = 2)]
+    pub replicas: usize,
+    /// NATS connections the publishers share (publishers are spread over them).
+    #[arg(long, default_value_t = 16)]
+    pub connections: usize,
+    /// Publishers whose every message carries a probe chain for the lag.
+    #[arg(long, default_value_t = 10)]
+    pub probes: usize,
+    /// Transports to measure, in this order.
+    #[arg(long, value_delimiter = ',', default_value = "nats,http")]
+    pub transports: Vec<String>,
+    /// The kvrouter binary (default: beside this one).
+    #[arg(long)]
+    pub kvrouter: Option<PathBuf>,
+    /// Where the stream's store and the routers' files go (default: a temp directory).
+    #[arg(long)]
+    pub dir: Option<PathBuf>,
+}
+
+/// Latency quantiles in milliseconds.
+#[derive(Debug, Default, Clone)]
+pub struct Quantiles {
+    pub n: usize,
+    pub p50: f64,
+    pub p99: f64,
+    pub max: f64,
+    /// Samples that never completed (probes not seen within 10 s, failed sends).
+    pub missing: usize,
+}
+
+fn quantiles(mut ms: Vec<f64>, missing: usize) -> Quantiles {
+    ms.sort_by(f64::total_cmp);
+    let at = |q: f64| ms.get(((ms.len() as f64 * q).ceil() as usize).saturating_sub(1)).copied().unwrap_or(f64::NAN);
+    Quantiles { n: ms.len(), p50: at(0.5), p99: at(0.99), max: ms.last().copied().unwrap_or(f64::NAN), missing }
+}
+
+/// One transport's figures.
+#[derive(Debug, Default, Clone)]
+pub struct TransportReport {
+    pub name: String,
+    /// Backlog keys per second applied by the slowest replica (from its start, or the first POST).
+    pub backlog_keys_per_s: f64,
+    /// NATS only: an ordered consumer alone reading the backlog (keys of it a second).
+    pub drain_keys_per_s: Option<f64>,
+    /// Offered block events a second during the load phase, and those the replicas applied.
+    pub offered_keys_per_s: f64,
+    pub lag: Quantiles,
+    pub send: Quantiles,
+    /// Router CPU seconds per million block events applied, each replica.
+    pub cpu_s_per_m: Vec<f64>,
+    /// Every replica applied every event published.
+    pub complete: bool,
+    pub bytes_per_block: f64,
+}
+
+/// The whole run.
+#[derive(Debug, Default, Clone)]
+pub struct BusReport {
+    pub publishers: usize,
+    pub backlog_keys: u64,
+    pub index_keys_per_s: f64,
+    pub router_keys_per_s: f64,
+    /// Its parts: JSON decoding alone, ingest of decoded messages alone.
+    pub decode_keys_per_s: f64,
+    pub ingest_keys_per_s: f64,
+    pub index_bytes_per_block: f64,
+    pub transports: Vec<TransportReport>,
+}
+
+/// What every transport's replicas are first given: the messages, the probe chain of the last
+/// one, the keys in all.
+struct Backlog {
+    wires: Vec<Wire>,
+    final_probe: Vec<kvproto::BlockKey>,
+    keys: u64,
+}
+
+/// A message ready to send: subject, JetStream message id, JSON.
+struct Wire {
+    publisher: usize,
+    subject: String,
+    id: String,
+    json: bytes::Bytes,
+    events: u64,
+    keys: u64,
+}
+
+fn wire(publisher: usize, m: &PublisherMessage, keys: u64, subject: String) -> Result<Wire, String> {
+    let first = m.events.first().map_or(0, |e| e.id);
+    let last = m.events.last().map_or(0, |e| e.id);
+    let json = serde_json::to_vec(m).map_err(|e| e.to_string())?;
+    Ok(Wire {
+        publisher,
+        subject,
+        id: format!("{}:{}:{first}-{last}", m.publisher, m.epoch),
+        json: json.into(),
+        events: m.events.len() as u64,
+        keys,
+    })
+}
+
+/// Runs the benchmark.
+pub async fn run(args: &BusArgs) -> Result<BusReport, String> {
+    let shape = Shape { events_per_s: args.events_per_s, chain: args.chain, capacity: args.capacity };
+    let kvrouter = args
+        .kvrouter
+        .clone()
+        .or_else(|| std::env::current_exe().ok().map(|p| p.with_file_name("kvrouter")))
+        .filter(|p| p.is_file())
+        .ok_or("no kvrouter binary: pass --kvrouter (cargo build --release -p kvrouter)")?;
+    let tmp = tempfile::tempdir_in(args.dir.clone().unwrap_or_else(std::env::temp_dir)).map_err(|e| e.to_string())?;
+    let nats_cfg = kvnet::bus::NatsConfig { cluster: "bench".into(), max_bytes: 4 << 30, ..Default::default() };
+    let mut report = BusReport { publishers: args.publishers, ..Default::default() };
+
+    // 1. The backlog, and the in-process rates on it.
+    let (_, seconds) = backlog_publishers(args, shape);
+    let mut backlog = vec![];
+    let mut final_probe = None;
+    for (i, s) in seconds {
+        final_probe = s.probe.or(final_probe);
+        backlog.push((i, s.message, s.keys, nats_cfg.subject(&workload::node(i))));
+    }
+    let final_probe = final_probe.ok_or("no probe in the backlog")?;
+    report.backlog_keys = backlog.iter().map(|b| b.2).sum();
+    let (rate, bytes) = index_rate(&backlog);
+    report.index_keys_per_s = rate;
+    report.index_bytes_per_block = bytes;
+    let wires: Vec<Wire> =
+        backlog.iter().map(|(i, m, k, subject)| wire(*i, m, *k, subject.clone())).collect::<Result<_, _>>()?;
+    drop(backlog);
+    (report.router_keys_per_s, report.decode_keys_per_s, report.ingest_keys_per_s) =
+        router_rate(&wires, report.backlog_keys)?;
+    eprintln!(
+        "in process: index {:.2} M keys/s, router (JSON + ingest) {:.2} M keys/s on {} keys",
+        report.index_keys_per_s / 1e6,
+        report.router_keys_per_s / 1e6,
+        report.backlog_keys
+    );
+
+    let backlog = Backlog { wires, final_probe, keys: report.backlog_keys };
+    for t in &args.transports {
+        let dir = tmp.path().join(t);
+        std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+        let r = match t.as_str() {
+            "nats" => transport_run(args, shape, &kvrouter, &dir, Some(&nats_cfg), &backlog).await?,
+            "http" => transport_run(args, shape, &kvrouter, &dir, None, &backlog).await?,
+            other => return Err(format!("--transports: {other:?} is neither nats nor http")),
+        };
+        report.transports.push(r);
+    }
+    Ok(report)
+}
+
+/// The publishers after the backlog, and the backlog: `--backlog-s` seconds of each, then one
+/// more second of publisher 0 carrying a probe chain (the last message: a replica that routes
+/// the probe has applied everything before it).
+fn backlog_publishers(args: &BusArgs, shape: Shape) -> (Vec<Publisher>, Vec<(usize, workload::Second)>) {
+    let mut pubs: Vec<Publisher> = (0..args.publishers.max(1)).map(|i| Publisher::new(i, 1)).collect();
+    let mut out = vec![];
+    for _ in 0..args.backlog_s {
+        for (i, p) in pubs.iter_mut().enumerate() {
+            out.push((i, p.second(shape, false)));
+        }
+    }
+    out.push((0, pubs[0].second(shape, true)));
+    (pubs, out)
+}
+
+/// The index's own rate: every event of the backlog stored into or removed from a
+/// `kvrouter_core` index in this thread. Also its bytes per block at the end.
+fn index_rate(backlog: &[(usize, PublisherMessage, u64, String)]) -> (f64, f64) {
+    let mut index = BlockIndex::new();
+    let keys: u64 = backlog.iter().map(|b| b.2).sum();
+    let t0 = Instant::now();
+    for (i, m, _, _) in backlog {
+        let h = *i as u32;
+        for e in &m.events {
+            match &e.body {
+                EventBody::Stored { namespace, parent, keys, tier, .. } => {
+                    index.store(*namespace, parent.as_ref(), keys, Slot::new(h, *tier))
+                }
+                EventBody::Removed { keys, tier, .. } => index.remove(None, keys, Slot::new(h, *tier)),
+                EventBody::Cleared { .. } => {}
+            }
+        }
+    }
+    let s = t0.elapsed().as_secs_f64();
+    (keys as f64 / s, index.approx_bytes() as f64 / index.blocks().max(1) as f64)
+}
+
+/// An in-process router's rate on the backlog's JSON: decode and ingest, as each transport's
+/// receiving end does.
+/// Also the two parts apart: the JSON decoding alone, and the ingest of decoded messages alone
+/// (into a second router).
+fn router_rate(wires: &[Wire], keys: u64) -> Result<(f64, f64, f64), String> {
+    let router = kvrouter::Router::new(bench_router_config(None)).map_err(|e| e.to_string())?;
+    let t0 = Instant::now();
+    for w in wires {
+        let m: PublisherMessage = serde_json::from_slice(&w.json).map_err(|e| e.to_string())?;
+        if router.ingest(&m).is_some() {
+            return Err(format!("{}: a gap in the backlog's event ids", m.publisher));
+        }
+    }
+    let both = keys as f64 / t0.elapsed().as_secs_f64();
+    let t0 = Instant::now();
+    let decoded: Vec<PublisherMessage> =
+        wires.iter().map(|w| serde_json::from_slice(&w.json)).collect::<Result<_, _>>().map_err(|e| e.to_string())?;
+    let decode = keys as f64 / t0.elapsed().as_secs_f64();
+    let router = kvrouter::Router::new(bench_router_config(None)).map_err(|e| e.to_string())?;
+    let t0 = Instant::now();
+    for m in &decoded {
+        router.ingest(m);
+    }
+    let ingest = keys as f64 / t0.elapsed().as_secs_f64();
+    Ok((both, decode, ingest))
+}
+
+/// The replicas' configuration: routes by cached prefix alone (the probes' check), publishers
+/// reporting every second, the stream on `nats`.
+fn bench_router_config(nats: Option<&kvnet::bus::NatsConfig>) -> kvrouter::RouterConfig {
+    let mut c = kvrouter::RouterConfig::default();
+    c.weights.decode = 0.0;
+    c.weights.active = 0.0;
+    c.weights.fill = 0.0;
+    c.prefetch.enabled = false;
+    c.health.default_report_interval_ms = 1000;
+    c.max_body_bytes = 64 << 20;
+    if let Some(n) = nats {
+        c.nats = n.clone();
+    }
+    c
+}
+
+/// How messages travel to the replicas.
+#[derive(Clone)]
+enum Sender {
+    Nats(Arc<Vec<jetstream::Context>>),
+    Http(reqwest::Client, Arc<Vec<String>>),
+}
+
+impl Sender {
+    /// Sends one message and waits until it is taken: acked by the stream, or answered by
+    /// every replica.
+    async fn send(&self, conn: usize, w: &Wire) -> Result<(), String> {
+        match self {
+            Self::Nats(js) => {
+                // Publisher `conn`'s connection: one publisher's messages keep their order.
+                let js = &js[conn % js.len()];
+                let p = PublishMessage::build().payload(w.json.clone()).message_id(w.id.as_str());
+                let ack = js.send_publish(w.subject.clone(), p).await.map_err(|e| format!("publish: {e}"))?;
+                ack.await.map(|_| ()).map_err(|e| format!("ack: {e}"))
+            }
+            Self::Http(http, bases) => {
+                let posts = bases.iter().map(|b| {
+                    http.post(format!("{b}/events"))
+                        .header("content-type", "application/json")
+                        .body(w.json.clone())
+                        .send()
+                });
+                for r in futures_util::future::join_all(posts).await {
+                    let r = r.map_err(|e| format!("POST /events: {e}"))?;
+                    if !r.status().is_success() {
+                        return Err(format!("POST /events: {}", r.status()));
+                    }
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
+async fn metric_sum(http: &reqwest::Client, base: &str, name: &str) -> f64 {
+    let Ok(r) = http.get(format!("{base}/metrics")).send().await else { return 0.0 };
+    let text = r.text().await.unwrap_or_default();
+    text.lines()
+        .filter(|l| l.strip_prefix(name).is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' ')))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// CPU seconds (user + system) of process `pid` so far.
+fn cpu_s(pid: u32) -> f64 {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return f64::NAN };
+    // Fields after the command (which may hold spaces) start after the last ')'.
+    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(f64::NAN);
+    // utime and stime are fields 14 and 15 of stat(5): 12 and 13 after the state field.
+    (ticks(11) + ticks(12)) / hz
+}
+
+/// Waits until every replica applied `events` events; returns when each did.
+async fn wait_applied(
+    http: &reqwest::Client,
+    routers: &[RouterHandle],
+    events: f64,
+    within: Duration,
+) -> Result<Vec<Instant>, String> {
+    let t0 = Instant::now();
+    let mut done: Vec<Option<Instant>> = vec![None; routers.len()];
+    while done.iter().any(Option::is_none) {
+        for (i, r) in routers.iter().enumerate() {
+            if done[i].is_none() && metric_sum(http, r.base(), "kvrouter_events_total").await >= events {
+                done[i] = Some(Instant::now());
+            }
+        }
+        if t0.elapsed() > within {
+            let mut have = vec![];
+            for r in routers {
+                have.push(metric_sum(http, r.base(), "kvrouter_events_total").await);
+            }
+            return Err(format!("replicas applied {have:?} of {events} events after {within:?}"));
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    Ok(done.into_iter().flatten().collect())
+}
+
+async fn start_routers(
+    args: &BusArgs,
+    kvrouter: &Path,
+    dir: &Path,
+    nats: Option<&kvnet::bus::NatsConfig>,
+) -> Result<Vec<RouterHandle>, String> {
+    let mut routers = vec![];
+    for r in 0..args.replicas {
+        let d = dir.join(format!("router{r}"));
+        std::fs::create_dir_all(&d).map_err(|e| e.to_string())?;
+        routers.push(RouterHandle::start(Some(kvrouter), &d, bench_router_config(nats)).await?);
+    }
+    Ok(routers)
+}
+
+/// One transport: backlog, then the offered load.
+async fn transport_run(
+    args: &BusArgs,
+    shape: Shape,
+    kvrouter: &Path,
+    dir: &Path,
+    nats: Option<&kvnet::bus::NatsConfig>,
+    backlog: &Backlog,
+) -> Result<TransportReport, String> {
+    let (final_probe, keys) = (&backlog.final_probe, backlog.keys);
+    let backlog = &backlog.wires;
+    let name = if nats.is_some() { "NATS JetStream" } else { "HTTP push" };
+    let mut out = TransportReport { name: name.into(), ..Default::default() };
+    let http = reqwest::Client::builder().pool_max_idle_per_host(64).build().map_err(|e| e.to_string())?;
+    let backlog_events: u64 = backlog.iter().map(|w| w.events).sum();
+    let mut _server = None;
+    let (sender, routers, started) = match nats {
+        Some(cfg) => {
+            let server = kvtests::nats::Nats::start_open(&dir.join("nats"));
+            let cfg = kvnet::bus::NatsConfig { servers: vec![server.url()], ..cfg.clone() };
+            _server = Some(server);
+            let mut js = vec![];
+            for _ in 0..args.connections.max(1) {
+                let c = kvnet::nats::async_nats::connect(cfg.servers[0].as_str()).await.map_err(|e| e.to_string())?;
+                js.push(jetstream::new(c));
+            }
+            kvnet::nats::ensure_stream(&js[0], &cfg).await.map_err(|e| e.to_string())?;
+            let sender = Sender::Nats(Arc::new(js));
+            let t0 = Instant::now();
+            let (last, rest) = backlog.split_last().ok_or("no backlog")?;
+            push_all(&sender, rest).await?;
+            push_all(&sender, std::slice::from_ref(last)).await?;
+            eprintln!("{name}: backlog of {} keys in the stream in {:.1} s", keys, t0.elapsed().as_secs_f64());
+            let Sender::Nats(js) = &sender else { unreachable!() };
+            let drained = drain(&js[0], &cfg, backlog.len()).await?;
+            out.drain_keys_per_s = Some(keys as f64 / drained);
+            eprintln!("{name}: an ordered consumer alone read the backlog in {drained:.2} s");
+            // The replicas start after the stream holds the backlog: they rebuild from it.
+            let started = Instant::now();
+            let routers = start_routers(args, kvrouter, dir, Some(&cfg)).await?;
+            (sender, routers, started)
+        }
+        None => {
+            let routers = start_routers(args, kvrouter, dir, None).await?;
+            let bases = Arc::new(routers.iter().map(|r| r.base().to_string()).collect::<Vec<_>>());
+            let sender = Sender::Http(http.clone(), bases);
+            let started = Instant::now();
+            let (last, rest) = backlog.split_last().ok_or("no backlog")?;
+            push_all(&sender, rest).await?;
+            push_all(&sender, std::slice::from_ref(last)).await?;
+            (sender, routers, started)
+        }
+    };
+    // Each replica applies a transport's messages in order: the final probe seen, all are.
+    let mut slowest = 0.0f64;
+    for r in &routers {
+        let ms = probe(&http, r.base(), 0, final_probe, started, Duration::from_secs(600), 2)
+            .await
+            .ok_or_else(|| format!("{name}: {} did not apply the backlog in 600 s", r.base()))?;
+        slowest = slowest.max(ms / 1e3);
+    }
+    wait_applied(&http, &routers, backlog_events as f64, Duration::from_secs(60)).await?;
+    out.backlog_keys_per_s = keys as f64 / slowest;
+    let cpu: Vec<String> = routers.iter().map(|r| format!("{:.2}", r.pid().map_or(f64::NAN, cpu_s))).collect();
+    let server_cpu = _server.as_ref().and_then(kvtests::nats::Nats::pid).map(cpu_s);
+    eprintln!(
+        "{name}: every replica applied the backlog in {slowest:.2} s (CPU s: replicas {}, nats-server {})",
+        cpu.join(" / "),
+        server_cpu.map_or("-".into(), |c| format!("{c:.2}"))
+    );
+
+    // 2. The offered load, the publishers continuing where the backlog left them.
+    let (pubs, _) = backlog_publishers(args, shape);
+    let cpu0: Vec<f64> = routers.iter().map(|r| r.pid().map_or(f64::NAN, cpu_s)).collect();
+    let (sent_events, sent_keys, lag, send) = offered_load(args, shape, &sender, &routers, pubs).await?;
+    let total = backlog_events + sent_events;
+    out.complete = wait_applied(&http, &routers, total as f64, Duration::from_secs(60)).await.is_ok();
+    let cpu1: Vec<f64> = routers.iter().map(|r| r.pid().map_or(f64::NAN, cpu_s)).collect();
+    out.offered_keys_per_s = sent_keys as f64 / args.seconds as f64;
+    out.cpu_s_per_m = cpu0.iter().zip(&cpu1).map(|(a, b)| (b - a) / (sent_keys as f64 / 1e6)).collect();
+    out.lag = lag;
+    out.send = send;
+    let bytes = metric_sum(&http, routers[0].base(), "kvrouter_index_bytes").await;
+    let blocks = metric_sum(&http, routers[0].base(), "kvrouter_index_blocks").await;
+    out.bytes_per_block = bytes / blocks.max(1.0);
+    for r in routers {
+        r.stop().await?;
+    }
+    Ok(out)
+}
+
+/// Seconds an ordered consumer of the stream (as a replica's, pulling as many at a time) takes
+/// to read `n` messages, doing nothing with them: the bus's own rate.
+async fn drain(js: &jetstream::Context, cfg: &kvnet::bus::NatsConfig, n: usize) -> Result<f64, String> {
+    use kvnet::nats::async_nats::jetstream::consumer;
+    let t0 = Instant::now();
+    let stream = js.get_stream(&cfg.stream).await.map_err(|e| e.to_string())?;
+    let ordered = consumer::pull::OrderedConfig {
+        filter_subject: cfg.filter(),
+        max_batch: kvrouter::nats::PULL_BATCH,
+        ..Default::default()
+    };
+    let mut messages = stream
+        .create_consumer(ordered)
+        .await
+        .map_err(|e| e.to_string())?
+        .messages()
+        .await
+        .map_err(|e| e.to_string())?;
+    let mut bytes = 0usize;
+    for _ in 0..n {
+        match messages.next().await {
+            Some(Ok(m)) => bytes += m.payload.len(),
+            Some(Err(e)) => return Err(format!("draining the stream: {e}")),
+            None => return Err("the stream ended early".into()),
+        }
+    }
+    let s = t0.elapsed().as_secs_f64();
+    eprintln!("  ({n} messages, {:.0} MB)", bytes as f64 / 1e6);
+    Ok(s)
+}
+
+/// Sends every message as fast as the transport takes them, each publisher's in order: on NATS
+/// each publisher's on one connection (which keeps their order), 256 acks awaited behind the
+/// last publish; over HTTP 64 publishers at a time, each one message after the other.
+async fn push_all(sender: &Sender, wires: &[Wire]) -> Result<(), String> {
+    match sender {
+        Sender::Nats(js) => {
+            let conns = js.len();
+            let per_conn = (0..conns).map(|c| async move {
+                let mut acks = std::collections::VecDeque::new();
+                for w in wires.iter().filter(|w| w.publisher % conns == c) {
+                    let p = PublishMessage::build().payload(w.json.clone()).message_id(w.id.as_str());
+                    acks.push_back(
+                        js[c].send_publish(w.subject.clone(), p).await.map_err(|e| format!("publish: {e}"))?,
+                    );
+                    if acks.len() >= 256
+                        && let Some(a) = acks.pop_front()
+                    {
+                        a.await.map_err(|e| format!("ack: {e}"))?;
+                    }
+                }
+                for a in acks {
+                    a.await.map_err(|e| format!("ack: {e}"))?;
+                }
+                Ok::<(), String>(())
+            });
+            futures_util::future::join_all(per_conn).await.into_iter().collect()
+        }
+        Sender::Http(..) => {
+            let mut by_pub: std::collections::BTreeMap<usize, Vec<&Wire>> = Default::default();
+            for w in wires {
+                by_pub.entry(w.publisher).or_default().push(w);
+            }
+            let results: Vec<Result<(), String>> = futures_util::stream::iter(by_pub.into_values())
+                .map(|ws| async move {
+                    for w in ws {
+                        sender.send(w.publisher, w).await?;
+                    }
+                    Ok(())
+                })
+                .buffer_unordered(64)
+                .collect()
+                .await;
+            results.into_iter().collect()
+        }
+    }
+}
+
+type Offered = (u64, u64, Quantiles, Quantiles);
+
+/// `args.seconds` of every publisher's reports, publisher `i` at `i / publishers` into each
+/// second; the first `args.probes` publishers' messages carry a probe chain that every replica
+/// is polled for.
+async fn offered_load(
+    args: &BusArgs,
+    shape: Shape,
+    sender: &Sender,
+    routers: &[RouterHandle],
+    pubs: Vec<Publisher>,
+) -> Result<Offered, String> {
+    let bases: Arc<Vec<String>> = Arc::new(routers.iter().map(|r| r.base().to_string()).collect());
+    let lags = Arc::new(Mutex::new((Vec::new(), 0usize)));
+    let sends = Arc::new(Mutex::new((Vec::new(), 0usize)));
+    let counts = Arc::new(Mutex::new((0u64, 0u64)));
+    let probe_http = reqwest::Client::builder().pool_max_idle_per_host(64).build().map_err(|e| e.to_string())?;
+    let cfg = kvnet::bus::NatsConfig { cluster: "bench".into(), ..Default::default() };
+    let n = args.publishers;
+    let conns = args.connections.max(1);
+    let t0 = tokio::time::Instant::now() + Duration::from_millis(100);
+    let pubs = Arc::new(Mutex::new(pubs));
+    // In flight at once: the sends and probes of ~2 s.
+    let limit = Arc::new(tokio::sync::Semaphore::new(4 * n + 64));
+    let mut tasks = vec![];
+    for c in 0..conns {
+        let (sender, bases, lags, sends, counts, pubs, limit, http, cfg) = (
+            sender.clone(),
+            Arc::clone(&bases),
+            Arc::clone(&lags),
+            Arc::clone(&sends),
+            Arc::clone(&counts),
+            Arc::clone(&pubs),
+            Arc::clone(&limit),
+            probe_http.clone(),
+            cfg.clone(),
+        );
+        let seconds = args.seconds;
+        let probes = args.probes;
+        tasks.push(tokio::spawn(async move {
+            for s in 0..seconds {
+                for i in (c..n).step_by(conns) {
+                    let due = t0 + Duration::from_secs(s) + Duration::from_secs_f64(i as f64 / n as f64);
+                    tokio::time::sleep_until(due).await;
+                    let sec = pubs.lock()[i].second(shape, i < probes);
+                    let Ok(w) = wire(i, &sec.message, sec.keys, cfg.subject(&workload::node(i))) else { continue };
+                    {
+                        let mut k = counts.lock();
+                        k.0 += w.events;
+                        k.1 += w.keys;
+                    }
+                    let Ok(permit) = Arc::clone(&limit).acquire_owned().await else { return };
+                    let at = Instant::now();
+                    let (sender, sends) = (sender.clone(), Arc::clone(&sends));
+                    tokio::spawn(async move {
+                        let r = sender.send(w.publisher, &w).await;
+                        let mut g = sends.lock();
+                        match r {
+                            Ok(()) => g.0.push(at.elapsed().as_secs_f64() * 1e3),
+                            Err(_) => g.1 += 1,
+                        }
+                        drop(permit);
+                    });
+                    if let Some(chain) = sec.probe {
+                        for b in bases.iter() {
+                            let (http, lags, b, chain) = (http.clone(), Arc::clone(&lags), b.clone(), chain.clone());
+                            tokio::spawn(async move {
+                                let r = probe(&http, &b, i, &chain, at, Duration::from_secs(10), 1).await;
+                                let mut g = lags.lock();
+                                match r {
+                                    Some(ms) => g.0.push(ms),
+                                    None => g.1 += 1,
+                                }
+                            });
+                        }
+                    }
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.map_err(|e| e.to_string())?;
+    }
+    // The last sends and probes.
+    let _ = limit.acquire_many(4 * n as u32 + 64).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let (events, keys) = *counts.lock();
+    let (l, lm) = std::mem::take(&mut *lags.lock());
+    let (s, sm) = std::mem::take(&mut *sends.lock());
+    Ok((events, keys, quantiles(l, lm), quantiles(s, sm)))
+}
+
+/// Milliseconds from `at` until the replica at `base` routes `chain` to publisher `i`'s worker
+/// with every block of it cached (asking every `every_ms`); `None` after `within`.
+async fn probe(
+    http: &reqwest::Client,
+    base: &str,
+    i: usize,
+    chain: &[kvproto::BlockKey],
+    at: Instant,
+    within: Duration,
+    every_ms: u64,
+) -> Option<f64> {
+    let keys: Vec<String> = chain.iter().map(ToString::to_string).collect();
+    let body = serde_json::json!({"namespace_id": workload::NAMESPACE.to_string(), "keys": keys});
+    let want = workload::worker(i);
+    while at.elapsed() < within {
+        if let Ok(r) = http.post(format!("{base}/route")).json(&body).send().await
+            && let Ok(v) = r.json::<serde_json::Value>().await
+            && v["worker"].as_str() == Some(want.as_str())
+            && v["cached_blocks"][1].as_u64() == Some(chain.len() as u64)
+        {
+            return Some(at.elapsed().as_secs_f64() * 1e3);
+        }
+        tokio::time::sleep(Duration::from_millis(every_ms)).await;
+    }
+    None
+}
+
+/// The report as Markdown.
+pub fn markdown(r: &BusReport, args: &BusArgs) -> String {
+    let mut s = format!(
+        "{} publishers x {} block events/s (chains of {}, {} blocks held each), {} replicas, {} s per transport; \
+         backlog {} keys ({} s of every publisher)\n\n",
+        r.publishers,
+        args.events_per_s,
+        args.chain,
+        args.capacity,
+        args.replicas,
+        args.seconds,
+        r.backlog_keys,
+        args.backlog_s
+    );
+    s += "| ingest of the backlog | M keys/s | / index |\n|---|---|---|\n";
+    s += &format!("| index in process (kvrouter-core store/remove) | {:.2} | 1.00x |\n", r.index_keys_per_s / 1e6);
+    s += &format!(
+        "| router in process (JSON decode + ingest) | {:.2} | {:.2}x |\n",
+        r.router_keys_per_s / 1e6,
+        r.router_keys_per_s / r.index_keys_per_s
+    );
+    s += &format!(
+        "| - of it, JSON decode alone | {:.2} | {:.2}x |\n",
+        r.decode_keys_per_s / 1e6,
+        r.decode_keys_per_s / r.index_keys_per_s
+    );
+    s += &format!(
+        "| - of it, ingest of decoded messages alone | {:.2} | {:.2}x |\n",
+        r.ingest_keys_per_s / 1e6,
+        r.ingest_keys_per_s / r.index_keys_per_s
+    );
+    for t in &r.transports {
+        if let Some(d) = t.drain_keys_per_s {
+            s += &format!(
+                "| an ordered consumer alone, reading ({}) | {:.2} | {:.2}x |\n",
+                t.name,
+                d / 1e6,
+                d / r.index_keys_per_s
+            );
+        }
+        s += &format!(
+            "| {} replicas, slowest ({}) | {:.2} | {:.2}x |\n",
+            args.replicas,
+            t.name,
+            t.backlog_keys_per_s / 1e6,
+            t.backlog_keys_per_s / r.index_keys_per_s
+        );
+    }
+    s += "\n| at the offered load | keys/s offered | lag p50 / p99 / max ms (n, missing) | send p50 / p99 ms | router CPU s per M events | all applied | index bytes / block |\n|---|---|---|---|---|---|---|\n";
+    for t in &r.transports {
+        let cpu: Vec<String> = t.cpu_s_per_m.iter().map(|c| format!("{c:.3}")).collect();
+        s += &format!(
+            "| {} | {:.0} | {:.1} / {:.1} / {:.1} ({}, {}) | {:.1} / {:.1} | {} | {} | {:.1} |\n",
+            t.name,
+            t.offered_keys_per_s,
+            t.lag.p50,
+            t.lag.p99,
+            t.lag.max,
+            t.lag.n,
+            t.lag.missing,
+            t.send.p50,
+            t.send.p99,
+            cpu.join(" / "),
+            if t.complete { "yes" } else { "NO" },
+            t.bytes_per_block
+        );
+    }
+    s += &format!("\nIn-process index: {:.1} bytes / block.\n", r.index_bytes_per_block);
+    s
+}
