@@ -47,6 +47,10 @@ const BATCH: usize = 512;
 /// first (a PUB socket sends a peer nothing before), and subscribers connecting together share
 /// one snapshot.
 const SNAPSHOT_DELAY: Duration = Duration::from_millis(300);
+/// A second snapshot this long after a subscriber connects, for one whose subscription arrived
+/// after the first went out (the socket does not say when it does): under load that is more
+/// than [`SNAPSHOT_DELAY`]. A consumer that got the first reads the same blocks stored again.
+const SNAPSHOT_AGAIN: Duration = Duration::from_secs(3);
 /// Events per snapshot message, and the pause between two: ~64k events/s (~20 MB/s of 16-token
 /// blocks), which a subscriber's socket drains without the PUB socket dropping messages.
 const SNAPSHOT_CHUNK: usize = 64;
@@ -125,7 +129,7 @@ impl VllmExport {
                 o.entry(r.key).or_insert(Origin { hash: r.hash, parent: r.parent, tokens: r.tokens, tiers: 0 });
             }
         }
-        let joins = exporter.subscriber_joins();
+        let joins = exporter.subscriber_joins(SNAPSHOT_AGAIN);
         let (announced, ready) = watch::channel(false);
         tokio::spawn(send_loop(exporter, rx, joins, Arc::clone(&origins), ready));
         tracing::info!(endpoint = %bound, replay = ?replay_bound, "exporting tier events in vLLM's format");
@@ -453,6 +457,38 @@ mod tests {
         assert_eq!(media.len(), 2);
         assert!(media.contains(&medium_of(TierKind::G2Host)) && media.contains(&medium_of(TierKind::G3Disk)));
         assert!(!stored.iter().any(|(h, _, _)| *h == 60));
+    }
+
+    /// A subscriber whose subscription arrives after the first snapshot went out (a PUB socket
+    /// sends a peer nothing before its subscription) gets the blocks from the second.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_subscriber_subscribing_late_is_sent_the_blocks_held_by_the_second_snapshot() {
+        use zeromq::{Socket, SocketRecv};
+        let export = VllmExport::start("tcp://127.0.0.1:0", "", None, None).await.unwrap();
+        let keys: Vec<BlockKey> = (0..5).map(key).collect();
+        let tokens: Vec<u32> = (0..5 * 16).collect();
+        export.note_save(&keys, &tokens, 16, 0, 5);
+        for k in &keys {
+            export.stored(TierKind::G2Host, k);
+        }
+        export.announced();
+        let mut sub = zeromq::SubSocket::new();
+        sub.connect(export.endpoint()).await.unwrap();
+        // Connected, but subscribed only after the first snapshot went out.
+        tokio::time::sleep(SNAPSHOT_DELAY * 3).await;
+        sub.subscribe("").await.unwrap();
+        let mut seen = std::collections::HashSet::new();
+        let deadline = tokio::time::Instant::now() + SNAPSHOT_AGAIN + Duration::from_secs(3);
+        while seen.len() < keys.len() {
+            let Ok(m) = tokio::time::timeout_at(deadline, sub.recv()).await else {
+                panic!("{} of {} blocks after the second snapshot's time", seen.len(), keys.len());
+            };
+            for e in kvproto::vllm::decode_batch(m.unwrap().get(2).unwrap()).unwrap().events {
+                if let VllmEvent::BlockStored { block_hashes, .. } = e {
+                    seen.extend(block_hashes);
+                }
+            }
+        }
     }
 
     /// A subscriber that joins while a restarted daemon is still starting (the socket is bound

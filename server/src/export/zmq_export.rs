@@ -133,18 +133,27 @@ impl VllmExporter {
         self.encoding = e;
     }
 
-    /// One message per subscriber that connects from now on (from the socket's monitor), so
-    /// that the publisher can send a newcomer what it already holds: a PUB socket drops what
-    /// was sent before a subscriber joined.
-    pub fn subscriber_joins(&mut self) -> tokio::sync::mpsc::Receiver<()> {
+    /// A message when a subscriber connects (from the socket's monitor), and another `again`
+    /// later, so that the publisher can send a newcomer what it already holds: a PUB socket
+    /// drops what was sent before a subscriber joined, and the socket does not tell when the
+    /// newcomer's subscription arrives (a peer slow to send it misses what goes out at once).
+    pub fn subscriber_joins(&mut self, again: Duration) -> tokio::sync::mpsc::Receiver<()> {
         use tokio_stream::StreamExt;
         let mut events = self.sock.monitor();
         let (tx, rx) = tokio::sync::mpsc::channel(16);
         tokio::spawn(async move {
             while let Some(ev) = events.next().await {
-                if matches!(ev, zeromq::SocketEvent::Accepted(..)) && tx.send(()).await.is_err() {
+                if !matches!(ev, zeromq::SocketEvent::Accepted(..)) {
+                    continue;
+                }
+                if tx.send(()).await.is_err() {
                     break;
                 }
+                let later = tx.clone();
+                tokio::spawn(async move {
+                    tokio::time::sleep(again).await;
+                    let _ = later.send(()).await;
+                });
             }
         });
         rx
