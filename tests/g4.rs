@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use kvclient::{Client, KvMemory};
 use kvproto::{KvLayout, Namespace};
 use kvtests::fixture::{attach, check, filled_memory, worker};
+use kvtests::proc::free_port;
 use kvtests::s3::{ACCESS_KEY, SECRET_KEY, SeaweedFs};
 use object_store::ObjectStoreExt;
 
@@ -67,10 +68,6 @@ impl<'a> Setup<'a> {
             router: String::new(),
         }
     }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
 fn spawn(dir: &Path, s: &Setup<'_>) -> Daemon {

@@ -47,7 +47,7 @@ impl Nats {
     /// Starts a server with users `router` and `daemon-<node>` for each of `nodes`, each
     /// confined to the subjects `docs/router.md` lists.
     pub fn start(dir: &Path, nodes: &[&str]) -> Self {
-        let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).unwrap();
+        let port = crate::proc::free_port();
         std::fs::create_dir_all(dir.join("js")).unwrap();
         let stream = NatsConfig::default().stream;
         let api = "$JS.API";
@@ -73,7 +73,7 @@ impl Nats {
     /// Starts a server without users: anyone reaching the port may publish and read (for
     /// benchmarks on loopback only).
     pub fn start_open(dir: &Path) -> Self {
-        let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).unwrap();
+        let port = crate::proc::free_port();
         std::fs::create_dir_all(dir.join("js")).unwrap();
         Self::start_conf(dir, port, "")
     }

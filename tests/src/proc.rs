@@ -28,12 +28,52 @@ impl Drop for DaemonProc {
     }
 }
 
-/// A free TCP port on loopback (racy by nature; fine for tests).
+/// A free TCP port on loopback for a process to listen on: see [`free_ports`].
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .unwrap_or_else(|e| panic!("no free port: {e}"))
+    free_ports(1)[0]
+}
+
+/// Ports [`free_ports`] returned in this process.
+static GIVEN: std::sync::Mutex<std::collections::BTreeSet<u16>> =
+    std::sync::Mutex::new(std::collections::BTreeSet::new());
+
+/// `n` TCP ports on loopback, free now, that no earlier call in this process returned, for
+/// processes started afterwards to listen on. They come from below the kernel's ephemeral range
+/// (`ip_local_port_range`): a port from `bind(0)` is taken back by any outgoing connection or
+/// `bind(0)` of the machine until its process binds it, and under the full suite's load that
+/// window is long and such connections many. Where the range leaves no room below it, ports
+/// come from `bind(0)` (all held together, so distinct).
+pub fn free_ports(n: usize) -> Vec<u16> {
+    let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32768);
+    const FIRST: u16 = 10_000;
+    let mut given = GIVEN.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    if low < FIRST + 1000 {
+        let held: Vec<std::net::TcpListener> = (0..n)
+            .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap_or_else(|e| panic!("no free port: {e}")))
+            .collect();
+        return held.iter().filter_map(|l| l.local_addr().ok()).map(|a| a.port()).collect();
+    }
+    let span = u32::from(low - FIRST);
+    // Where in the band to start: apart for processes started together.
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
+    let mut at = (std::process::id().wrapping_mul(7919) ^ nanos) % span;
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..span {
+        if out.len() == n {
+            break;
+        }
+        at = (at + 1) % span;
+        let port = FIRST + at as u16;
+        if !given.contains(&port) && std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            given.insert(port);
+            out.push(port);
+        }
+    }
+    assert_eq!(out.len(), n, "no {n} free ports between {FIRST} and {low}");
+    out
 }
 
 impl DaemonProc {

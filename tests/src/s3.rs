@@ -31,17 +31,10 @@ pub fn weed() -> PathBuf {
     })
 }
 
-/// `n` ports free now (bound then released).
-fn free_ports(n: usize) -> Vec<u16> {
-    let held: Vec<std::net::TcpListener> =
-        (0..n).filter_map(|_| std::net::TcpListener::bind("127.0.0.1:0").ok()).collect();
-    held.iter().filter_map(|l| l.local_addr().ok()).map(|a| a.port()).collect()
-}
-
 impl SeaweedFs {
     /// Starts a server keeping its data in `dir`; panics with what to do when `weed` is missing.
     pub fn start(dir: &Path) -> Self {
-        let ports = free_ports(12);
+        let ports = crate::proc::free_ports(12);
         assert_eq!(ports.len(), 12, "no free ports");
         let mut s =
             Self { child: None, dir: dir.to_path_buf(), endpoint: format!("http://127.0.0.1:{}", ports[0]), ports };
