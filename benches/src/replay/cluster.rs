@@ -10,12 +10,10 @@ use std::time::{Duration, Instant};
 use super::ReplayConfig;
 use super::report::NodeStats;
 
-/// A free TCP port on loopback (bound, then released for a child to take).
+/// A free TCP port on loopback for a child to listen on, from below the ephemeral range
+/// ([`kvtests::proc::free_ports`]: no connection takes it before the child binds it).
 pub fn free_port() -> Result<u16, String> {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .map_err(|e| format!("no free port: {e}"))
+    Ok(kvtests::proc::free_port())
 }
 
 use crate::child::Managed;

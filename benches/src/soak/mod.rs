@@ -99,10 +99,7 @@ fn tail(path: &Path) -> String {
 }
 
 fn free_port() -> Result<u16, String> {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .map_err(|e| format!("no free port: {e}"))
+    crate::replay::cluster::free_port()
 }
 
 /// A binary beside this kvbench (the same `cargo build --release`), or `given`.
