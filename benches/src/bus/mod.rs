@@ -19,8 +19,12 @@
 //!
 //! # Layout
 //! - [`workload`]: the simulated publishers and their messages.
-//! - this file: the phases, the transports and the report.
+//! - `send.rs`: a message as it travels, and the two transports' sending ends.
+//! - `report.rs`: the figures and their Markdown.
+//! - this file: the phases and the measurements.
 
+mod report;
+mod send;
 pub mod workload;
 
 use std::path::{Path, PathBuf};
@@ -28,13 +32,15 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::Args;
-use futures_util::StreamExt;
-use kvnet::nats::async_nats::jetstream::{self, message::PublishMessage};
+use kvnet::nats::async_nats::jetstream;
 use kvproto::events::{EventBody, PublisherMessage};
 use kvrouter::index::{BlockIndex, Slot};
 use parking_lot::Mutex;
 
 use crate::replay::cluster::RouterHandle;
+use report::quantiles;
+pub use report::{BusReport, Quantiles, TransportReport, markdown};
+use send::{Sender, Wire, drain, push_backlog, wire};
 use workload::{Publisher, Shape};
 
 /// `kvbench bus`.
@@ -80,86 +86,12 @@ pub struct BusArgs {
     pub dir: Option<PathBuf>,
 }
 
-/// Latency quantiles in milliseconds.
-#[derive(Debug, Default, Clone)]
-pub struct Quantiles {
-    pub n: usize,
-    pub p50: f64,
-    pub p99: f64,
-    pub max: f64,
-    /// Samples that never completed (probes not seen within 10 s, failed sends).
-    pub missing: usize,
-}
-
-fn quantiles(mut ms: Vec<f64>, missing: usize) -> Quantiles {
-    ms.sort_by(f64::total_cmp);
-    let at = |q: f64| ms.get(((ms.len() as f64 * q).ceil() as usize).saturating_sub(1)).copied().unwrap_or(f64::NAN);
-    Quantiles { n: ms.len(), p50: at(0.5), p99: at(0.99), max: ms.last().copied().unwrap_or(f64::NAN), missing }
-}
-
-/// One transport's figures.
-#[derive(Debug, Default, Clone)]
-pub struct TransportReport {
-    pub name: String,
-    /// Backlog keys per second applied by the slowest replica (from its start, or the first POST).
-    pub backlog_keys_per_s: f64,
-    /// NATS only: an ordered consumer alone reading the backlog (keys of it a second).
-    pub drain_keys_per_s: Option<f64>,
-    /// Offered block events a second during the load phase, and those the replicas applied.
-    pub offered_keys_per_s: f64,
-    pub lag: Quantiles,
-    pub send: Quantiles,
-    /// Router CPU seconds per million block events applied, each replica.
-    pub cpu_s_per_m: Vec<f64>,
-    /// Every replica applied every event published.
-    pub complete: bool,
-    pub bytes_per_block: f64,
-}
-
-/// The whole run.
-#[derive(Debug, Default, Clone)]
-pub struct BusReport {
-    pub publishers: usize,
-    pub backlog_keys: u64,
-    pub index_keys_per_s: f64,
-    pub router_keys_per_s: f64,
-    /// Its parts: JSON decoding alone, ingest of decoded messages alone.
-    pub decode_keys_per_s: f64,
-    pub ingest_keys_per_s: f64,
-    pub index_bytes_per_block: f64,
-    pub transports: Vec<TransportReport>,
-}
-
 /// What every transport's replicas are first given: the messages, the probe chain of the last
 /// one, the keys in all.
 struct Backlog {
     wires: Vec<Wire>,
     final_probe: Vec<kvproto::BlockKey>,
     keys: u64,
-}
-
-/// A message ready to send: subject, JetStream message id, JSON.
-struct Wire {
-    publisher: usize,
-    subject: String,
-    id: String,
-    json: bytes::Bytes,
-    events: u64,
-    keys: u64,
-}
-
-fn wire(publisher: usize, m: &PublisherMessage, keys: u64, subject: String) -> Result<Wire, String> {
-    let first = m.events.first().map_or(0, |e| e.id);
-    let last = m.events.last().map_or(0, |e| e.id);
-    let json = serde_json::to_vec(m).map_err(|e| e.to_string())?;
-    Ok(Wire {
-        publisher,
-        subject,
-        id: format!("{}:{}:{first}-{last}", m.publisher, m.epoch),
-        json: json.into(),
-        events: m.events.len() as u64,
-        keys,
-    })
 }
 
 /// Runs the benchmark.
@@ -294,44 +226,6 @@ fn bench_router_config(nats: Option<&kvnet::bus::NatsConfig>) -> kvrouter::Route
     c
 }
 
-/// How messages travel to the replicas.
-#[derive(Clone)]
-enum Sender {
-    Nats(Arc<Vec<jetstream::Context>>),
-    Http(reqwest::Client, Arc<Vec<String>>),
-}
-
-impl Sender {
-    /// Sends one message and waits until it is taken: acked by the stream, or answered by
-    /// every replica.
-    async fn send(&self, conn: usize, w: &Wire) -> Result<(), String> {
-        match self {
-            Self::Nats(js) => {
-                // Publisher `conn`'s connection: one publisher's messages keep their order.
-                let js = &js[conn % js.len()];
-                let p = PublishMessage::build().payload(w.json.clone()).message_id(w.id.as_str());
-                let ack = js.send_publish(w.subject.clone(), p).await.map_err(|e| format!("publish: {e}"))?;
-                ack.await.map(|_| ()).map_err(|e| format!("ack: {e}"))
-            }
-            Self::Http(http, bases) => {
-                let posts = bases.iter().map(|b| {
-                    http.post(format!("{b}/events"))
-                        .header("content-type", "application/json")
-                        .body(w.json.clone())
-                        .send()
-                });
-                for r in futures_util::future::join_all(posts).await {
-                    let r = r.map_err(|e| format!("POST /events: {e}"))?;
-                    if !r.status().is_success() {
-                        return Err(format!("POST /events: {}", r.status()));
-                    }
-                }
-                Ok(())
-            }
-        }
-    }
-}
-
 async fn metric_sum(http: &reqwest::Client, base: &str, name: &str) -> f64 {
     let Ok(r) = http.get(format!("{base}/metrics")).send().await else { return 0.0 };
     let text = r.text().await.unwrap_or_default();
@@ -405,62 +299,37 @@ async fn transport_run(
     nats: Option<&kvnet::bus::NatsConfig>,
     backlog: &Backlog,
 ) -> Result<TransportReport, String> {
-    let (final_probe, keys) = (&backlog.final_probe, backlog.keys);
-    let backlog = &backlog.wires;
     let name = if nats.is_some() { "NATS JetStream" } else { "HTTP push" };
     let mut out = TransportReport { name: name.into(), ..Default::default() };
     let http = reqwest::Client::builder().pool_max_idle_per_host(64).build().map_err(|e| e.to_string())?;
-    let backlog_events: u64 = backlog.iter().map(|w| w.events).sum();
-    let mut _server = None;
-    let (sender, routers, started) = match nats {
+    let backlog_events: u64 = backlog.wires.iter().map(|w| w.events).sum();
+    let (sender, routers, started, server) = match nats {
         Some(cfg) => {
-            let server = kvtests::nats::Nats::start_open(&dir.join("nats"));
-            let cfg = kvnet::bus::NatsConfig { servers: vec![server.url()], ..cfg.clone() };
-            _server = Some(server);
-            let mut js = vec![];
-            for _ in 0..args.connections.max(1) {
-                let c = kvnet::nats::async_nats::connect(cfg.servers[0].as_str()).await.map_err(|e| e.to_string())?;
-                js.push(jetstream::new(c));
-            }
-            kvnet::nats::ensure_stream(&js[0], &cfg).await.map_err(|e| e.to_string())?;
-            let sender = Sender::Nats(Arc::new(js));
-            let t0 = Instant::now();
-            let (last, rest) = backlog.split_last().ok_or("no backlog")?;
-            push_all(&sender, rest).await?;
-            push_all(&sender, std::slice::from_ref(last)).await?;
-            eprintln!("{name}: backlog of {} keys in the stream in {:.1} s", keys, t0.elapsed().as_secs_f64());
-            let Sender::Nats(js) = &sender else { unreachable!() };
-            let drained = drain(&js[0], &cfg, backlog.len()).await?;
-            out.drain_keys_per_s = Some(keys as f64 / drained);
-            eprintln!("{name}: an ordered consumer alone read the backlog in {drained:.2} s");
-            // The replicas start after the stream holds the backlog: they rebuild from it.
-            let started = Instant::now();
-            let routers = start_routers(args, kvrouter, dir, Some(&cfg)).await?;
-            (sender, routers, started)
+            let (sender, routers, started, server, drained) = nats_backlog(args, kvrouter, dir, cfg, backlog).await?;
+            out.drain_keys_per_s = Some(backlog.keys as f64 / drained);
+            (sender, routers, started, Some(server))
         }
         None => {
             let routers = start_routers(args, kvrouter, dir, None).await?;
             let bases = Arc::new(routers.iter().map(|r| r.base().to_string()).collect::<Vec<_>>());
             let sender = Sender::Http(http.clone(), bases);
             let started = Instant::now();
-            let (last, rest) = backlog.split_last().ok_or("no backlog")?;
-            push_all(&sender, rest).await?;
-            push_all(&sender, std::slice::from_ref(last)).await?;
-            (sender, routers, started)
+            push_backlog(&sender, &backlog.wires).await?;
+            (sender, routers, started, None)
         }
     };
     // Each replica applies a transport's messages in order: the final probe seen, all are.
     let mut slowest = 0.0f64;
     for r in &routers {
-        let ms = probe(&http, r.base(), 0, final_probe, started, Duration::from_secs(600), 2)
+        let ms = probe(&http, r.base(), 0, &backlog.final_probe, started, Duration::from_secs(600), 2)
             .await
             .ok_or_else(|| format!("{name}: {} did not apply the backlog in 600 s", r.base()))?;
         slowest = slowest.max(ms / 1e3);
     }
     wait_applied(&http, &routers, backlog_events as f64, Duration::from_secs(60)).await?;
-    out.backlog_keys_per_s = keys as f64 / slowest;
+    out.backlog_keys_per_s = backlog.keys as f64 / slowest;
     let cpu: Vec<String> = routers.iter().map(|r| format!("{:.2}", r.pid().map_or(f64::NAN, cpu_s))).collect();
-    let server_cpu = _server.as_ref().and_then(kvtests::nats::Nats::pid).map(cpu_s);
+    let server_cpu = server.as_ref().and_then(kvtests::nats::Nats::pid).map(cpu_s);
     eprintln!(
         "{name}: every replica applied the backlog in {slowest:.2} s (CPU s: replicas {}, nats-server {})",
         cpu.join(" / "),
@@ -476,8 +345,7 @@ async fn transport_run(
     let cpu1: Vec<f64> = routers.iter().map(|r| r.pid().map_or(f64::NAN, cpu_s)).collect();
     out.offered_keys_per_s = sent_keys as f64 / args.seconds as f64;
     out.cpu_s_per_m = cpu0.iter().zip(&cpu1).map(|(a, b)| (b - a) / (sent_keys as f64 / 1e6)).collect();
-    out.lag = lag;
-    out.send = send;
+    (out.lag, out.send) = (lag, send);
     let bytes = metric_sum(&http, routers[0].base(), "kvrouter_index_bytes").await;
     let blocks = metric_sum(&http, routers[0].base(), "kvrouter_index_blocks").await;
     out.bytes_per_block = bytes / blocks.max(1.0);
@@ -487,85 +355,55 @@ async fn transport_run(
     Ok(out)
 }
 
-/// Seconds an ordered consumer of the stream (as a replica's, pulling as many at a time) takes
-/// to read `n` messages, doing nothing with them: the bus's own rate.
-async fn drain(js: &jetstream::Context, cfg: &kvnet::bus::NatsConfig, n: usize) -> Result<f64, String> {
-    use kvnet::nats::async_nats::jetstream::consumer;
+/// NATS's first phase: a server, the publishers' connections and the stream; the backlog put
+/// in it; an ordered consumer alone reading it (seconds, the last value); then the replicas,
+/// started after the stream holds the backlog, so that they rebuild from it.
+async fn nats_backlog(
+    args: &BusArgs,
+    kvrouter: &Path,
+    dir: &Path,
+    cfg: &kvnet::bus::NatsConfig,
+    backlog: &Backlog,
+) -> Result<(Sender, Vec<RouterHandle>, Instant, kvtests::nats::Nats, f64), String> {
+    let server = kvtests::nats::Nats::start_open(&dir.join("nats"));
+    let cfg = kvnet::bus::NatsConfig { servers: vec![server.url()], ..cfg.clone() };
+    let mut js = vec![];
+    for _ in 0..args.connections.max(1) {
+        let c = kvnet::nats::async_nats::connect(cfg.servers[0].as_str()).await.map_err(|e| e.to_string())?;
+        js.push(jetstream::new(c));
+    }
+    kvnet::nats::ensure_stream(&js[0], &cfg).await.map_err(|e| e.to_string())?;
+    let first = js[0].clone();
+    let sender = Sender::Nats(Arc::new(js));
     let t0 = Instant::now();
-    let stream = js.get_stream(&cfg.stream).await.map_err(|e| e.to_string())?;
-    let ordered = consumer::pull::OrderedConfig {
-        filter_subject: cfg.filter(),
-        max_batch: kvrouter::nats::PULL_BATCH,
-        ..Default::default()
-    };
-    let mut messages = stream
-        .create_consumer(ordered)
-        .await
-        .map_err(|e| e.to_string())?
-        .messages()
-        .await
-        .map_err(|e| e.to_string())?;
-    let mut bytes = 0usize;
-    for _ in 0..n {
-        match messages.next().await {
-            Some(Ok(m)) => bytes += m.payload.len(),
-            Some(Err(e)) => return Err(format!("draining the stream: {e}")),
-            None => return Err("the stream ended early".into()),
-        }
-    }
-    let s = t0.elapsed().as_secs_f64();
-    eprintln!("  ({n} messages, {:.0} MB)", bytes as f64 / 1e6);
-    Ok(s)
-}
-
-/// Sends every message as fast as the transport takes them, each publisher's in order: on NATS
-/// each publisher's on one connection (which keeps their order), 256 acks awaited behind the
-/// last publish; over HTTP 64 publishers at a time, each one message after the other.
-async fn push_all(sender: &Sender, wires: &[Wire]) -> Result<(), String> {
-    match sender {
-        Sender::Nats(js) => {
-            let conns = js.len();
-            let per_conn = (0..conns).map(|c| async move {
-                let mut acks = std::collections::VecDeque::new();
-                for w in wires.iter().filter(|w| w.publisher % conns == c) {
-                    let p = PublishMessage::build().payload(w.json.clone()).message_id(w.id.as_str());
-                    acks.push_back(
-                        js[c].send_publish(w.subject.clone(), p).await.map_err(|e| format!("publish: {e}"))?,
-                    );
-                    if acks.len() >= 256
-                        && let Some(a) = acks.pop_front()
-                    {
-                        a.await.map_err(|e| format!("ack: {e}"))?;
-                    }
-                }
-                for a in acks {
-                    a.await.map_err(|e| format!("ack: {e}"))?;
-                }
-                Ok::<(), String>(())
-            });
-            futures_util::future::join_all(per_conn).await.into_iter().collect()
-        }
-        Sender::Http(..) => {
-            let mut by_pub: std::collections::BTreeMap<usize, Vec<&Wire>> = Default::default();
-            for w in wires {
-                by_pub.entry(w.publisher).or_default().push(w);
-            }
-            let results: Vec<Result<(), String>> = futures_util::stream::iter(by_pub.into_values())
-                .map(|ws| async move {
-                    for w in ws {
-                        sender.send(w.publisher, w).await?;
-                    }
-                    Ok(())
-                })
-                .buffer_unordered(64)
-                .collect()
-                .await;
-            results.into_iter().collect()
-        }
-    }
+    push_backlog(&sender, &backlog.wires).await?;
+    eprintln!("NATS: backlog of {} keys in the stream in {:.1} s", backlog.keys, t0.elapsed().as_secs_f64());
+    let drained = drain(&first, &cfg, backlog.wires.len()).await?;
+    eprintln!("NATS: an ordered consumer alone read the backlog in {drained:.2} s");
+    let started = Instant::now();
+    let routers = start_routers(args, kvrouter, dir, Some(&cfg)).await?;
+    Ok((sender, routers, started, server, drained))
 }
 
 type Offered = (u64, u64, Quantiles, Quantiles);
+
+/// What the publishing tasks of the offered load share.
+struct Load {
+    shape: Shape,
+    sender: Sender,
+    bases: Vec<String>,
+    http: reqwest::Client,
+    cfg: kvnet::bus::NatsConfig,
+    probes: usize,
+    pubs: Mutex<Vec<Publisher>>,
+    /// Sends and probes in flight at once (~2 s of them).
+    limit: Arc<tokio::sync::Semaphore>,
+    /// Latencies (ms) and failures: publish-to-applied, and the sends.
+    lags: Mutex<(Vec<f64>, usize)>,
+    sends: Mutex<(Vec<f64>, usize)>,
+    /// Events and keys sent.
+    counts: Mutex<(u64, u64)>,
+}
 
 /// `args.seconds` of every publisher's reports, publisher `i` at `i / publishers` into each
 /// second; the first `args.probes` publishers' messages carry a probe chain that every replica
@@ -577,69 +415,34 @@ async fn offered_load(
     routers: &[RouterHandle],
     pubs: Vec<Publisher>,
 ) -> Result<Offered, String> {
-    let bases: Arc<Vec<String>> = Arc::new(routers.iter().map(|r| r.base().to_string()).collect());
-    let lags = Arc::new(Mutex::new((Vec::new(), 0usize)));
-    let sends = Arc::new(Mutex::new((Vec::new(), 0usize)));
-    let counts = Arc::new(Mutex::new((0u64, 0u64)));
-    let probe_http = reqwest::Client::builder().pool_max_idle_per_host(64).build().map_err(|e| e.to_string())?;
-    let cfg = kvnet::bus::NatsConfig { cluster: "bench".into(), ..Default::default() };
     let n = args.publishers;
+    let in_flight = 4 * n + 64;
+    let load = Arc::new(Load {
+        shape,
+        sender: sender.clone(),
+        bases: routers.iter().map(|r| r.base().to_string()).collect(),
+        http: reqwest::Client::builder().pool_max_idle_per_host(64).build().map_err(|e| e.to_string())?,
+        cfg: kvnet::bus::NatsConfig { cluster: "bench".into(), ..Default::default() },
+        probes: args.probes,
+        pubs: Mutex::new(pubs),
+        limit: Arc::new(tokio::sync::Semaphore::new(in_flight)),
+        lags: Mutex::default(),
+        sends: Mutex::default(),
+        counts: Mutex::default(),
+    });
     let conns = args.connections.max(1);
     let t0 = tokio::time::Instant::now() + Duration::from_millis(100);
-    let pubs = Arc::new(Mutex::new(pubs));
-    // In flight at once: the sends and probes of ~2 s.
-    let limit = Arc::new(tokio::sync::Semaphore::new(4 * n + 64));
     let mut tasks = vec![];
     for c in 0..conns {
-        let (sender, bases, lags, sends, counts, pubs, limit, http, cfg) = (
-            sender.clone(),
-            Arc::clone(&bases),
-            Arc::clone(&lags),
-            Arc::clone(&sends),
-            Arc::clone(&counts),
-            Arc::clone(&pubs),
-            Arc::clone(&limit),
-            probe_http.clone(),
-            cfg.clone(),
-        );
+        let load = Arc::clone(&load);
         let seconds = args.seconds;
-        let probes = args.probes;
         tasks.push(tokio::spawn(async move {
             for s in 0..seconds {
                 for i in (c..n).step_by(conns) {
                     let due = t0 + Duration::from_secs(s) + Duration::from_secs_f64(i as f64 / n as f64);
                     tokio::time::sleep_until(due).await;
-                    let sec = pubs.lock()[i].second(shape, i < probes);
-                    let Ok(w) = wire(i, &sec.message, sec.keys, cfg.subject(&workload::node(i))) else { continue };
-                    {
-                        let mut k = counts.lock();
-                        k.0 += w.events;
-                        k.1 += w.keys;
-                    }
-                    let Ok(permit) = Arc::clone(&limit).acquire_owned().await else { return };
-                    let at = Instant::now();
-                    let (sender, sends) = (sender.clone(), Arc::clone(&sends));
-                    tokio::spawn(async move {
-                        let r = sender.send(w.publisher, &w).await;
-                        let mut g = sends.lock();
-                        match r {
-                            Ok(()) => g.0.push(at.elapsed().as_secs_f64() * 1e3),
-                            Err(_) => g.1 += 1,
-                        }
-                        drop(permit);
-                    });
-                    if let Some(chain) = sec.probe {
-                        for b in bases.iter() {
-                            let (http, lags, b, chain) = (http.clone(), Arc::clone(&lags), b.clone(), chain.clone());
-                            tokio::spawn(async move {
-                                let r = probe(&http, &b, i, &chain, at, Duration::from_secs(10), 1).await;
-                                let mut g = lags.lock();
-                                match r {
-                                    Some(ms) => g.0.push(ms),
-                                    None => g.1 += 1,
-                                }
-                            });
-                        }
+                    if !dispatch(&load, i).await {
+                        return;
                     }
                 }
             }
@@ -649,12 +452,48 @@ async fn offered_load(
         t.await.map_err(|e| e.to_string())?;
     }
     // The last sends and probes.
-    let _ = limit.acquire_many(4 * n as u32 + 64).await;
+    let _ = load.limit.acquire_many(in_flight as u32).await;
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let (events, keys) = *counts.lock();
-    let (l, lm) = std::mem::take(&mut *lags.lock());
-    let (s, sm) = std::mem::take(&mut *sends.lock());
+    let (events, keys) = *load.counts.lock();
+    let (l, lm) = std::mem::take(&mut *load.lags.lock());
+    let (s, sm) = std::mem::take(&mut *load.sends.lock());
     Ok((events, keys, quantiles(l, lm), quantiles(s, sm)))
+}
+
+/// Publisher `i`'s next second: sent, and its probe chain (if any) polled on every replica, on
+/// tasks of their own. `false` once nothing more can be sent.
+async fn dispatch(load: &Arc<Load>, i: usize) -> bool {
+    let sec = load.pubs.lock()[i].second(load.shape, i < load.probes);
+    let Ok(w) = wire(i, &sec.message, sec.keys, load.cfg.subject(&workload::node(i))) else { return true };
+    {
+        let mut k = load.counts.lock();
+        k.0 += w.events;
+        k.1 += w.keys;
+    }
+    let Ok(permit) = Arc::clone(&load.limit).acquire_owned().await else { return false };
+    let at = Instant::now();
+    let l = Arc::clone(load);
+    tokio::spawn(async move {
+        let r = l.sender.send(w.publisher, &w).await;
+        let mut g = l.sends.lock();
+        match r {
+            Ok(()) => g.0.push(at.elapsed().as_secs_f64() * 1e3),
+            Err(_) => g.1 += 1,
+        }
+        drop(permit);
+    });
+    for b in sec.probe.iter().flat_map(|chain| load.bases.iter().map(move |b| (chain.clone(), b.clone()))) {
+        let l = Arc::clone(load);
+        tokio::spawn(async move {
+            let r = probe(&l.http, &b.1, i, &b.0, at, Duration::from_secs(10), 1).await;
+            let mut g = l.lags.lock();
+            match r {
+                Some(ms) => g.0.push(ms),
+                None => g.1 += 1,
+            }
+        });
+    }
+    true
 }
 
 /// Milliseconds from `at` until the replica at `base` routes `chain` to publisher `i`'s worker
@@ -682,75 +521,4 @@ async fn probe(
         tokio::time::sleep(Duration::from_millis(every_ms)).await;
     }
     None
-}
-
-/// The report as Markdown.
-pub fn markdown(r: &BusReport, args: &BusArgs) -> String {
-    let mut s = format!(
-        "{} publishers x {} block events/s (chains of {}, {} blocks held each), {} replicas, {} s per transport; \
-         backlog {} keys ({} s of every publisher)\n\n",
-        r.publishers,
-        args.events_per_s,
-        args.chain,
-        args.capacity,
-        args.replicas,
-        args.seconds,
-        r.backlog_keys,
-        args.backlog_s
-    );
-    s += "| ingest of the backlog | M keys/s | / index |\n|---|---|---|\n";
-    s += &format!("| index in process (kvrouter-core store/remove) | {:.2} | 1.00x |\n", r.index_keys_per_s / 1e6);
-    s += &format!(
-        "| router in process (JSON decode + ingest) | {:.2} | {:.2}x |\n",
-        r.router_keys_per_s / 1e6,
-        r.router_keys_per_s / r.index_keys_per_s
-    );
-    s += &format!(
-        "| - of it, JSON decode alone | {:.2} | {:.2}x |\n",
-        r.decode_keys_per_s / 1e6,
-        r.decode_keys_per_s / r.index_keys_per_s
-    );
-    s += &format!(
-        "| - of it, ingest of decoded messages alone | {:.2} | {:.2}x |\n",
-        r.ingest_keys_per_s / 1e6,
-        r.ingest_keys_per_s / r.index_keys_per_s
-    );
-    for t in &r.transports {
-        if let Some(d) = t.drain_keys_per_s {
-            s += &format!(
-                "| an ordered consumer alone, reading ({}) | {:.2} | {:.2}x |\n",
-                t.name,
-                d / 1e6,
-                d / r.index_keys_per_s
-            );
-        }
-        s += &format!(
-            "| {} replicas, slowest ({}) | {:.2} | {:.2}x |\n",
-            args.replicas,
-            t.name,
-            t.backlog_keys_per_s / 1e6,
-            t.backlog_keys_per_s / r.index_keys_per_s
-        );
-    }
-    s += "\n| at the offered load | keys/s offered | lag p50 / p99 / max ms (n, missing) | send p50 / p99 ms | router CPU s per M events | all applied | index bytes / block |\n|---|---|---|---|---|---|---|\n";
-    for t in &r.transports {
-        let cpu: Vec<String> = t.cpu_s_per_m.iter().map(|c| format!("{c:.3}")).collect();
-        s += &format!(
-            "| {} | {:.0} | {:.1} / {:.1} / {:.1} ({}, {}) | {:.1} / {:.1} | {} | {} | {:.1} |\n",
-            t.name,
-            t.offered_keys_per_s,
-            t.lag.p50,
-            t.lag.p99,
-            t.lag.max,
-            t.lag.n,
-            t.lag.missing,
-            t.send.p50,
-            t.send.p99,
-            cpu.join(" / "),
-            if t.complete { "yes" } else { "NO" },
-            t.bytes_per_block
-        );
-    }
-    s += &format!("\nIn-process index: {:.1} bytes / block.\n", r.index_bytes_per_block);
-    s
 }
