@@ -39,19 +39,29 @@ pub fn grpc_prefix(len: u32) -> Vec<u8> {
     p
 }
 
-/// Sends the preface, reads frames until the server's SETTINGS and acknowledges it (the server's
-/// windows apply only from then on).
+/// Sends the preface, reads frames until the server's SETTINGS (acknowledged: the server's
+/// stream windows apply only from then on) and its WINDOW_UPDATE of the connection. The daemon
+/// raises its connection window from HTTP/2's 65,535 bytes with that update; DATA sent before it
+/// arrives may pass the initial window, which the daemon answers by closing the connection.
 pub async fn handshake<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>(s: &mut S) -> std::io::Result<()> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     s.write_all(&preface()).await?;
-    loop {
+    let (mut settings, mut window) = (false, false);
+    while !(settings && window) {
         let mut head = [0u8; 9];
         s.read_exact(&mut head).await?;
         let len = (usize::from(head[0]) << 16) | (usize::from(head[1]) << 8) | usize::from(head[2]);
         let mut payload = vec![0u8; len];
         s.read_exact(&mut payload).await?;
-        if head[3] == 4 && head[4] & 1 == 0 {
-            return s.write_all(&[0, 0, 0, 4, 1, 0, 0, 0, 0]).await;
+        let stream = u32::from_be_bytes([head[5], head[6], head[7], head[8]]) & 0x7fff_ffff;
+        match head[3] {
+            4 if head[4] & 1 == 0 => {
+                s.write_all(&[0, 0, 0, 4, 1, 0, 0, 0, 0]).await?;
+                settings = true;
+            }
+            8 if stream == 0 => window = true,
+            _ => {}
         }
     }
+    Ok(())
 }
