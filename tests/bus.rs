@@ -231,7 +231,8 @@ async fn a_daemon_publishes_only_on_the_subject_its_nats_user_is_granted() {
 }
 
 /// `transport = "nats"` publishes on the stream only, whatever `router.urls` lists; `"both"`
-/// (a cluster moving from one to the other) on the stream and to `router.urls`.
+/// (a cluster moving from one to the other) on the stream and to `router.urls`. Reports in JSON
+/// and in binary on one stream are both read.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_daemon_posts_to_router_urls_besides_nats_only_with_transport_both() {
     let http = reqwest::Client::builder().pool_max_idle_per_host(0).build().unwrap();
@@ -240,11 +241,14 @@ async fn a_daemon_posts_to_router_urls_besides_nats_only_with_transport_both() {
     let pushed = start_router_with("127.0.0.1:0", router_config()).await;
     let replica = start_router_with("127.0.0.1:0", replica_config(&nats, d.path(), |_| {})).await;
     let mut daemons = vec![];
-    for (node, transport) in [("node-a", "nats"), ("node-b", "both")] {
+    // node-a also writes its reports as JSON, node-b in binary (the default): a replica reads both.
+    for (node, transport, encoding) in [("node-a", "nats", "json"), ("node-b", "both", "binary")] {
         let dir = d.path().join(node);
         std::fs::create_dir_all(&dir).unwrap();
-        let toml =
-            nats.daemon_toml(&dir, node).replace("transport = \"nats\"", &format!("transport = \"{transport}\""));
+        let toml = nats
+            .daemon_toml(&dir, node)
+            .replace("transport = \"nats\"", &format!("transport = \"{transport}\""))
+            .replace("[events.nats.auth]", &format!("encoding = \"{encoding}\"\n[events.nats.auth]"));
         let section = format!("node = \"{node}\"\nreport_interval_ms = 200\nurls = [\"{}\"]\n{toml}", pushed.base);
         daemons.push(spawn_daemon_at(
             env!("CARGO_BIN_EXE_daemon"),

@@ -41,6 +41,9 @@ pub struct NatsConfig {
     /// Bound on connecting (the whole handshake) and on every JetStream request (ms).
     pub connect_timeout_ms: u64,
     pub request_timeout_ms: u64,
+    /// How a daemon writes its reports on the stream: "binary" (keys as bytes,
+    /// `kvnet::bus_codec`) or "json" (as `POST /events`). A router reads both.
+    pub encoding: String,
     pub auth: NatsAuth,
 }
 
@@ -59,6 +62,7 @@ impl Default for NatsConfig {
             storage: "file".into(),
             connect_timeout_ms: 5000,
             request_timeout_ms: 5000,
+            encoding: "binary".into(),
             auth: NatsAuth::default(),
         }
     }
@@ -113,6 +117,9 @@ impl NatsConfig {
         }
         if !matches!(self.storage.as_str(), "file" | "memory") {
             return Err(format!("storage {:?} must be \"file\" or \"memory\"", self.storage));
+        }
+        if !matches!(self.encoding.as_str(), "binary" | "json") {
+            return Err(format!("encoding {:?} must be \"binary\" or \"json\"", self.encoding));
         }
         if self.max_bytes == 0 || self.max_messages == 0 {
             return Err("max_bytes and max_messages must be positive, or -1 for no limit".into());

@@ -30,6 +30,7 @@
 //!   [`Connector`]'s credentials; `http_accept.rs`, its TLS accept loop; `http_serve.rs`, its
 //!   connection loop within [`HttpLimits`].
 //! - [`bus`]: [`bus::NatsConfig`], the NATS JetStream event plane's settings and subjects.
+//! - `bus_codec` (feature `nats`): a report in binary on the stream (keys as bytes).
 //! - [`nats`] (feature `nats`): connecting to it (credentials, TLS, reconnects) and its stream.
 //! - [`error`]: the [`NetError`] enum.
 //!
@@ -43,6 +44,8 @@
 #[cfg(feature = "runtime")]
 pub mod blocking;
 pub mod bus;
+#[cfg(feature = "nats")]
+pub mod bus_codec;
 pub mod config;
 #[cfg(feature = "runtime")]
 pub mod connector;

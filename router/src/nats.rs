@@ -176,7 +176,10 @@ fn decode(router: &Arc<Router>, cfg: &NatsConfig, m: &jetstream::Message, last: 
         return None;
     }
     *last = seq;
-    let msg: Option<PublisherMessage> = serde_json::from_slice(&m.payload).ok();
+    let msg: Option<PublisherMessage> = match kvnet::bus_codec::is_binary(&m.payload) {
+        true => kvnet::bus_codec::decode(&m.payload).ok(),
+        false => serde_json::from_slice(&m.payload).ok(),
+    };
     let from = cfg.node_token(m.subject.as_str());
     let accepted = router.with_state(|st| {
         st.counters.bus.pending = pending;

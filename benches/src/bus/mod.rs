@@ -72,6 +72,9 @@ pub struct BusArgs {
     /// NATS connections the publishers share (publishers are spread over them).
     #[arg(long, default_value_t = 16)]
     pub connections: usize,
+    /// How publishers write their reports on NATS (as `events.nats.encoding`).
+    #[arg(long, default_value = "binary", value_parser = ["binary", "json"])]
+    pub nats_encoding: String,
     /// Publishers whose every message carries a probe chain for the lag.
     #[arg(long, default_value_t = 10)]
     pub probes: usize,
@@ -124,7 +127,9 @@ pub async fn run(args: &BusArgs) -> Result<BusReport, String> {
         backlog.iter().map(|(i, m, k, subject)| wire(*i, m, *k, subject.clone())).collect::<Result<_, _>>()?;
     drop(backlog);
     (report.router_keys_per_s, report.decode_keys_per_s, report.ingest_keys_per_s) =
-        router_rate(&wires, report.backlog_keys)?;
+        router_rate(&wires, report.backlog_keys, decode_json)?;
+    (report.router_bin_keys_per_s, report.decode_bin_keys_per_s, _) =
+        router_rate(&wires, report.backlog_keys, decode_bin)?;
     eprintln!(
         "in process: index {:.2} M keys/s, router (JSON + ingest) {:.2} M keys/s on {} keys",
         report.index_keys_per_s / 1e6,
@@ -183,23 +188,33 @@ fn index_rate(backlog: &[(usize, PublisherMessage, u64, String)]) -> (f64, f64) 
     (keys as f64 / s, index.approx_bytes() as f64 / index.blocks().max(1) as f64)
 }
 
-/// An in-process router's rate on the backlog's JSON: decode and ingest, as each transport's
-/// receiving end does.
-/// Also the two parts apart: the JSON decoding alone, and the ingest of decoded messages alone
-/// (into a second router).
-fn router_rate(wires: &[Wire], keys: u64) -> Result<(f64, f64, f64), String> {
+/// How the in-process router decodes the backlog: JSON or binary.
+fn decode_json(w: &Wire) -> Result<PublisherMessage, String> {
+    serde_json::from_slice(&w.json).map_err(|e| e.to_string())
+}
+fn decode_bin(w: &Wire) -> Result<PublisherMessage, String> {
+    kvnet::bus_codec::decode(&w.bin).map_err(|e| e.to_string())
+}
+
+/// An in-process router's rate on the backlog, decoded by `decode` and ingested, as each
+/// transport's receiving end does. Also the two parts apart: the decoding alone, and the ingest
+/// of decoded messages alone (into a second router).
+fn router_rate(
+    wires: &[Wire],
+    keys: u64,
+    decode: fn(&Wire) -> Result<PublisherMessage, String>,
+) -> Result<(f64, f64, f64), String> {
     let router = kvrouter::Router::new(bench_router_config(None)).map_err(|e| e.to_string())?;
     let t0 = Instant::now();
     for w in wires {
-        let m: PublisherMessage = serde_json::from_slice(&w.json).map_err(|e| e.to_string())?;
+        let m = decode(w)?;
         if router.ingest(&m).is_some() {
             return Err(format!("{}: a gap in the backlog's event ids", m.publisher));
         }
     }
     let both = keys as f64 / t0.elapsed().as_secs_f64();
     let t0 = Instant::now();
-    let decoded: Vec<PublisherMessage> =
-        wires.iter().map(|w| serde_json::from_slice(&w.json)).collect::<Result<_, _>>().map_err(|e| e.to_string())?;
+    let decoded: Vec<PublisherMessage> = wires.iter().map(decode).collect::<Result<_, _>>()?;
     let decode = keys as f64 / t0.elapsed().as_secs_f64();
     let router = kvrouter::Router::new(bench_router_config(None)).map_err(|e| e.to_string())?;
     let t0 = Instant::now();
@@ -374,7 +389,7 @@ async fn nats_backlog(
     }
     kvnet::nats::ensure_stream(&js[0], &cfg).await.map_err(|e| e.to_string())?;
     let first = js[0].clone();
-    let sender = Sender::Nats(Arc::new(js));
+    let sender = Sender::Nats(Arc::new(js), args.nats_encoding == "binary");
     let t0 = Instant::now();
     push_backlog(&sender, &backlog.wires).await?;
     eprintln!("NATS: backlog of {} keys in the stream in {:.1} s", backlog.keys, t0.elapsed().as_secs_f64());

@@ -48,6 +48,9 @@ pub struct BusReport {
     /// Its parts: JSON decoding alone, ingest of decoded messages alone.
     pub decode_keys_per_s: f64,
     pub ingest_keys_per_s: f64,
+    /// The same with reports in binary (`kvnet::bus_codec`): decode plus ingest, decode alone.
+    pub router_bin_keys_per_s: f64,
+    pub decode_bin_keys_per_s: f64,
     pub index_bytes_per_block: f64,
     pub transports: Vec<TransportReport>,
 }
@@ -56,7 +59,7 @@ pub struct BusReport {
 pub fn markdown(r: &BusReport, args: &BusArgs) -> String {
     let mut s = format!(
         "{} publishers x {} block events/s (chains of {}, {} blocks held each), {} replicas, {} s per transport; \
-         backlog {} keys ({} s of every publisher)\n\n",
+         backlog {} keys ({} s of every publisher); reports on NATS in {}\n\n",
         r.publishers,
         args.events_per_s,
         args.chain,
@@ -64,41 +67,24 @@ pub fn markdown(r: &BusReport, args: &BusArgs) -> String {
         args.replicas,
         args.seconds,
         r.backlog_keys,
-        args.backlog_s
+        args.backlog_s,
+        args.nats_encoding,
     );
     s += "| ingest of the backlog | M keys/s | / index |\n|---|---|---|\n";
-    s += &format!("| index in process (kvrouter-core store/remove) | {:.2} | 1.00x |\n", r.index_keys_per_s / 1e6);
-    s += &format!(
-        "| router in process (JSON decode + ingest) | {:.2} | {:.2}x |\n",
-        r.router_keys_per_s / 1e6,
-        r.router_keys_per_s / r.index_keys_per_s
-    );
-    s += &format!(
-        "| - of it, JSON decode alone | {:.2} | {:.2}x |\n",
-        r.decode_keys_per_s / 1e6,
-        r.decode_keys_per_s / r.index_keys_per_s
-    );
-    s += &format!(
-        "| - of it, ingest of decoded messages alone | {:.2} | {:.2}x |\n",
-        r.ingest_keys_per_s / 1e6,
-        r.ingest_keys_per_s / r.index_keys_per_s
-    );
+    let row = |label: String, keys_per_s: f64| {
+        format!("| {label} | {:.2} | {:.2}x |\n", keys_per_s / 1e6, keys_per_s / r.index_keys_per_s)
+    };
+    s += &row("index in process (kvrouter-core store/remove)".into(), r.index_keys_per_s);
+    s += &row("router in process (JSON decode + ingest)".into(), r.router_keys_per_s);
+    s += &row("- of it, JSON decode alone".into(), r.decode_keys_per_s);
+    s += &row("- of it, ingest of decoded messages alone".into(), r.ingest_keys_per_s);
+    s += &row("router in process (binary decode + ingest)".into(), r.router_bin_keys_per_s);
+    s += &row("- of it, binary decode alone".into(), r.decode_bin_keys_per_s);
     for t in &r.transports {
         if let Some(d) = t.drain_keys_per_s {
-            s += &format!(
-                "| an ordered consumer alone, reading ({}) | {:.2} | {:.2}x |\n",
-                t.name,
-                d / 1e6,
-                d / r.index_keys_per_s
-            );
+            s += &row(format!("an ordered consumer alone, reading ({})", t.name), d);
         }
-        s += &format!(
-            "| {} replicas, slowest ({}) | {:.2} | {:.2}x |\n",
-            args.replicas,
-            t.name,
-            t.backlog_keys_per_s / 1e6,
-            t.backlog_keys_per_s / r.index_keys_per_s
-        );
+        s += &row(format!("{} replicas, slowest ({})", args.replicas, t.name), t.backlog_keys_per_s);
     }
     s += "\n| at the offered load | keys/s offered | lag p50 / p99 / max ms (n, missing) | send p50 / p99 ms | router CPU s per M events | all applied | index bytes / block |\n|---|---|---|---|---|---|---|\n";
     for t in &r.transports {

@@ -15,19 +15,30 @@ pub(super) struct Wire {
     pub(super) subject: String,
     pub(super) id: String,
     pub(super) json: bytes::Bytes,
+    /// The same in binary (`kvnet::bus_codec`), as daemons publish it on NATS by default.
+    pub(super) bin: bytes::Bytes,
     pub(super) events: u64,
     pub(super) keys: u64,
+}
+
+impl Wire {
+    /// What goes on the stream.
+    pub(super) fn payload(&self, binary: bool) -> bytes::Bytes {
+        if binary { self.bin.clone() } else { self.json.clone() }
+    }
 }
 
 pub(super) fn wire(publisher: usize, m: &PublisherMessage, keys: u64, subject: String) -> Result<Wire, String> {
     let first = m.events.first().map_or(0, |e| e.id);
     let last = m.events.last().map_or(0, |e| e.id);
     let json = serde_json::to_vec(m).map_err(|e| e.to_string())?;
+    let bin = kvnet::bus_codec::encode(m).map_err(|e| e.to_string())?;
     Ok(Wire {
         publisher,
         subject,
         id: format!("{}:{}:{first}-{last}", m.publisher, m.epoch),
         json: json.into(),
+        bin: bin.into(),
         events: m.events.len() as u64,
         keys,
     })
@@ -36,7 +47,8 @@ pub(super) fn wire(publisher: usize, m: &PublisherMessage, keys: u64, subject: S
 /// How messages travel to the replicas.
 #[derive(Clone)]
 pub(super) enum Sender {
-    Nats(Arc<Vec<jetstream::Context>>),
+    /// The connections, and whether reports go in binary (else JSON).
+    Nats(Arc<Vec<jetstream::Context>>, bool),
     Http(reqwest::Client, Arc<Vec<String>>),
 }
 
@@ -45,10 +57,10 @@ impl Sender {
     /// every replica.
     pub(super) async fn send(&self, conn: usize, w: &Wire) -> Result<(), String> {
         match self {
-            Self::Nats(js) => {
+            Self::Nats(js, binary) => {
                 // Publisher `conn`'s connection: one publisher's messages keep their order.
                 let js = &js[conn % js.len()];
-                let p = PublishMessage::build().payload(w.json.clone()).message_id(w.id.as_str());
+                let p = PublishMessage::build().payload(w.payload(*binary)).message_id(w.id.as_str());
                 let ack = js.send_publish(w.subject.clone(), p).await.map_err(|e| format!("publish: {e}"))?;
                 ack.await.map(|_| ()).map_err(|e| format!("ack: {e}"))
             }
@@ -115,12 +127,12 @@ pub(super) async fn push_backlog(sender: &Sender, wires: &[Wire]) -> Result<(), 
 /// last publish; over HTTP 64 publishers at a time, each one message after the other.
 async fn push_all(sender: &Sender, wires: &[Wire]) -> Result<(), String> {
     match sender {
-        Sender::Nats(js) => {
+        Sender::Nats(js, binary) => {
             let conns = js.len();
             let per_conn = (0..conns).map(|c| async move {
                 let mut acks = std::collections::VecDeque::new();
                 for w in wires.iter().filter(|w| w.publisher % conns == c) {
-                    let p = PublishMessage::build().payload(w.json.clone()).message_id(w.id.as_str());
+                    let p = PublishMessage::build().payload(w.payload(*binary)).message_id(w.id.as_str());
                     acks.push_back(
                         js[c].send_publish(w.subject.clone(), p).await.map_err(|e| format!("publish: {e}"))?,
                     );

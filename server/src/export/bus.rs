@@ -134,7 +134,7 @@ impl NatsSink {
         }
     }
 
-    async fn ship_part(&mut self, Part { msg: part, json: payload }: Part) {
+    async fn ship_part(&mut self, Part { msg: part, payload }: Part) {
         let id = match (part.events.first(), part.events.last()) {
             (Some(a), Some(b)) => format!("{}:{}:{}-{}", part.publisher, part.epoch, a.id, b.id),
             _ => {
@@ -174,35 +174,40 @@ impl Sink for NatsSink {
         Box::pin(async move {
             let max = self.client.server_info().max_payload;
             let max = if max == 0 { DEFAULT_MAX_PAYLOAD } else { max };
-            for part in split(msg.clone(), max) {
+            let binary = self.me.cfg.encoding == "binary";
+            for part in split(msg.clone(), max, binary) {
                 self.ship_part(part).await;
             }
         })
     }
 }
 
-/// One message to publish, with its JSON.
+/// One message to publish, with its payload (binary, `kvnet::bus_codec`, or JSON).
 #[derive(Debug)]
 pub struct Part {
     pub msg: PublisherMessage,
-    pub json: Vec<u8>,
+    pub payload: Vec<u8>,
 }
 
-/// `msg` in parts whose JSON fits `max` bytes (with room for the headers): events halved until
-/// each part fits. The first part carries the outcomes, the last the announced newest id (a
-/// router seeing it before the events would take them for a gap). A message that does not
-/// serialise is logged and left out.
-pub fn split(msg: PublisherMessage, max: usize) -> Vec<Part> {
+/// `msg` in parts whose payload (`binary`, else JSON) fits `max` bytes (with room for the
+/// headers): events halved until each part fits. The first part carries the outcomes, the last
+/// the announced newest id (a router seeing it before the events would take them for a gap). A
+/// message that does not serialise is logged and left out.
+pub fn split(msg: PublisherMessage, max: usize, binary: bool) -> Vec<Part> {
     let budget = max.saturating_sub(1024).max(1024);
-    let json = match serde_json::to_vec(&msg) {
-        Ok(j) => j,
+    let encoded = match binary {
+        true => kvnet::bus_codec::encode(&msg).map_err(|e| e.to_string()),
+        false => serde_json::to_vec(&msg).map_err(|e| e.to_string()),
+    };
+    let payload = match encoded {
+        Ok(p) => p,
         Err(e) => {
             tracing::error!("kvcached: a report that does not serialise: {e}");
             return Vec::new();
         }
     };
-    if json.len() <= budget || msg.events.len() <= 1 {
-        return vec![Part { msg, json }];
+    if payload.len() <= budget || msg.events.len() <= 1 {
+        return vec![Part { msg, payload }];
     }
     let mut first = msg.clone();
     let mut second = msg;
@@ -210,8 +215,8 @@ pub fn split(msg: PublisherMessage, max: usize) -> Vec<Part> {
     second.events = first.events.split_off(half);
     first.last_event_id = None;
     second.outcomes.clear();
-    let mut out = split(first, max);
-    out.extend(split(second, max));
+    let mut out = split(first, max, binary);
+    out.extend(split(second, max, binary));
     out
 }
 
@@ -243,18 +248,24 @@ mod tests {
     /// Parts fit, keep every event in order, and only the last announces the newest id.
     #[test]
     fn a_large_message_is_split_into_parts_that_fit() {
-        let m = msg(200);
-        let whole = serde_json::to_vec(&m).unwrap().len();
-        let parts = split(m, whole / 5);
-        assert!(parts.len() >= 5, "{}", parts.len());
-        for p in &parts {
-            assert_eq!(p.json, serde_json::to_vec(&p.msg).unwrap());
-            assert!(p.json.len() <= whole / 5);
+        for binary in [false, true] {
+            let m = msg(200);
+            let encode = |m: &PublisherMessage| match binary {
+                true => kvnet::bus_codec::encode(m).unwrap(),
+                false => serde_json::to_vec(m).unwrap(),
+            };
+            let whole = encode(&m).len();
+            let parts = split(m, whole / 5, binary);
+            assert!(parts.len() >= 5, "{}", parts.len());
+            for p in &parts {
+                assert_eq!(p.payload, encode(&p.msg));
+                assert!(p.payload.len() <= whole / 5);
+            }
+            let ids: Vec<u64> = parts.iter().flat_map(|p| p.msg.events.iter().map(|e| e.id)).collect();
+            assert_eq!(ids, (1..=200).collect::<Vec<_>>());
+            assert!(parts[..parts.len() - 1].iter().all(|p| p.msg.last_event_id.is_none()));
+            assert_eq!(parts.last().unwrap().msg.last_event_id, Some(200));
+            assert_eq!(split(msg(3), 1 << 20, binary).len(), 1);
         }
-        let ids: Vec<u64> = parts.iter().flat_map(|p| p.msg.events.iter().map(|e| e.id)).collect();
-        assert_eq!(ids, (1..=200).collect::<Vec<_>>());
-        assert!(parts[..parts.len() - 1].iter().all(|p| p.msg.last_event_id.is_none()));
-        assert_eq!(parts.last().unwrap().msg.last_event_id, Some(200));
-        assert_eq!(split(msg(3), 1 << 20).len(), 1);
     }
 }
