@@ -201,6 +201,19 @@ pub fn bump<K: Ord>(m: &mut BTreeMap<K, u64>, k: K) {
     *m.entry(k).or_default() += 1;
 }
 
+/// Adds `n` to `m[k]`, copying the name only for a new entry; nothing for `n` = 0.
+pub fn add(m: &mut BTreeMap<String, u64>, k: &str, n: u64) {
+    if n == 0 {
+        return;
+    }
+    match m.get_mut(k) {
+        Some(v) => *v += n,
+        None => {
+            m.insert(k.to_string(), n);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

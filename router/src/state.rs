@@ -20,7 +20,7 @@ use rand::rngs::StdRng;
 
 use crate::approx::ApproxIndex;
 use crate::config::{KeyScheme, RouterConfig};
-use crate::health::{ConditionKind, Counters, Health, bump};
+use crate::health::{ConditionKind, Counters, Health, add, bump};
 use crate::index::{BlockIndex, HolderTable, Slot};
 
 /// The instant approximate-mode timestamps count from.
@@ -398,6 +398,16 @@ impl State {
         true
     }
 
+    /// Records what [`Self::apply_events`] did for `publisher`: its last applied id, events
+    /// applied and duplicates skipped.
+    fn note_applied(&mut self, publisher: &str, last: u64, applied: u64, duplicates: u64) {
+        if let Some(p) = self.publishers.get_mut(publisher) {
+            p.last_id = last;
+        }
+        add(&mut self.counters.events, publisher, applied);
+        add(&mut self.counters.duplicate_events, publisher, duplicates);
+    }
+
     /// Applies events in id order. Returns a recovery task if a gap needs one.
     pub fn apply_events(
         &mut self,
@@ -414,16 +424,20 @@ impl State {
             return None; // the recovery replays them from the publisher's log
         }
         let epoch = p.epoch;
+        // The last applied id, and what was applied or skipped, kept here and written back once
+        // (a report carries hundreds of events: no map lookups or name copies per event).
+        let mut last = p.last_id;
+        let (mut applied, mut duplicates) = (0u64, 0u64);
         for ev in events {
-            let last = self.publishers.get(publisher).map_or(0, |p| p.last_id);
             if ev.id <= last {
-                bump(&mut self.counters.duplicate_events, publisher.to_string());
+                duplicates += 1;
                 continue;
             }
             if ev.id > last + 1 {
                 bump(&mut self.counters.gaps, publisher.to_string());
                 let now = Instant::now();
                 if can_recover {
+                    self.note_applied(publisher, last, applied, duplicates);
                     if let Some(p) = self.publishers.get_mut(publisher) {
                         p.gap = GapState::Recovering;
                         p.gap_since.get_or_insert(now);
@@ -443,11 +457,10 @@ impl State {
                 }
             }
             self.apply_body(publisher, &ev.body);
-            bump(&mut self.counters.events, publisher.to_string());
-            if let Some(p) = self.publishers.get_mut(publisher) {
-                p.last_id = ev.id;
-            }
+            applied += 1;
+            last = ev.id;
         }
+        self.note_applied(publisher, last, applied, duplicates);
         // Events lost with nothing after them show only in the announced newest id.
         let last = self.publishers.get(publisher).map_or(0, |p| p.last_id);
         if let Some(a) = announced
