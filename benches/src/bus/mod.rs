@@ -336,7 +336,7 @@ async fn transport_run(
     // Each replica applies a transport's messages in order: the final probe seen, all are.
     let mut slowest = 0.0f64;
     for r in &routers {
-        let ms = probe(&http, r.base(), 0, &backlog.final_probe, started, Duration::from_secs(600), 2)
+        let ms = probe(&http, r.base(), 0, &backlog.final_probe, started, Duration::from_secs(600), 5)
             .await
             .ok_or_else(|| format!("{name}: {} did not apply the backlog in 600 s", r.base()))?;
         slowest = slowest.max(ms / 1e3);
