@@ -47,8 +47,6 @@ impl Nats {
     /// Starts a server with users `router` and `daemon-<node>` for each of `nodes`, each
     /// confined to the subjects `docs/router.md` lists.
     pub fn start(dir: &Path, nodes: &[&str]) -> Self {
-        let port = crate::proc::free_port();
-        std::fs::create_dir_all(dir.join("js")).unwrap();
         let stream = NatsConfig::default().stream;
         let api = "$JS.API";
         let mut users = vec![format!(
@@ -67,18 +65,19 @@ impl Nats {
                 subjects.subject(n)
             ));
         }
-        Self::start_conf(dir, port, &format!("authorization {{ users = [\n{}\n] }}\n", users.join(",\n")))
+        Self::start_conf(dir, &format!("authorization {{ users = [\n{}\n] }}\n", users.join(",\n")))
     }
 
     /// Starts a server without users: anyone reaching the port may publish and read (for
     /// benchmarks on loopback only).
     pub fn start_open(dir: &Path) -> Self {
-        let port = crate::proc::free_port();
-        std::fs::create_dir_all(dir.join("js")).unwrap();
-        Self::start_conf(dir, port, "")
+        Self::start_conf(dir, "")
     }
 
-    fn start_conf(dir: &Path, port: u16, auth: &str) -> Self {
+    /// A server with `auth` as its authorization block, on a port and a store of its own.
+    fn start_conf(dir: &Path, auth: &str) -> Self {
+        let port = crate::proc::free_port();
+        std::fs::create_dir_all(dir.join("js")).unwrap();
         let conf = format!(
             "listen: \"127.0.0.1:{port}\"\njetstream {{ store_dir: \"{}\" }}\n{auth}",
             dir.join("js").display()

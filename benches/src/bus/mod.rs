@@ -241,13 +241,9 @@ fn bench_router_config(nats: Option<&kvnet::bus::NatsConfig>) -> kvrouter::Route
     c
 }
 
-async fn metric_sum(http: &reqwest::Client, base: &str, name: &str) -> f64 {
-    let Ok(r) = http.get(format!("{base}/metrics")).send().await else { return 0.0 };
-    let text = r.text().await.unwrap_or_default();
-    text.lines()
-        .filter(|l| l.strip_prefix(name).is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' ')))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
+/// The sum of `name`'s samples in `r`'s `/metrics` (0 when it does not answer).
+async fn metric_sum(r: &RouterHandle, name: &str) -> f64 {
+    crate::replay::report::metric_sum(&r.metrics().await, name)
 }
 
 /// CPU seconds (user + system) of process `pid` so far.
@@ -263,31 +259,22 @@ fn cpu_s(pid: u32) -> f64 {
     (ticks(11) + ticks(12)) / hz
 }
 
-/// Waits until every replica applied `events` events; returns when each did.
-async fn wait_applied(
-    http: &reqwest::Client,
-    routers: &[RouterHandle],
-    events: f64,
-    within: Duration,
-) -> Result<Vec<Instant>, String> {
+/// Waits until every replica applied `events` events.
+async fn wait_applied(routers: &[RouterHandle], events: f64, within: Duration) -> Result<(), String> {
     let t0 = Instant::now();
-    let mut done: Vec<Option<Instant>> = vec![None; routers.len()];
-    while done.iter().any(Option::is_none) {
-        for (i, r) in routers.iter().enumerate() {
-            if done[i].is_none() && metric_sum(http, r.base(), "kvrouter_events_total").await >= events {
-                done[i] = Some(Instant::now());
-            }
+    loop {
+        let mut have = vec![];
+        for r in routers {
+            have.push(metric_sum(r, "kvrouter_events_total").await);
+        }
+        if have.iter().all(|h| *h >= events) {
+            return Ok(());
         }
         if t0.elapsed() > within {
-            let mut have = vec![];
-            for r in routers {
-                have.push(metric_sum(http, r.base(), "kvrouter_events_total").await);
-            }
             return Err(format!("replicas applied {have:?} of {events} events after {within:?}"));
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    Ok(done.into_iter().flatten().collect())
 }
 
 async fn start_routers(
@@ -341,7 +328,7 @@ async fn transport_run(
             .ok_or_else(|| format!("{name}: {} did not apply the backlog in 600 s", r.base()))?;
         slowest = slowest.max(ms / 1e3);
     }
-    wait_applied(&http, &routers, backlog_events as f64, Duration::from_secs(60)).await?;
+    wait_applied(&routers, backlog_events as f64, Duration::from_secs(60)).await?;
     out.backlog_keys_per_s = backlog.keys as f64 / slowest;
     let cpu: Vec<String> = routers.iter().map(|r| format!("{:.2}", r.pid().map_or(f64::NAN, cpu_s))).collect();
     let server_cpu = server.as_ref().and_then(kvtests::nats::Nats::pid).map(cpu_s);
@@ -356,13 +343,13 @@ async fn transport_run(
     let cpu0: Vec<f64> = routers.iter().map(|r| r.pid().map_or(f64::NAN, cpu_s)).collect();
     let (sent_events, sent_keys, lag, send) = offered_load(args, shape, &sender, &routers, pubs).await?;
     let total = backlog_events + sent_events;
-    out.complete = wait_applied(&http, &routers, total as f64, Duration::from_secs(60)).await.is_ok();
+    out.complete = wait_applied(&routers, total as f64, Duration::from_secs(60)).await.is_ok();
     let cpu1: Vec<f64> = routers.iter().map(|r| r.pid().map_or(f64::NAN, cpu_s)).collect();
     out.offered_keys_per_s = sent_keys as f64 / args.seconds as f64;
     out.cpu_s_per_m = cpu0.iter().zip(&cpu1).map(|(a, b)| (b - a) / (sent_keys as f64 / 1e6)).collect();
     (out.lag, out.send) = (lag, send);
-    let bytes = metric_sum(&http, routers[0].base(), "kvrouter_index_bytes").await;
-    let blocks = metric_sum(&http, routers[0].base(), "kvrouter_index_blocks").await;
+    let bytes = metric_sum(&routers[0], "kvrouter_index_bytes").await;
+    let blocks = metric_sum(&routers[0], "kvrouter_index_blocks").await;
     out.bytes_per_block = bytes / blocks.max(1.0);
     for r in routers {
         r.stop().await?;

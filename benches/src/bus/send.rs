@@ -22,9 +22,10 @@ pub(super) struct Wire {
 }
 
 impl Wire {
-    /// What goes on the stream.
-    pub(super) fn payload(&self, binary: bool) -> bytes::Bytes {
-        if binary { self.bin.clone() } else { self.json.clone() }
+    /// Its JetStream publish: binary or JSON, with its message id.
+    fn publish(&self, binary: bool) -> PublishMessage {
+        let payload = if binary { self.bin.clone() } else { self.json.clone() };
+        PublishMessage::build().payload(payload).message_id(self.id.as_str())
     }
 }
 
@@ -60,8 +61,10 @@ impl Sender {
             Self::Nats(js, binary) => {
                 // Publisher `conn`'s connection: one publisher's messages keep their order.
                 let js = &js[conn % js.len()];
-                let p = PublishMessage::build().payload(w.payload(*binary)).message_id(w.id.as_str());
-                let ack = js.send_publish(w.subject.clone(), p).await.map_err(|e| format!("publish: {e}"))?;
+                let ack = js
+                    .send_publish(w.subject.clone(), w.publish(*binary))
+                    .await
+                    .map_err(|e| format!("publish: {e}"))?;
                 ack.await.map(|_| ()).map_err(|e| format!("ack: {e}"))
             }
             Self::Http(http, bases) => {
@@ -132,10 +135,8 @@ async fn push_all(sender: &Sender, wires: &[Wire]) -> Result<(), String> {
             let per_conn = (0..conns).map(|c| async move {
                 let mut acks = std::collections::VecDeque::new();
                 for w in wires.iter().filter(|w| w.publisher % conns == c) {
-                    let p = PublishMessage::build().payload(w.payload(*binary)).message_id(w.id.as_str());
-                    acks.push_back(
-                        js[c].send_publish(w.subject.clone(), p).await.map_err(|e| format!("publish: {e}"))?,
-                    );
+                    let ack = js[c].send_publish(w.subject.clone(), w.publish(*binary)).await;
+                    acks.push_back(ack.map_err(|e| format!("publish: {e}"))?);
                     if acks.len() >= 256
                         && let Some(a) = acks.pop_front()
                     {

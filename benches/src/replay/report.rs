@@ -210,7 +210,7 @@ fn rates(hit: [u64; 4], blocks: u64) -> Tiers {
 }
 
 /// Sum of every sample of `series` (a metric name, with or without labels) in Prometheus text.
-fn metric_sum(text: &str, series: &str) -> f64 {
+pub(crate) fn metric_sum(text: &str, series: &str) -> f64 {
     text.lines()
         .filter(|l| !l.starts_with('#'))
         .filter(|l| l.strip_prefix(series).is_some_and(|r| r.starts_with(' ') || r.starts_with('{')))

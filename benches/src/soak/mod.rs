@@ -98,10 +98,6 @@ fn tail(path: &Path) -> String {
     tail_n(path, 2000)
 }
 
-fn free_port() -> Result<u16, String> {
-    crate::replay::cluster::free_port()
-}
-
 /// A binary beside this kvbench (the same `cargo build --release`), or `given`.
 fn binary(given: &Option<PathBuf>, name: &str) -> Result<PathBuf, String> {
     if let Some(p) = given {
@@ -160,7 +156,7 @@ struct Cluster {
 
 async fn start(a: &SoakArgs, dir: &Path, shm: &Path) -> Result<Cluster, String> {
     let (kvcached_bin, kvrouter_bin) = (binary(&a.kvcached, "kvcached")?, binary(&a.kvrouter, "kvrouter")?);
-    let rport = free_port()?;
+    let rport = crate::replay::cluster::free_port()?;
     let rcfg = dir.join("kvrouter.toml");
     let text = toml::to_string(&router_config()).map_err(|e| format!("router configuration: {e}"))?;
     std::fs::write(&rcfg, text).map_err(|e| format!("{}: {e}", rcfg.display()))?;
@@ -169,7 +165,7 @@ async fn start(a: &SoakArgs, dir: &Path, shm: &Path) -> Result<Cluster, String> 
     let router = Proc::spawn("kvrouter", &mut cmd, dir.join("router.log"))?;
     let router_base = format!("http://127.0.0.1:{rport}");
 
-    let daemon_http = format!("127.0.0.1:{}", free_port()?);
+    let daemon_http = format!("127.0.0.1:{}", crate::replay::cluster::free_port()?);
     let c = daemon_config(a, dir, shm, &router_base, &daemon_http)?;
     let socket = c.socket.clone();
     let dcfg = dir.join("kvcached.toml");

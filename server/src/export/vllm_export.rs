@@ -459,15 +459,22 @@ mod tests {
         assert!(!stored.iter().any(|(h, _, _)| *h == 60));
     }
 
+    /// An export on a free port holding records (and no tier yet) of a chain of `n` blocks of
+    /// 16 tokens.
+    async fn export_with_records(n: u8) -> (VllmExport, Vec<BlockKey>) {
+        let export = VllmExport::start("tcp://127.0.0.1:0", "", None, None).await.unwrap();
+        let keys: Vec<BlockKey> = (0..n).map(key).collect();
+        let tokens: Vec<u32> = (0..u32::from(n) * 16).collect();
+        export.note_save(&keys, &tokens, 16, 0, n as usize);
+        (export, keys)
+    }
+
     /// A subscriber whose subscription arrives after the first snapshot went out (a PUB socket
     /// sends a peer nothing before its subscription) gets the blocks from the second.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_subscriber_subscribing_late_is_sent_the_blocks_held_by_the_second_snapshot() {
         use zeromq::{Socket, SocketRecv};
-        let export = VllmExport::start("tcp://127.0.0.1:0", "", None, None).await.unwrap();
-        let keys: Vec<BlockKey> = (0..5).map(key).collect();
-        let tokens: Vec<u32> = (0..5 * 16).collect();
-        export.note_save(&keys, &tokens, 16, 0, 5);
+        let (export, keys) = export_with_records(5).await;
         for k in &keys {
             export.stored(TierKind::G2Host, k);
         }
@@ -498,11 +505,8 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_subscriber_joining_before_the_announce_is_sent_the_kept_blocks_in_order() {
         use zeromq::{Socket, SocketRecv};
-        let export = VllmExport::start("tcp://127.0.0.1:0", "", None, None).await.unwrap();
         // A chain of 5 blocks with records and no tier yet: what a restart reads back from the log.
-        let keys: Vec<BlockKey> = (0..5).map(key).collect();
-        let tokens: Vec<u32> = (0..5 * 16).collect();
-        export.note_save(&keys, &tokens, 16, 0, 5);
+        let (export, keys) = export_with_records(5).await;
         let mut sub = zeromq::SubSocket::new();
         sub.connect(export.endpoint()).await.unwrap();
         sub.subscribe("").await.unwrap();
