@@ -237,15 +237,9 @@ async fn start_daemon(
              where to pull this node's blocks"
         );
     }
-    // Transport "nats": the stream alone carries the reports, whatever router.urls lists.
-    let mut router = std::borrow::Cow::Borrowed(&config.router);
-    if !config.events.http() && !router.urls.is_empty() {
-        tracing::warn!(urls = ?router.urls, "events.transport is \"nats\": router.urls are not used (\"both\" posts to them too)");
-        router.to_mut().urls.clear();
-    }
     let reports = Arc::new(reports::Reports::start(
-        &router,
-        config.events.nats(),
+        &config.router,
+        &config.events,
         recovery_url,
         peer_url,
         Arc::clone(&store),

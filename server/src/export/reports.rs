@@ -73,19 +73,25 @@ impl Reports {
         }
     }
 
-    /// Starts publishing to `cfg.urls` (must run inside the tokio runtime). `recovery_url` is
+    /// Starts publishing as `events` says: to `cfg.urls` (transports "http" and "both"), on the
+    /// NATS stream ("nats" and "both"). Must run inside the tokio runtime. `recovery_url` is
     /// where routers reach [`Reports::log`]'s replay and snapshot routes. Fails when
     /// `router.auth`'s certificate, key or token files cannot be read.
     pub fn start(
         cfg: &RouterConfig,
-        nats: Option<&kvnet::bus::NatsConfig>,
+        events: &crate::config::EventsConfig,
         recovery_url: Option<String>,
         peer_url: Option<String>,
         store: Arc<BlockStore>,
         peers: Option<Arc<Peers>>,
         vllm: Option<Arc<VllmExport>>,
     ) -> Result<Self, ServerError> {
-        if cfg.urls.is_empty() && nats.is_none() {
+        let nats = events.nats();
+        let routers = if events.http() { cfg.urls.clone() } else { Vec::new() };
+        if !events.http() && !cfg.urls.is_empty() {
+            tracing::warn!(urls = ?cfg.urls, "events.transport is \"nats\": router.urls are not used (\"both\" posts to them too)");
+        }
+        if routers.is_empty() && nats.is_none() {
             return Ok(Self { vllm, ..Self::disabled(&cfg.node) });
         }
         let epoch = std::time::SystemTime::now()
@@ -102,7 +108,7 @@ impl Reports {
         let publisher = HttpPublisher::spawn(
             log,
             PublishConfig {
-                routers: cfg.urls.clone(),
+                routers: routers.clone(),
                 auth: cfg.auth.clone(),
                 nats: nats.cloned(),
                 info: base.clone(),
@@ -124,7 +130,7 @@ impl Reports {
             field: if nats.is_some() { "router.auth or events.nats.auth" } else { "router.auth" }.into(),
             reason: e.to_string(),
         })?;
-        tracing::info!(routers = ?cfg.urls, nats = ?nats.map(|n| &n.servers), node = %cfg.node, epoch, recovery = ?recovery_url, "publishing hit reports");
+        tracing::info!(?routers, nats = ?nats.map(|n| &n.servers), node = %cfg.node, epoch, recovery = ?recovery_url, "publishing hit reports");
         Ok(Self { node: NodeId(cfg.node.clone()), publisher: Some(publisher), base, engines, vllm })
     }
 
