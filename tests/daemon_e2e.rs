@@ -126,6 +126,68 @@ async fn two_engines_hand_over_through_g2_byte_exact() {
     daemon.stop().await;
 }
 
+/// Requests with key contexts (docs/block-keys.md section 6): an adapter's, a salted and a plain
+/// request never hit each other's blocks; an image's request shares the blocks before the image
+/// with the text alone; loads bring back exactly the saver's bytes; a context out of bounds is
+/// refused before anything is stored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_with_key_contexts_hit_only_their_own_blocks() {
+    use kvproto::{Adapter, KeyContext, MmInput};
+    let (d, daemon) = started().await;
+    let tokens = prompt(7, 6);
+    let lora =
+        KeyContext { adapter: Some(Adapter { name: "sql".into(), content_hash: vec![1; 32] }), ..Default::default() };
+    let retrained =
+        KeyContext { adapter: Some(Adapter { name: "sql".into(), content_hash: vec![2; 32] }), ..Default::default() };
+    let salt = KeyContext { cache_salt: Some(b"tenant-a".to_vec()), ..Default::default() };
+    // Placeholders at tokens 40..69 of 16-token blocks: blocks 2, 3 and 4.
+    let image =
+        |h: u8| KeyContext { mm: vec![MmInput { hash: vec![h; 32], offset: 40, length: 30 }], ..Default::default() };
+    let (a, _a_kv) = attached(&daemon, d.path(), "a", 31, 6).await;
+    let slots: Vec<u32> = (0..6).collect();
+    let s = a.save_in(&tokens, Some(&lora), 0, &slots).await.unwrap();
+    assert_eq!((s.stored, s.failed), (6, 0));
+    let hits = |c: Option<&KeyContext>| {
+        let (a, tokens) = (&a, &tokens);
+        let c = c.cloned();
+        async move { a.lookup_in(tokens, c.as_ref()).await.unwrap().matched_blocks }
+    };
+    assert_eq!(hits(Some(&lora)).await, 6);
+    assert_eq!(hits(None).await, 0, "a plain request finds no adapter's block");
+    assert_eq!(hits(Some(&salt)).await, 0);
+    assert_eq!(hits(Some(&retrained)).await, 0, "other weights under the same name");
+    assert_eq!(a.lookup_in(&tokens, Some(&KeyContext::default())).await.unwrap().matched_blocks, 0);
+
+    // The image's request: saved under the image; the text alone finds the 2 blocks before it.
+    a.save_in(&tokens, Some(&image(1)), 0, &slots).await.unwrap();
+    assert_eq!(hits(Some(&image(1))).await, 6);
+    assert_eq!(hits(Some(&image(2))).await, 2);
+    assert_eq!(hits(None).await, 2);
+
+    // Another engine loads the adapter's blocks byte for byte.
+    let (b, b_kv) = attached(&daemon, d.path(), "b", 0, 0).await;
+    let done = b.load_now_in(&tokens, Some(&lora), 0, &[2, 3, 4, 5, 6, 7]).await.unwrap();
+    assert_eq!(done.loaded_blocks, 6);
+    check(&b_kv, 31, 6, 2);
+    let op = b.load_op_in(&tokens, Some(&salt), 0, &[0], &[]).await.unwrap();
+    assert_eq!(b.wait(&op, Duration::from_secs(10)).await.unwrap().loaded_blocks, 0);
+
+    // Out of bounds: refused, nothing stored.
+    let overlapping = KeyContext {
+        mm: vec![MmInput { hash: vec![1], offset: 0, length: 20 }, MmInput { hash: vec![2], offset: 10, length: 5 }],
+        ..Default::default()
+    };
+    for e in [
+        a.save_in(&tokens, Some(&overlapping), 0, &slots).await.map(|_| ()).unwrap_err(),
+        a.lookup_in(&tokens, Some(&overlapping)).await.map(|_| ()).unwrap_err(),
+        b.load_op_in(&tokens, Some(&overlapping), 0, &[0], &[]).await.map(|_| ()).unwrap_err(),
+    ] {
+        assert!(matches!(&e, ClientError::Rpc(s) if s.code() == tonic::Code::InvalidArgument), "{e}");
+        assert!(e.to_string().contains("mm.offset"), "{e}");
+    }
+    daemon.stop().await;
+}
+
 /// Resident kB of each mapping of `path` in this process (`/proc/self/smaps`).
 fn resident_kib_of(path: &Path) -> Vec<u64> {
     let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
@@ -369,7 +431,7 @@ async fn token_bytes_that_are_not_whole_tokens_are_rejected() {
     let odd = bytes::Bytes::from(vec![1u8; 4 * 16 + 3]);
     let bad = [
         raw.lookup(pb::LookupRequest { engine_id, tokens: odd.clone(), ..Default::default() }).await.map(|_| ()),
-        raw.save(pb::SaveRequest { engine_id, tokens: odd.clone(), first_block: 0, block_ids: vec![0] })
+        raw.save(pb::SaveRequest { engine_id, tokens: odd.clone(), block_ids: vec![0], ..Default::default() })
             .await
             .map(|_| ()),
         raw.load(pb::LoadRequest {

@@ -100,6 +100,28 @@ fn tokens() -> impl Strategy<Value = bytes::Bytes> {
     prop_oneof![(0u32..4).prop_map(|b| kvproto::tokens_to_le(&prompt(b))), bytes(200).prop_map(bytes::Bytes::from)]
 }
 
+/// A key context: absent, empty, or with fields in and out of their bounds.
+fn context() -> impl Strategy<Value = Option<pb::KeyContext>> {
+    let mm = (bytes(70), n32(), n32()).prop_map(|(hash, offset, length)| pb::MmInput { hash, offset, length });
+    let extra = (n32(), bytes(70)).prop_map(|(block, data)| pb::BlockExtra { block, data });
+    proptest::option::of(
+        (
+            ".{0,8}",
+            bytes(70),
+            proptest::option::of(bytes(20)),
+            proptest::collection::vec(mm, 0..4),
+            proptest::collection::vec(extra, 0..4),
+        )
+            .prop_map(|(adapter_name, adapter_hash, cache_salt, mm, block_extras)| pb::KeyContext {
+                adapter_name,
+                adapter_hash,
+                cache_salt,
+                mm,
+                block_extras,
+            }),
+    )
+}
+
 fn spec() -> impl Strategy<Value = pb::NamespaceSpec> {
     (
         ".{0,20}",
@@ -190,38 +212,48 @@ fn call(real: u64) -> impl Strategy<Value = Call> {
     let ids = || proptest::collection::vec(prop_oneof![0u32..10, any::<u32>()], 0..6);
     prop_oneof![
         register().prop_map(Call::Register),
-        (engine_id(real), tokens(), n32(), ids()).prop_map(|(engine_id, tokens, first_block, block_ids)| Call::Save(
-            pb::SaveRequest { engine_id, tokens, first_block, block_ids }
-        )),
-        (engine_id(real), tokens(), proptest::option::of(n64()), n32(), proptest::option::of((n64(), n64()))).prop_map(
-            |(engine_id, tokens, route_id, g1_blocks, at)| Call::Lookup(pb::LookupRequest {
-                engine_id,
-                tokens,
-                route_id,
-                g1_blocks,
-                tokens_at: at.map(|(offset, len)| pb::TokenSpan { offset, len }),
-            })
-        ),
-        (engine_id(real), tokens(), n32(), ids(), any::<bool>(), proptest::collection::vec(".{0,12}", 0..3)).prop_map(
-            |(engine_id, tokens, first_block, block_ids, wait, sources)| Call::Load(pb::LoadRequest {
+        (engine_id(real), tokens(), n32(), ids(), context()).prop_map(
+            |(engine_id, tokens, first_block, block_ids, context)| Call::Save(pb::SaveRequest {
                 engine_id,
                 tokens,
                 first_block,
                 block_ids,
-                wait,
-                sources,
+                context
             })
         ),
+        (
+            engine_id(real),
+            tokens(),
+            proptest::option::of(n64()),
+            n32(),
+            proptest::option::of((n64(), n64())),
+            context()
+        )
+            .prop_map(|(engine_id, tokens, route_id, g1_blocks, at, context)| Call::Lookup(
+                pb::LookupRequest {
+                    engine_id,
+                    tokens,
+                    route_id,
+                    g1_blocks,
+                    tokens_at: at.map(|(offset, len)| pb::TokenSpan { offset, len }),
+                    context,
+                }
+            )),
+        (engine_id(real), tokens(), n32(), ids(), any::<bool>(), proptest::collection::vec(".{0,12}", 0..3), context())
+            .prop_map(|(engine_id, tokens, first_block, block_ids, wait, sources, context)| Call::Load(
+                pb::LoadRequest { engine_id, tokens, first_block, block_ids, wait, sources, context }
+            )),
         (engine_id(real), n64(), 0u32..20, n32()).prop_map(|(engine_id, op_id, timeout_ms, until_blocks)| Call::Wait(
             pb::WaitRequest { engine_id, op_id, timeout_ms, until_blocks }
         )),
-        (engine_id(real), 0i32..4, tokens(), n32(), proptest::collection::vec(bytes(20), 0..4)).prop_map(
-            |(engine_id, change, tokens, first_block, keys)| Call::Gpu(pb::GpuBlocksRequest {
+        (engine_id(real), 0i32..4, tokens(), n32(), proptest::collection::vec(bytes(20), 0..4), context()).prop_map(
+            |(engine_id, change, tokens, first_block, keys, context)| Call::Gpu(pb::GpuBlocksRequest {
                 engine_id,
                 change,
                 tokens,
                 first_block,
-                keys
+                keys,
+                context
             })
         ),
         (engine_id(real), n32(), n32(), n64(), n64(), n64(), n64()).prop_map(

@@ -442,8 +442,7 @@ async fn bad_input_is_invalid_argument_everywhere() {
                 tokens: tokens.clone(),
                 block_ids,
                 wait: true,
-                first_block: 0,
-                sources: vec![],
+                ..Default::default()
             })
             .await
             .unwrap_err();

@@ -5,8 +5,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use hyper_util::rt::TokioIo;
-use kvproto::Namespace;
 use kvproto::pb::{self, kvcached_client::KvcachedClient};
+use kvproto::{KeyContext, Namespace};
 use parking_lot::Mutex;
 use tonic::transport::{Channel, Endpoint};
 
@@ -31,6 +31,7 @@ pub struct LoadOp {
     first_block: u32,
     slots: Arc<[u32]>,
     sources: Arc<[String]>,
+    context: Option<pb::KeyContext>,
 }
 
 impl LoadOp {
@@ -376,9 +377,29 @@ impl Client {
 
     /// Saves blocks `[first_block, first_block + slots.len())` of `tokens` from engine slots.
     pub async fn save(&self, tokens: &[u32], first_block: u32, slots: &[u32]) -> Result<pb::SaveResponse, ClientError> {
+        self.save_in(tokens, None, first_block, slots).await
+    }
+
+    /// [`Client::save`] of a request whose keys bind a [`KeyContext`] (adapter, cache salt,
+    /// multimodal inputs: `docs/block-keys.md` section 6); `None` or an empty one is the plain
+    /// chain. Its lookups and loads must carry the same context.
+    pub async fn save_in(
+        &self,
+        tokens: &[u32],
+        context: Option<&KeyContext>,
+        first_block: u32,
+        slots: &[u32],
+    ) -> Result<pb::SaveResponse, ClientError> {
         let le = kvproto::tokens_to_le(tokens);
+        let context = wire_context(context);
         self.with_retry(|mut rpc, engine_id| {
-            let req = pb::SaveRequest { engine_id, tokens: le.clone(), first_block, block_ids: slots.to_vec() };
+            let req = pb::SaveRequest {
+                engine_id,
+                tokens: le.clone(),
+                first_block,
+                block_ids: slots.to_vec(),
+                context: context.clone(),
+            };
             async move { rpc.save(req).await }
         })
         .await
@@ -386,7 +407,17 @@ impl Client {
 
     /// How many leading blocks of `tokens` are cached, and in which tier.
     pub async fn lookup(&self, tokens: &[u32]) -> Result<pb::LookupResponse, ClientError> {
-        self.lookup_as(tokens, None, 0).await
+        self.lookup_as(tokens, None, None, 0).await
+    }
+
+    /// [`Client::lookup`] of a request whose keys bind a [`KeyContext`] (see
+    /// [`Client::save_in`]). With a non-empty context it goes over gRPC, not LOOKUP.
+    pub async fn lookup_in(
+        &self,
+        tokens: &[u32],
+        context: Option<&KeyContext>,
+    ) -> Result<pb::LookupResponse, ClientError> {
+        self.lookup_as(tokens, wire_context(context), None, 0).await
     }
 
     /// [`Client::lookup`] with blocking I/O on the calling thread, for callers on threads of
@@ -399,7 +430,7 @@ impl Client {
         let engine_id = self.engine_id().ok()?;
         let staged = self.stage(tokens);
         let (tokens, tokens_at) = self.carried(staged.as_ref(), || kvproto::tokens_to_le(tokens));
-        let req = pb::LookupRequest { engine_id, tokens, route_id: None, g1_blocks: 0, tokens_at };
+        let req = pb::LookupRequest { engine_id, tokens, route_id: None, g1_blocks: 0, tokens_at, context: None };
         match self.inner.lookups.lookup_blocking(&self.inner.socket, &req)? {
             Ok(r) => Some(Ok(r)),
             Err(s) if needs_reconnect(&s) => None,
@@ -424,6 +455,7 @@ impl Client {
     async fn lookup_as(
         &self,
         tokens: &[u32],
+        context: Option<pb::KeyContext>,
         route_id: Option<u64>,
         g1_blocks: u32,
     ) -> Result<pb::LookupResponse, ClientError> {
@@ -433,9 +465,16 @@ impl Client {
             // A retry after a daemon restart goes inline if the new daemon did not map the area.
             let (le, tokens_at) =
                 self.carried(staged.as_ref(), || inline.get_or_init(|| kvproto::tokens_to_le(tokens)).clone());
-            let req = pb::LookupRequest { engine_id, tokens: le, route_id, g1_blocks, tokens_at };
+            let req =
+                pb::LookupRequest { engine_id, tokens: le, route_id, g1_blocks, tokens_at, context: context.clone() };
             async move {
-                match self.inner.lookups.lookup(&self.inner.socket, &req).await {
+                // LOOKUP frames carry no key context: such lookups go over gRPC.
+                let fast = if req.context.is_none() {
+                    self.inner.lookups.lookup(&self.inner.socket, &req).await
+                } else {
+                    None
+                };
+                match fast {
                     Some(r) => r.map(tonic::Response::new),
                     None => rpc.lookup(req).await,
                 }
@@ -453,7 +492,7 @@ impl Client {
         route_id: u64,
         g1_blocks: u32,
     ) -> Result<pb::LookupResponse, ClientError> {
-        self.lookup_as(tokens, Some(route_id), g1_blocks).await
+        self.lookup_as(tokens, None, Some(route_id), g1_blocks).await
     }
 
     /// Reports that blocks `[first_block, ..)` of `tokens` are now in the engine's GPU memory
@@ -495,6 +534,7 @@ impl Client {
                     tokens: le.clone(),
                     first_block,
                     keys: keys.clone(),
+                    context: None,
                 };
                 async move { rpc.report_gpu_blocks(req).await }
             })
@@ -560,9 +600,23 @@ impl Client {
         slots: &[u32],
         sources: &[String],
     ) -> Result<LoadOp, ClientError> {
+        self.load_op_in(tokens, None, first_block, slots, sources).await
+    }
+
+    /// [`Client::load_op`] of a request whose keys bind a [`KeyContext`] (see
+    /// [`Client::save_in`]).
+    pub async fn load_op_in(
+        &self,
+        tokens: &[u32],
+        context: Option<&KeyContext>,
+        first_block: u32,
+        slots: &[u32],
+        sources: &[String],
+    ) -> Result<LoadOp, ClientError> {
         let le = kvproto::tokens_to_le(tokens);
+        let context = wire_context(context);
         // The engine id the load was made under (a heartbeat may re-register right after it).
-        let (s, engine_id) = self.load_rpc_le(&le, first_block, slots, false, sources).await?;
+        let (s, engine_id) = self.load_rpc_le(&le, context.as_ref(), first_block, slots, false, sources).await?;
         Ok(LoadOp {
             current: Arc::new(Mutex::new((s.op_id, engine_id))),
             restarting: Arc::new(tokio::sync::Mutex::new(())),
@@ -570,6 +624,7 @@ impl Client {
             first_block,
             slots: slots.into(),
             sources: sources.into(),
+            context,
         })
     }
 
@@ -581,6 +636,20 @@ impl Client {
         slots: &[u32],
     ) -> Result<pb::LoadStatus, ClientError> {
         finished(self.load_rpc(tokens, first_block, slots, true).await?)
+    }
+
+    /// [`Client::load_now`] of a request whose keys bind a [`KeyContext`] (see
+    /// [`Client::save_in`]).
+    pub async fn load_now_in(
+        &self,
+        tokens: &[u32],
+        context: Option<&KeyContext>,
+        first_block: u32,
+        slots: &[u32],
+    ) -> Result<pb::LoadStatus, ClientError> {
+        let le = kvproto::tokens_to_le(tokens);
+        let context = wire_context(context);
+        finished(self.load_rpc_le(&le, context.as_ref(), first_block, slots, true, &[]).await?.0)
     }
 
     /// [`Client::load_now`] that may pull the blocks this node lacks from peer daemons:
@@ -596,7 +665,7 @@ impl Client {
         sources: &[String],
     ) -> Result<pb::LoadStatus, ClientError> {
         let le = kvproto::tokens_to_le(tokens);
-        finished(self.load_rpc_le(&le, first_block, slots, true, sources).await?.0)
+        finished(self.load_rpc_le(&le, None, first_block, slots, true, sources).await?.0)
     }
 
     async fn load_rpc(
@@ -606,12 +675,13 @@ impl Client {
         slots: &[u32],
         wait: bool,
     ) -> Result<pb::LoadStatus, ClientError> {
-        self.load_rpc_le(&kvproto::tokens_to_le(tokens), first_block, slots, wait, &[]).await.map(|(s, _)| s)
+        self.load_rpc_le(&kvproto::tokens_to_le(tokens), None, first_block, slots, wait, &[]).await.map(|(s, _)| s)
     }
 
     async fn load_rpc_le(
         &self,
         le: &bytes::Bytes,
+        context: Option<&pb::KeyContext>,
         first_block: u32,
         slots: &[u32],
         wait: bool,
@@ -625,6 +695,7 @@ impl Client {
                 block_ids: slots.to_vec(),
                 wait,
                 sources: sources.to_vec(),
+                context: context.cloned(),
             };
             async move { rpc.load(req).await }
         })
@@ -663,7 +734,8 @@ impl Client {
             // Another waiter on this load started it again meanwhile.
             return finished(self.wait_rpc(now.0, timeout_ms, blocks).await?);
         }
-        let (s, engine_id) = self.load_rpc_le(&op.tokens, op.first_block, &op.slots, false, &op.sources).await?;
+        let (s, engine_id) =
+            self.load_rpc_le(&op.tokens, op.context.as_ref(), op.first_block, &op.slots, false, &op.sources).await?;
         *op.current.lock() = (s.op_id, engine_id);
         finished(self.wait_rpc(s.op_id, timeout_ms, blocks).await?)
     }
@@ -706,4 +778,9 @@ fn finished(s: pb::LoadStatus) -> Result<pb::LoadStatus, ClientError> {
         return Err(ClientError::LoadFailed { op: s.op_id, error: s.error });
     }
     Ok(s)
+}
+
+/// A key context as it travels: `None` when absent or empty (the plain chain).
+fn wire_context(context: Option<&KeyContext>) -> Option<pb::KeyContext> {
+    context.filter(|c| !c.is_empty()).map(pb::KeyContext::from)
 }

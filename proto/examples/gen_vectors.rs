@@ -11,15 +11,16 @@
 use std::error::Error;
 use std::path::{Path, PathBuf};
 
-use kvproto::block_keys;
-use kvproto::dynamo::{DYNAMO_SEED, local_block_hash, sequence_hashes};
+use kvproto::dynamo::{DYNAMO_SEED, local_block_hash, request_seed, request_sequence_hashes, sequence_hashes};
+use kvproto::{block_keys, context_keys};
 
 #[path = "../tests/common/schema.rs"]
 mod schema;
 
 use schema::{
-    BlockKeyFile, BlockKeyVector, DynamoFile, DynamoVector, NamespaceSpec, RejectionVector, TOKEN_GENERATOR,
-    TokenSegment, expand_tokens, to_namespace,
+    BlockExtraSpec, BlockKeyFile, BlockKeyVector, ContextFile, ContextRejection, ContextSpec, ContextVector,
+    DynamoFile, DynamoSeedVector, DynamoVector, ExtrasOf, MmSpec, NamespaceSpec, RejectionVector, TOKEN_GENERATOR,
+    TokenSegment, expand_tokens, to_context, to_namespace,
 };
 
 const LLAMA8B: &str = "meta-llama/Llama-3.1-8B-Instruct@0e9e39f249a16976918f6564b8830bc894c89659";
@@ -368,6 +369,245 @@ fn dynamo_vectors() -> Vec<DynamoVector> {
     ]
 }
 
+fn context_vector(
+    name: &str,
+    spec: NamespaceSpec,
+    context: ContextSpec,
+    tokens: Vec<TokenSegment>,
+) -> Result<ContextVector, Box<dyn Error>> {
+    let ns = to_namespace(&spec).map_err(|(field, e)| format!("{name}: {field}: {e}"))?;
+    let ctx = to_context(&context).map_err(|(field, e)| format!("{name}: {field}: {e}"))?;
+    let toks = expand_tokens(&tokens);
+    let tpb = spec.tokens_per_block as usize;
+    let keys = context_keys(&ns.fingerprint(), tpb, &toks, &ctx);
+    let extras = ctx.block_extras(tpb, toks.len() / tpb);
+    Ok(ContextVector {
+        name: name.to_string(),
+        namespace: spec,
+        context,
+        token_count: toks.len() as u64,
+        extras: extras.iter().map(|(b, e)| ExtrasOf { block: *b as u64, hex: hex::encode(e) }).collect(),
+        keys: keys.iter().map(ToString::to_string).collect(),
+        tokens,
+    })
+}
+
+fn mm(hash: String, offset: u32, length: u32) -> MmSpec {
+    MmSpec { hash_hex: hash, offset, length }
+}
+
+fn extra(block: u32, data: String) -> BlockExtraSpec {
+    BlockExtraSpec { block, data_hex: data }
+}
+
+fn context_vectors() -> Result<Vec<ContextVector>, Box<dyn Error>> {
+    let plain = || ns(LLAMA8B, (32, 8, 128), "bf16", 16, "layer_separate", None, None, None);
+    let adapter = || ContextSpec {
+        adapter_name: Some("sql-lora".into()),
+        adapter_hash_hex: hex_bytes(32, 13, 5),
+        ..Default::default()
+    };
+    let salt = Some(hex::encode("tenant-a"));
+    let image = hex_bytes(32, 37, 11);
+    let audio = hex_bytes(16, 101, 3);
+    let vocab = |n: u64| vec![TokenSegment::new(n, 128_000, 7_919, VOCAB_LLAMA3)];
+    Ok(vec![
+        context_vector("empty_context_is_the_plain_chain", plain(), ContextSpec::default(), vocab(40))?,
+        context_vector("adapter", plain(), adapter(), vocab(48))?,
+        context_vector(
+            "adapter_without_content_hash",
+            plain(),
+            ContextSpec { adapter_name: Some("sql-lora".into()), ..Default::default() },
+            vocab(48),
+        )?,
+        context_vector(
+            "adapter_other_weights",
+            plain(),
+            ContextSpec { adapter_hash_hex: hex_bytes(32, 13, 6), ..adapter() },
+            vocab(48),
+        )?,
+        context_vector(
+            "cache_salt",
+            plain(),
+            ContextSpec { cache_salt_hex: salt.clone(), ..Default::default() },
+            vocab(48),
+        )?,
+        context_vector(
+            "adapter_and_cache_salt",
+            plain(),
+            ContextSpec { cache_salt_hex: salt.clone(), ..adapter() },
+            vocab(48),
+        )?,
+        context_vector(
+            "image_mid_prompt",
+            plain(),
+            ContextSpec { mm: vec![mm(image.clone(), 40, 30)], ..Default::default() },
+            vocab(128),
+        )?,
+        context_vector(
+            "image_then_audio_sharing_a_block",
+            plain(),
+            ContextSpec { mm: vec![mm(image.clone(), 10, 10), mm(audio, 20, 20)], ..Default::default() },
+            vocab(64),
+        )?,
+        context_vector(
+            "image_into_the_partial_block",
+            plain(),
+            ContextSpec { mm: vec![mm(image.clone(), 60, 20)], ..Default::default() },
+            vocab(70),
+        )?,
+        context_vector(
+            "block_extras_and_one_past_the_prompt",
+            plain(),
+            ContextSpec {
+                block_extras: vec![
+                    extra(0, hex_bytes(32, 3, 1)),
+                    extra(2, hex_bytes(32, 5, 2)),
+                    extra(9, hex_bytes(8, 7, 3)),
+                ],
+                ..Default::default()
+            },
+            vocab(64),
+        )?,
+        context_vector(
+            "everything_bs3_contiguous",
+            ns(QWEN, (28, 8, 128), "bf16", 3, "contiguous", Some(hex::encode("ns")), None, None),
+            ContextSpec {
+                cache_salt_hex: Some("00".into()),
+                mm: vec![mm(image.clone(), 0, 4), mm(hex_bytes(1, 1, 255), 7, 1)],
+                block_extras: vec![extra(0, "ff".into()), extra(2, hex_bytes(64, 1, 0))],
+                ..adapter()
+            },
+            vec![full(13, 0xFFFF_FFF0, GOLDEN)],
+        )?,
+        context_vector(
+            "image_in_a_16k_prompt",
+            plain(),
+            ContextSpec { mm: vec![mm(image, 8_000, 576)], ..adapter() },
+            vocab(16_384 + 9),
+        )?,
+    ])
+}
+
+fn context_rejections() -> Result<Vec<ContextRejection>, Box<dyn Error>> {
+    let h = |n: usize| hex_bytes(n, 1, 0);
+    let m = |hash: String, offset: u32, length: u32| MmSpec { hash_hex: hash, offset, length };
+    let c = ContextSpec::default;
+    let cases: Vec<(&str, ContextSpec, &str, &str)> = vec![
+        (
+            "adapter_name_empty",
+            ContextSpec { adapter_name: Some(String::new()), ..c() },
+            "adapter.name",
+            "an adapter needs a name",
+        ),
+        (
+            "adapter_name_too_long",
+            ContextSpec { adapter_name: Some("a".repeat(1025)), ..c() },
+            "adapter.name",
+            "names are at most 1024 bytes",
+        ),
+        (
+            "adapter_hash_too_long",
+            ContextSpec { adapter_name: Some("x".into()), adapter_hash_hex: h(65), ..c() },
+            "adapter.content_hash",
+            "hashes are at most 64 bytes",
+        ),
+        (
+            "adapter_hash_without_name",
+            ContextSpec { adapter_hash_hex: h(32), ..c() },
+            "adapter_hash",
+            "no adapter to hash",
+        ),
+        (
+            "cache_salt_empty",
+            ContextSpec { cache_salt_hex: Some(String::new()), ..c() },
+            "cache_salt",
+            "a present salt is 1..4096 bytes",
+        ),
+        ("mm_hash_empty", ContextSpec { mm: vec![m(String::new(), 0, 1)], ..c() }, "mm.hash", "an input needs a hash"),
+        ("mm_hash_too_long", ContextSpec { mm: vec![m(h(65), 0, 1)], ..c() }, "mm.hash", "hashes are at most 64 bytes"),
+        ("mm_length_zero", ContextSpec { mm: vec![m(h(32), 5, 0)], ..c() }, "mm.length", "an input has tokens"),
+        (
+            "mm_end_past_u32",
+            ContextSpec { mm: vec![m(h(32), u32::MAX, 1)], ..c() },
+            "mm.length",
+            "offset + length must fit in u32",
+        ),
+        (
+            "mm_overlapping",
+            ContextSpec { mm: vec![m(h(32), 0, 10), m(h(32), 9, 5)], ..c() },
+            "mm.offset",
+            "inputs overlap",
+        ),
+        (
+            "mm_out_of_order",
+            ContextSpec { mm: vec![m(h(32), 20, 1), m(h(32), 3, 1)], ..c() },
+            "mm.offset",
+            "inputs not in token order",
+        ),
+        (
+            "block_extra_empty",
+            ContextSpec { block_extras: vec![BlockExtraSpec { block: 0, data_hex: String::new() }], ..c() },
+            "block_extras.data",
+            "an extra is 1..64 bytes",
+        ),
+        (
+            "block_extra_too_long",
+            ContextSpec { block_extras: vec![BlockExtraSpec { block: 0, data_hex: h(65) }], ..c() },
+            "block_extras.data",
+            "an extra is 1..64 bytes",
+        ),
+        (
+            "block_extras_not_increasing",
+            ContextSpec {
+                block_extras: vec![
+                    BlockExtraSpec { block: 4, data_hex: h(4) },
+                    BlockExtraSpec { block: 4, data_hex: h(4) },
+                ],
+                ..c()
+            },
+            "block_extras.block",
+            "one extra per block, in block order",
+        ),
+    ];
+    let mut out = Vec::new();
+    for (name, context, field, reason) in cases {
+        match to_context(&context) {
+            Err((f, _)) if f == field => {}
+            other => {
+                return Err(format!("context rejection {name}: expected a refusal at {field}, got {other:?}").into());
+            }
+        }
+        out.push(ContextRejection { name: name.into(), context, field: field.into(), reason: reason.into() });
+    }
+    Ok(out)
+}
+
+fn dynamo_seed_vectors() -> Vec<DynamoSeedVector> {
+    let one = |name: &str, lora: Option<&str>, ns: Option<&str>| {
+        let tokens = vec![full(48, 0, 1)];
+        let toks = expand_tokens(&tokens);
+        let seed = request_seed(lora.map(str::as_bytes), ns.map(str::as_bytes));
+        DynamoSeedVector {
+            name: name.into(),
+            lora_name: lora.map(str::to_string),
+            cache_namespace: ns.map(str::to_string),
+            local_seed_dec: seed.to_string(),
+            block_size: 16,
+            token_count: toks.len() as u64,
+            sequence_hashes_hex: request_sequence_hashes(&toks, 16, seed).iter().map(|h| format!("{h:016x}")).collect(),
+            tokens,
+        }
+    };
+    vec![
+        one("base_model", None, None),
+        one("empty_strings_are_absent", Some(""), Some("")),
+        one("lora", Some("sql-lora"), None),
+        one("cache_namespace", None, Some("tenant-a")),
+        one("lora_and_cache_namespace", Some("sql-lora"), Some("tenant-a")),
+    ]
+}
+
 fn write_or_check(path: &Path, json: &str, check: bool) -> Result<bool, Box<dyn Error>> {
     if check {
         let on_disk = std::fs::read_to_string(path)?;
@@ -404,7 +644,18 @@ fn main() -> Result<(), Box<dyn Error>> {
         token_generator: TOKEN_GENERATOR.to_string(),
         vectors: dynamo_vectors(),
     };
+    let context = ContextFile {
+        description: "kvcached key-context test vectors (docs/block-keys.md section 6) and Dynamo request seeds \
+                      (section 8). Regenerate with `cargo run -p kvproto --example gen_vectors`."
+            .to_string(),
+        format_version: 1,
+        token_generator: TOKEN_GENERATOR.to_string(),
+        vectors: context_vectors()?,
+        rejections: context_rejections()?,
+        dynamo_seeds: dynamo_seed_vectors(),
+    };
     let mut ok = true;
+    ok &= write_or_check(&dir.join("context_keys.json"), &(serde_json::to_string_pretty(&context)? + "\n"), check)?;
     ok &= write_or_check(&dir.join("block_keys.json"), &(serde_json::to_string_pretty(&keys)? + "\n"), check)?;
     ok &= write_or_check(&dir.join("dynamo_hashes.json"), &(serde_json::to_string_pretty(&dynamo)? + "\n"), check)?;
     if !ok {

@@ -2,7 +2,7 @@
 //! namespace that crosses a process boundary goes through here.
 
 use crate::pb;
-use crate::{KvLayout, Namespace, ProtoError};
+use crate::{Adapter, KeyContext, KvLayout, MmInput, Namespace, ProtoError};
 
 impl TryFrom<&pb::Layout> for KvLayout {
     type Error = ProtoError;
@@ -51,6 +51,50 @@ impl From<&Namespace> for pb::NamespaceSpec {
             tenant_salt: n.tenant_salt.clone(),
             adapter_id: n.adapter_id.clone(),
             extra: n.extra.clone(),
+        }
+    }
+}
+
+impl TryFrom<&pb::KeyContext> for KeyContext {
+    type Error = ProtoError;
+    fn try_from(c: &pb::KeyContext) -> Result<Self, ProtoError> {
+        if c.adapter_name.is_empty() && !c.adapter_hash.is_empty() {
+            return Err(ProtoError::InvalidContext {
+                field: "adapter_hash",
+                reason: "given without an adapter_name".into(),
+            });
+        }
+        let ctx = KeyContext {
+            adapter: (!c.adapter_name.is_empty())
+                .then(|| Adapter { name: c.adapter_name.clone(), content_hash: c.adapter_hash.clone() }),
+            cache_salt: c.cache_salt.clone(),
+            mm: c.mm.iter().map(|m| MmInput { hash: m.hash.clone(), offset: m.offset, length: m.length }).collect(),
+            block_extras: c.block_extras.iter().map(|b| (b.block, b.data.clone())).collect(),
+        };
+        ctx.validate()?;
+        Ok(ctx)
+    }
+}
+
+impl From<&KeyContext> for pb::KeyContext {
+    fn from(c: &KeyContext) -> Self {
+        pb::KeyContext {
+            adapter_name: c.adapter.as_ref().map(|a| a.name.clone()).unwrap_or_default(),
+            adapter_hash: c.adapter.as_ref().map(|a| a.content_hash.clone()).unwrap_or_default(),
+            cache_salt: c.cache_salt.clone(),
+            mm: c.mm.iter().map(|m| pb::MmInput { hash: m.hash.clone(), offset: m.offset, length: m.length }).collect(),
+            block_extras: c.block_extras.iter().map(|(b, d)| pb::BlockExtra { block: *b, data: d.clone() }).collect(),
+        }
+    }
+}
+
+/// The key context a request carries: `None` when absent or empty (the plain chain).
+pub fn key_context(c: Option<&pb::KeyContext>) -> Result<Option<KeyContext>, ProtoError> {
+    match c {
+        None => Ok(None),
+        Some(c) => {
+            let ctx = KeyContext::try_from(c)?;
+            Ok((!ctx.is_empty()).then_some(ctx))
         }
     }
 }

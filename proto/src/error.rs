@@ -10,6 +10,9 @@ pub enum ProtoError {
     /// A namespace field is malformed.
     #[error("invalid namespace: {field} {reason}")]
     InvalidNamespace { field: &'static str, reason: String },
+    /// A request's key context breaks a bound of `docs/block-keys.md` section 6.
+    #[error("invalid key context: {field} {reason}")]
+    InvalidContext { field: &'static str, reason: String },
     /// A string does not parse as a block key (32 hex digits).
     #[error("invalid block key {0:?}: expected 32 hex digits")]
     InvalidKey(String),

@@ -15,6 +15,8 @@
 //! - [`publisher`]: [`publisher::MemoryPublisher`], numbered events with a bounded log and the
 //!   state they describe, answering replay and snapshot.
 //! - [`key`]: chained key derivation (BLAKE3 keyed by the namespace fingerprint).
+//! - [`key_context`]: what a request's keys bind besides its tokens (adapter, cache salt,
+//!   multimodal inputs, per-block extras), as extra bytes of some blocks' key messages.
 //! - [`key_chain`]: a prompt's key chain with BLAKE3's compression inlined (x86-64 fast path).
 //! - [`convert`]: validated conversions between [`pb`] messages and the typed vocabulary.
 //! - [`dynamo`]: the Dynamo / RFC-1527 compatible XXH3-64 chained hash, for event interop.
@@ -47,6 +49,7 @@ pub mod events;
 pub mod fuzzing;
 pub mod key;
 pub mod key_chain;
+pub mod key_context;
 pub mod limits;
 pub mod lookup_wire;
 pub mod namespace;
@@ -69,5 +72,6 @@ pub use key::{
     BlockKey, BlockKeyBuildHasher, BlockKeyHasher, block_keys, block_keys_le, chain_keys_le, check_tokens_le,
     next_block_key, next_block_key_le, tokens_from_le, tokens_to_le,
 };
+pub use key_context::{Adapter, KeyContext, MmInput, context_keys, context_keys_le};
 pub use namespace::{Dtype, KvLayout, LayoutKind, Namespace, NamespaceFingerprint, NamespaceId};
 pub use tier::TierKind;

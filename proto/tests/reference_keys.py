@@ -2,7 +2,7 @@
 """Independent reference implementation of kvcached block keys and the Dynamo hash.
 
 Written from docs/block-keys.md alone (it does not call or read the Rust code). It checks every
-vector of proto/tests/data/block_keys.json and proto/tests/data/dynamo_hashes.json and exits
+vector of proto/tests/data/block_keys.json, context_keys.json and dynamo_hashes.json and exits
 non-zero on any mismatch.
 
     python3 -m venv .venv && .venv/bin/pip install blake3 xxhash
@@ -134,7 +134,87 @@ def block_keys(fp: bytes, block_size: int, tokens: list[int]) -> list[bytes]:
     return keys
 
 
-# --- section 7: Dynamo hash --------------------------------------------------------------------
+# --- section 6: key contexts ------------------------------------------------------------------
+
+
+def context_of(c: dict) -> dict:
+    """The context of a vector, checked against every rule of section 6 (Refused otherwise)."""
+
+    def unhex(field: str, h: str) -> bytes:
+        try:
+            return bytes.fromhex(h)
+        except ValueError as e:
+            raise Refused(field, f"not hex: {e}") from None
+
+    name = c["adapter_name"]
+    adapter_hash = unhex("adapter_hash", c["adapter_hash_hex"])
+    if name is None and adapter_hash:
+        raise Refused("adapter_hash", "a hash without an adapter name")
+    if name is not None:
+        if not 1 <= len(name.encode("utf-8")) <= 1024:
+            raise Refused("adapter.name", "must be 1..1024 bytes")
+        if len(adapter_hash) > 64:
+            raise Refused("adapter.content_hash", "at most 64 bytes")
+    salt = None if c["cache_salt_hex"] is None else unhex("cache_salt", c["cache_salt_hex"])
+    if salt is not None and not 1 <= len(salt) <= 4096:
+        raise Refused("cache_salt", "must be 1..4096 bytes")
+    if len(c["mm"]) > 65536:
+        raise Refused("mm", "too many inputs")
+    mm = []
+    end = 0
+    for m in c["mm"]:
+        h = unhex("mm.hash", m["hash_hex"])
+        if not 1 <= len(h) <= 64:
+            raise Refused("mm.hash", "must be 1..64 bytes")
+        if m["length"] == 0 or m["offset"] + m["length"] > U32_MAX:
+            raise Refused("mm.length", "zero, or ends past 2^32 - 1")
+        if m["offset"] < end:
+            raise Refused("mm.offset", "out of order or overlapping")
+        end = m["offset"] + m["length"]
+        mm.append((h, m["offset"], m["length"]))
+    if len(c["block_extras"]) > 1 << 20:
+        raise Refused("block_extras", "too many entries")
+    extras = {}
+    prev = -1
+    for e in c["block_extras"]:
+        d = unhex("block_extras.data", e["data_hex"])
+        if not 1 <= len(d) <= 64:
+            raise Refused("block_extras.data", "must be 1..64 bytes")
+        if e["block"] <= prev:
+            raise Refused("block_extras.block", "not strictly increasing")
+        prev = e["block"]
+        extras[e["block"]] = d
+    return {"adapter": None if name is None else (name.encode("utf-8"), adapter_hash), "salt": salt, "mm": mm,
+            "extras": extras}
+
+
+def block_extras(ctx: dict, i: int, block_size: int) -> bytes:
+    out = b""
+    if i == 0 and ctx["adapter"] is not None:
+        out += b"\x01" + enc_bytes(ctx["adapter"][0]) + enc_bytes(ctx["adapter"][1])
+    if i == 0 and ctx["salt"] is not None:
+        out += b"\x02" + enc_bytes(ctx["salt"])
+    for h, offset, length in ctx["mm"]:
+        if offset < (i + 1) * block_size and offset + length > i * block_size:
+            out += b"\x03" + enc_bytes(h) + u32le(offset) + u32le(length)
+    if i in ctx["extras"]:
+        out += b"\x04" + enc_bytes(ctx["extras"][i])
+    return out
+
+
+def context_keys(fp: bytes, block_size: int, tokens: list[int], ctx: dict) -> tuple[list[bytes], dict[int, bytes]]:
+    keys: list[bytes] = []
+    extras: dict[int, bytes] = {}
+    for i, start in enumerate(range(0, len(tokens) - block_size + 1, block_size)):
+        e = block_extras(ctx, i, block_size)
+        if e:
+            extras[i] = e
+        hash_key = keys[-1] + fp[16:] if keys else fp
+        keys.append(blake3.blake3(tokens_le(tokens[start : start + block_size]) + e, key=hash_key).digest()[:16])
+    return keys, extras
+
+
+# --- section 8: Dynamo hash --------------------------------------------------------------------
 
 
 def xxh3(data: bytes, seed: int) -> int:
@@ -151,7 +231,23 @@ def dynamo_hashes(tokens: list[int], block_size: int, seed: int) -> tuple[list[i
     return local, seq
 
 
-# --- section 9: token generator ----------------------------------------------------------------
+def dynamo_request_seed(lora_name: str | None, cache_namespace: str | None) -> int:
+    seed = DYNAMO_SEED
+    if lora_name:
+        seed = (seed + xxh3(lora_name.encode("utf-8"), 0)) % 2**64
+    if cache_namespace:
+        seed = (seed + xxh3(cache_namespace.encode("utf-8"), 1)) % 2**64
+    return seed
+
+
+def dynamo_request_hashes(tokens: list[int], block_size: int, local_seed: int) -> list[int]:
+    seq: list[int] = []
+    for h in dynamo_hashes(tokens, block_size, local_seed)[0]:
+        seq.append(h if not seq else xxh3(u64le(seq[-1]) + u64le(h), DYNAMO_SEED))
+    return seq
+
+
+# --- section 10: token generator ----------------------------------------------------------------
 
 
 def expand(segments: list[dict]) -> list[int]:
@@ -206,6 +302,33 @@ def check_block_keys(c: Checker, path: Path) -> None:
     print(f"{path.name}: {len(doc['vectors'])} vectors, {len(doc['rejections'])} rejections")
 
 
+def check_contexts(c: Checker, path: Path) -> None:
+    doc = json.loads(path.read_text(encoding="utf-8"))
+    for v in doc["vectors"]:
+        name = v["name"]
+        ns = v["namespace"]
+        tokens = expand(v["tokens"])
+        c.check(f"{name}: token_count", len(tokens), v["token_count"])
+        fp = fingerprint(canonical_bytes(ns))
+        keys, extras = context_keys(fp, ns["tokens_per_block"], tokens, context_of(v["context"]))
+        c.check(f"{name}: extras", [{"block": b, "hex": e.hex()} for b, e in sorted(extras.items())], v["extras"])
+        c.check(f"{name}: keys", [k.hex() for k in keys], v["keys"])
+    for r in doc["rejections"]:
+        try:
+            context_of(r["context"])
+            c.check(f"context rejection {r['name']}: refused", "accepted", f"refused at {r['field']}")
+        except Refused as e:
+            c.check(f"context rejection {r['name']}: field at fault", e.field, r["field"])
+    for v in doc["dynamo_seeds"]:
+        name = v["name"]
+        seed = dynamo_request_seed(v["lora_name"], v["cache_namespace"])
+        c.check(f"{name}: local seed", str(seed), v["local_seed_dec"])
+        hashes = dynamo_request_hashes(expand(v["tokens"]), v["block_size"], seed)
+        c.check(f"{name}: hashes", [f"{h:016x}" for h in hashes], v["sequence_hashes_hex"])
+    print(f"{path.name}: {len(doc['vectors'])} vectors, {len(doc['rejections'])} rejections, "
+          f"{len(doc['dynamo_seeds'])} Dynamo seeds")
+
+
 def check_dynamo(c: Checker, path: Path) -> None:
     doc = json.loads(path.read_text(encoding="utf-8"))
     for v in doc["vectors"]:
@@ -255,6 +378,7 @@ def main() -> int:
     self_test(c)
     check_block_keys(c, data / "block_keys.json")
     check_dynamo(c, data / "dynamo_hashes.json")
+    check_contexts(c, data / "context_keys.json")
     print(f"{c.passed} passed, {c.failed} failed")
     return 1 if c.failed else 0
 

@@ -16,7 +16,7 @@ use kvproto::{
 #[path = "common/schema.rs"]
 mod schema;
 
-use schema::{BlockKeyFile, DynamoFile, NamespaceSpec, TokenSegment, expand_tokens};
+use schema::{BlockKeyFile, ContextFile, DynamoFile, NamespaceSpec, TokenSegment, expand_tokens};
 
 fn data_path(name: &str) -> PathBuf {
     [env!("CARGO_MANIFEST_DIR"), "tests", "data", name].iter().collect()
@@ -508,4 +508,74 @@ fn invalid_namespaces_are_rejected() {
     }
     assert!(Dtype::parse("f8").is_err());
     assert!(LayoutKind::parse("paged").is_err());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Key contexts (section 6) and Dynamo request seeds
+// ---------------------------------------------------------------------------------------------
+
+fn load_contexts() -> ContextFile {
+    let text = std::fs::read_to_string(data_path("context_keys.json")).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+#[test]
+fn context_key_vectors() {
+    let file = load_contexts();
+    assert_eq!(file.format_version, 1);
+    assert!(file.vectors.len() >= 10, "only {} vectors", file.vectors.len());
+    for v in &file.vectors {
+        let ns = namespace_of(&v.namespace);
+        let ctx = schema::to_context(&v.context).unwrap();
+        let tokens = expand_tokens(&v.tokens);
+        assert_eq!(tokens.len() as u64, v.token_count, "{}: token_count", v.name);
+        let tpb = v.namespace.tokens_per_block as usize;
+        let extras: Vec<(u64, String)> =
+            ctx.block_extras(tpb, tokens.len() / tpb).iter().map(|(b, e)| (*b as u64, hex::encode(e))).collect();
+        let want: Vec<(u64, String)> = v.extras.iter().map(|e| (e.block, e.hex.clone())).collect();
+        assert_eq!(extras, want, "{}: extras", v.name);
+        let keys: Vec<String> =
+            kvproto::context_keys(&ns.fingerprint(), tpb, &tokens, &ctx).iter().map(ToString::to_string).collect();
+        assert_eq!(keys, v.keys, "{}: keys", v.name);
+        // Blocks before the first with extras keep their plain keys; from it on, every key differs.
+        let plain: Vec<String> = block_keys(&ns.fingerprint(), tpb, &tokens).iter().map(ToString::to_string).collect();
+        let first = v.extras.first().map_or(keys.len(), |e| e.block as usize).min(keys.len());
+        assert_eq!(keys[..first], plain[..first], "{}: shared prefix", v.name);
+        for i in first..keys.len() {
+            assert_ne!(keys[i], plain[i], "{}: block {i}", v.name);
+        }
+    }
+}
+
+#[test]
+fn context_rejection_vectors() {
+    let file = load_contexts();
+    assert!(file.rejections.len() >= 10);
+    for r in &file.rejections {
+        match schema::to_context(&r.context) {
+            Err((field, _)) => assert_eq!(field, r.field, "{}", r.name),
+            Ok(c) => panic!("{}: accepted {c:?}", r.name),
+        }
+    }
+}
+
+#[test]
+fn dynamo_request_seed_vectors() {
+    use kvproto::dynamo::{request_seed, request_sequence_hashes};
+    let file = load_contexts();
+    for v in &file.dynamo_seeds {
+        let seed =
+            request_seed(v.lora_name.as_deref().map(str::as_bytes), v.cache_namespace.as_deref().map(str::as_bytes));
+        assert_eq!(seed.to_string(), v.local_seed_dec, "{}", v.name);
+        let tokens = expand_tokens(&v.tokens);
+        let hashes: Vec<String> =
+            request_sequence_hashes(&tokens, v.block_size as usize, seed).iter().map(|h| format!("{h:016x}")).collect();
+        assert_eq!(hashes, v.sequence_hashes_hex, "{}", v.name);
+    }
+    // A base-model request is the plain Dynamo chain.
+    let base = &file.dynamo_seeds[0];
+    assert_eq!(base.local_seed_dec, DYNAMO_SEED.to_string());
+    let tokens = expand_tokens(&base.tokens);
+    let plain: Vec<String> = sequence_hashes(&tokens, 16, DYNAMO_SEED).iter().map(|h| format!("{h:016x}")).collect();
+    assert_eq!(plain, base.sequence_hashes_hex);
 }

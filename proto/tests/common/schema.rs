@@ -154,3 +154,114 @@ pub struct DynamoFile {
 pub const TOKEN_GENERATOR: &str = "tokens = concatenation of the segments in order; segment {count, start, mul, mod} \
 yields token[i] = (start + i * mul) mod mod for i = 0..count-1, computed with exact integer \
 arithmetic (no wrap-around before the final mod); every token is a u32 (mod <= 2^32)";
+
+/// A multimodal input of a key-context vector.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct MmSpec {
+    pub hash_hex: String,
+    pub offset: u32,
+    pub length: u32,
+}
+
+/// A per-block extra of a key-context vector.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct BlockExtraSpec {
+    pub block: u32,
+    pub data_hex: String,
+}
+
+/// The key context of a vector (`docs/block-keys.md` section 6).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct ContextSpec {
+    /// `null`: no adapter.
+    pub adapter_name: Option<String>,
+    pub adapter_hash_hex: String,
+    /// `null`: no cache salt.
+    pub cache_salt_hex: Option<String>,
+    pub mm: Vec<MmSpec>,
+    pub block_extras: Vec<BlockExtraSpec>,
+}
+
+/// The extra bytes of one block, for a reader checking an implementation step by step.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ExtrasOf {
+    pub block: u64,
+    pub hex: String,
+}
+
+/// One key-context vector: a namespace, a context and tokens; the blocks' extras and keys.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ContextVector {
+    pub name: String,
+    pub namespace: NamespaceSpec,
+    pub context: ContextSpec,
+    pub tokens: Vec<TokenSegment>,
+    pub token_count: u64,
+    /// The blocks with extras, in block order (the others have none).
+    pub extras: Vec<ExtrasOf>,
+    pub keys: Vec<String>,
+}
+
+/// A context the spec refuses, at `field`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ContextRejection {
+    pub name: String,
+    pub context: ContextSpec,
+    pub field: String,
+    pub reason: String,
+}
+
+/// A Dynamo request-seed vector: the local seed for an adapter and a cache namespace, and the
+/// sequence hashes of tokens under it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct DynamoSeedVector {
+    pub name: String,
+    pub lora_name: Option<String>,
+    pub cache_namespace: Option<String>,
+    pub local_seed_dec: String,
+    pub block_size: u32,
+    pub tokens: Vec<TokenSegment>,
+    pub token_count: u64,
+    pub sequence_hashes_hex: Vec<String>,
+}
+
+/// `context_keys.json`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ContextFile {
+    pub description: String,
+    pub format_version: u32,
+    pub token_generator: String,
+    pub vectors: Vec<ContextVector>,
+    pub rejections: Vec<ContextRejection>,
+    pub dynamo_seeds: Vec<DynamoSeedVector>,
+}
+
+/// The context a spec names, or the field at fault.
+pub fn to_context(spec: &ContextSpec) -> Result<kvproto::KeyContext, (String, String)> {
+    use kvproto::ProtoError;
+    let hex_of = |field: &str, h: &str| hex::decode(h).map_err(|e| (field.to_string(), e.to_string()));
+    if spec.adapter_name.is_none() && !spec.adapter_hash_hex.is_empty() {
+        return Err(("adapter_hash".into(), "given without an adapter name".into()));
+    }
+    let adapter = match &spec.adapter_name {
+        Some(name) => {
+            Some(kvproto::Adapter { name: name.clone(), content_hash: hex_of("adapter_hash", &spec.adapter_hash_hex)? })
+        }
+        None => None,
+    };
+    let cache_salt = spec.cache_salt_hex.as_deref().map(|h| hex_of("cache_salt", h)).transpose()?;
+    let mut mm = Vec::new();
+    for m in &spec.mm {
+        mm.push(kvproto::MmInput { hash: hex_of("mm.hash", &m.hash_hex)?, offset: m.offset, length: m.length });
+    }
+    let mut block_extras = Vec::new();
+    for b in &spec.block_extras {
+        block_extras.push((b.block, hex_of("block_extras.data", &b.data_hex)?));
+    }
+    let ctx = kvproto::KeyContext { adapter, cache_salt, mm, block_extras };
+    match ctx.validate() {
+        Ok(()) => Ok(ctx),
+        Err(ProtoError::InvalidContext { field, reason }) => Err((field.to_string(), reason)),
+        Err(e) => Err(("context".into(), e.to_string())),
+    }
+}

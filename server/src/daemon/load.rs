@@ -156,7 +156,8 @@ impl Daemon {
         progress: &watch::Sender<pb::LoadStatus>,
         settle: &mut Option<(Vec<BlockKey>, LoadReport)>,
     ) -> Result<pb::LoadStatus, ServerError> {
-        let keys = self.keys(engine, &req.tokens)?;
+        let ctx = kvproto::convert::key_context(req.context.as_ref())?;
+        let keys = self.keys_in(engine, &req.tokens, ctx.as_ref())?;
         Self::span(engine, keys.len(), req.first_block, &req.block_ids)?;
         let first = req.first_block as usize;
         let wanted = keys[first..first + req.block_ids.len()].to_vec();

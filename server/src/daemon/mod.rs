@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use kvproto::{TierKind, pb};
+use kvproto::{KeyContext, TierKind, pb};
 use kvtiers::{BlockMeta, BlockStore};
 use parking_lot::Mutex;
 use tokio::sync::watch;
@@ -16,6 +16,7 @@ use crate::engine::prefix_probe::{PrefixProber, Probing};
 use crate::engine::{Engine, Registry};
 use crate::error::ServerError;
 use crate::export::reports::{GpuChange, Reports};
+use crate::export::vllm_export::DynamoTag;
 use crate::peer::{Incoming, Peers};
 use crate::policy::limits::{Held, Limits, Principal};
 
@@ -210,6 +211,25 @@ impl Daemon {
         Ok(self.key_memo.keys(&engine.fingerprint, engine.namespace.layout.tokens_per_block as usize, tokens))
     }
 
+    /// [`Daemon::keys`] of a request with a key context (`docs/block-keys.md` section 6),
+    /// derived directly (the memo holds plain chains only).
+    fn keys_in(
+        &self,
+        engine: &Engine,
+        tokens: &[u8],
+        ctx: Option<&KeyContext>,
+    ) -> Result<Vec<kvproto::BlockKey>, ServerError> {
+        let Some(ctx) = ctx else { return self.keys(engine, tokens) };
+        kvproto::check_tokens_le(tokens)?;
+        metrics::counter!("kvcached_block_keys_total", "source" => "context").increment(1);
+        Ok(kvproto::context_keys_le(
+            &engine.fingerprint,
+            engine.namespace.layout.tokens_per_block as usize,
+            tokens,
+            ctx,
+        ))
+    }
+
     /// Checks that `first + ids.len()` blocks are covered by the full blocks of `tokens`.
     fn span(engine: &Engine, keys: usize, first: u32, ids: &[u32]) -> Result<(), ServerError> {
         engine.check_slots(ids)?;
@@ -236,7 +256,8 @@ impl Daemon {
                 engine.namespace_id
             )));
         }
-        let keys = self.keys(&engine, &req.tokens)?;
+        let ctx = kvproto::convert::key_context(req.context.as_ref())?;
+        let keys = self.keys_in(&engine, &req.tokens, ctx.as_ref())?;
         Self::span(&engine, keys.len(), req.first_block, &req.block_ids)?;
         let mut resp = pb::SaveResponse::default();
         let len = engine.block_bytes();
@@ -248,7 +269,8 @@ impl Daemon {
         let owner = self.engines.tenants().index_of(who).and_then(|t| u32::try_from(t).ok());
         if let Some(c) = export {
             let tpb = engine.namespace.layout.tokens_per_block as usize;
-            c.saving(&keys, kvproto::tokens_from_le(&req.tokens)?, tpb, req.first_block as usize, end);
+            let tag = DynamoTag::of(ctx.as_ref(), tpb, keys.len());
+            c.saving(&keys, kvproto::tokens_from_le(&req.tokens)?, tpb, req.first_block as usize, end, tag);
         }
         let mut over_quota = false;
         for (i, &slot) in req.block_ids.iter().enumerate() {
@@ -294,10 +316,12 @@ impl Daemon {
         if !tokens.len().is_multiple_of(4) {
             return Err(kvproto::ProtoError::TokenBytes(tokens.len()).into());
         }
-        let (keys, m) = if req.route_id.is_some() {
+        let ctx = kvproto::convert::key_context(req.context.as_ref())?;
+        let (keys, m) = if req.route_id.is_some() || ctx.is_some() {
             // The outcome report needs the keys past the engine's own G1 blocks: all of them.
             // A copy that faulted is not remembered by the key memo either: checked first.
-            let keys = self.keys(&engine, tokens.all_checked()?)?;
+            // A key context's chain is derived whole too (the memo holds plain chains).
+            let keys = self.keys_in(&engine, tokens.all_checked()?, ctx.as_ref())?;
             let m = BlockStore::count_prefix(&self.store.held_prefix(&keys));
             (keys, m)
         } else {
@@ -336,7 +360,7 @@ impl Daemon {
         };
         // Past what the tiers' indexes know, G4 may hold more (other daemons' writes): asked in
         // a few round trips, with every key of the prompt.
-        let (keys, m) = self.probe_g4(&engine, &mut tokens, keys, m)?;
+        let (keys, m) = self.probe_g4(&engine, &mut tokens, ctx.as_ref(), keys, m)?;
         // Keys derived from a copy that faulted are not the engine's prompt's: no answer.
         tokens.check()?;
         if let Some(route_id) = req.route_id {
@@ -368,6 +392,7 @@ impl Daemon {
         &self,
         engine: &Engine,
         tokens: &mut crate::engine::token_area::PromptTokens<'_>,
+        ctx: Option<&KeyContext>,
         keys: Vec<kvproto::BlockKey>,
         mut m: kvtiers::PrefixMatch,
     ) -> Result<(Vec<kvproto::BlockKey>, kvtiers::PrefixMatch), ServerError> {
@@ -375,7 +400,7 @@ impl Daemon {
         if !self.g4_lookup_probe || !self.store.has_remote_tier() || m.blocks >= blocks {
             return Ok((keys, m));
         }
-        let keys = if keys.len() < blocks { self.keys(engine, tokens.all_checked()?)? } else { keys };
+        let keys = if keys.len() < blocks { self.keys_in(engine, tokens.all_checked()?, ctx)? } else { keys };
         let more = self.store.probe_lower(engine.namespace_id, &keys[m.blocks..]);
         let g4 = TierKind::G4Object.index();
         m.blocks += more;
@@ -423,7 +448,8 @@ impl Daemon {
             Err(_) => return Err(ServerError::Invalid(format!("unknown GPU block change {}", req.change))),
         };
         let (parent, keys) = if req.keys.is_empty() {
-            let all = self.keys(&engine, &req.tokens)?;
+            let ctx = kvproto::convert::key_context(req.context.as_ref())?;
+            let all = self.keys_in(&engine, &req.tokens, ctx.as_ref())?;
             let first = req.first_block as usize;
             if change != GpuChange::Cleared && first > all.len() {
                 return Err(ServerError::Invalid(format!(
@@ -462,6 +488,7 @@ impl Daemon {
     ) -> Result<(u64, Arc<Engine>, watch::Sender<pb::LoadStatus>, Held), ServerError> {
         let engine = self.engines.get(req.engine_id, who)?;
         kvproto::check_tokens_le(&req.tokens)?;
+        kvproto::convert::key_context(req.context.as_ref())?;
         let full_blocks = req.tokens.len() / (4 * engine.namespace.layout.tokens_per_block as usize);
         Self::span(&engine, full_blocks, req.first_block, &req.block_ids)?;
         Engine::check_distinct_slots(&req.block_ids)?;

@@ -21,6 +21,7 @@ use kvproto::{BlockKey, TierKind};
 use kvtiers::{BlockMeta, TierListener};
 
 use crate::export::reports::Reports;
+use crate::export::vllm_export::DynamoTag;
 
 /// Changes the queue holds at most (each some 80 bytes; a removal's keys apart).
 pub const CAPACITY: usize = 64 * 1024;
@@ -43,6 +44,7 @@ enum Change {
         tokens_per_block: usize,
         first: usize,
         end: usize,
+        tag: DynamoTag,
     },
     /// Blocks a save did not store after all.
     Unstored(Vec<BlockKey>),
@@ -81,9 +83,17 @@ impl Changes {
     /// Blocks `keys[first..end]` of a save, whose `tokens` are whole blocks of
     /// `tokens_per_block`, are about to be stored: their vLLM records are made first. Saves
     /// call this only when [`Changes::exports_vllm`] (they decode the tokens for it).
-    pub fn saving(&self, keys: &[BlockKey], tokens: Vec<u32>, tokens_per_block: usize, first: usize, end: usize) {
+    pub fn saving(
+        &self,
+        keys: &[BlockKey],
+        tokens: Vec<u32>,
+        tokens_per_block: usize,
+        first: usize,
+        end: usize,
+        tag: DynamoTag,
+    ) {
         let keys = keys[..end.min(keys.len())].to_vec();
-        self.push(Change::Saving { keys, tokens, tokens_per_block, first, end });
+        self.push(Change::Saving { keys, tokens, tokens_per_block, first, end, tag });
     }
 
     /// Blocks of a save that no tier took: their records go (called as [`Changes::saving`]).
@@ -128,9 +138,9 @@ fn pass_on(rx: &Receiver<Change>, reports: &Reports) {
         match c {
             Change::Stored { tier, key, meta } => reports.stored(tier, key, &meta),
             Change::Removed { tier, keys } => reports.removed(tier, &keys),
-            Change::Saving { keys, tokens, tokens_per_block, first, end } => {
+            Change::Saving { keys, tokens, tokens_per_block, first, end, tag } => {
                 if let Some(v) = reports.vllm() {
-                    v.note_save(&keys, &tokens, tokens_per_block, first, end);
+                    v.note_save(&keys, &tokens, tokens_per_block, first, end, tag);
                 }
             }
             Change::Unstored(keys) => {

@@ -39,6 +39,30 @@ use crate::error::ServerError;
 use crate::export::vllm_origins::{self, Origin, OriginLog, Origins};
 use crate::export::zmq_export::VllmExporter;
 
+/// How a save's blocks are hashed for the export: the seed of their local hashes (Dynamo's
+/// adapter and cache-namespace seeding, [`kvproto::dynamo::request_seed`]) and the first block
+/// Dynamo's hash cannot express (one whose key binds a multimodal input or a per-block extra):
+/// that block and the rest of the save are not exported (`kvcached_vllm_export_unknown_total`),
+/// rather than exported under the hash of other tokens' KV.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DynamoTag {
+    pub seed: u64,
+    pub upto: usize,
+}
+
+impl DynamoTag {
+    /// The tag of a save of `blocks` full blocks under `ctx`.
+    pub fn of(ctx: Option<&kvproto::KeyContext>, tokens_per_block: usize, blocks: usize) -> Self {
+        let Some(ctx) = ctx else { return Self { seed: kvproto::dynamo::DYNAMO_SEED, upto: usize::MAX } };
+        let seed =
+            kvproto::dynamo::request_seed(ctx.adapter.as_ref().map(|a| a.name.as_bytes()), ctx.cache_salt.as_deref());
+        let per_block =
+            kvproto::KeyContext { mm: ctx.mm.clone(), block_extras: ctx.block_extras.clone(), ..Default::default() };
+        let upto = per_block.block_extras(tokens_per_block, blocks).keys().next().copied().unwrap_or(usize::MAX);
+        Self { seed, upto }
+    }
+}
+
 /// Events waiting for the sending task.
 const QUEUE: usize = 65_536;
 /// Most events per ZMQ message.
@@ -185,15 +209,25 @@ impl VllmExport {
     }
 
     /// Records the Dynamo hashes and tokens of blocks `keys[first..end]` of `tokens` (whole
-    /// blocks of `tokens_per_block`), before they are saved.
-    pub fn note_save(&self, keys: &[BlockKey], tokens: &[u32], tokens_per_block: usize, first: usize, end: usize) {
+    /// blocks of `tokens_per_block`), before they are saved; only those before `tag.upto`
+    /// (the blocks after it have no Dynamo hash: they are not exported).
+    pub fn note_save(
+        &self,
+        keys: &[BlockKey],
+        tokens: &[u32],
+        tokens_per_block: usize,
+        first: usize,
+        end: usize,
+        tag: DynamoTag,
+    ) {
         let seed = kvproto::dynamo::DYNAMO_SEED;
-        let blocks: Vec<&[u32]> = tokens.chunks_exact(tokens_per_block.max(1)).take(end.min(keys.len())).collect();
+        let upto = end.min(keys.len()).min(tag.upto);
+        let blocks: Vec<&[u32]> = tokens.chunks_exact(tokens_per_block.max(1)).take(upto).collect();
         // Hash the chain with no lock held; record only the blocks being saved.
         let mut parent = None;
         let mut fresh = Vec::with_capacity(blocks.len().saturating_sub(first));
         for (i, block) in blocks.iter().enumerate() {
-            let hash = kvproto::dynamo::chain(parent, kvproto::dynamo::local_block_hash(block, seed), seed);
+            let hash = kvproto::dynamo::chain(parent, kvproto::dynamo::local_block_hash(block, tag.seed), seed);
             if i >= first {
                 fresh.push((keys[i], Origin { hash, parent, tokens: (*block).into(), tiers: 0 }));
             }
@@ -459,13 +493,44 @@ mod tests {
         assert!(!stored.iter().any(|(h, _, _)| *h == 60));
     }
 
+    /// A save with a key context is recorded with Dynamo's hashes of that request: the adapter
+    /// and the salt seed the local hashes; from the first block that binds an image nothing is
+    /// recorded (Dynamo's hash cannot name it), so nothing is exported under another KV's hash.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn saves_with_key_contexts_are_recorded_with_their_own_dynamo_hashes() {
+        use kvproto::{Adapter, KeyContext, MmInput};
+        let export = VllmExport::start("tcp://127.0.0.1:0", "", None, None).await.unwrap();
+        let tokens: Vec<u32> = (0..6 * 16).collect();
+        let ctx = KeyContext {
+            adapter: Some(Adapter { name: "sql".into(), content_hash: vec![9; 32] }),
+            cache_salt: Some(b"tenant-a".to_vec()),
+            mm: vec![MmInput { hash: vec![1; 32], offset: 70, length: 10 }],
+            ..Default::default()
+        };
+        let tag = DynamoTag::of(Some(&ctx), 16, 6);
+        let seed = kvproto::dynamo::request_seed(Some(b"sql"), Some(b"tenant-a"));
+        assert_eq!(tag, DynamoTag { seed, upto: 4 });
+        let keys: Vec<BlockKey> = (0..6).map(key).collect();
+        export.note_save(&keys, &tokens, 16, 0, 6, tag);
+        let want = kvproto::dynamo::request_sequence_hashes(&tokens, 16, seed);
+        let origins = export.origins.lock();
+        for (i, k) in keys.iter().enumerate() {
+            match origins.get(k) {
+                Some(o) if i < 4 => assert_eq!(o.hash, want[i], "block {i}"),
+                None if i >= 4 => {}
+                other => panic!("block {i}: {:?}", other.map(|o| o.hash)),
+            }
+        }
+        assert_ne!(want[0], kvproto::dynamo::sequence_hashes(&tokens, 16, kvproto::dynamo::DYNAMO_SEED)[0]);
+    }
+
     /// An export on a free port holding records (and no tier yet) of a chain of `n` blocks of
     /// 16 tokens.
     async fn export_with_records(n: u8) -> (VllmExport, Vec<BlockKey>) {
         let export = VllmExport::start("tcp://127.0.0.1:0", "", None, None).await.unwrap();
         let keys: Vec<BlockKey> = (0..n).map(key).collect();
         let tokens: Vec<u32> = (0..u32::from(n) * 16).collect();
-        export.note_save(&keys, &tokens, 16, 0, n as usize);
+        export.note_save(&keys, &tokens, 16, 0, n as usize, DynamoTag::of(None, 16, n as usize));
         (export, keys)
     }
 
