@@ -77,6 +77,27 @@ class Namespace:
         """16-byte keys of every full block of `tokens`, as the daemon derives them."""
     def __eq__(self, other: object) -> bool: ...
 
+class KeyContext:
+    """What a request's block keys bind besides its tokens (docs/block-keys.md section 6): a LoRA
+    adapter (name and weights hash) and a cache salt bind every key; multimodal inputs
+    (hash, offset, length), in token order and not overlapping, bind the blocks they overlap;
+    block_extras (block, bytes) bind one block each. Raises ValueError for a context out of bounds."""
+
+    def __init__(
+        self,
+        *,
+        adapter_name: str | None = None,
+        adapter_hash: bytes = b"",
+        cache_salt: bytes | None = None,
+        mm: Sequence[tuple[bytes, int, int]] = (),
+        block_extras: Sequence[tuple[int, bytes]] = (),
+    ) -> None: ...
+    @property
+    def is_empty(self) -> bool: ...
+    def block_keys(self, namespace: Namespace, tokens: Sequence[int]) -> list[bytes]:
+        """16-byte keys of every full block of `tokens` in `namespace` under this context."""
+    def __eq__(self, other: object) -> bool: ...
+
 class SlotLayout:
     """Where block slots lie in KV memory: segment i of slot b at offset_i + b * stride_i."""
 
@@ -212,12 +233,24 @@ class Client:
         self, name: str, namespace: Namespace, memory: GpuKvMemory, address: str = "", role: str = ""
     ) -> Registration:
         """Raises NoCudaDeviceError where the daemon's node has no CUDA device."""
-    def save(self, tokens: Tokens, first_block: int, slots: Sequence[int]) -> SaveResult: ...
-    def lookup(self, tokens: Tokens) -> LookupResult: ...
+    def save(
+        self, tokens: Tokens, first_block: int, slots: Sequence[int], *, context: KeyContext | None = None
+    ) -> SaveResult: ...
+    def lookup(self, tokens: Tokens, *, context: KeyContext | None = None) -> LookupResult: ...
     def lookup_routed(self, tokens: Tokens, route_id: int, g1_blocks: int) -> LookupResult: ...
-    def load(self, tokens: Tokens, first_block: int, slots: Sequence[int], sources: Sequence[str] = ()) -> LoadOp:
+    def load(
+        self,
+        tokens: Tokens,
+        first_block: int,
+        slots: Sequence[int],
+        sources: Sequence[str] = (),
+        *,
+        context: KeyContext | None = None,
+    ) -> LoadOp:
         """Returns at once; sources: peer daemons that may hold what this node lacks."""
-    def load_now(self, tokens: Tokens, first_block: int, slots: Sequence[int]) -> LoadStatus:
+    def load_now(
+        self, tokens: Tokens, first_block: int, slots: Sequence[int], *, context: KeyContext | None = None
+    ) -> LoadStatus:
         """Raises LoadFailedError if the load failed."""
     def load_from(self, tokens: Tokens, first_block: int, slots: Sequence[int], sources: Sequence[str]) -> LoadStatus:
         """load_now that pulls what this node lacks from peer daemons ("host:port" of their peer

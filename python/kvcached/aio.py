@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 from kvcached._native import (
     Client,
     GpuKvMemory,
+    KeyContext,
     KvMemory,
     LoadOp,
     LoadStatus,
@@ -78,19 +79,31 @@ class AsyncClient:
     ) -> Registration:
         return await self._run(self.sync.register_gpu, name, namespace, memory, address, role)
 
-    async def save(self, tokens: Tokens, first_block: int, slots: Sequence[int]) -> SaveResult:
-        return await self._run(self.sync.save, tokens, first_block, list(slots))
+    async def save(
+        self, tokens: Tokens, first_block: int, slots: Sequence[int], *, context: KeyContext | None = None
+    ) -> SaveResult:
+        return await self._run(functools.partial(self.sync.save, context=context), tokens, first_block, list(slots))
 
-    async def lookup(self, tokens: Tokens) -> LookupResult:
-        return await self._run(self.sync.lookup, tokens)
+    async def lookup(self, tokens: Tokens, *, context: KeyContext | None = None) -> LookupResult:
+        return await self._run(functools.partial(self.sync.lookup, context=context), tokens)
 
     async def load(
-        self, tokens: Tokens, first_block: int, slots: Sequence[int], sources: Sequence[str] = ()
+        self,
+        tokens: Tokens,
+        first_block: int,
+        slots: Sequence[int],
+        sources: Sequence[str] = (),
+        *,
+        context: KeyContext | None = None,
     ) -> LoadOp:
-        return await self._run(self.sync.load, tokens, first_block, list(slots), list(sources))
+        return await self._run(
+            functools.partial(self.sync.load, context=context), tokens, first_block, list(slots), list(sources)
+        )
 
-    async def load_now(self, tokens: Tokens, first_block: int, slots: Sequence[int]) -> LoadStatus:
-        return await self._run(self.sync.load_now, tokens, first_block, list(slots))
+    async def load_now(
+        self, tokens: Tokens, first_block: int, slots: Sequence[int], *, context: KeyContext | None = None
+    ) -> LoadStatus:
+        return await self._run(functools.partial(self.sync.load_now, context=context), tokens, first_block, list(slots))
 
     async def wait(self, op: LoadOp, timeout: float = 30.0, blocks: int = 0) -> LoadStatus:
         return await self._run(self.sync.wait, op, timeout, blocks)

@@ -16,7 +16,7 @@ use tokio::runtime::Runtime;
 
 use crate::errors::{KvcachedError, to_py};
 use crate::memory::{PyGpuKvMemory, PyKvMemory};
-use crate::types::{LoadStatus, LookupResult, PyNamespace, Registration, SaveResult, stats_dict};
+use crate::types::{LoadStatus, LookupResult, PyKeyContext, PyNamespace, Registration, SaveResult, stats_dict};
 
 /// Token ids from a Python object: any buffer of unsigned 32-bit integers (a NumPy `uint32`
 /// array, `array.array("I")`) is read directly; anything else must be a sequence of ints.
@@ -190,21 +190,37 @@ impl PyClient {
     }
 
     /// Saves blocks `first_block .. first_block + len(slots)` of the prompt `tokens` from those
-    /// slots of the registered memory. The daemon derives every key from the tokens.
+    /// slots of the registered memory. The daemon derives every key from the tokens (and the
+    /// request's `context`, a `KeyContext`, when it has one).
+    #[pyo3(signature = (tokens, first_block, slots, *, context = None))]
     fn save(
         &self,
         py: Python<'_>,
         tokens: &Bound<'_, PyAny>,
         first_block: u32,
         slots: Vec<u32>,
+        context: Option<&PyKeyContext>,
     ) -> PyResult<SaveResult> {
         let tokens = tokens_of(tokens)?;
-        self.call(py, move |c| async move { c.save(&tokens, first_block, &slots).await }).map(SaveResult::from)
+        let ctx = context.map(|c| c.inner.clone());
+        self.call(py, move |c| async move { c.save_in(&tokens, ctx.as_ref(), first_block, &slots).await })
+            .map(SaveResult::from)
     }
 
     /// How many leading blocks of `tokens` are cached, and in which tier. Moves no block data.
-    fn lookup(&self, py: Python<'_>, tokens: &Bound<'_, PyAny>) -> PyResult<LookupResult> {
+    #[pyo3(signature = (tokens, *, context = None))]
+    fn lookup(
+        &self,
+        py: Python<'_>,
+        tokens: &Bound<'_, PyAny>,
+        context: Option<&PyKeyContext>,
+    ) -> PyResult<LookupResult> {
         let tokens = tokens_of(tokens)?;
+        if let Some(ctx) = context.map(|c| c.inner.clone()).filter(|c| !c.is_empty()) {
+            return self
+                .call(py, move |c| async move { c.lookup_in(&tokens, Some(&ctx)).await })
+                .map(LookupResult::from);
+        }
         // Over LOOKUP with blocking I/O on this thread (the GIL released) when it can: no hop
         // through the runtime's worker; through the runtime otherwise.
         if std::process::id() == self.pid {
@@ -233,7 +249,7 @@ impl PyClient {
     /// Starts loading blocks `first_block .. first_block + len(slots)` of `tokens` into those
     /// slots; returns at once. The load stops at the first block not cached. `sources`: peer
     /// daemons that may hold the blocks this node lacks (as `load_from`).
-    #[pyo3(signature = (tokens, first_block, slots, sources = Vec::new()))]
+    #[pyo3(signature = (tokens, first_block, slots, sources = Vec::new(), *, context = None))]
     fn load(
         &self,
         py: Python<'_>,
@@ -241,22 +257,28 @@ impl PyClient {
         first_block: u32,
         slots: Vec<u32>,
         sources: Vec<String>,
+        context: Option<&PyKeyContext>,
     ) -> PyResult<PyLoadOp> {
         let tokens = tokens_of(tokens)?;
-        self.call(py, move |c| async move { c.load_op(&tokens, first_block, &slots, &sources).await })
+        let ctx = context.map(|c| c.inner.clone());
+        self.call(py, move |c| async move { c.load_op_in(&tokens, ctx.as_ref(), first_block, &slots, &sources).await })
             .map(|op| PyLoadOp { op })
     }
 
     /// Loads and waits in one call. Raises `LoadFailedError` if the load failed.
+    #[pyo3(signature = (tokens, first_block, slots, *, context = None))]
     fn load_now(
         &self,
         py: Python<'_>,
         tokens: &Bound<'_, PyAny>,
         first_block: u32,
         slots: Vec<u32>,
+        context: Option<&PyKeyContext>,
     ) -> PyResult<LoadStatus> {
         let tokens = tokens_of(tokens)?;
-        self.call(py, move |c| async move { c.load_now(&tokens, first_block, &slots).await }).map(LoadStatus::from)
+        let ctx = context.map(|c| c.inner.clone());
+        self.call(py, move |c| async move { c.load_now_in(&tokens, ctx.as_ref(), first_block, &slots).await })
+            .map(LoadStatus::from)
     }
 
     /// `load_now` that may pull the blocks this node lacks from peer daemons: `sources` are

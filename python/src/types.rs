@@ -2,7 +2,7 @@
 //! daemon's answers. All immutable.
 
 use kvproto::slots::{Segment, SlotLayout};
-use kvproto::{KvLayout, Namespace, pb};
+use kvproto::{Adapter, KeyContext, KvLayout, MmInput, Namespace, pb};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
@@ -85,6 +85,69 @@ impl PyKvLayout {
             l.dtype.name(),
             l.tokens_per_block,
             l.kind.name()
+        )
+    }
+}
+
+/// What a request's block keys bind besides its tokens (`docs/block-keys.md` section 6): a LoRA
+/// adapter (name and a hash of its weights) and a cache salt bind every key; multimodal inputs
+/// `(hash, offset, length)` (in token order, not overlapping) bind the blocks their placeholder
+/// tokens overlap; `block_extras` `(block, bytes)` bind one block each (e.g. a hash of its
+/// prompt embeddings). A request's lookups, loads and saves must pass the same context.
+#[pyclass(module = "kvcached", name = "KeyContext", frozen, eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PyKeyContext {
+    pub inner: KeyContext,
+}
+
+#[pymethods]
+impl PyKeyContext {
+    #[new]
+    #[pyo3(signature = (*, adapter_name = None, adapter_hash = Vec::new(), cache_salt = None, mm = Vec::new(), block_extras = Vec::new()))]
+    fn new(
+        adapter_name: Option<String>,
+        adapter_hash: Vec<u8>,
+        cache_salt: Option<Vec<u8>>,
+        mm: Vec<(Vec<u8>, u32, u32)>,
+        block_extras: Vec<(u32, Vec<u8>)>,
+    ) -> PyResult<Self> {
+        if adapter_name.is_none() && !adapter_hash.is_empty() {
+            return Err(invalid("adapter_hash given without an adapter_name"));
+        }
+        let inner = KeyContext {
+            adapter: adapter_name.map(|name| Adapter { name, content_hash: adapter_hash }),
+            cache_salt,
+            mm: mm.into_iter().map(|(hash, offset, length)| MmInput { hash, offset, length }).collect(),
+            block_extras,
+        };
+        inner.validate().map_err(invalid)?;
+        Ok(Self { inner })
+    }
+
+    /// Whether the context adds nothing (the keys are the plain chain's).
+    #[getter]
+    fn is_empty(&self) -> bool {
+        self.inner.is_empty()
+    }
+
+    /// The 16-byte keys of every full block of `tokens` in `namespace` under this context, as
+    /// the daemon derives them.
+    fn block_keys<'py>(&self, py: Python<'py>, namespace: &PyNamespace, tokens: Vec<u32>) -> Vec<Bound<'py, PyBytes>> {
+        let ns = &namespace.inner;
+        kvproto::context_keys(&ns.fingerprint(), ns.layout.tokens_per_block as usize, &tokens, &self.inner)
+            .iter()
+            .map(|k| PyBytes::new(py, &k.0))
+            .collect()
+    }
+
+    fn __repr__(&self) -> String {
+        // The salt is a secret: only whether there is one.
+        format!(
+            "KeyContext(adapter_name={:?}, cache_salt={}, mm={}, block_extras={})",
+            self.inner.adapter.as_ref().map(|a| a.name.as_str()),
+            if self.inner.cache_salt.is_some() { "<secret>" } else { "None" },
+            self.inner.mm.len(),
+            self.inner.block_extras.len()
         )
     }
 }

@@ -183,6 +183,40 @@ def test_two_engines_round_trip_bytes_exactly(daemon):
     assert [mem_b.read_block(s) for s in (10, 11, 12)] == [written[2], written[3], written[4]]
 
 
+def test_key_contexts_keep_requests_apart(daemon):
+    a, mem_a = engine(daemon, "py-ctx-a", "ctx")
+    b, mem_b = engine(daemon, "py-ctx-b", "ctx")
+    tokens = prompt(5, 6)
+    lora = kvcached.KeyContext(adapter_name="sql", adapter_hash=b"\x01" * 32)
+    image = kvcached.KeyContext(mm=[(b"cat", 40, 30)])  # blocks 2, 3, 4
+    ns = kvcached.Namespace("ctx", LAYOUT)
+    assert kvcached.KeyContext().is_empty and kvcached.KeyContext().block_keys(ns, tokens) == ns.block_keys(tokens)
+    assert lora.block_keys(ns, tokens)[0] != ns.block_keys(tokens)[0]
+    assert image.block_keys(ns, tokens)[:2] == ns.block_keys(tokens)[:2]
+    assert "secret" in repr(kvcached.KeyContext(cache_salt=b"hunter2")) and "hunter2" not in repr(
+        kvcached.KeyContext(cache_salt=b"hunter2")
+    )
+    written = fill_random(mem_a, range(6))
+    assert a.save(tokens, 0, list(range(6)), context=lora).stored == 6
+    assert b.lookup(tokens, context=lora).matched_blocks == 6
+    assert b.lookup(tokens).matched_blocks == 0
+    assert b.lookup(tokens, context=kvcached.KeyContext(cache_salt=b"t")).matched_blocks == 0
+    status = b.load_now(tokens, 0, list(range(10, 16)), context=lora)
+    assert status.loaded_blocks == 6 and [mem_b.read_block(10 + i) for i in range(6)] == [written[i] for i in range(6)]
+    op = b.load(tokens, 0, [20], context=lora)
+    assert b.wait(op).loaded_blocks == 1
+    a.save(tokens, 0, list(range(6)), context=image)
+    assert b.lookup(tokens).matched_blocks == 2  # the text before the image
+    for bad in (
+        dict(mm=[(b"a", 0, 20), (b"b", 10, 5)]),  # overlapping inputs
+        dict(cache_salt=b""),
+        dict(adapter_hash=b"x"),  # a hash without a name
+        dict(block_extras=[(1, b"x" * 65)]),
+    ):
+        with pytest.raises(ValueError):
+            kvcached.KeyContext(**bad)
+
+
 def test_a_decode_node_pulls_from_the_prefill_nodes_daemon(peer_pair):
     a, b = peer_pair
     prefill, mem_a = engine(a, "py-prefill", "handoff")

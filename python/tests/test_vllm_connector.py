@@ -126,11 +126,109 @@ def test_chunked_prefill_saves_each_chunk_and_decode_blocks_on_request(daemon, m
     finish(e, "C1")
 
 
-def test_unsupported_requests_are_neither_looked_up_nor_saved(daemon, make_engine):
+def _adapter(tmp_path, name: str, weights: bytes) -> str:
+    d = tmp_path / name
+    d.mkdir()
+    (d / "adapter_config.json").write_text('{"r": 8, "target_modules": ["k_proj", "v_proj"]}')
+    (d / "adapter_model.safetensors").write_bytes(weights)
+    return str(d)
+
+
+def _served(e, req, tokens: list[int], tag_of) -> int:
+    """Adds `req`, runs its first step; checks every loaded byte against the KV of `tag_of(req)`
+    and returns how many blocks were loaded."""
+    e.add(req)
+    out, _ = e.step()
+    loads = out.kv_connector_metadata.loads
+    n = sum(len(t.slots) for t in loads)
+    blocks = e.scheduler.kv_cache_manager.get_blocks(req.request_id).get_block_ids()[0]
+    for i in range(n):
+        assert e.block_kv(blocks[i]) == e.expected_block_kv(tokens, i, tag_of(req)), f"block {i}"
+    finish(e, req.request_id)
+    return n
+
+
+def test_lora_and_salted_requests_never_hit_each_others_blocks(daemon, make_engine, tmp_path):
+    from vllm.lora.request import LoRARequest
+    from vllm_harness import context_tag
+
+    e = make_engine(daemon.socket, prefix_caching=False)
+    sched = e.connector.scheduler
+    prompt = [t + 2000 for t in PROMPT]
+    sql = _adapter(tmp_path, "sql", b"weights-1")
+    moved = _adapter(tmp_path, "sql-copy", b"weights-1")  # the same weights elsewhere
+    retrained = _adapter(tmp_path, "sql-v2", b"weights-2")
+    kinds = {
+        "lora": dict(lora_request=LoRARequest("sql", 1, sql)),
+        "salt": dict(cache_salt="tenant-a"),
+        "plain": {},
+        "lora+salt": dict(lora_request=LoRARequest("sql", 1, sql), cache_salt="tenant-a"),
+    }
+    # Each kind saves its own blocks; none finds another kind's.
+    for i, (kind, kw) in enumerate(kinds.items()):
+        assert _served(e, request(f"{kind}-1", prompt, **kw), prompt, context_tag) == 0, kind
+        assert e.worker.worker.counts["saved"] == 3 * (i + 1), kind
+    # Each finds its own again, every byte its own.
+    for kind, kw in kinds.items():
+        assert _served(e, request(f"{kind}-2", prompt, **kw), prompt, context_tag) == 3, kind
+    # The adapter is keyed by its weights: the same files under another path hit, retrained
+    # weights under the same name do not, nor does another tenant's salt.
+    assert _served(e, request("moved", prompt, lora_request=LoRARequest("sql", 2, moved)), prompt, lambda r: context_tag(
+        request("x", prompt, lora_request=LoRARequest("sql", 1, sql)))) == 3
+    assert _served(e, request("v2", prompt, lora_request=LoRARequest("sql", 3, retrained)), prompt, context_tag) == 0
+    assert _served(e, request("b", prompt, cache_salt="tenant-b"), prompt, context_tag) == 0
+    assert sched.stats.daemon_errors == 0
+
+
+def test_an_image_shares_the_text_before_it_and_nothing_after(daemon, make_engine):
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+    from vllm_harness import context_tag
+
+    e = make_engine(daemon.socket, prefix_caching=False)
+    prompt = [t + 5000 for t in range(6 * BLOCK + 3)]
+
+    def image(ident: str):
+        # Placeholders at tokens 40..69: blocks 2, 3 and 4.
+        return [MultiModalFeatureSpec(data=None, modality="image", identifier=ident, mm_position=PlaceholderRange(40, 30))]
+
+    assert _served(e, request("I1", prompt, mm_features=image("cat")), prompt, context_tag) == 0
+    assert _served(e, request("I2", prompt, mm_features=image("cat")), prompt, context_tag) == 6
+    # Another image at the same place: only the two blocks before it are the same KV.
+    assert _served(e, request("I3", prompt, mm_features=image("dog")), prompt, context_tag) == 2
+    # The text alone shares those two blocks too, and nothing from the image on.
+    assert _served(e, request("T1", prompt), prompt, context_tag) == 2
+
+
+def test_prompt_embeddings_are_keyed_by_the_embeddings(daemon, make_engine):
+    import torch
+    from vllm_harness import context_tag
+
+    e = make_engine(daemon.socket, prefix_caching=False)
+    n = 3 * BLOCK + 5
+    emb = torch.arange(n * 8, dtype=torch.float32).reshape(n, 8)
+    other = emb.clone()
+    other[2 * BLOCK + 1, 0] = -1.0  # one value in block 2
+    zeros = [0] * n  # vLLM's token ids of an embeddings-only prompt
+
+    def req(rid, t):
+        return request(rid, None, prompt_embeds=t)
+
+    assert _served(e, req("E1", emb), zeros, context_tag) == 0
+    assert _served(e, req("E2", emb), zeros, context_tag) == 3
+    assert _served(e, req("E3", other), zeros, lambda r: context_tag(req("x", emb))) == 2
+
+
+def test_requests_the_daemon_cannot_key_are_neither_looked_up_nor_saved(daemon, make_engine):
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+
     e = make_engine(daemon.socket, prefix_caching=False)
     sched = e.connector.scheduler
     before = sched.stats.lookups
-    e.add(request("S1", [t + 2000 for t in PROMPT], cache_salt="tenant-a"))
+    overlapping = [
+        MultiModalFeatureSpec(data=None, modality="image", identifier=i, mm_position=PlaceholderRange(o, 20))
+        for i, o in (("a", 0), ("b", 10))
+    ]
+    e.add(request("S1", [t + 2000 for t in PROMPT], mm_features=overlapping))
     out, _ = e.step()
     assert sched.stats.lookups == before and not out.kv_connector_metadata.saves
     finish(e, "S1")

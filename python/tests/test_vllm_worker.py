@@ -34,8 +34,8 @@ def fill(e, block: int, seed: int) -> list[bytes]:
     g = torch.Generator().manual_seed(seed)
     out = []
     for name in LAYERS:
-        page = e.kv[name][block].view(torch.int16)
-        page.copy_(torch.randint(-(1 << 15), 1 << 15, page.shape, generator=g, dtype=torch.int16))
+        page = e.kv[name][block].view(torch.uint8)
+        page.copy_(torch.randint(0, 256, page.shape, generator=g, dtype=torch.uint8))
         out.append(e.kv[name][block].contiguous().view(torch.uint8).numpy().tobytes())
     return out
 
@@ -65,6 +65,68 @@ def test_blocks_round_trip_in_each_layout(daemon, make_engine, layout):
     # Block 3 was never saved: the load stops there and vLLM is told which block is missing.
     assert invalid == {12}
     assert b.worker.worker.counts == {**b.worker.worker.counts, "loaded": 3, "load_failed": 1}
+
+
+def _specs():
+    """Attention specs as vLLM 0.33's layers make them for each family (the fields vLLM's
+    attention layers set; the model's weights are not needed for the KV cache)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVQuantMode, MLAAttentionSpec
+
+    return {
+        # DeepSeek-V3 / Kimi K2: one latent of kv_lora_rank 512 + qk_rope_head_dim 64 per token.
+        "mla": MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=576, dtype=torch.bfloat16),
+        # --kv-cache-dtype fp8: e4m3 pages with per-tensor scales (in the model, not the page).
+        "fp8": FullAttentionSpec(
+            block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.float8_e4m3fn,
+            kv_quant_mode=KVQuantMode.FP8_PER_TENSOR,
+        ),  # fmt: skip
+        # K and V of different head sizes (e.g. MiniCPM3-style heads).
+        "uneven_kv": FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=32, head_size_v=16, dtype=torch.bfloat16),
+        # A page padded to a size the hybrid manager chose.
+        "padded": FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.bfloat16, page_size_padded=4096 + 512),
+    }
+
+
+@pytest.mark.parametrize("kind", ["mla", "fp8", "uneven_kv", "padded"])
+def test_blocks_of_other_attention_specs_round_trip(daemon, make_engine, kind):
+    spec = _specs()[kind]
+    a = make_engine(daemon.socket, spec=spec)
+    b = make_engine(daemon.socket, spec=spec, layout="LBNHC")
+    c = make_engine(daemon.socket, spec=spec)
+    assert a.worker.worker.namespace.id == c.worker.worker.namespace.id
+    src, dst = [3, 8], [20, 21]
+    written = [fill(a, blk, seed=40 + i) for i, blk in enumerate(src)]
+    invalid, _ = run_step(a, KvcachedConnectorMetadata(saves=[Transfer("s", TOKENS[: 2 * BLOCK], 0, src)]))
+    assert not invalid and a.worker.worker.counts["saved"] == 2
+    invalid, _ = run_step(c, KvcachedConnectorMetadata(loads=[Transfer("s", TOKENS[: 2 * BLOCK], 0, dst)]))
+    assert not invalid and [c.block_kv(d) for d in dst] == written
+    # Another byte order of the same spec is another namespace (for MLA, where heads are one,
+    # the two orders are the same bytes but vLLM's layout name still tells them apart).
+    invalid, _ = run_step(b, KvcachedConnectorMetadata(loads=[Transfer("s", TOKENS[: 2 * BLOCK], 0, dst)]))
+    assert invalid == set(dst)
+
+
+def test_specs_never_share_blocks(daemon, make_engine):
+    ids = {kind: make_engine(daemon.socket, spec=spec).worker.worker.namespace.id for kind, spec in _specs().items()}
+    ids["bf16"] = make_engine(daemon.socket).worker.worker.namespace.id
+    assert len(set(ids.values())) == len(ids), ids
+
+
+def test_mla_blocks_are_stored_once_for_every_tensor_parallel_rank(model_dir):
+    from vllm_harness import kv_cache_config, vllm_config
+
+    from kvcached.vllm.config import ConnectorConfig, namespace
+
+    mla, full = _specs()["mla"], _specs()["uneven_kv"]
+    ids = {}
+    for name, spec in (("mla", mla), ("full", full)):
+        cfg = vllm_config("/nonexistent.sock", model_dir=model_dir)
+        cfg.parallel_config.tensor_parallel_size = 4
+        kcfg = kv_cache_config(cfg, 8, spec)
+        cc = ConnectorConfig.from_extra({})
+        ids[name] = {namespace(cfg, kcfg, cc, rank, 4).id for rank in range(4)}
+    assert len(ids["mla"]) == 1  # every rank holds the same latent: one namespace, saved once
+    assert len(ids["full"]) == 4  # every rank holds other heads
 
 
 def test_layouts_do_not_share_blocks(daemon, make_engine):

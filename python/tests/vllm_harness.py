@@ -25,6 +25,7 @@ from vllm import SamplingParams
 from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.utils.hashing import sha256
+from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
 from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -97,10 +98,10 @@ def vllm_config(
     )
 
 
-def kv_cache_config(cfg: VllmConfig, num_blocks: int):
+def kv_cache_config(cfg: VllmConfig, num_blocks: int, spec: Any = SPEC):
     cfg.cache_config.num_gpu_blocks_override = num_blocks
     kcfg = get_kv_cache_config_from_groups(
-        cfg, [KVCacheGroupSpec(LAYERS, SPEC)], SPEC.page_size_bytes * len(LAYERS) * num_blocks
+        cfg, [KVCacheGroupSpec(LAYERS, spec)], spec.page_size_bytes * len(LAYERS) * num_blocks
     )
     cfg.cache_config.num_gpu_blocks = kcfg.num_blocks
     return kcfg
@@ -113,21 +114,37 @@ def request(rid: str, tokens: list[int], max_tokens: int = 2, params: dict | Non
         _none_hash = True
     sp = SamplingParams(max_tokens=max_tokens)
     sp.update_from_generation_config({}, EOS)
+    kw.setdefault("mm_features", None)
     req = Request(
         request_id=rid, prompt_token_ids=tokens, sampling_params=sp, pooling_params=None,
-        mm_features=None, block_hasher=get_request_block_hasher(BLOCK, sha256), **kw,
+        block_hasher=get_request_block_hasher(BLOCK, sha256), **kw,
     )  # fmt: skip
     req.kv_transfer_params = params
     return req
 
 
-def token_kv(tokens: list[int], pos: int, layer: int) -> torch.Tensor:
+def context_tag(req: Request) -> str:
+    """What besides its tokens a request's KV depends on in this fake model: its adapter (name
+    and path), its cache salt (vLLM keeps salted caches apart, as if the KV differed), the
+    multimodal inputs it has reached, its prompt embeddings."""
+    lora = req.lora_request
+    parts = [f"lora={lora.lora_name}@{lora.lora_path}"] if lora else []
+    parts += [f"salt={req.cache_salt}"] if req.cache_salt else []
+    parts += [f"mm={f.identifier}@{f.mm_position.offset}" for f in req.mm_features]
+    if req.prompt_embeds is not None:
+        parts.append(hashlib.blake2b(req.prompt_embeds.numpy().tobytes(), digest_size=8).hexdigest())
+    return ";".join(parts)
+
+
+def token_kv(tokens: list[int], pos: int, layer: int, tag: str = "", spec: Any = SPEC) -> torch.Tensor:
     """KV bytes of token `pos` in `layer` ([heads, K|V] as int16): a function of the prompt up
-    to and including the token, as real KV is."""
-    seed = int.from_bytes(hashlib.blake2b(repr((tokens[: pos + 1], layer)).encode(), digest_size=8).digest())
+    to and including the token, as real KV is (and of what `tag` names besides the tokens; the
+    multimodal inputs only from the first one the token has reached)."""
+    tag = ";".join(p for p in tag.split(";") if not p.startswith("mm=") or int(p.rsplit("@", 1)[1]) <= pos)
+    seed = int.from_bytes(hashlib.blake2b(repr((tokens[: pos + 1], layer, tag)).encode(), digest_size=8).digest())
     g = torch.Generator().manual_seed(seed & ((1 << 63) - 1))
-    c = SPEC.head_size + SPEC.head_size_v
-    return torch.randint(-(1 << 15), 1 << 15, (SPEC.num_kv_heads, c), generator=g, dtype=torch.int16)
+    row = (spec.head_size + spec.head_size_v) * spec.dtype.itemsize
+    return torch.randint(0, 256, (spec.num_kv_heads, row), generator=g, dtype=torch.uint8)
 
 
 @dataclass
@@ -139,6 +156,7 @@ class Engine:
     worker: KvcachedConnector
     kv: dict[str, torch.Tensor]
     kv_cache_layout: KVCacheLayout
+    spec: Any = SPEC
     timings: dict[str, list[float]] = field(default_factory=lambda: {"schedule": [], "worker": []})
 
     @property
@@ -166,10 +184,11 @@ class Engine:
             blocks = s.kv_cache_manager.get_blocks(rid).get_block_ids()[0]
             start = starts[rid]
             toks = list(req.all_token_ids)
+            tag = context_tag(req)
             for pos in range(start, min(start + n, len(toks))):
                 b, slot = blocks[pos // BLOCK], pos % BLOCK
                 for li, name in enumerate(LAYERS):
-                    self.kv[name][b, :, slot, :].view(torch.int16).copy_(token_kv(toks, pos, li))
+                    self.kv[name][b, :, slot, :].view(torch.uint8).copy_(token_kv(toks, pos, li, tag, self.spec))
 
     def step(self, token: int = 7, finished_recving: set[str] | None = None) -> Any:
         t0 = time.perf_counter()
@@ -211,28 +230,33 @@ class Engine:
         """The bytes of one block, per layer."""
         return [self.kv[name][block].contiguous().view(torch.uint8).numpy().tobytes() for name in LAYERS]
 
-    def expected_block_kv(self, tokens: list[int], index: int) -> list[bytes]:
-        """What the forward pass writes for block `index` of `tokens`, per layer, in the
-        engine's layout (built in a scratch tensor of the same view)."""
+    def expected_block_kv(self, tokens: list[int], index: int, tag: str = "") -> list[bytes]:
+        """What the forward pass writes for block `index` of `tokens` (of a request whose
+        `context_tag` is `tag`), per layer, in the engine's layout (built in a scratch tensor of
+        the same view)."""
         out = []
         for li, name in enumerate(LAYERS):
             scratch = torch.empty_like(self.kv[name][:1])
             for slot in range(BLOCK):
-                scratch[0, :, slot, :].view(torch.int16).copy_(token_kv(tokens, index * BLOCK + slot, li))
+                scratch[0, :, slot, :].view(torch.uint8).copy_(token_kv(tokens, index * BLOCK + slot, li, tag, self.spec))
             out.append(scratch[0].contiguous().view(torch.uint8).numpy().tobytes())
         return out
 
 
-def engine(*args: Any, num_blocks: int = 64, layout: str = "LBHNC", **kwargs: Any) -> Engine:
+def engine(*args: Any, num_blocks: int = 64, layout: str = "LBHNC", spec: Any = SPEC, **kwargs: Any) -> Engine:
     """A scheduler and a worker of `vllm_config(*args, layout=layout, **kwargs)` with the
-    kvcached connector, over `num_blocks` blocks of KV in `layout`."""
+    kvcached connector, over `num_blocks` blocks of KV in `layout` for the attention `spec`."""
     cfg = vllm_config(*args, layout=layout, **kwargs)
-    kcfg = kv_cache_config(cfg, num_blocks)
+    kcfg = kv_cache_config(cfg, num_blocks, spec)
     sched = Scheduler(
         vllm_config=cfg, kv_cache_config=kcfg, log_stats=True,
         structured_output_manager=StructuredOutputManager(cfg), block_size=BLOCK,
     )  # fmt: skip
     assert type(sched.connector) is KvcachedConnector, type(sched.connector)
+    # An encoder budget, as a multimodal model's scheduler has, so that requests with images
+    # are scheduled past their placeholders (the fake forward pass needs no encoder).
+    sched.max_num_encoder_input_tokens = 8192
+    sched.encoder_cache_manager = EncoderCacheManager.create_manager(cache_size=8192, vllm_config=cfg)
     worker = KvcachedConnector(cfg, KVConnectorRole.WORKER, kcfg)
     kv_layout = KVCacheLayout[layout]
     try:
@@ -245,4 +269,4 @@ def engine(*args: Any, num_blocks: int = 64, layout: str = "LBHNC", **kwargs: An
     except BaseException:
         sched.connector.shutdown()
         raise
-    return Engine(sched, worker, kv, kv_layout)
+    return Engine(sched, worker, kv, kv_layout, spec=spec)

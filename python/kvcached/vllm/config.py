@@ -119,14 +119,22 @@ class ConnectorConfig:
 
 def _unsupported(what: str) -> NotImplementedError:
     return NotImplementedError(
-        f"kvcached's vLLM connector does not support {what}: it handles one KV-cache group of full "
-        "attention (FullAttentionSpec) without pipeline parallelism"
+        f"kvcached's vLLM connector does not support {what}: it handles one KV-cache group of "
+        "attention whose blocks hold their tokens' KV (full attention, MLA, quantized or padded "
+        "pages), without pipeline or context parallelism"
     )
 
 
 def kv_spec(vllm_config: Any, kv_cache_config: Any) -> tuple[Any, list[str]]:
-    """The one attention spec the connector supports and its layers, or NotImplementedError."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVQuantMode
+    """The KV-cache group's attention spec and its layers, or NotImplementedError.
+
+    Any attention spec whose block pages hold the KV of the block's own tokens is served: full
+    attention (FullAttentionSpec, with or without a recorded sliding window: with the hybrid
+    manager off every block is kept), MLA's latent pages (MLAAttentionSpec), quantized pages
+    (fp8 with per-tensor scales, or with per-token-head scales inside the page), padded pages,
+    K and V of different head sizes. The connector copies a page's bytes as they are; what they
+    mean goes into the namespace (`namespace`)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     pc = vllm_config.parallel_config
     if pc.pipeline_parallel_size > 1:
@@ -135,25 +143,51 @@ def kv_spec(vllm_config: Any, kv_cache_config: Any) -> tuple[Any, list[str]]:
         raise _unsupported("context parallelism (a block's tokens spread over ranks)")
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
-        raise _unsupported(f"{len(groups)} KV-cache groups (hybrid models)")
+        raise _unsupported(
+            f"{len(groups)} KV-cache groups (hybrid models with vLLM's hybrid KV-cache manager on; "
+            "start vLLM with --disable-hybrid-kv-cache-manager)"
+        )
     spec = groups[0].kv_cache_spec
-    if type(spec) is not FullAttentionSpec:
+    if not isinstance(spec, FullAttentionSpec):
         raise _unsupported(f"{type(spec).__name__} layers")
-    # A FullAttentionSpec with a sliding window (models mixing window and full layers, with the
-    # hybrid manager off) still keeps every token's KV in its blocks: blocks are whole.
-    if (
-        spec.kv_quant_mode != KVQuantMode.NONE
-        or spec.page_size_padded not in (None, spec.real_page_size_bytes)
-        or spec.num_head_slots is not None
-        or spec.state_content_bytes is not None
-        or spec.tokens_per_state != 1
-    ):
-        raise _unsupported("quantized, packed or padded KV pages")
-    if spec.head_size_v != spec.head_size:
-        raise _unsupported(f"different K and V head sizes ({spec.head_size}, {spec.head_size_v})")
-    if spec.dtype not in _DTYPES:
-        raise _unsupported(f"KV dtype {spec.dtype}")
+    if not getattr(spec, "has_layer_views", True):
+        raise _unsupported(f"{type(spec).__name__} layers without per-layer KV views")
     return spec, list(groups[0].layer_names)
+
+
+def _plain(spec: Any) -> bool:
+    """A dense full-attention page of K and V of one head size in a plain element type: its
+    namespace names heads, head size and dtype (the encoding every earlier release used)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVQuantMode
+
+    return (
+        type(spec) is FullAttentionSpec
+        and spec.kv_quant_mode == KVQuantMode.NONE
+        and spec.page_size_padded in (None, spec.real_page_size_bytes)
+        and spec.num_head_slots is None
+        and spec.state_content_bytes is None
+        and spec.tokens_per_state == 1
+        and spec.head_size_v == spec.head_size
+        and spec.dtype in _DTYPES
+    )
+
+
+def page_bytes(spec: Any) -> int:
+    """The bytes of one layer's page of one block that the connector copies: the page without
+    its padding."""
+    return int(spec.real_page_size_bytes)
+
+
+def tp_shard(spec: Any, tp_rank: int, tp_size: int) -> tuple[int, int]:
+    """Which of the distinct KV shards across tensor-parallel ranks this rank holds, and how
+    many there are. MLA's latent is the same on every rank (`max_tp_shards` 1): one shard, so
+    every rank's blocks are the same blocks, stored once."""
+    shards = getattr(spec, "max_tp_shards", None)
+    if shards is None and type(spec).__name__.startswith("MLA"):
+        shards = 1
+    if shards is None or shards >= tp_size:
+        return tp_rank, tp_size
+    return tp_rank % shards, shards
 
 
 def layout_name(vllm_config: Any, kv_cache_config: Any) -> str:
@@ -169,21 +203,35 @@ def namespace(
 ) -> kvcached.Namespace:
     """The namespace of tensor-parallel rank `tp_rank`'s KV."""
     spec, layers = kv_spec(vllm_config, kv_cache_config)
-    layout = kvcached.KvLayout(
-        num_layers=len(layers),
-        kv_heads=spec.num_kv_heads,
-        head_dim=spec.head_size,
-        dtype=_DTYPES[spec.dtype],
-        tokens_per_block=spec.block_size,
-        kind="layer_separate",
-    )
+    if _plain(spec):
+        layout = kvcached.KvLayout(
+            num_layers=len(layers),
+            kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_size,
+            dtype=_DTYPES[spec.dtype],
+            tokens_per_block=spec.block_size,
+            kind="layer_separate",
+        )
+        spec_desc = f"spec={type(spec).__name__}"
+    else:
+        # Any other page: its bytes as int8, in two halves per layer, with the spec's fields in
+        # `extra` (so an fp8 page and a bf16 page, or MLA and full attention, never share keys).
+        page, bs = page_bytes(spec), spec.block_size
+        if page % (2 * bs):
+            raise _unsupported(f"a KV page of {page} bytes (not a multiple of 2 x {bs} tokens per block)")
+        layout = kvcached.KvLayout(
+            num_layers=len(layers), kv_heads=1, head_dim=page // (2 * bs), dtype="int8", tokens_per_block=bs,
+            kind="layer_separate",
+        )  # fmt: skip
+        spec_desc = f"spec={spec!r}"
+    tp_rank, tp_size = tp_shard(spec, tp_rank, tp_size)
     mc = vllm_config.model_config
     model_id = cfg.model_id or (f"{mc.model}@{mc.revision}" if mc.revision else str(mc.model))
     extra = ";".join(
         [
             "vllm-v1-kv",
             f"layout={layout_name(vllm_config, kv_cache_config)}",
-            f"spec={type(spec).__name__}",
+            spec_desc,
             f"head_size={spec.head_size}/{spec.head_size_v}",
             f"dtype={spec.dtype}",
             f"cache_dtype={vllm_config.cache_config.cache_dtype}",

@@ -17,6 +17,7 @@ from typing import Any
 
 import kvcached
 from kvcached.vllm.config import ConnectorConfig, kv_spec, namespace
+from kvcached.vllm.keys import AdapterHashes, ContextArgs, request_context
 from kvcached.vllm.meta import KvcachedConnectorMetadata, Transfer
 
 log = logging.getLogger("kvcached.vllm")
@@ -27,6 +28,10 @@ class _Req:
     request: Any
     # Why kvcached does not serve this request (None: it does).
     unsupported: str | None
+    # What its keys bind besides its tokens (adapter, salt, images, prompt embeddings; None:
+    # nothing), as data for the workers and as the client's KeyContext.
+    context: ContextArgs | None = None
+    key_context: Any = None
     # Tokens vLLM had locally when it asked us (block-aligned), and whether its load is async.
     local_tokens: int = 0
     load_async: bool = False
@@ -55,19 +60,6 @@ class SchedulerStats:
     daemon_errors: int = 0
 
 
-def why_unsupported(request: Any) -> str | None:
-    """Requests whose KV is not a function of their token ids alone (in this namespace)."""
-    if getattr(request, "lora_request", None) is not None:
-        return "a LoRA adapter"
-    if getattr(request, "mm_features", None):
-        return "multimodal inputs (placeholder tokens do not identify the images)"
-    if getattr(request, "cache_salt", None):
-        return "a per-request cache_salt"
-    if getattr(request, "prompt_embeds", None) is not None:
-        return "prompt embeddings"
-    return None
-
-
 class SchedulerSide:
     def __init__(self, vllm_config: Any, kv_cache_config: Any, cfg: ConnectorConfig, transfer_config: Any):
         spec, _ = kv_spec(vllm_config, kv_cache_config)
@@ -87,6 +79,7 @@ class SchedulerSide:
         self._loads: list[Transfer] = []
         self._async_loads: list[Transfer] = []
         self._told: set[str] = set()
+        self._adapters = AdapterHashes()
         self._connect()
 
     # -- the daemon --------------------------------------------------------------------------
@@ -116,7 +109,14 @@ class SchedulerSide:
     def _track(self, request: Any) -> _Req:
         st = self._reqs.get(request.request_id)
         if st is None or st.request is not request:
-            st = _Req(request, why_unsupported(request))
+            context, why = request_context(request, self._adapters, self.block_size)
+            key_context = None
+            if context is not None:
+                try:
+                    key_context = context.make()
+                except ValueError as e:
+                    context, why = None, f"a key context kvcached refuses ({e})"
+            st = _Req(request, why, context, key_context)
             self._reqs[request.request_id] = st
             if st.unsupported and st.unsupported not in self._told:
                 self._told.add(st.unsupported)
@@ -154,7 +154,7 @@ class SchedulerSide:
             return 0, False
         start = time.perf_counter()
         try:
-            hit = client.lookup(self._tokens(st, limit))
+            hit = client.lookup(self._tokens(st, limit), context=st.key_context)
         except kvcached.KvcachedError as e:
             self._down(e)
             return 0, False
@@ -180,7 +180,7 @@ class SchedulerSide:
             have, need = len(st.block_ids), first + count
             log.error("kvcached connector: %s has %d blocks, a load needs %d", request.request_id, have, need)
             return
-        t = Transfer(request.request_id, self._tokens(st, (first + count) * bs), first, slots)
+        t = Transfer(request.request_id, self._tokens(st, (first + count) * bs), first, slots, st.context)
         (self._async_loads if st.load_async else self._loads).append(t)
         # Loaded blocks are in kvcached already: saves start after them.
         st.saved_upto = max(st.saved_upto, (first + count) * bs)
@@ -250,7 +250,7 @@ class SchedulerSide:
         slots = st.block_ids[first:last]
         if len(slots) != last - first:
             return
-        meta.saves.append(Transfer(req.request_id, self._tokens(st, end), first, slots))
+        meta.saves.append(Transfer(req.request_id, self._tokens(st, end), first, slots, st.context))
         st.saved_upto = end
         self.stats.saves_planned += 1
         self.stats.blocks_to_save += len(slots)

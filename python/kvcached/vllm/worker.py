@@ -27,6 +27,7 @@ logits, sampling), and vLLM keeps attention out of CUDA graphs so those calls ha
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import time
 from typing import Any
@@ -36,13 +37,20 @@ from torch.overrides import TorchFunctionMode
 
 import kvcached
 from kvcached.torch_utils import SharedRegion, cuda_ipc_region, shared_empty
-from kvcached.vllm.config import ConnectorConfig, kv_spec, layout_name, namespace
+from kvcached.vllm.config import ConnectorConfig, kv_spec, layout_name, namespace, page_bytes
+from kvcached.vllm.keys import ContextArgs
 from kvcached.vllm.meta import KvcachedConnectorMetadata, Transfer
 
 log = logging.getLogger("kvcached.vllm")
 
 # How long a step waits for a load before taking its blocks as failed.
 LOAD_DEADLINE_S = 60.0
+
+
+@functools.lru_cache(maxsize=256)
+def _key_context(args: ContextArgs | None) -> kvcached.KeyContext | None:
+    """The client's KeyContext of a transfer's context (a request's loads and saves share it)."""
+    return None if args is None else args.make()
 
 
 def _tp() -> tuple[int, int] | None:
@@ -130,21 +138,30 @@ class WorkerSide:
         return _SharedKvAllocation(self)
 
     def _slots(self, views: list[torch.Tensor], base: int, region_bytes: int) -> kvcached.SlotLayout:
+        """Each layer's page of a block as two segments (its halves). A view is vLLM's
+        `[blocks, heads, tokens, content]` of one layer; the attention kernel's blocks may
+        subdivide a manager block (`ratio` kernel blocks per block), which vLLM allows only when
+        a block's pages are dense, so a block is still one run of bytes."""
         spec = self.spec
-        blocks = views[0].shape[0]
-        shape = (blocks, spec.num_kv_heads, spec.block_size, spec.head_size + spec.head_size_v)
-        page = spec.page_size_bytes
+        page = page_bytes(spec)
+        blocks = self.kv_cache_config.num_blocks
         segments = []
         for name, v in zip(self.layers, views, strict=True):
             es = v.element_size()
-            if tuple(v.shape) != shape or v.dtype != spec.dtype:
-                raise RuntimeError(f"{name}: a {tuple(v.shape)} {v.dtype} view, expected {shape} {spec.dtype}")
+            if v.dim() != 4 or v.shape[0] % blocks:
+                raise RuntimeError(f"{name}: a {tuple(v.shape)} view, expected [blocks x k, heads, tokens, content]")
+            ratio = v.shape[0] // blocks
             if not page_is_one_run(v):
                 raise NotImplementedError(
                     f"kvcached's connector needs each block's page of a layer in one run of bytes; vLLM's KV "
                     f"layout {self.layout} splits it by head (supported: LBHNC, LBNHC, BLHNC, BLNHC)"
                 )
-            block_stride = v.stride(0) * es
+            kernel_page = v[0].numel() * es
+            if ratio > 1 and v.stride(0) * es != kernel_page:
+                raise NotImplementedError(f"{name}: kernel blocks of a block are not adjacent (padded pages)")
+            if kernel_page * ratio != page:
+                raise RuntimeError(f"{name}: a block page of {kernel_page * ratio} bytes, the spec says {page}")
+            block_stride = v.stride(0) * es * ratio
             offset = v.data_ptr() - base
             if offset < 0 or offset + (blocks - 1) * block_stride + page > region_bytes:
                 raise RuntimeError(f"{name}'s KV is not inside the registered region")
@@ -213,7 +230,7 @@ class WorkerSide:
         if client is None:
             return None
         try:
-            return client.load(t.tokens, t.first_block, t.slots)
+            return client.load(t.tokens, t.first_block, t.slots, context=_key_context(t.context))
         except kvcached.KvcachedError as e:
             log.warning("kvcached: load for %s refused: %s", t.req_id, e)
             return None
@@ -289,7 +306,7 @@ class WorkerSide:
             ready.synchronize()
         for t in saves:
             try:
-                r = self.client.save(t.tokens, t.first_block, t.slots)
+                r = self.client.save(t.tokens, t.first_block, t.slots, context=_key_context(t.context))
             except kvcached.KvcachedError as e:
                 self.counts["save_failed"] += len(t.slots)
                 log.warning("kvcached: save for %s failed: %s", t.req_id, e)
