@@ -218,3 +218,43 @@ tokens_per_block = 4
     assert!(status.success(), "{status}");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// A request with a key context (an adapter, a cache salt, an image) is placed by the keys its
+/// engine saves under that context (docs/block-keys.md section 6): on the worker holding the
+/// adapter's blocks, not on one holding the same tokens without it, and the reverse.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_with_key_contexts_route_by_their_own_keys() {
+    use kvproto::{Adapter, KeyContext};
+    let (srv, ns) = Server::start_default().await;
+    let p = prompt(3, 6);
+    let lora =
+        KeyContext { adapter: Some(Adapter { name: "sql".into(), content_hash: vec![1, 2] }), ..Default::default() };
+    let a = MemoryPublisher::new("daemon-a", 1, 100);
+    let ev = vec![
+        a.publish(stored(&ns, &ns.keys_in(&p, Some(&lora)), TierKind::G1Gpu, worker("w1"))),
+        a.publish(stored(&ns, &ns.keys(&p), TierKind::G1Gpu, worker("w2"))),
+    ];
+    srv.publish(&a.message(Some(info("A", &["w1", "w2"], &ns, 1000, None)), ev)).await;
+    let route = |ctx: serde_json::Value| {
+        let mut body = route_body(&p);
+        body["context"] = ctx;
+        body
+    };
+    let r = srv.route(route(serde_json::json!({"adapter_name": "sql", "adapter_hash_hex": "0102"}))).await;
+    assert_eq!((r.worker.as_str(), r.cached_blocks[0]), ("w1", 6));
+    let r = srv.route(route(serde_json::json!({}))).await;
+    assert_eq!((r.worker.as_str(), r.cached_blocks[0]), ("w2", 6));
+    // A salted request holds nothing anywhere; neither does one with other adapter weights.
+    for ctx in [
+        serde_json::json!({"cache_salt_hex": "74656e616e74"}),
+        serde_json::json!({"adapter_name": "sql", "adapter_hash_hex": "0103"}),
+    ] {
+        assert_eq!(srv.route(route(ctx.clone())).await.cached_blocks[0], 0, "{ctx}");
+    }
+    // A context out of bounds is a clear 400.
+    let (code, body) =
+        srv.route_json(route(serde_json::json!({"mm": [{"hash_hex": "01", "offset": 0, "length": 0}]}))).await;
+    assert_eq!(code, 400, "{body}");
+    assert!(body.to_string().contains("mm.length"), "{body}");
+    srv.stop().await;
+}

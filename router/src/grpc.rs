@@ -87,6 +87,25 @@ pub fn from_proto(req: pb::RouteRequest) -> RouteRequest {
         explain: req.explain,
         split: req.split,
         prefill_candidates: non_empty(req.prefill_candidates),
+        context: req.context.map(|c| kvrouter_core::context::ContextSpec {
+            adapter_name: c.adapter_name,
+            adapter_hash_hex: (!c.adapter_hash.is_empty()).then(|| hex::encode(&c.adapter_hash)),
+            cache_salt_hex: c.cache_salt.map(hex::encode),
+            mm: c
+                .mm
+                .into_iter()
+                .map(|m| kvrouter_core::context::MmSpec {
+                    hash_hex: hex::encode(m.hash),
+                    offset: m.offset,
+                    length: m.length,
+                })
+                .collect(),
+            block_extras: c
+                .block_extras
+                .into_iter()
+                .map(|b| kvrouter_core::context::BlockExtraSpec { block: b.block, data_hex: hex::encode(b.data) })
+                .collect(),
+        }),
     }
 }
 

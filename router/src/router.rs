@@ -62,6 +62,10 @@ pub struct RouteRequest {
     /// Only these workers may take the prefill half of a split.
     #[serde(default)]
     pub prefill_candidates: Option<Vec<String>>,
+    /// What the request's keys bind besides its tokens (adapter, cache salt, images), as its
+    /// engine passes it to the daemon; with `namespace` + `tokens` only.
+    #[serde(default)]
+    pub context: Option<kvrouter_core::context::ContextSpec>,
 }
 
 /// One candidate's evaluation.
@@ -211,6 +215,9 @@ impl Router {
         if let Some(keys) = &req.keys {
             let id =
                 req.namespace_id.as_ref().ok_or_else(|| RouterError::Invalid("`keys` needs `namespace_id`".into()))?;
+            if req.context.is_some() {
+                return Err(RouterError::Invalid("`context` goes with `namespace` + `tokens`, not with `keys`".into()));
+            }
             let mut b = [0u8; 16];
             hex::decode_to_slice(id, &mut b).map_err(|_| RouterError::Invalid("namespace_id: 32 hex digits".into()))?;
             let keys = keys.iter().map(|k| k.parse::<BlockKey>()).collect::<Result<Vec<_>, _>>()?;
@@ -232,9 +239,10 @@ impl Router {
             None => return Err(RouterError::Invalid("give `namespace` + `tokens` or `namespace_id` + `keys`".into())),
         };
         let tokens = req.tokens.as_deref().ok_or_else(|| RouterError::Invalid("`namespace` needs `tokens`".into()))?;
+        let ctx = req.context.as_ref().map(|c| c.resolve()).transpose()?.flatten();
         Ok(Resolved {
             id: ns.id,
-            keys: ns.keys(tokens),
+            keys: ns.keys_in(tokens, ctx.as_ref()),
             model: Some(ns.namespace.model_id.clone()),
             tokens_per_block: Some(ns.tokens_per_block()),
             scheme: Some(ns.scheme.name()),

@@ -317,6 +317,36 @@ impl ResolvedNamespace {
         }
     }
 
+    /// The keys of every full block of `tokens` for a request with the key context `ctx`
+    /// (`docs/block-keys.md` section 6). In the Dynamo scheme the adapter and the cache salt
+    /// seed the local hashes as Dynamo 1.6.1 does (`kvproto::dynamo::request_seed`); blocks
+    /// from the first one that binds a multimodal input or a per-block extra have no Dynamo
+    /// hash (a daemon's export leaves them out), so the keys stop before it.
+    pub fn keys_in(&self, tokens: &[u32], ctx: Option<&kvproto::KeyContext>) -> Vec<BlockKey> {
+        let Some(ctx) = ctx else { return self.keys(tokens) };
+        let bs = self.namespace.layout.tokens_per_block as usize;
+        match self.scheme {
+            KeyScheme::Kvcached => kvproto::context_keys(&self.namespace.fingerprint(), bs, tokens, ctx),
+            KeyScheme::DynamoXxh3 => {
+                let seed = kvproto::dynamo::request_seed(
+                    ctx.adapter.as_ref().map(|a| a.name.as_bytes()),
+                    ctx.cache_salt.as_deref(),
+                );
+                let per_block = kvproto::KeyContext {
+                    mm: ctx.mm.clone(),
+                    block_extras: ctx.block_extras.clone(),
+                    ..Default::default()
+                };
+                let blocks = tokens.len() / bs.max(1);
+                let upto = per_block.block_extras(bs, blocks).keys().next().copied().unwrap_or(blocks);
+                kvproto::dynamo::request_sequence_hashes(&tokens[..upto * bs], bs, seed)
+                    .into_iter()
+                    .map(key_from_u64)
+                    .collect()
+            }
+        }
+    }
+
     /// Block size in tokens.
     pub fn tokens_per_block(&self) -> u32 {
         self.namespace.layout.tokens_per_block

@@ -4,6 +4,7 @@
 //! # Layout
 //! - [`config`]: the router's configuration (TOML): cost weights, health thresholds, namespace
 //!   specs, vLLM sources, the split model's starting values.
+//! - [`context`]: a route request's key context (adapter, cache salt, multimodal inputs).
 //! - [`index`]: the block index (runs of blocks with one holder set, key -> holders per tier),
 //!   holder interning; [`keytable`]: its key -> (run, offset) table.
 //! - [`cost`]: the cost model: per-tier prefix matching, cost terms, choice (ties, temperature).
@@ -16,6 +17,7 @@
 
 pub mod approx;
 pub mod config;
+pub mod context;
 pub mod cost;
 pub mod error;
 pub mod index;
