@@ -173,8 +173,15 @@ def test_lora_and_salted_requests_never_hit_each_others_blocks(daemon, make_engi
         assert _served(e, request(f"{kind}-2", prompt, **kw), prompt, context_tag) == 3, kind
     # The adapter is keyed by its weights: the same files under another path hit, retrained
     # weights under the same name do not, nor does another tenant's salt.
-    assert _served(e, request("moved", prompt, lora_request=LoRARequest("sql", 2, moved)), prompt, lambda r: context_tag(
-        request("x", prompt, lora_request=LoRARequest("sql", 1, sql)))) == 3
+    assert (
+        _served(
+            e,
+            request("moved", prompt, lora_request=LoRARequest("sql", 2, moved)),
+            prompt,
+            lambda r: context_tag(request("x", prompt, lora_request=LoRARequest("sql", 1, sql))),
+        )
+        == 3
+    )
     assert _served(e, request("v2", prompt, lora_request=LoRARequest("sql", 3, retrained)), prompt, context_tag) == 0
     assert _served(e, request("b", prompt, cache_salt="tenant-b"), prompt, context_tag) == 0
     assert sched.stats.daemon_errors == 0
@@ -189,7 +196,9 @@ def test_an_image_shares_the_text_before_it_and_nothing_after(daemon, make_engin
 
     def image(ident: str):
         # Placeholders at tokens 40..69: blocks 2, 3 and 4.
-        return [MultiModalFeatureSpec(data=None, modality="image", identifier=ident, mm_position=PlaceholderRange(40, 30))]
+        return [
+            MultiModalFeatureSpec(data=None, modality="image", identifier=ident, mm_position=PlaceholderRange(40, 30))
+        ]
 
     assert _served(e, request("I1", prompt, mm_features=image("cat")), prompt, context_tag) == 0
     assert _served(e, request("I2", prompt, mm_features=image("cat")), prompt, context_tag) == 6
@@ -269,3 +278,89 @@ def test_an_engine_started_before_the_daemon_attaches_when_it_comes(own_daemon, 
     blocks = e.scheduler.kv_cache_manager.get_blocks("B3").get_block_ids()[0]
     assert_prompt_kv(e, blocks, prompt, 3)
     finish(e, "B3")
+
+
+def test_a_hybrid_model_saves_and_loads_full_and_sliding_window_groups(daemon, make_engine):
+    """vLLM's hybrid KV-cache manager on (as for Gemma 3, gpt-oss): a full-attention group and a
+    sliding-window group. Both save what the step computes, each in its own namespace; a later
+    request is served as far as both hold the prefix, the window group loading only the blocks
+    its window reads (vLLM gives it no block before them)."""
+    import torch
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+    from vllm_harness import LAYERS, SPEC
+
+    swa = SlidingWindowSpec(
+        block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.bfloat16, sliding_window=2 * BLOCK
+    )
+    e = make_engine(
+        daemon.socket, prefix_caching=False, batched_tokens=256, groups=[([LAYERS[0]], SPEC), ([LAYERS[1]], swa)]
+    )
+    sched = e.connector.scheduler
+    assert [g.window_blocks for g in sched.groups] == [None, 2]
+    assert len({ns.id for ns in sched.namespaces}) == 2
+    prompt = [t + 7000 for t in range(6 * BLOCK + 3)]
+    e.add(request("H1", prompt))
+    out, _ = e.step()
+    assert sorted((t.group, t.first_block, len(t.slots)) for t in out.kv_connector_metadata.saves) == [
+        (0, 0, 6),
+        (1, 0, 6),
+    ]
+    assert e.worker.worker.counts["saved"] == 12
+    finish(e, "H1")
+
+    e.add(request("H2", prompt))
+    out, _ = e.step()
+    loads = sorted((t.group, t.first_block, len(t.slots)) for t in out.kv_connector_metadata.loads)
+    # The window (32 tokens) of the first token computed (96) starts in block 4.
+    assert loads == [(0, 0, 6), (1, 4, 2)], loads
+    assert out.num_scheduled_tokens["H2"] == len(prompt) - 6 * BLOCK
+    ids = e.scheduler.kv_cache_manager.get_blocks("H2").get_block_ids()
+    for i in range(6):
+        assert e.block_kv(ids[0][i])[0] == e.expected_block_kv(prompt, i)[0], f"full block {i}"
+    for i in (4, 5):
+        assert e.block_kv(ids[1][i])[1] == e.expected_block_kv(prompt, i)[1], f"window block {i}"
+    assert e.worker.worker.counts["load_failed"] == 0
+    finish(e, "H2")
+
+    # A prompt only the full group holds (its window blocks were never saved): no hit at all.
+    other = [t + 9000 for t in range(3 * BLOCK + 1)]
+    full_only = e.worker.worker.regs[0].client
+    full_only.save(other, 0, [1, 2, 3])
+    e.add(request("H3", other))
+    out, _ = e.step()
+    assert not out.kv_connector_metadata.loads
+    finish(e, "H3")
+
+
+def test_a_hybrid_prefill_hands_off_to_a_hybrid_decode_engine(daemon, make_engine):
+    import torch
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+    from vllm_harness import LAYERS, SPEC
+
+    swa = SlidingWindowSpec(
+        block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.bfloat16, sliding_window=BLOCK + 1
+    )
+    groups = [([LAYERS[0]], SPEC), ([LAYERS[1]], swa)]
+    p = make_engine(daemon.socket, "kv_producer", groups=groups, batched_tokens=256)
+    d = make_engine(daemon.socket, "kv_consumer", {"kvcached.load_async": True}, groups=groups, batched_tokens=256)
+    prompt = [t + 11000 for t in range(5 * BLOCK + 2)]
+    p.add(request("HP", prompt, max_tokens=1, params={"do_remote_decode": True}))
+    _, eco = p.step()
+    params = [o for e in eco.values() for o in e.outputs][0].kv_transfer_params
+    assert params["do_remote_prefill"] and params["kvcached_tokens"] == 5 * BLOCK
+    r = d.add(request("HD", prompt, params=params))
+    out, _ = d.step()
+    assert r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    loads = sorted((t.group, t.first_block, len(t.slots)) for t in out.kv_connector_metadata.async_loads)
+    assert loads == [(0, 0, 5), (1, 4, 1)], loads  # the 17-token window of token 80 reads block 4
+    for _ in range(20):
+        out, _ = d.step()
+        if "HD" in out.num_scheduled_tokens:
+            break
+    assert out.num_scheduled_tokens["HD"] == len(prompt) - 5 * BLOCK
+    ids = d.scheduler.kv_cache_manager.get_blocks("HD").get_block_ids()
+    for i in range(5):
+        assert d.block_kv(ids[0][i])[0] == d.expected_block_kv(prompt, i)[0], f"full block {i}"
+    assert d.block_kv(ids[1][4])[1] == d.expected_block_kv(prompt, 4)[1]
+    assert all(b == 0 for b in ids[1][:4])  # vLLM holds no block before the window
+    finish(d, "HD")

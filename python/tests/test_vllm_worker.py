@@ -77,13 +77,20 @@ def _specs():
         "mla": MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=576, dtype=torch.bfloat16),
         # --kv-cache-dtype fp8: e4m3 pages with per-tensor scales (in the model, not the page).
         "fp8": FullAttentionSpec(
-            block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.float8_e4m3fn,
+            block_size=BLOCK,
+            num_kv_heads=2,
+            head_size=32,
+            dtype=torch.float8_e4m3fn,
             kv_quant_mode=KVQuantMode.FP8_PER_TENSOR,
         ),  # fmt: skip
         # K and V of different head sizes (e.g. MiniCPM3-style heads).
-        "uneven_kv": FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=32, head_size_v=16, dtype=torch.bfloat16),
+        "uneven_kv": FullAttentionSpec(
+            block_size=BLOCK, num_kv_heads=2, head_size=32, head_size_v=16, dtype=torch.bfloat16
+        ),
         # A page padded to a size the hybrid manager chose.
-        "padded": FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.bfloat16, page_size_padded=4096 + 512),
+        "padded": FullAttentionSpec(
+            block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.bfloat16, page_size_padded=4096 + 512
+        ),
     }
 
 

@@ -70,6 +70,7 @@ def vllm_config(
     prefix_caching: bool = True,
     layout: str = "LBHNC",
     batched_tokens: int = 64,
+    hybrid: bool = False,
 ) -> VllmConfig:
     cache = CacheConfig(
         block_size=BLOCK, gpu_memory_utilization=0.9, cache_dtype="auto", enable_prefix_caching=prefix_caching
@@ -82,7 +83,7 @@ def vllm_config(
         kv_connector_extra_config={"kvcached.socket": socket, "kvcached.model_id": "tiny-llama", **(extra or {})},
         kv_load_failure_policy="recompute",
     )
-    return VllmConfig(
+    cfg = VllmConfig(
         scheduler_config=SchedulerConfig(
             max_num_seqs=16,
             max_num_batched_tokens=batched_tokens,
@@ -96,13 +97,23 @@ def vllm_config(
         kv_transfer_config=transfer,
         device_config=DeviceConfig("cpu"),
     )
+    if hybrid:
+        # vLLM turns its hybrid manager off on the CPU platform; the manager and the scheduler
+        # themselves run on any, so a hybrid test turns it back on after the platform check.
+        cfg.scheduler_config.disable_hybrid_kv_cache_manager = False
+    return cfg
 
 
-def kv_cache_config(cfg: VllmConfig, num_blocks: int, spec: Any = SPEC):
+def kv_cache_config(cfg: VllmConfig, num_blocks: int, spec: Any = SPEC, groups: list | None = None):
+    """vLLM's KV-cache config for `spec` on every layer, or for `groups` ([(layers, spec)]: one
+    KV-cache group each, as the hybrid manager makes them)."""
     cfg.cache_config.num_gpu_blocks_override = num_blocks
+    groups = groups or [(LAYERS, spec)]
+    per_tensor = max(len(layers) for layers, _ in groups)
     kcfg = get_kv_cache_config_from_groups(
-        cfg, [KVCacheGroupSpec(LAYERS, spec)], spec.page_size_bytes * len(LAYERS) * num_blocks
-    )
+        cfg, [KVCacheGroupSpec(list(layers), sp) for layers, sp in groups],
+        max(sp.page_size_bytes for _, sp in groups) * per_tensor * num_blocks,
+    )  # fmt: skip
     cfg.cache_config.num_gpu_blocks = kcfg.num_blocks
     return kcfg
 
@@ -157,6 +168,8 @@ class Engine:
     kv: dict[str, torch.Tensor]
     kv_cache_layout: KVCacheLayout
     spec: Any = SPEC
+    # Each layer's KV-cache group and spec (one group of `spec` unless hybrid).
+    layer_groups: dict[str, tuple[int, Any]] = field(default_factory=dict)
     timings: dict[str, list[float]] = field(default_factory=lambda: {"schedule": [], "worker": []})
 
     @property
@@ -181,14 +194,17 @@ class Engine:
         starts.update(zip(c.req_ids, c.num_computed_tokens, strict=True))
         for rid, n in out.num_scheduled_tokens.items():
             req = s.requests[rid]
-            blocks = s.kv_cache_manager.get_blocks(rid).get_block_ids()[0]
             start = starts[rid]
             toks = list(req.all_token_ids)
             tag = context_tag(req)
+            all_blocks = s.kv_cache_manager.get_blocks(rid).get_block_ids()
             for pos in range(start, min(start + n, len(toks))):
-                b, slot = blocks[pos // BLOCK], pos % BLOCK
+                slot = pos % BLOCK
                 for li, name in enumerate(LAYERS):
-                    self.kv[name][b, :, slot, :].view(torch.uint8).copy_(token_kv(toks, pos, li, tag, self.spec))
+                    g, spec = self.layer_groups.get(name, (0, self.spec))
+                    b = all_blocks[g][pos // BLOCK]
+                    assert b != 0, f"{name}: no block for computed token {pos}"
+                    self.kv[name][b, :, slot, :].view(torch.uint8).copy_(token_kv(toks, pos, li, tag, spec))
 
     def step(self, token: int = 7, finished_recving: set[str] | None = None) -> Any:
         t0 = time.perf_counter()
@@ -236,18 +252,22 @@ class Engine:
         the same view)."""
         out = []
         for li, name in enumerate(LAYERS):
+            spec = self.layer_groups.get(name, (0, self.spec))[1]
             scratch = torch.empty_like(self.kv[name][:1])
             for slot in range(BLOCK):
-                scratch[0, :, slot, :].view(torch.uint8).copy_(token_kv(tokens, index * BLOCK + slot, li, tag, self.spec))
+                scratch[0, :, slot, :].view(torch.uint8).copy_(token_kv(tokens, index * BLOCK + slot, li, tag, spec))
             out.append(scratch[0].contiguous().view(torch.uint8).numpy().tobytes())
         return out
 
 
-def engine(*args: Any, num_blocks: int = 64, layout: str = "LBHNC", spec: Any = SPEC, **kwargs: Any) -> Engine:
+def engine(
+    *args: Any, num_blocks: int = 64, layout: str = "LBHNC", spec: Any = SPEC, groups: list | None = None, **kwargs: Any
+) -> Engine:
     """A scheduler and a worker of `vllm_config(*args, layout=layout, **kwargs)` with the
-    kvcached connector, over `num_blocks` blocks of KV in `layout` for the attention `spec`."""
-    cfg = vllm_config(*args, layout=layout, **kwargs)
-    kcfg = kv_cache_config(cfg, num_blocks, spec)
+    kvcached connector, over `num_blocks` blocks of KV in `layout` for the attention `spec` (or
+    the KV-cache `groups`, [(layers, spec)], with vLLM's hybrid manager on)."""
+    cfg = vllm_config(*args, layout=layout, hybrid=groups is not None, **kwargs)
+    kcfg = kv_cache_config(cfg, num_blocks, spec, groups)
     sched = Scheduler(
         vllm_config=cfg, kv_cache_config=kcfg, log_stats=True,
         structured_output_manager=StructuredOutputManager(cfg), block_size=BLOCK,
@@ -269,4 +289,5 @@ def engine(*args: Any, num_blocks: int = 64, layout: str = "LBHNC", spec: Any = 
     except BaseException:
         sched.connector.shutdown()
         raise
-    return Engine(sched, worker, kv, kv_layout, spec=spec)
+    layer_groups = {name: (g, sp) for g, (layers, sp) in enumerate(groups or [(LAYERS, spec)]) for name in layers}
+    return Engine(sched, worker, kv, kv_layout, spec=spec, layer_groups=layer_groups)

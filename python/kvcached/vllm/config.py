@@ -119,22 +119,36 @@ class ConnectorConfig:
 
 def _unsupported(what: str) -> NotImplementedError:
     return NotImplementedError(
-        f"kvcached's vLLM connector does not support {what}: it handles one KV-cache group of "
-        "attention whose blocks hold their tokens' KV (full attention, MLA, quantized or padded "
-        "pages), without pipeline or context parallelism"
+        f"kvcached's vLLM connector does not support {what}: it handles KV-cache groups of "
+        "attention whose blocks hold their tokens' KV (full attention, sliding window, MLA, "
+        "quantized or padded pages), without pipeline or context parallelism"
     )
 
 
-def kv_spec(vllm_config: Any, kv_cache_config: Any) -> tuple[Any, list[str]]:
-    """The KV-cache group's attention spec and its layers, or NotImplementedError.
+@dataclass(frozen=True)
+class KvGroup:
+    """One KV-cache group: its index, attention spec and layers, and for a sliding-window
+    group the blocks before a point that attention there reads (`window_blocks`; None: every
+    block, full attention)."""
+
+    index: int
+    count: int
+    spec: Any
+    layers: tuple[str, ...]
+    window_blocks: int | None
+
+
+def kv_groups(vllm_config: Any, kv_cache_config: Any) -> list[KvGroup]:
+    """The KV-cache groups, or NotImplementedError naming what is not served.
 
     Any attention spec whose block pages hold the KV of the block's own tokens is served: full
     attention (FullAttentionSpec, with or without a recorded sliding window: with the hybrid
     manager off every block is kept), MLA's latent pages (MLAAttentionSpec), quantized pages
     (fp8 with per-tensor scales, or with per-token-head scales inside the page), padded pages,
-    K and V of different head sizes. The connector copies a page's bytes as they are; what they
-    mean goes into the namespace (`namespace`)."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    K and V of different head sizes; with vLLM's hybrid KV-cache manager, sliding-window groups
+    (SlidingWindowSpec) beside full-attention ones. The connector copies a page's bytes as they
+    are; what they mean goes into the namespace (`namespace`)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
     pc = vllm_config.parallel_config
     if pc.pipeline_parallel_size > 1:
@@ -142,17 +156,27 @@ def kv_spec(vllm_config: Any, kv_cache_config: Any) -> tuple[Any, list[str]]:
     if getattr(pc, "decode_context_parallel_size", 1) > 1 or getattr(pc, "prefill_context_parallel_size", 1) > 1:
         raise _unsupported("context parallelism (a block's tokens spread over ranks)")
     groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise _unsupported(
-            f"{len(groups)} KV-cache groups (hybrid models with vLLM's hybrid KV-cache manager on; "
-            "start vLLM with --disable-hybrid-kv-cache-manager)"
-        )
-    spec = groups[0].kv_cache_spec
-    if not isinstance(spec, FullAttentionSpec):
-        raise _unsupported(f"{type(spec).__name__} layers")
-    if not getattr(spec, "has_layer_views", True):
-        raise _unsupported(f"{type(spec).__name__} layers without per-layer KV views")
-    return spec, list(groups[0].layer_names)
+    out = []
+    for i, g in enumerate(groups):
+        spec = g.kv_cache_spec
+        if isinstance(spec, FullAttentionSpec):
+            window = None
+        elif type(spec) is SlidingWindowSpec:
+            window = -(-(spec.sliding_window - 1 + spec.extra_retained_tokens) // spec.block_size)
+        else:
+            raise _unsupported(f"{type(spec).__name__} layers (KV-cache group {i} of {len(groups)})")
+        if not getattr(spec, "has_layer_views", True):
+            raise _unsupported(f"{type(spec).__name__} layers without per-layer KV views")
+        out.append(KvGroup(i, len(groups), spec, tuple(g.layer_names), window))
+    if len({g.spec.block_size for g in out}) != 1:
+        raise _unsupported(f"KV-cache groups of different block sizes ({[g.spec.block_size for g in out]})")
+    return out
+
+
+def kv_spec(vllm_config: Any, kv_cache_config: Any) -> tuple[Any, list[str]]:
+    """The first KV-cache group's spec and layers (`kv_groups` checks every group)."""
+    g = kv_groups(vllm_config, kv_cache_config)[0]
+    return g.spec, list(g.layers)
 
 
 def _plain(spec: Any) -> bool:
@@ -199,10 +223,17 @@ def layout_name(vllm_config: Any, kv_cache_config: Any) -> str:
 
 
 def namespace(
-    vllm_config: Any, kv_cache_config: Any, cfg: ConnectorConfig, tp_rank: int, tp_size: int
+    vllm_config: Any,
+    kv_cache_config: Any,
+    cfg: ConnectorConfig,
+    tp_rank: int,
+    tp_size: int,
+    group: KvGroup | None = None,
 ) -> kvcached.Namespace:
-    """The namespace of tensor-parallel rank `tp_rank`'s KV."""
-    spec, layers = kv_spec(vllm_config, kv_cache_config)
+    """The namespace of tensor-parallel rank `tp_rank`'s KV of KV-cache `group` (default: the
+    first). With several groups each has its own: its layers, its spec and its index."""
+    group = group or kv_groups(vllm_config, kv_cache_config)[0]
+    spec, layers = group.spec, group.layers
     if _plain(spec):
         layout = kvcached.KvLayout(
             num_layers=len(layers),
@@ -238,5 +269,6 @@ def namespace(
             f"tp={tp_rank}/{tp_size}",
             f"user={cfg.namespace_extra}",
         ]
+        + ([f"group={group.index}/{group.count}"] if group.count > 1 else [])
     )
     return kvcached.Namespace(model_id, layout, tenant_salt=cfg.tenant_salt, extra=extra.encode())

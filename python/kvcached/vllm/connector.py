@@ -22,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -34,8 +35,10 @@ if TYPE_CHECKING:
     import torch
 
 
-class KvcachedConnector(KVConnectorBase_V1):
-    """vLLM's KV connector for kvcached (see the module's docstring)."""
+class KvcachedConnector(KVConnectorBase_V1, SupportsHMA):
+    """vLLM's KV connector for kvcached (see the module's docstring). It supports vLLM's hybrid
+    KV-cache manager (`SupportsHMA`): full-attention and sliding-window groups, each saved and
+    loaded in a namespace of its own."""
 
     # Hits come from the node's host-memory and disk tiers.
     _cache_hit_source = CacheHitSource.HOST
@@ -79,6 +82,11 @@ class KvcachedConnector(KVConnectorBase_V1):
         return self._sched().build_connector_meta(scheduler_output)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._sched().request_finished(request, block_ids)
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         return self._sched().request_finished(request, block_ids)
 
     # -- worker side ---------------------------------------------------------------------------

@@ -17,14 +17,15 @@ from kvcached.vllm.keys import ContextArgs
 @dataclass
 class Transfer:
     """Blocks `first_block .. first_block + len(slots)` of a request's tokens, to or from those
-    vLLM block ids. `tokens` covers the prompt up to the end of the last block; `context` is what
-    the request's keys bind besides them (None: nothing)."""
+    vLLM block ids of KV-cache group `group`. `tokens` covers the prompt up to the end of the last
+    block; `context` is what the request's keys bind besides them (None: nothing)."""
 
     req_id: str
     tokens: array
     first_block: int
     slots: list[int]
     context: ContextArgs | None = None
+    group: int = 0
 
 
 @dataclass

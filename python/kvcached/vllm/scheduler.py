@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import kvcached
-from kvcached.vllm.config import ConnectorConfig, kv_spec, namespace
+from kvcached.vllm.config import ConnectorConfig, kv_groups, namespace
 from kvcached.vllm.keys import AdapterHashes, ContextArgs, request_context
 from kvcached.vllm.meta import KvcachedConnectorMetadata, Transfer
 
@@ -35,7 +35,8 @@ class _Req:
     # Tokens vLLM had locally when it asked us (block-aligned), and whether its load is async.
     local_tokens: int = 0
     load_async: bool = False
-    block_ids: list[int] = field(default_factory=list)
+    # vLLM's block ids of the request, per KV-cache group.
+    block_ids: list[list[int]] = field(default_factory=list)
     # Tokens from the start of the prompt already in kvcached (saved, loaded or planned).
     saved_upto: int = 0
     scheduled: bool = False
@@ -62,18 +63,18 @@ class SchedulerStats:
 
 class SchedulerSide:
     def __init__(self, vllm_config: Any, kv_cache_config: Any, cfg: ConnectorConfig, transfer_config: Any):
-        spec, _ = kv_spec(vllm_config, kv_cache_config)
-        self.block_size: int = spec.block_size
+        self.groups = kv_groups(vllm_config, kv_cache_config)
+        self.block_size: int = self.groups[0].spec.block_size
         self.cfg = cfg
-        self.namespace = namespace(
-            vllm_config, kv_cache_config, cfg, 0, vllm_config.parallel_config.tensor_parallel_size
-        )
+        tp_size = vllm_config.parallel_config.tensor_parallel_size
+        # Each KV-cache group's blocks are keyed in a namespace of their own (rank 0's).
+        self.namespaces = [namespace(vllm_config, kv_cache_config, cfg, 0, tp_size, g) for g in self.groups]
+        self.namespace = self.namespaces[0]
         self.consumer = bool(transfer_config.is_kv_consumer)
         self.producer = bool(transfer_config.is_kv_producer)
         self.engine_name = f"vllm-scheduler-{transfer_config.engine_id}"[:128]
         self.stats = SchedulerStats()
-        self._client: kvcached.Client | None = None
-        self._memory: kvcached.KvMemory | None = None
+        self._clients: list[kvcached.Client] | None = None
         self._down_until = 0.0
         self._reqs: dict[str, _Req] = {}
         self._loads: list[Transfer] = []
@@ -84,20 +85,41 @@ class SchedulerSide:
 
     # -- the daemon --------------------------------------------------------------------------
 
-    def _connect(self) -> kvcached.Client | None:
+    @property
+    def _client(self) -> kvcached.Client | None:
+        """The first group's client (None until registered)."""
+        return self._clients[0] if self._clients else None
+
+    def _connect(self) -> list[kvcached.Client] | None:
+        """A registered client per KV-cache group (the daemon answers lookups in a namespace
+        only to an engine registered in it), or None while the daemon is away."""
         if time.monotonic() < self._down_until:
             return None
-        if self._client is None:
+        if self._clients is None:
+            clients = []
             try:
-                client = self.cfg.connect(self.cfg.scheduler_reconnect_for)
-                self._memory = kvcached.KvMemory.anonymous(self.namespace.layout, 1)
-                client.register(self.engine_name, self.namespace, self._memory)
-                self._client = client
-                log.info("kvcached connector (scheduler): namespace %s at %s", self.namespace.id, client.socket)
+                for g, ns in zip(self.groups, self.namespaces, strict=True):
+                    client = self.cfg.connect(self.cfg.scheduler_reconnect_for)
+                    suffix = f"-g{g.index}" if g.count > 1 else ""
+                    client.register((self.engine_name + suffix)[:128], ns, kvcached.KvMemory.anonymous(ns.layout, 1))
+                    clients.append(client)
+                self._clients = clients
+                log.info("kvcached connector (scheduler): namespaces %s at %s",
+                         [ns.id for ns in self.namespaces], clients[0].socket)  # fmt: skip
             except kvcached.KvcachedError as e:
+                for c in clients:
+                    self._unregister(c)
                 self._down(e)
                 return None
-        return self._client
+        return self._clients
+
+    @staticmethod
+    def _unregister(client: kvcached.Client) -> None:
+        if client.engine_id is not None:
+            try:
+                client.unregister()
+            except kvcached.KvcachedError as e:
+                log.debug("kvcached: unregister failed: %s", e)
 
     def _down(self, e: Exception) -> None:
         """The daemon failed a call: serve without it for `retry_after` seconds rather than
@@ -149,15 +171,24 @@ class SchedulerSide:
         limit = (request.num_tokens - 1) // bs * bs
         if limit <= num_computed_tokens:
             return 0, False
-        client = self._connect()
-        if client is None:
+        clients = self._connect()
+        if clients is None:
             return 0, False
         start = time.perf_counter()
+        tokens = self._tokens(st, limit)
         try:
-            hit = client.lookup(self._tokens(st, limit), context=st.key_context)
+            # Every group saves every block it computes: the prefix is cached as far as the
+            # group with the shortest cached run reaches (a window group then loads only the
+            # blocks its window reads).
+            hits = []
+            for c in clients:
+                hits.append(c.lookup(tokens if not hits else tokens[: hits[-1].matched_tokens], context=st.key_context))
+                if hits[-1].matched_tokens == 0:
+                    break
         except kvcached.KvcachedError as e:
             self._down(e)
             return 0, False
+        hit = min(hits, key=lambda h: h.matched_tokens)
         self.stats.lookups += 1
         self.stats.lookup_seconds += time.perf_counter() - start
         found = min(hit.matched_tokens, limit)
@@ -171,17 +202,30 @@ class SchedulerSide:
         st = self._track(request)
         if num_external_tokens <= 0:
             return  # build_connector_meta takes the block ids of the request it schedules
-        st.block_ids = list(blocks.get_block_ids()[0])
+        st.block_ids = [list(ids) for ids in blocks.get_block_ids()]
         bs = self.block_size
         first = st.local_tokens // bs
         count = -(-num_external_tokens // bs)
-        slots = st.block_ids[first : first + count]
-        if len(slots) != count:
-            have, need = len(st.block_ids), first + count
-            log.error("kvcached connector: %s has %d blocks, a load needs %d", request.request_id, have, need)
-            return
-        t = Transfer(request.request_id, self._tokens(st, (first + count) * bs), first, slots, st.context)
-        (self._async_loads if st.load_async else self._loads).append(t)
+        tokens = self._tokens(st, (first + count) * bs)
+        planned = []
+        for g in self.groups:
+            slots = st.block_ids[g.index][first : first + count]
+            if len(slots) != count:
+                have, need = len(slots), count
+                log.error("kvcached connector: %s has %d blocks, a load needs %d", request.request_id, have, need)
+                return
+            # A window group holds blocks (vLLM's others are its null block, 0) only where its
+            # window reads: those are loaded, the blocks before them are not needed.
+            skip = 0
+            if g.window_blocks is not None:
+                while skip < len(slots) and slots[skip] == 0:
+                    skip += 1
+            if 0 in slots[skip:]:
+                log.error("kvcached connector: %s has no block for part of a load", request.request_id)
+                return
+            if skip < len(slots):
+                planned.append(Transfer(request.request_id, tokens, first + skip, slots[skip:], st.context, g.index))
+        (self._async_loads if st.load_async else self._loads).extend(planned)
         # Loaded blocks are in kvcached already: saves start after them.
         st.saved_upto = max(st.saved_upto, (first + count) * bs)
         self.stats.loads_planned += 1
@@ -212,7 +256,7 @@ class SchedulerSide:
             st = self._reqs.get(r.req_id)
             if st is None or st.unsupported:
                 continue
-            st.block_ids = list(r.block_ids[0])
+            st.block_ids = [list(ids) for ids in r.block_ids]
             if not st.scheduled:
                 st.scheduled = True
                 params = st.request.kv_transfer_params or {}
@@ -231,9 +275,10 @@ class SchedulerSide:
                 continue
             new = cached.new_block_ids[i]
             if rid in cached.resumed_req_ids:
-                st.block_ids = list(new[0]) if new is not None else []
+                st.block_ids = [list(ids) for ids in new] if new is not None else []
             elif new is not None:
-                st.block_ids.extend(new[0])
+                for have, more in zip(st.block_ids, new, strict=True):
+                    have.extend(more)
             done = cached.num_computed_tokens[i] + scheduled[rid] - len(spec.get(rid, ()))
             self._plan_save(meta, st, done)
         return meta
@@ -247,15 +292,25 @@ class SchedulerSide:
         if end <= st.saved_upto:
             return
         first, last = st.saved_upto // bs, end // bs
-        slots = st.block_ids[first:last]
-        if len(slots) != last - first:
+        if len(st.block_ids) != len(self.groups):
             return
-        meta.saves.append(Transfer(req.request_id, self._tokens(st, end), first, slots, st.context))
+        tokens = self._tokens(st, end)
+        saves = []
+        for g in self.groups:
+            slots = st.block_ids[g.index][first:last]
+            if len(slots) != last - first:
+                return
+            # The blocks a window group still holds (a block it already dropped, vLLM's null
+            # block 0, cannot be saved: its run restarts after it).
+            skip = max((i + 1 for i, s in enumerate(slots) if s == 0), default=0)
+            if skip < len(slots):
+                saves.append(Transfer(req.request_id, tokens, first + skip, slots[skip:], st.context, g.index))
+        meta.saves.extend(saves)
         st.saved_upto = end
         self.stats.saves_planned += 1
-        self.stats.blocks_to_save += len(slots)
+        self.stats.blocks_to_save += sum(len(t.slots) for t in saves)
 
-    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         st = self._reqs.pop(request.request_id, None)
         params = request.kv_transfer_params or {}
         if self.producer and params.get("do_remote_decode"):
@@ -270,8 +325,5 @@ class SchedulerSide:
         return False, None
 
     def shutdown(self) -> None:
-        if self._client is not None and self._client.engine_id is not None:
-            try:
-                self._client.unregister()
-            except kvcached.KvcachedError as e:
-                log.debug("kvcached: unregister at shutdown failed: %s", e)
+        for c in self._clients or []:
+            self._unregister(c)

@@ -37,7 +37,7 @@ from torch.overrides import TorchFunctionMode
 
 import kvcached
 from kvcached.torch_utils import SharedRegion, cuda_ipc_region, shared_empty
-from kvcached.vllm.config import ConnectorConfig, kv_spec, layout_name, namespace, page_bytes
+from kvcached.vllm.config import ConnectorConfig, KvGroup, kv_groups, layout_name, namespace, page_bytes
 from kvcached.vllm.keys import ContextArgs
 from kvcached.vllm.meta import KvcachedConnectorMetadata, Transfer
 
@@ -105,23 +105,56 @@ def page_is_one_run(view: torch.Tensor) -> bool:
     return True
 
 
+class _GroupReg:
+    """One KV-cache group's registration: its namespace, its slots over vLLM's KV memory (every
+    group's layers are views of the same allocation) and its client."""
+
+    def __init__(self, group: KvGroup, ns: kvcached.Namespace, engine_name: str):
+        self.group = group
+        self.namespace = ns
+        self.engine_name = engine_name
+        self.memory: kvcached.KvMemory | kvcached.GpuKvMemory | None = None
+        self.client: kvcached.Client | None = None
+        self.retry_at = 0.0
+
+
+def _layer_order(name: str) -> int:
+    """A layer's index in the model (its attention runs in this order)."""
+    try:
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        return extract_layer_index(name)
+    except (ImportError, AssertionError, ValueError):
+        return 0
+
+
 class WorkerSide:
     def __init__(self, vllm_config: Any, kv_cache_config: Any, cfg: ConnectorConfig, transfer_config: Any):
-        self.spec, self.layers = kv_spec(vllm_config, kv_cache_config)
+        self.groups = kv_groups(vllm_config, kv_cache_config)
+        self.spec, self.layers = self.groups[0].spec, list(self.groups[0].layers)
+        # The layer whose attention runs last: layerwise saves start after it.
+        every = [name for g in self.groups for name in g.layers]
+        self.last_layer = max(every, key=_layer_order) if len(self.groups) > 1 else every[-1]
         self.vllm_config = vllm_config
         self.kv_cache_config = kv_cache_config
         self.cfg = cfg
         self.layout = layout_name(vllm_config, kv_cache_config)
         tp = _tp() or (0, vllm_config.parallel_config.tensor_parallel_size)
-        self.namespace = namespace(vllm_config, kv_cache_config, cfg, *tp)
-        self.engine_name = f"vllm-{transfer_config.engine_id}-tp{tp[0]}"[:128]
+        name = f"vllm-{transfer_config.engine_id}-tp{tp[0]}"
+        self.regs = [
+            _GroupReg(
+                g,
+                namespace(vllm_config, kv_cache_config, cfg, *tp, g),
+                (name + (f"-g{g.index}" if g.count > 1 else ""))[:128],
+            )
+            for g in self.groups
+        ]
+        self.namespace = self.regs[0].namespace
         self.region: SharedRegion | None = None
-        self.memory: kvcached.KvMemory | kvcached.GpuKvMemory | None = None
-        self.client: kvcached.Client | None = None
         self.cuda = False
-        self._retry_at = 0.0
         self._sync: list[tuple[kvcached.LoadOp | None, Transfer]] = []
-        self._async: dict[str, tuple[kvcached.LoadOp | None, Transfer]] = {}
+        # A request's async loads (one per KV-cache group), reported done when all are.
+        self._async: dict[str, list[tuple[kvcached.LoadOp | None, Transfer]]] = {}
         self._invalid: set[int] = set()
         self._failed_recving: set[str] = set()
         self._saving: concurrent.futures.Future[None] | None = None
@@ -137,16 +170,25 @@ class WorkerSide:
             return None
         return _SharedKvAllocation(self)
 
-    def _slots(self, views: list[torch.Tensor], base: int, region_bytes: int) -> kvcached.SlotLayout:
+    @property
+    def client(self) -> kvcached.Client | None:
+        """The first group's client (None until registered)."""
+        return self.regs[0].client
+
+    @property
+    def memory(self) -> kvcached.KvMemory | kvcached.GpuKvMemory | None:
+        return self.regs[0].memory
+
+    def _slots(self, group: KvGroup, views: list[torch.Tensor], base: int, region_bytes: int) -> kvcached.SlotLayout:
         """Each layer's page of a block as two segments (its halves). A view is vLLM's
         `[blocks, heads, tokens, content]` of one layer; the attention kernel's blocks may
         subdivide a manager block (`ratio` kernel blocks per block), which vLLM allows only when
         a block's pages are dense, so a block is still one run of bytes."""
-        spec = self.spec
+        spec = group.spec
         page = page_bytes(spec)
         blocks = self.kv_cache_config.num_blocks
         segments = []
-        for name, v in zip(self.layers, views, strict=True):
+        for name, v in zip(group.layers, views, strict=True):
             es = v.element_size()
             if v.dim() != 4 or v.shape[0] % blocks:
                 raise RuntimeError(f"{name}: a {tuple(v.shape)} view, expected [blocks x k, heads, tokens, content]")
@@ -169,7 +211,7 @@ class WorkerSide:
         return kvcached.SlotLayout(segments, page // 2, blocks)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        missing = [n for n in self.layers if n not in kv_caches]
+        missing = [n for g in self.groups for n in g.layers if n not in kv_caches]
         if missing:
             raise RuntimeError(f"vLLM registered no KV cache for layers {missing[:3]}")
         views = [kv_caches[n] for n in self.layers]
@@ -184,49 +226,54 @@ class WorkerSide:
                     "(the daemon can only copy memory it can map)"
                 )
             base = self.region.tensor.data_ptr()
-            slots = self._slots(views, base, self.region.size)
-            self.memory = kvcached.KvMemory.from_fd(self.region.fd, slots)
-            self.region.close()  # KvMemory holds its own descriptor
+            for r in self.regs:
+                slots = self._slots(r.group, [kv_caches[n] for n in r.group.layers], base, self.region.size)
+                r.memory = kvcached.KvMemory.from_fd(self.region.fd, slots)
+            self.region.close()  # each KvMemory holds its own descriptor
         elif device.type == "cuda":
             ipc = cuda_ipc_region(views[0])
-            slots = self._slots(views, ipc.base_ptr, ipc.size)
-            self.memory = kvcached.GpuKvMemory(ipc.handle, ipc.device, ipc.size, slots)
+            for r in self.regs:
+                slots = self._slots(r.group, [kv_caches[n] for n in r.group.layers], ipc.base_ptr, ipc.size)
+                r.memory = kvcached.GpuKvMemory(ipc.handle, ipc.device, ipc.size, slots)
             self.cuda = True
         else:
             raise NotImplementedError(f"kvcached's connector does not support KV on {device.type}")
-        self._register(at_start=True)
+        for g in range(len(self.regs)):
+            self._register(g, at_start=True)
 
-    def _register(self, at_start: bool = False) -> kvcached.Client | None:
-        """The registered client; registers (again at most every `retry_after` seconds) when
-        there is none. A daemon that cannot be reached is not an engine failure: the engine
-        serves without kvcached meanwhile. At start, a refusal of the registration itself (a
-        layout the daemon rejects, memory it cannot attach) is a configuration error and raised;
-        later (the daemon came after the engine) it is logged, and the engine goes on without."""
-        if self.client is not None or self.memory is None or time.monotonic() < self._retry_at:
-            return self.client
+    def _register(self, group: int = 0, at_start: bool = False) -> kvcached.Client | None:
+        """Group `group`'s registered client; registers (again at most every `retry_after`
+        seconds) when there is none. A daemon that cannot be reached is not an engine failure:
+        the engine serves without kvcached meanwhile. At start, a refusal of the registration
+        itself (a layout the daemon rejects, memory it cannot attach) is a configuration error
+        and raised; later (the daemon came after the engine) it is logged, and the engine goes
+        on without."""
+        r = self.regs[group]
+        if r.client is not None or r.memory is None or time.monotonic() < r.retry_at:
+            return r.client
         try:
             client = self.cfg.connect(self.cfg.worker_reconnect_for)
-            if isinstance(self.memory, kvcached.GpuKvMemory):
-                reg = client.register_gpu(self.engine_name, self.namespace, self.memory)
+            if isinstance(r.memory, kvcached.GpuKvMemory):
+                reg = client.register_gpu(r.engine_name, r.namespace, r.memory)
             else:
-                reg = client.register(self.engine_name, self.namespace, self.memory)
+                reg = client.register(r.engine_name, r.namespace, r.memory)
         except kvcached.KvcachedError as e:
             if at_start and not isinstance(e, (kvcached.UnreachableError, kvcached.LimitReachedError)):
                 raise
-            self._retry_at = time.monotonic() + self.cfg.retry_after
-            log.error("kvcached connector (worker %s): not registered (%s); retrying", self.engine_name, e)
+            r.retry_at = time.monotonic() + self.cfg.retry_after
+            log.error("kvcached connector (worker %s): not registered (%s); retrying", r.engine_name, e)
             return None
-        self.client = client
+        r.client = client
         log.info(
             "kvcached connector (worker %s): %d blocks of %d bytes registered, namespace %s",
-            self.engine_name, self.memory.slots.num_blocks, reg.block_bytes, reg.namespace_id,
+            r.engine_name, r.memory.slots.num_blocks, reg.block_bytes, reg.namespace_id,
         )  # fmt: skip
         return client
 
     # -- loads ---------------------------------------------------------------------------------
 
     def _start(self, t: Transfer) -> kvcached.LoadOp | None:
-        client = self._register()
+        client = self._register(t.group)
         if client is None:
             return None
         try:
@@ -252,7 +299,7 @@ class WorkerSide:
             torch.cuda.current_stream().synchronize()
         self._sync = [(self._start(t), t) for t in meta.loads]
         for t in meta.async_loads:
-            self._async[t.req_id] = (self._start(t), t)
+            self._async.setdefault(t.req_id, []).append((self._start(t), t))
         if not self.cfg.layerwise:
             self.wait_sync_loads()
 
@@ -263,7 +310,7 @@ class WorkerSide:
             status = None
             try:
                 while op is not None:
-                    status = self.client.wait(op, timeout=max(0.0, deadline - time.monotonic()))
+                    status = self.regs[t.group].client.wait(op, timeout=max(0.0, deadline - time.monotonic()))
                     if status.finished or time.monotonic() >= deadline:
                         break
             except kvcached.KvcachedError as e:
@@ -277,16 +324,20 @@ class WorkerSide:
 
     def poll_async_loads(self) -> set[str]:
         done: set[str] = set()
-        for req_id, (op, t) in list(self._async.items()):
-            try:
-                status = self.client.poll(op) if op is not None else None
-            except kvcached.KvcachedError as e:
-                log.warning("kvcached: load for %s failed: %s", req_id, e)
-                status = None
-            if status is not None and not status.finished:
+        for req_id, loads in list(self._async.items()):
+            statuses = []
+            for op, t in loads:
+                try:
+                    status = self.regs[t.group].client.poll(op) if op is not None else None
+                except kvcached.KvcachedError as e:
+                    log.warning("kvcached: load for %s failed: %s", req_id, e)
+                    status = None
+                statuses.append(status)
+            if any(s is not None and not s.finished for s in statuses):
                 continue
-            if not self._finish(op, t, status) and (status is None or status.loaded_blocks == 0):
-                self._failed_recving.add(req_id)
+            for (op, t), status in zip(loads, statuses, strict=True):
+                if not self._finish(op, t, status) and (status is None or status.loaded_blocks == 0):
+                    self._failed_recving.add(req_id)
             done.add(req_id)
             del self._async[req_id]
         return done
@@ -306,7 +357,11 @@ class WorkerSide:
             ready.synchronize()
         for t in saves:
             try:
-                r = self.client.save(t.tokens, t.first_block, t.slots, context=_key_context(t.context))
+                client = self._register(t.group)
+                if client is None:
+                    self.counts["save_failed"] += len(t.slots)
+                    continue
+                r = client.save(t.tokens, t.first_block, t.slots, context=_key_context(t.context))
             except kvcached.KvcachedError as e:
                 self.counts["save_failed"] += len(t.slots)
                 log.warning("kvcached: save for %s failed: %s", t.req_id, e)
@@ -319,9 +374,9 @@ class WorkerSide:
 
     def save_kv_layer(self, layer_name: str) -> None:
         meta = self.meta
-        if not (self.cfg.layerwise and meta and meta.saves and layer_name == self.layers[-1]):
+        if not (self.cfg.layerwise and meta and meta.saves and layer_name == self.last_layer):
             return
-        if self._register() is None or self._saving is not None:
+        if self._register(0) is None or self._saving is not None:
             return
         ready = None
         if self.cuda:
@@ -336,7 +391,7 @@ class WorkerSide:
         if saving is not None:
             saving.result()
             return
-        if meta.saves and self._register() is not None:
+        if meta.saves and self._register(0) is not None:
             if self.cuda:
                 torch.cuda.current_stream().synchronize()
             self._save_all(meta.saves)
@@ -344,8 +399,9 @@ class WorkerSide:
     def shutdown(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
-        if self.client is not None and self.client.engine_id is not None:
-            try:
-                self.client.unregister()
-            except kvcached.KvcachedError as e:
-                log.debug("kvcached: unregister at shutdown failed: %s", e)
+        for r in self.regs:
+            if r.client is not None and r.client.engine_id is not None:
+                try:
+                    r.client.unregister()
+                except kvcached.KvcachedError as e:
+                    log.debug("kvcached: unregister at shutdown failed: %s", e)

@@ -1,0 +1,354 @@
+#!/usr/bin/env python3
+"""The GPU checks of `scripts/gpu-check`, against a running kvcached daemon ($KVCACHED_SOCKET).
+
+    python3 checks.py --device cuda   # on a machine with an NVIDIA GPU (what gpu-check runs)
+    python3 checks.py --device cpu    # the same flow on CPU memory (scripts/test runs it)
+
+Each check prints one row of the summary table; the exit status is 0 only if every check that
+ran passed. With `--device cpu` the engines' KV is shared memory registered by descriptor instead
+of CUDA memory registered by IPC handle, so the checks' own logic (engines in other processes,
+byte comparisons, the kill, the timings) is exercised where no GPU is.
+
+Checks:
+- `ipc_two_engines`: engine A (this process) saves a long prompt's blocks from its KV; engine B
+  (another process) loads them into other slots and compares every byte on its device with what
+  A wrote (regenerated from the same seed there).
+- `copy_rate_<size>`: save (G1 -> G2) and load (G2 -> G1) rates of blocks of 256 KiB and 2 MiB and
+  of the whole prompt, one block per call and all in one call, beside torch's pinned
+  `copy_(non_blocking=True)` (cudaMemcpyAsync) of the same bytes in the same run.
+- `kill_mid_load`: an engine process is killed with SIGKILL while a long load runs; a new engine
+  on the same device registers, loads and gets the right bytes within a second, and the daemon
+  stays healthy.
+- `bad_registration`: a registration naming memory that does not exist (a corrupted IPC handle on
+  CUDA, a descriptor of the wrong size on CPU) is refused with a clear error, and the daemon
+  serves the next engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+import kvcached
+from kvcached.torch_utils import cuda_ipc_region, shared_empty
+
+RESULTS: list[tuple[str, bool, str]] = []
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A KV layout for the checks: `layers` x (K, V) segments of `tokens` x `heads` x `dim` bf16."""
+
+    layers: int
+    heads: int
+    dim: int
+    tokens: int
+
+    def layout(self) -> kvcached.KvLayout:
+        return kvcached.KvLayout(
+            num_layers=self.layers, kv_heads=self.heads, head_dim=self.dim, dtype="bf16", tokens_per_block=self.tokens
+        )
+
+    @property
+    def segment(self) -> int:
+        return self.tokens * self.heads * self.dim * 2
+
+    @property
+    def block(self) -> int:
+        return 2 * self.layers * self.segment
+
+
+class Engine:
+    """One engine's KV (`slots` blocks of `shape`) on `device`, registered with the daemon."""
+
+    def __init__(self, name: str, shape: Shape, slots: int, device: str, model: str = "gpu-check"):
+        self.shape, self.slots, self.device = shape, slots, device
+        layout = shape.layout()
+        self.slot_layout = kvcached.SlotLayout.layer_separate(layout, slots)
+        size = 2 * shape.layers * slots * shape.segment
+        self.client = kvcached.Client(reconnect_for=5.0)
+        ns = kvcached.Namespace(model, layout)
+        if device == "cuda":
+            self.kv = torch.zeros(size, dtype=torch.uint8, device="cuda")
+            ipc = cuda_ipc_region(self.kv)
+            mem = kvcached.GpuKvMemory(ipc.handle, ipc.device, ipc.size, self._shifted(ipc.storage_offset))
+            self.client.register_gpu(name, ns, mem)
+        else:
+            region = shared_empty(size, name)
+            self.kv = region.tensor.view(torch.uint8)
+            mem = kvcached.KvMemory.from_fd(region.fd, self.slot_layout)
+            region.close()
+            self.client.register(name, ns, mem)
+        self.memory = mem
+
+    def _shifted(self, offset: int) -> kvcached.SlotLayout:
+        """The slot layout with every segment moved by where the tensor starts in its allocation."""
+        segs = [(o + offset, s) for o, s in self.slot_layout.segments]
+        return kvcached.SlotLayout(segs, self.slot_layout.segment_bytes, self.slots)
+
+    def blocks(self) -> torch.Tensor:
+        """The KV as [segments, slots, segment bytes] (layer_separate: segment-major)."""
+        return self.kv.view(2 * self.shape.layers, self.slots, self.shape.segment)
+
+    def sync(self) -> None:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+
+
+def content(shape: Shape, blocks: int, seed: int, device: str) -> torch.Tensor:
+    """Deterministic KV for `blocks` blocks ([segments, blocks, segment bytes]), the same on every
+    process of the same device kind."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    return torch.randint(
+        0, 256, (2 * shape.layers, blocks, shape.segment), generator=g, device=device, dtype=torch.uint8
+    )
+
+
+def prompt(seed: int, blocks: int, shape: Shape) -> list[int]:
+    return [(seed * 1_000_003 + i * 7919) % 128_000 for i in range(blocks * shape.tokens)]
+
+
+def record(name: str, ok: bool, detail: str) -> None:
+    RESULTS.append((name, ok, detail))
+    print(f"{'PASS' if ok else 'FAIL'} {name}: {detail}", flush=True)
+
+
+# -- ipc_two_engines -------------------------------------------------------------------------
+
+
+def _loader(shape: Shape, blocks: int, seed: int, device: str, q) -> None:
+    """Engine B: loads the prompt into slots after A's and compares every byte on its device."""
+    try:
+        e = Engine("gpu-check-b", shape, 2 * blocks, device)
+        tokens = prompt(seed, blocks, shape)
+        t0 = time.perf_counter()
+        status = e.client.load_now(tokens, 0, list(range(blocks, 2 * blocks)))
+        e.sync()
+        took = time.perf_counter() - t0
+        want = content(shape, blocks, seed, device)
+        same = bool(torch.equal(e.blocks()[:, blocks:], want))
+        e.client.unregister()
+        q.put((status.loaded_blocks, same, took))
+    except Exception as ex:  # reported to the parent, which fails the check
+        q.put((0, False, f"{type(ex).__name__}: {ex}"))
+
+
+def check_ipc_two_engines(device: str, tokens: int) -> None:
+    shape = Shape(layers=4, heads=8, dim=64, tokens=16)
+    blocks = tokens // shape.tokens
+    seed = 11
+    a = Engine("gpu-check-a", shape, blocks, device)
+    a.blocks().copy_(content(shape, blocks, seed, device))
+    a.sync()
+    t0 = time.perf_counter()
+    saved = a.client.save(prompt(seed, blocks, shape), 0, list(range(blocks)))
+    took_save = time.perf_counter() - t0
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_loader, args=(shape, blocks, seed, device, q))
+    p.start()
+    loaded, same, took_load = q.get(timeout=300)
+    p.join(30)
+    a.client.unregister()
+    gib = blocks * shape.block / 2**30
+    ok = saved.stored == blocks and loaded == blocks and same
+    detail = (
+        f"{tokens} tokens, {blocks} blocks of {shape.block >> 10} KiB ({gib:.2f} GiB): saved {saved.stored} "
+        f"in {took_save:.2f} s ({gib / took_save:.2f} GiB/s), loaded {loaded} in another process"
+    )
+    if isinstance(took_load, float):
+        detail += f" in {took_load:.2f} s ({gib / took_load:.2f} GiB/s), bytes {'equal' if same else 'DIFFER'}"
+    else:
+        detail += f": {took_load}"
+    record("ipc_two_engines", ok, detail)
+
+
+# -- copy rates ------------------------------------------------------------------------------
+
+
+def _baseline(nbytes: int, per_call: int, device: str) -> tuple[float, float]:
+    """GiB/s of device -> pinned host and back for `nbytes`, `per_call` bytes per copy, all
+    copies queued before one synchronize (cudaMemcpyAsync on the current stream)."""
+    if device != "cuda":
+        src = torch.empty(nbytes, dtype=torch.uint8)
+        dst = torch.empty(nbytes, dtype=torch.uint8)
+        t0 = time.perf_counter()
+        for o in range(0, nbytes, per_call):
+            dst[o : o + per_call].copy_(src[o : o + per_call])
+        r = nbytes / (time.perf_counter() - t0) / 2**30
+        return r, r
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    rates = []
+    for to_host in (True, False):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for o in range(0, nbytes, per_call):
+            if to_host:
+                host[o : o + per_call].copy_(dev[o : o + per_call], non_blocking=True)
+            else:
+                dev[o : o + per_call].copy_(host[o : o + per_call], non_blocking=True)
+        torch.cuda.synchronize()
+        rates.append(nbytes / (time.perf_counter() - t0) / 2**30)
+    return rates[0], rates[1]
+
+
+def check_copy_rates(device: str, tokens: int) -> None:
+    for label, shape in (
+        ("256KiB", Shape(layers=4, heads=8, dim=128, tokens=16)),
+        ("2MiB", Shape(layers=4, heads=8, dim=128, tokens=128)),
+    ):
+        blocks = max(8, min(tokens // shape.tokens, (1 << 30) // shape.block))
+        e = Engine(f"gpu-check-rate-{label}", shape, 2 * blocks, device, model=f"gpu-check-{label}")
+        e.blocks()[:, :blocks].copy_(content(shape, blocks, 3, device))
+        e.sync()
+        tokens_ = prompt(3, blocks, shape)
+        nbytes = blocks * shape.block
+        # One block per call, then all blocks in one call (the daemon's own batching).
+        t0 = time.perf_counter()
+        for b in range(blocks):
+            e.client.save(tokens_[: (b + 1) * shape.tokens], b, [b])
+        save_one = nbytes / (time.perf_counter() - t0) / 2**30
+        t0 = time.perf_counter()
+        for b in range(blocks):
+            e.client.load_now(tokens_[: (b + 1) * shape.tokens], b, [blocks + b])
+        e.sync()
+        load_one = nbytes / (time.perf_counter() - t0) / 2**30
+        e2 = Engine(f"gpu-check-rate2-{label}", shape, 2 * blocks, device, model=f"gpu-check-{label}-all")
+        e2.blocks()[:, :blocks].copy_(e.blocks()[:, :blocks])
+        e2.sync()
+        t0 = time.perf_counter()
+        e2.client.save(tokens_, 0, list(range(blocks)))
+        save_all = nbytes / (time.perf_counter() - t0) / 2**30
+        t0 = time.perf_counter()
+        st = e2.client.load_now(tokens_, 0, list(range(blocks, 2 * blocks)))
+        e2.sync()
+        load_all = nbytes / (time.perf_counter() - t0) / 2**30
+        same = bool(torch.equal(e2.blocks()[:, blocks:], e2.blocks()[:, :blocks])) and st.loaded_blocks == blocks
+        same = same and bool(torch.equal(e.blocks()[:, blocks:], e.blocks()[:, :blocks]))
+        b_down, b_up = _baseline(shape.block, shape.block, device)
+        a_down, a_up = _baseline(nbytes, shape.block, device)
+        e.client.unregister()
+        e2.client.unregister()
+        record(
+            f"copy_rate_{label}",
+            same,
+            f"{blocks} blocks: save {save_one:.2f} GiB/s one per call, {save_all:.2f} all in one "
+            f"(memcpy to pinned {b_down:.2f} / {a_down:.2f}: {save_all / a_down:.2f}x); load {load_one:.2f} / "
+            f"{load_all:.2f} (memcpy from pinned {b_up:.2f} / {a_up:.2f}: {load_all / a_up:.2f}x)",
+        )
+
+
+# -- kill_mid_load ---------------------------------------------------------------------------
+
+
+def _victim(shape: Shape, blocks: int, seed: int, device: str, ready) -> None:
+    e = Engine("gpu-check-victim", shape, blocks, device)
+    e.client.load(prompt(seed, blocks, shape), 0, list(range(blocks)))
+    ready.set()
+    time.sleep(60)  # killed long before
+
+
+def check_kill_mid_load(device: str, tokens: int) -> None:
+    shape = Shape(layers=4, heads=8, dim=64, tokens=16)
+    blocks = tokens // shape.tokens
+    seed = 23
+    a = Engine("gpu-check-owner", shape, blocks, device)
+    a.blocks().copy_(content(shape, blocks, seed, device))
+    a.sync()
+    a.client.save(prompt(seed, blocks, shape), 0, list(range(blocks)))
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    p = ctx.Process(target=_victim, args=(shape, blocks, seed, device, ready))
+    p.start()
+    ready.wait(120)
+    os.kill(p.pid, signal.SIGKILL)
+    p.join(30)
+    t0 = time.perf_counter()
+    b = Engine("gpu-check-after", shape, blocks, device)
+    st = b.client.load_now(prompt(seed, blocks, shape), 0, list(range(blocks)))
+    b.sync()
+    took = time.perf_counter() - t0
+    same = bool(torch.equal(b.blocks(), content(shape, blocks, seed, device)))
+    healthy, reasons = b.client.health()
+    for e in (a, b):
+        e.client.unregister()
+    ok = same and st.loaded_blocks == blocks and healthy
+    record(
+        "kill_mid_load",
+        ok,
+        f"engine killed (SIGKILL) mid-load of {blocks} blocks; a new engine registered and loaded "
+        f"{st.loaded_blocks} in {took:.2f} s, bytes {'equal' if same else 'DIFFER'}, daemon "
+        f"{'healthy' if healthy else 'unhealthy: ' + '; '.join(reasons)}",
+    )
+
+
+# -- bad_registration ------------------------------------------------------------------------
+
+
+def check_bad_registration(device: str, tokens: int) -> None:
+    shape = Shape(layers=2, heads=2, dim=64, tokens=16)
+    layout = shape.layout()
+    c = kvcached.Client(reconnect_for=2.0)
+    ns = kvcached.Namespace("gpu-check-bad", layout)
+    try:
+        if device == "cuda":
+            mem = kvcached.GpuKvMemory(bytes(64), 0, 1 << 20, kvcached.SlotLayout.layer_separate(layout, 4))
+            c.register_gpu("gpu-check-bad", ns, mem)
+        else:
+            region = shared_empty(4096, "gpu-check-bad")  # far smaller than its slots claim
+            mem = kvcached.KvMemory.from_fd(region.fd, kvcached.SlotLayout.layer_separate(layout, 64))
+            c.register("gpu-check-bad", ns, mem)
+        refused, why = False, "registered"
+    except (kvcached.KvcachedError, ValueError) as ex:
+        refused, why = True, f"{type(ex).__name__}: {str(ex)[:160]}"
+    e = Engine("gpu-check-next", shape, 4, device)
+    e.blocks().copy_(content(shape, 4, 5, device))
+    e.sync()
+    ok_next = e.client.save(prompt(5, 4, shape), 0, [0, 1, 2, 3]).stored == 4
+    e.client.unregister()
+    record("bad_registration", refused and ok_next, f"refused ({why}); the next engine served: {ok_next}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    ap.add_argument("--tokens", type=int, default=131072, help="prompt length of the long-prompt checks")
+    ap.add_argument("--only", nargs="*", help="run only these checks")
+    args = ap.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device: torch.cuda.is_available() is False")
+        return 0
+    checks = {
+        "ipc_two_engines": check_ipc_two_engines,
+        "copy_rates": check_copy_rates,
+        "kill_mid_load": check_kill_mid_load,
+        "bad_registration": check_bad_registration,
+    }
+    for name, f in checks.items():
+        if args.only and name not in args.only:
+            continue
+        try:
+            f(args.device, args.tokens)
+        except Exception as ex:
+            record(name, False, f"{type(ex).__name__}: {ex}")
+    print()
+    print(f"| check ({args.device}) | result | figures |")
+    print("|---|---|---|")
+    for name, ok, detail in RESULTS:
+        print(f"| {name} | {'pass' if ok else 'FAIL'} | {detail} |")
+    print()
+    print("not in this bundle: G3 -> G1 against O_DIRECT + pinned copy, an injected failure of a GPU copy, "
+          "the vLLM connector's worker on CUDA tensors (vLLM is not on the GPU machine)")
+    return 0 if all(ok for _, ok, _ in RESULTS) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
