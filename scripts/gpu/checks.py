@@ -345,8 +345,10 @@ def main() -> int:
     for name, ok, detail in RESULTS:
         print(f"| {name} | {'pass' if ok else 'FAIL'} | {detail} |")
     print()
-    print("not in this bundle: G3 -> G1 against O_DIRECT + pinned copy, an injected failure of a GPU copy, "
-          "the vLLM connector's worker on CUDA tensors (vLLM is not on the GPU machine)")
+    print(
+        "not in this bundle: G3 -> G1 against O_DIRECT + pinned copy, an injected failure of a GPU copy, "
+        "the vLLM connector's worker on CUDA tensors (vLLM is not on the GPU machine)"
+    )
     return 0 if all(ok for _, ok, _ in RESULTS) else 1
 
 
