@@ -96,7 +96,7 @@ pub fn describe() {
         ),
         ("kvcached_lookups_total", "Lookups, by whether they found at least one block, and KV namespace."),
         ("kvcached_load_mismatch_total", "Blocks of another namespace or size refused by a load."),
-        ("kvcached_block_keys_total", "Block keys derived or reused by the key memo."),
+        ("kvcached_block_keys_total", "Block keys derived, reused by the key memo, or derived under a key context."),
         ("kvcached_limit_refusals_total", "Requests or connections refused by a limit."),
         ("kvcached_limit_refusals_by_limit_total", "Refusals by limit."),
         ("kvcached_tenant_salt_refused_total", "Registrations refused: their tenant salt is another tenant's."),
@@ -210,7 +210,7 @@ pub fn zero_series(config: &crate::Config) {
         .map(|(_, t)| t)
         .collect();
     for (name, key, values) in [
-        ("kvcached_block_keys_total", "source", &["derived", "memo"][..]),
+        ("kvcached_block_keys_total", "source", &["derived", "memo", "context"][..]),
         ("kvcached_namespace_refused_total", "op", &["register", "save"][..]),
         ("kvcached_prefetch_total", "result", &["pulling", "local"][..]),
         ("kvcached_tier_read_errors_total", "tier", &lower[..]),

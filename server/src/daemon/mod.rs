@@ -221,13 +221,10 @@ impl Daemon {
     ) -> Result<Vec<kvproto::BlockKey>, ServerError> {
         let Some(ctx) = ctx else { return self.keys(engine, tokens) };
         kvproto::check_tokens_le(tokens)?;
-        metrics::counter!("kvcached_block_keys_total", "source" => "context").increment(1);
-        Ok(kvproto::context_keys_le(
-            &engine.fingerprint,
-            engine.namespace.layout.tokens_per_block as usize,
-            tokens,
-            ctx,
-        ))
+        let tpb = engine.namespace.layout.tokens_per_block as usize;
+        let keys = kvproto::context_keys_le(&engine.fingerprint, tpb, tokens, ctx);
+        metrics::counter!("kvcached_block_keys_total", "source" => "context").increment(keys.len() as u64);
+        Ok(keys)
     }
 
     /// Checks that `first + ids.len()` blocks are covered by the full blocks of `tokens`.
