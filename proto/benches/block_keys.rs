@@ -1,6 +1,8 @@
 //! Key derivation for one 128k-token prompt (131072 tokens): kvcached's keyed BLAKE3 block keys
-//! vs the Dynamo-compatible XXH3-64 sequence hashes, at 16 and 256 tokens per block.
-//! Throughput is in blocks.
+//! vs the Dynamo-compatible XXH3-64 sequence hashes, at 16 and 256 tokens per block; and at 16
+//! tokens per block the same prompt's keys under key contexts (`docs/block-keys.md` section 6):
+//! a LoRA adapter (extras in block 0), and 32 images of 576 placeholder tokens (extras in the
+//! 1184 blocks they overlap). Throughput is in blocks.
 //!
 //! ```text
 //! cargo bench -p kvproto --bench block_keys -- --warm-up-time 1 --measurement-time 3
@@ -10,7 +12,7 @@ use std::hint::black_box;
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use kvproto::dynamo::{DYNAMO_SEED, sequence_hashes};
-use kvproto::{KvLayout, Namespace, block_keys};
+use kvproto::{Adapter, KeyContext, KvLayout, MmInput, Namespace, block_keys, context_keys_le, tokens_to_le};
 
 const PROMPT_TOKENS: usize = 128 * 1024;
 
@@ -37,6 +39,23 @@ fn bench(c: &mut Criterion) {
         });
         g.bench_with_input(BenchmarkId::new("dynamo_xxh3_seq_hashes", bs), &tokens, |b, t| {
             b.iter(|| sequence_hashes(black_box(t), bs as usize, DYNAMO_SEED));
+        });
+    }
+    let fp = namespace(16).fingerprint();
+    let lora = KeyContext {
+        adapter: Some(Adapter { name: "sql-lora".into(), content_hash: vec![7; 32] }),
+        ..Default::default()
+    };
+    let images = KeyContext {
+        mm: (0..32u32).map(|i| MmInput { hash: vec![i as u8; 32], offset: 1000 + i * 4000, length: 576 }).collect(),
+        ..Default::default()
+    };
+    // As the daemon gets them: tokens in their wire form.
+    let le = tokens_to_le(&tokens);
+    g.throughput(Throughput::Elements((PROMPT_TOKENS / 16) as u64));
+    for (name, ctx) in [("context_keys_lora", &lora), ("context_keys_32_images", &images)] {
+        g.bench_with_input(BenchmarkId::new(name, 16), &le, |b, t| {
+            b.iter(|| context_keys_le(black_box(&fp), 16, black_box(t), ctx));
         });
     }
     // The one-off per-namespace cost (done once per engine registration, not per prompt).
