@@ -157,6 +157,11 @@ async fn requests_with_key_contexts_hit_only_their_own_blocks() {
     assert_eq!(hits(Some(&salt)).await, 0);
     assert_eq!(hits(Some(&retrained)).await, 0, "other weights under the same name");
     assert_eq!(a.lookup_in(&tokens, Some(&KeyContext::default())).await.unwrap().matched_blocks, 0);
+    // The cached run from a later block (a window group's window): its length and end.
+    let run = a.lookup_run(&tokens, Some(&lora), 4).await.unwrap();
+    assert_eq!((run.matched_blocks, run.matched_tokens), (2, 6 * 16));
+    assert_eq!(a.lookup_run(&tokens, Some(&lora), 6).await.unwrap().matched_tokens, 0);
+    assert_eq!(a.lookup_run(&tokens, None, 2).await.unwrap().matched_blocks, 0);
 
     // The image's request: saved under the image; the text alone finds the 2 blocks before it.
     a.save_in(&tokens, Some(&image(1)), 0, &slots).await.unwrap();

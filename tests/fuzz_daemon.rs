@@ -227,9 +227,10 @@ fn call(real: u64) -> impl Strategy<Value = Call> {
             proptest::option::of(n64()),
             n32(),
             proptest::option::of((n64(), n64())),
-            context()
+            context(),
+            n32()
         )
-            .prop_map(|(engine_id, tokens, route_id, g1_blocks, at, context)| Call::Lookup(
+            .prop_map(|(engine_id, tokens, route_id, g1_blocks, at, context, first_block)| Call::Lookup(
                 pb::LookupRequest {
                     engine_id,
                     tokens,
@@ -237,6 +238,7 @@ fn call(real: u64) -> impl Strategy<Value = Call> {
                     g1_blocks,
                     tokens_at: at.map(|(offset, len)| pb::TokenSpan { offset, len }),
                     context,
+                    first_block,
                 }
             )),
         (engine_id(real), tokens(), n32(), ids(), any::<bool>(), proptest::collection::vec(".{0,12}", 0..3), context())

@@ -407,7 +407,7 @@ impl Client {
 
     /// How many leading blocks of `tokens` are cached, and in which tier.
     pub async fn lookup(&self, tokens: &[u32]) -> Result<pb::LookupResponse, ClientError> {
-        self.lookup_as(tokens, None, None, 0).await
+        self.lookup_as(tokens, None, None, 0, 0).await
     }
 
     /// [`Client::lookup`] of a request whose keys bind a [`KeyContext`] (see
@@ -417,7 +417,20 @@ impl Client {
         tokens: &[u32],
         context: Option<&KeyContext>,
     ) -> Result<pb::LookupResponse, ClientError> {
-        self.lookup_as(tokens, wire_context(context), None, 0).await
+        self.lookup_as(tokens, wire_context(context), None, 0, 0).await
+    }
+
+    /// The cached run of `tokens`' blocks that starts at block `first_block` (not at the first
+    /// block: what a sliding-window attention group needs before a point is only its window).
+    /// `matched_blocks` is the run's length, `matched_tokens` the tokens through its end (0 when
+    /// the run is empty). Over gRPC.
+    pub async fn lookup_run(
+        &self,
+        tokens: &[u32],
+        context: Option<&KeyContext>,
+        first_block: u32,
+    ) -> Result<pb::LookupResponse, ClientError> {
+        self.lookup_as(tokens, wire_context(context), None, 0, first_block).await
     }
 
     /// [`Client::lookup`] with blocking I/O on the calling thread, for callers on threads of
@@ -430,7 +443,15 @@ impl Client {
         let engine_id = self.engine_id().ok()?;
         let staged = self.stage(tokens);
         let (tokens, tokens_at) = self.carried(staged.as_ref(), || kvproto::tokens_to_le(tokens));
-        let req = pb::LookupRequest { engine_id, tokens, route_id: None, g1_blocks: 0, tokens_at, context: None };
+        let req = pb::LookupRequest {
+            engine_id,
+            tokens,
+            route_id: None,
+            g1_blocks: 0,
+            tokens_at,
+            context: None,
+            first_block: 0,
+        };
         match self.inner.lookups.lookup_blocking(&self.inner.socket, &req)? {
             Ok(r) => Some(Ok(r)),
             Err(s) if needs_reconnect(&s) => None,
@@ -458,6 +479,7 @@ impl Client {
         context: Option<pb::KeyContext>,
         route_id: Option<u64>,
         g1_blocks: u32,
+        first_block: u32,
     ) -> Result<pb::LookupResponse, ClientError> {
         let staged = self.stage(tokens);
         let inline = std::sync::OnceLock::new();
@@ -465,11 +487,18 @@ impl Client {
             // A retry after a daemon restart goes inline if the new daemon did not map the area.
             let (le, tokens_at) =
                 self.carried(staged.as_ref(), || inline.get_or_init(|| kvproto::tokens_to_le(tokens)).clone());
-            let req =
-                pb::LookupRequest { engine_id, tokens: le, route_id, g1_blocks, tokens_at, context: context.clone() };
+            let req = pb::LookupRequest {
+                engine_id,
+                tokens: le,
+                route_id,
+                g1_blocks,
+                tokens_at,
+                context: context.clone(),
+                first_block,
+            };
             async move {
-                // LOOKUP frames carry no key context: such lookups go over gRPC.
-                let fast = if req.context.is_none() {
+                // Lookups with a key context or from a later block go over gRPC.
+                let fast = if req.context.is_none() && req.first_block == 0 {
                     self.inner.lookups.lookup(&self.inner.socket, &req).await
                 } else {
                     None
@@ -492,7 +521,7 @@ impl Client {
         route_id: u64,
         g1_blocks: u32,
     ) -> Result<pb::LookupResponse, ClientError> {
-        self.lookup_as(tokens, None, Some(route_id), g1_blocks).await
+        self.lookup_as(tokens, None, Some(route_id), g1_blocks, 0).await
     }
 
     /// Reports that blocks `[first_block, ..)` of `tokens` are now in the engine's GPU memory

@@ -236,7 +236,8 @@ class Client:
     def save(
         self, tokens: Tokens, first_block: int, slots: Sequence[int], *, context: KeyContext | None = None
     ) -> SaveResult: ...
-    def lookup(self, tokens: Tokens, *, context: KeyContext | None = None) -> LookupResult: ...
+    def lookup(self, tokens: Tokens, *, context: KeyContext | None = None, first_block: int = 0) -> LookupResult:
+        """first_block > 0: the cached run starting there (matched_blocks its length)."""
     def lookup_routed(self, tokens: Tokens, route_id: int, g1_blocks: int) -> LookupResult: ...
     def load(
         self,

@@ -84,8 +84,8 @@ class AsyncClient:
     ) -> SaveResult:
         return await self._run(functools.partial(self.sync.save, context=context), tokens, first_block, list(slots))
 
-    async def lookup(self, tokens: Tokens, *, context: KeyContext | None = None) -> LookupResult:
-        return await self._run(functools.partial(self.sync.lookup, context=context), tokens)
+    async def lookup(self, tokens: Tokens, *, context: KeyContext | None = None, first_block: int = 0) -> LookupResult:
+        return await self._run(functools.partial(self.sync.lookup, context=context, first_block=first_block), tokens)
 
     async def load(
         self,

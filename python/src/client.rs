@@ -208,17 +208,22 @@ impl PyClient {
     }
 
     /// How many leading blocks of `tokens` are cached, and in which tier. Moves no block data.
-    #[pyo3(signature = (tokens, *, context = None))]
+    /// With `first_block` > 0: the cached run that starts at that block (a sliding-window
+    /// group's window), `matched_blocks` its length and `matched_tokens` the tokens through its
+    /// end.
+    #[pyo3(signature = (tokens, *, context = None, first_block = 0))]
     fn lookup(
         &self,
         py: Python<'_>,
         tokens: &Bound<'_, PyAny>,
         context: Option<&PyKeyContext>,
+        first_block: u32,
     ) -> PyResult<LookupResult> {
         let tokens = tokens_of(tokens)?;
-        if let Some(ctx) = context.map(|c| c.inner.clone()).filter(|c| !c.is_empty()) {
+        let ctx = context.map(|c| c.inner.clone()).filter(|c| !c.is_empty());
+        if ctx.is_some() || first_block > 0 {
             return self
-                .call(py, move |c| async move { c.lookup_in(&tokens, Some(&ctx)).await })
+                .call(py, move |c| async move { c.lookup_run(&tokens, ctx.as_ref(), first_block).await })
                 .map(LookupResult::from);
         }
         // Over LOOKUP with blocking I/O on this thread (the GIL released) when it can: no hop

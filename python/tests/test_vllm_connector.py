@@ -282,9 +282,10 @@ def test_an_engine_started_before_the_daemon_attaches_when_it_comes(own_daemon, 
 
 def test_a_hybrid_model_saves_and_loads_full_and_sliding_window_groups(daemon, make_engine):
     """vLLM's hybrid KV-cache manager on (as for Gemma 3, gpt-oss): a full-attention group and a
-    sliding-window group. Both save what the step computes, each in its own namespace; a later
-    request is served as far as both hold the prefix, the window group loading only the blocks
-    its window reads (vLLM gives it no block before them)."""
+    sliding-window group, each in its own namespace. The full group saves every block, the
+    window group the blocks the window of the prompt's end reads (and one more); a later request
+    is served as far as the full group holds the prefix and the window group its window, which
+    is all the window group loads (vLLM gives it no block before it)."""
     import torch
     from vllm.v1.kv_cache_interface import SlidingWindowSpec
     from vllm_harness import LAYERS, SPEC
@@ -303,9 +304,9 @@ def test_a_hybrid_model_saves_and_loads_full_and_sliding_window_groups(daemon, m
     out, _ = e.step()
     assert sorted((t.group, t.first_block, len(t.slots)) for t in out.kv_connector_metadata.saves) == [
         (0, 0, 6),
-        (1, 0, 6),
+        (1, 3, 3),
     ]
-    assert e.worker.worker.counts["saved"] == 12
+    assert e.worker.worker.counts["saved"] == 9
     finish(e, "H1")
 
     e.add(request("H2", prompt))
@@ -322,6 +323,11 @@ def test_a_hybrid_model_saves_and_loads_full_and_sliding_window_groups(daemon, m
     assert e.worker.worker.counts["load_failed"] == 0
     finish(e, "H2")
 
+    # A prompt sharing only the first 3 blocks: the window before block 3 was never saved.
+    e.add(request("H4", prompt[: 3 * BLOCK] + [1] * 40))
+    out, _ = e.step()
+    assert not out.kv_connector_metadata.loads
+    finish(e, "H4")
     # A prompt only the full group holds (its window blocks were never saved): no hit at all.
     other = [t + 9000 for t in range(3 * BLOCK + 1)]
     full_only = e.worker.worker.regs[0].client
@@ -364,3 +370,32 @@ def test_a_hybrid_prefill_hands_off_to_a_hybrid_decode_engine(daemon, make_engin
     assert d.block_kv(ids[1][4])[1] == d.expected_block_kv(prompt, 4)[1]
     assert all(b == 0 for b in ids[1][:4])  # vLLM holds no block before the window
     finish(d, "HD")
+
+
+def test_a_hybrid_model_saving_whole_window_groups_serves_shorter_shared_prefixes(daemon, make_engine):
+    """`kvcached.window_saves: "all"`: the window group saves every block it computes, so a
+    request sharing only the start of an earlier prompt is served too (its window there)."""
+    import torch
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+    from vllm_harness import LAYERS, SPEC
+
+    swa = SlidingWindowSpec(
+        block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.bfloat16, sliding_window=2 * BLOCK
+    )
+    extra = {"kvcached.window_saves": "all", "kvcached.namespace_extra": "all-windows"}
+    groups = [([LAYERS[0]], SPEC), ([LAYERS[1]], swa)]
+    e = make_engine(daemon.socket, prefix_caching=False, batched_tokens=256, extra=extra, groups=groups)
+    prompt = [t + 13000 for t in range(6 * BLOCK + 3)]
+    e.add(request("W1", prompt))
+    out, _ = e.step()
+    saves = sorted((t.group, t.first_block, len(t.slots)) for t in out.kv_connector_metadata.saves)
+    assert saves == [(0, 0, 6), (1, 0, 6)]
+    finish(e, "W1")
+    e.add(request("W2", prompt[: 3 * BLOCK] + [1] * 40))
+    out, _ = e.step()
+    loads = sorted((t.group, t.first_block, len(t.slots)) for t in out.kv_connector_metadata.loads)
+    assert loads == [(0, 0, 3), (1, 1, 2)], loads
+    ids = e.scheduler.kv_cache_manager.get_blocks("W2").get_block_ids()
+    for i in (1, 2):
+        assert e.block_kv(ids[1][i])[1] == e.expected_block_kv(prompt, i)[1], f"window block {i}"
+    finish(e, "W2")

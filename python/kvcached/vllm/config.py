@@ -34,6 +34,13 @@ _DTYPES = {
 PREFIX = "kvcached."
 
 
+def _choice(key: str, v: Any, choices: tuple[str, ...]) -> str:
+    v = str(v).strip().lower()
+    if v not in choices:
+        raise ValueError(f"{PREFIX}{key} must be one of {list(choices)}, not {v!r}")
+    return v
+
+
 def _flag(v: Any) -> bool:
     if isinstance(v, str):
         return v.strip().lower() in ("1", "true", "yes", "on")
@@ -59,6 +66,9 @@ class ConnectorConfig:
     - `kvcached.layerwise`: wait for loads at the first attention layer and start saves at the
       last one, instead of in `start_load_kv` / `wait_for_save`; vLLM then keeps attention out of
       CUDA graphs (piecewise graphs). Default false.
+    - `kvcached.window_saves`: what a sliding-window group of a hybrid model saves: `"window"`
+      (default) only the blocks the window of the saved prefix's end reads, `"all"` every block
+      it computes (more hits for shorter shared prefixes, more bytes stored).
     - `kvcached.scheduler_reconnect_for`: seconds a scheduler-side call keeps retrying while the
       daemon is away (default 0.5; the scheduler then answers "nothing cached" for
       `kvcached.retry_after` seconds, default 5, instead of stalling the engine).
@@ -72,6 +82,7 @@ class ConnectorConfig:
     load_async: bool
     save_decode: bool
     layerwise: bool
+    window_saves: str
     scheduler_reconnect_for: float
     worker_reconnect_for: float
     retry_after: float
@@ -84,6 +95,7 @@ class ConnectorConfig:
         "load_async",
         "save_decode",
         "layerwise",
+        "window_saves",
         "scheduler_reconnect_for",
         "worker_reconnect_for",
         "retry_after",
@@ -108,6 +120,7 @@ class ConnectorConfig:
             load_async=_flag(get("load_async", False)),
             save_decode=_flag(get("save_decode", False)),
             layerwise=_flag(get("layerwise", False)),
+            window_saves=_choice("window_saves", get("window_saves", "window"), ("window", "all")),
             scheduler_reconnect_for=float(get("scheduler_reconnect_for", 0.5)),
             worker_reconnect_for=float(get("worker_reconnect_for", 5.0)),
             retry_after=float(get("retry_after", 5.0)),

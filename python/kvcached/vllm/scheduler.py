@@ -13,6 +13,7 @@ import logging
 import time
 from array import array
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import kvcached
@@ -21,6 +22,9 @@ from kvcached.vllm.keys import AdapterHashes, ContextArgs, request_context
 from kvcached.vllm.meta import KvcachedConnectorMetadata, Transfer
 
 log = logging.getLogger("kvcached.vllm")
+
+# A lookup's answer when not every group can serve the prefix.
+_NO_HIT = SimpleNamespace(matched_blocks=0, matched_tokens=0, g2_blocks=0, g3_blocks=0, g4_blocks=0)
 
 
 @dataclass
@@ -175,20 +179,11 @@ class SchedulerSide:
         if clients is None:
             return 0, False
         start = time.perf_counter()
-        tokens = self._tokens(st, limit)
         try:
-            # Every group saves every block it computes: the prefix is cached as far as the
-            # group with the shortest cached run reaches (a window group then loads only the
-            # blocks its window reads).
-            hits = []
-            for c in clients:
-                hits.append(c.lookup(tokens if not hits else tokens[: hits[-1].matched_tokens], context=st.key_context))
-                if hits[-1].matched_tokens == 0:
-                    break
+            hit = self._hit(clients, st, self._tokens(st, limit))
         except kvcached.KvcachedError as e:
             self._down(e)
             return 0, False
-        hit = min(hits, key=lambda h: h.matched_tokens)
         self.stats.lookups += 1
         self.stats.lookup_seconds += time.perf_counter() - start
         found = min(hit.matched_tokens, limit)
@@ -197,6 +192,38 @@ class SchedulerSide:
         st.disk_tokens = (hit.g3_blocks + hit.g4_blocks) * bs
         st.load_async = self.cfg.load_async and n > 0
         return n, st.load_async
+
+    def _windowed(self) -> bool:
+        """Whether window groups save only their windows (they then need a full-attention
+        group to say where a hit ends)."""
+        return self.cfg.window_saves == "window" and any(g.window_blocks is None for g in self.groups)
+
+    def _hit(self, clients: list[kvcached.Client], st: _Req, tokens: Any) -> Any:
+        """The cached prefix every group can serve: the shortest of the full-attention groups'
+        cached prefixes, where every window group also holds the blocks its window reads before
+        it (saved windows end where earlier prompts ended). With `window_saves = "all"` (or no
+        full-attention group) every group's prefix is looked up from the first block."""
+        windowed = self._windowed()
+        hit = None
+        for g, c in zip(self.groups, clients, strict=True):
+            if windowed and g.window_blocks is not None:
+                continue
+            h = c.lookup(tokens if hit is None else tokens[: hit.matched_tokens], context=st.key_context)
+            if hit is None or h.matched_tokens < hit.matched_tokens:
+                hit = h
+            if hit.matched_tokens == 0:
+                return hit
+        if not windowed:
+            return hit
+        end = hit.matched_tokens // self.block_size
+        for g, c in zip(self.groups, clients, strict=True):
+            if g.window_blocks is None:
+                continue
+            first = max(0, end - g.window_blocks)
+            run = c.lookup(tokens[: end * self.block_size], context=st.key_context, first_block=first)
+            if first + run.matched_blocks < end:
+                return _NO_HIT  # the window before the hit point is not all there
+        return hit
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         st = self._track(request)
@@ -296,13 +323,18 @@ class SchedulerSide:
             return
         tokens = self._tokens(st, end)
         saves = []
+        windowed = self._windowed()
         for g in self.groups:
             slots = st.block_ids[g.index][first:last]
             if len(slots) != last - first:
                 return
             # The blocks a window group still holds (a block it already dropped, vLLM's null
-            # block 0, cannot be saved: its run restarts after it).
+            # block 0, cannot be saved: its run restarts after it). With windowed saves, only
+            # those the window of the saved prefix's end reads (and one more, for a later
+            # request whose hit must stop a token short of it).
             skip = max((i + 1 for i, s in enumerate(slots) if s == 0), default=0)
+            if windowed and g.window_blocks is not None:
+                skip = max(skip, limit // bs - g.window_blocks - 1 - first)
             if skip < len(slots):
                 saves.append(Transfer(req.request_id, tokens, first + skip, slots[skip:], st.context, g.index))
         meta.saves.extend(saves)

@@ -314,6 +314,9 @@ impl Daemon {
             return Err(kvproto::ProtoError::TokenBytes(tokens.len()).into());
         }
         let ctx = kvproto::convert::key_context(req.context.as_ref())?;
+        if req.first_block > 0 {
+            return self.lookup_from(&engine, &mut tokens, ctx.as_ref(), req.first_block as usize);
+        }
         let (keys, m) = if req.route_id.is_some() || ctx.is_some() {
             // The outcome report needs the keys past the engine's own G1 blocks: all of them.
             // A copy that faulted is not remembered by the key memo either: checked first.
@@ -371,16 +374,45 @@ impl Daemon {
         }
         self.touch_soon(keys);
         metrics::histogram!("kvcached_lookup_hit_blocks").record(m.blocks as f64);
+        Ok(Self::answer(&engine, &m, m.blocks))
+    }
+
+    /// A lookup's answer: the run `m` ending `end` blocks into the prompt (counted).
+    fn answer(engine: &Engine, m: &kvtiers::PrefixMatch, end: usize) -> pb::LookupResponse {
         let result = if m.blocks > 0 { "hit" } else { "miss" };
         metrics::counter!("kvcached_lookups_total", "result" => result, "kv_namespace" => engine.kv_label.clone())
             .increment(1);
-        Ok(pb::LookupResponse {
+        pb::LookupResponse {
             matched_blocks: to_u32(m.blocks),
-            matched_tokens: to_u32(m.blocks * engine.namespace.layout.tokens_per_block as usize),
+            matched_tokens: to_u32(end * engine.namespace.layout.tokens_per_block as usize),
             g2_blocks: to_u32(m.fastest[TierKind::G2Host.index()]),
             g3_blocks: to_u32(m.fastest[TierKind::G3Disk.index()]),
             g4_blocks: to_u32(m.fastest[TierKind::G4Object.index()]),
-        })
+        }
+    }
+
+    /// A lookup of the cached run that starts at block `first` of the prompt (what a
+    /// sliding-window group's window reads), rather than at its first block.
+    fn lookup_from(
+        &self,
+        engine: &Engine,
+        tokens: &mut crate::engine::token_area::PromptTokens<'_>,
+        ctx: Option<&KeyContext>,
+        first: usize,
+    ) -> Result<pb::LookupResponse, ServerError> {
+        let keys = self.keys_in(engine, tokens.all_checked()?, ctx)?;
+        tokens.check()?;
+        let run = keys.get(first..).unwrap_or_default();
+        let mut m = BlockStore::count_prefix(&self.store.held_prefix(run));
+        if self.g4_lookup_probe && self.store.has_remote_tier() && m.blocks < run.len() {
+            let more = self.store.probe_lower(engine.namespace_id, &run[m.blocks..]);
+            let g4 = TierKind::G4Object.index();
+            m.blocks += more;
+            m.fastest[g4] += more;
+            m.resident[g4] += more;
+        }
+        self.touch_soon(run[..m.blocks].to_vec());
+        Ok(Self::answer(engine, &m, if m.blocks > 0 { first + m.blocks } else { 0 }))
     }
 
     /// Extends a matched prefix `m` of `keys` with what G4 holds beyond it (when G4 is
