@@ -253,7 +253,16 @@ fn vllm_event() -> impl Strategy<Value = vllm::VllmEvent> {
             proptest::option::of(prop_oneof![Just("GPU".to_string()), Just("CPU".to_string()), ".{0,6}"]),
         )
             .prop_map(|(block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium)| {
-                vllm::VllmEvent::BlockStored { block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium }
+                vllm::VllmEvent::BlockStored {
+                    block_hashes,
+                    parent_block_hash,
+                    token_ids,
+                    block_size,
+                    lora_id,
+                    medium,
+                    lora_name: None,
+                    extra_keys: Vec::new(),
+                }
             }),
         (proptest::collection::vec(ext_hash(), 0..5), proptest::option::of(".{0,6}"))
             .prop_map(|(block_hashes, medium)| vllm::VllmEvent::BlockRemoved { block_hashes, medium }),

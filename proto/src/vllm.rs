@@ -39,6 +39,15 @@ impl ExtHash {
     }
 }
 
+/// What one block's `extra_keys` entry of a vLLM 0.33 `BlockStored` says besides the adapter's
+/// name: the request's cache salt (in block 0), and whether the block binds a multimodal input,
+/// prompt embeddings or a value this decoder does not know (then no Dynamo hash names it).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct BlockExtraKeys {
+    pub cache_salt: Option<String>,
+    pub unhashable: bool,
+}
+
 /// One vLLM KV event.
 #[derive(Debug, Clone, PartialEq)]
 pub enum VllmEvent {
@@ -49,6 +58,10 @@ pub enum VllmEvent {
         block_size: u32,
         lora_id: Option<i64>,
         medium: Option<String>,
+        /// The LoRA adapter the blocks were computed with (vLLM 0.33's key of it).
+        lora_name: Option<String>,
+        /// Per block of `block_hashes`, what its `extra_keys` entry says (empty: none sent).
+        extra_keys: Vec<BlockExtraKeys>,
     },
     BlockRemoved {
         block_hashes: Vec<ExtHash>,
@@ -133,7 +146,16 @@ fn field<'a>(v: &'a Value, names: &[&str], f: &str) -> Option<&'a Value> {
 }
 
 fn event(v: &Value) -> Result<VllmEvent, ProtoError> {
-    const STORED: [&str; 6] = ["block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium"];
+    const STORED: [&str; 8] = [
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "lora_id",
+        "medium",
+        "lora_name",
+        "extra_keys",
+    ];
     const REMOVED: [&str; 2] = ["block_hashes", "medium"];
     let tag = match v {
         Value::Array(a) => {
@@ -172,6 +194,8 @@ fn event(v: &Value) -> Result<VllmEvent, ProtoError> {
                 block_size,
                 lora_id: opt(get("lora_id")).and_then(Value::as_i64),
                 medium: opt(get("medium")).and_then(Value::as_str).map(str::to_string),
+                lora_name: opt(get("lora_name")).and_then(Value::as_str).map(str::to_string),
+                extra_keys: extra_keys(opt(get("extra_keys")), opt(get("lora_name")).and_then(Value::as_str))?,
             })
         }
         "BlockRemoved" => Ok(VllmEvent::BlockRemoved {
@@ -181,6 +205,36 @@ fn event(v: &Value) -> Result<VllmEvent, ProtoError> {
         "AllBlocksCleared" => Ok(VllmEvent::AllBlocksCleared),
         other => Err(bad(format!("unknown event type {other:?}"))),
     }
+}
+
+/// A `BlockStored`'s `extra_keys`: one entry per block, `None` or the values vLLM hashed into it,
+/// untagged, in order: the adapter's name (when `lora_name` is set), `(mm_identifier, offset)`
+/// pairs, the cache salt, prompt-embedding digests.
+fn extra_keys(v: Option<&Value>, lora_name: Option<&str>) -> Result<Vec<BlockExtraKeys>, ProtoError> {
+    let Some(v) = v else { return Ok(Vec::new()) };
+    let Value::Array(blocks) = v else { return Err(bad("BlockStored.extra_keys must be an array")) };
+    Ok(blocks
+        .iter()
+        .map(|b| {
+            let mut out = BlockExtraKeys::default();
+            let Value::Array(items) = b else {
+                out.unhashable = !b.is_nil();
+                return out;
+            };
+            let mut items = items.iter().peekable();
+            if lora_name.is_some() && items.peek().and_then(|i| i.as_str()) == lora_name {
+                items.next();
+            }
+            for item in items {
+                match item.as_str() {
+                    Some(s) if out.cache_salt.is_none() => out.cache_salt = Some(s.to_string()),
+                    // An image's pair, an embeddings digest, anything else.
+                    _ => out.unhashable = true,
+                }
+            }
+            out
+        })
+        .collect())
 }
 
 /// Deepest msgpack nesting a batch may have. vLLM's are 4 deep (batch, events, event, hashes);
@@ -223,17 +277,40 @@ fn event_value(e: &VllmEvent, enc: Encoding) -> Value {
     let s = |x: &str| Value::from(x);
     let opt_str = |m: &Option<String>| m.as_deref().map_or(Value::Nil, Value::from);
     let (tag, fields): (&str, Vec<(&str, Value)>) = match e {
-        VllmEvent::BlockStored { block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium } => (
-            "BlockStored",
-            vec![
+        VllmEvent::BlockStored {
+            block_hashes,
+            parent_block_hash,
+            token_ids,
+            block_size,
+            lora_id,
+            medium,
+            lora_name,
+            extra_keys,
+        } => {
+            let mut fields = vec![
                 ("block_hashes", Value::Array(block_hashes.iter().map(hash_value).collect())),
                 ("parent_block_hash", parent_block_hash.as_ref().map_or(Value::Nil, hash_value)),
                 ("token_ids", Value::Array(token_ids.iter().map(|t| Value::from(*t)).collect())),
                 ("block_size", Value::from(*block_size)),
                 ("lora_id", lora_id.map_or(Value::Nil, Value::from)),
                 ("medium", opt_str(medium)),
-            ],
-        ),
+            ];
+            // vLLM 0.33's fields, written only when set (consumers of older vLLMs read six).
+            if lora_name.is_some() || !extra_keys.is_empty() {
+                fields.push(("lora_name", opt_str(lora_name)));
+                let entry = |e: &BlockExtraKeys| {
+                    let mut items: Vec<Value> = lora_name.iter().map(|l| Value::from(l.as_str())).collect();
+                    items.extend(e.cache_salt.as_deref().map(Value::from));
+                    if e.unhashable {
+                        items.push(Value::Array(vec![Value::from("mm"), Value::from(0)]));
+                    }
+                    if items.is_empty() { Value::Nil } else { Value::Array(items) }
+                };
+                let keys = Value::Array(extra_keys.iter().map(entry).collect());
+                fields.push(("extra_keys", if extra_keys.is_empty() { Value::Nil } else { keys }));
+            }
+            ("BlockStored", fields)
+        }
         VllmEvent::BlockRemoved { block_hashes, medium } => (
             "BlockRemoved",
             vec![
@@ -289,6 +366,8 @@ pub fn stored_for_export(parent_seq: Option<u64>, token_ids: &[u32], block_size:
         block_size,
         lora_id: None,
         medium: Some(medium_of(tier).to_string()),
+        lora_name: None,
+        extra_keys: Vec::new(),
     }
 }
 
@@ -307,6 +386,11 @@ mod tests {
                     block_size: 4,
                     lora_id: Some(2),
                     medium: Some("GPU".into()),
+                    lora_name: Some("sql".into()),
+                    extra_keys: vec![
+                        BlockExtraKeys { cache_salt: Some("tenant-a".into()), unhashable: false },
+                        BlockExtraKeys { cache_salt: None, unhashable: true },
+                    ],
                 },
                 VllmEvent::BlockRemoved { block_hashes: vec![ExtHash::Int(u64::MAX.into())], medium: None },
                 VllmEvent::AllBlocksCleared,

@@ -2,6 +2,13 @@
 //! our events (Dynamo XXH3-64 sequence hashes recomputed from `token_ids`; G1, or by `medium`
 //! G2-G4, events of the configured worker / node), and the router's ingest methods apply them:
 //! sequence gaps, engine restarts, block-size mismatches. No I/O: `zmq.rs` is the socket side.
+//!
+//! A block computed with a LoRA adapter or under a cache salt (vLLM 0.33's `lora_name` and
+//! `extra_keys`) gets the hashes Dynamo 1.6.1 gives it, its local hashes seeded from the
+//! adapter's name and the salt ([`kvproto::dynamo::request_seed`]); a chain continued by a later
+//! event keeps its request's seed. A block that binds an image or prompt embeddings has no
+//! Dynamo hash: it and the rest of its event are not indexed (as a daemon's export leaves them
+//! out), rather than indexed under the hash of the same tokens without them.
 
 use std::collections::HashMap;
 use std::time::Instant;
@@ -30,6 +37,11 @@ pub struct VllmIngest {
     node: NodeId,
     /// vLLM block hash digest -> Dynamo sequence hash.
     map: HashMap<u64, u64>,
+    /// vLLM block hash digest -> the local-hash seed of its request, where it is not Dynamo's
+    /// default (an adapter or a salt): a later event continuing the chain keeps it.
+    seeds: HashMap<u64, u64>,
+    /// Blocks not indexed because they bind an image or prompt embeddings.
+    pub unhashable: u64,
     pub orphans: u64,
     pub invalid: u64,
     /// Last block size seen that differs from the namespace's.
@@ -46,6 +58,8 @@ impl VllmIngest {
             worker,
             node,
             map: HashMap::new(),
+            seeds: HashMap::new(),
+            unhashable: 0,
             orphans: 0,
             invalid: 0,
             block_size_mismatch: None,
@@ -67,7 +81,16 @@ impl VllmIngest {
         let mut out = vec![];
         for e in &batch.events {
             match e {
-                VllmEvent::BlockStored { block_hashes, parent_block_hash, token_ids, block_size, medium, .. } => {
+                VllmEvent::BlockStored {
+                    block_hashes,
+                    parent_block_hash,
+                    token_ids,
+                    block_size,
+                    medium,
+                    lora_name,
+                    extra_keys,
+                    ..
+                } => {
                     let Some(tier) = vllm::tier_of(medium.as_deref()) else {
                         self.invalid += 1;
                         continue;
@@ -93,14 +116,39 @@ impl VllmIngest {
                     };
                     if self.map.len() + block_hashes.len() > MAX_HASH_MAP {
                         self.map.clear();
+                        self.seeds.clear();
                         self.invalid += 1;
                     }
+                    // The request's local seed: its chain's where it continues one, else from its
+                    // adapter and its salt (in block 0's extra keys).
+                    let lora = lora_name.as_deref().map(str::as_bytes);
+                    let local = match parent_block_hash {
+                        Some(p) => self.seeds.get(&p.digest()).copied(),
+                        None => None,
+                    }
+                    .unwrap_or_else(|| {
+                        let salt = extra_keys.first().filter(|_| parent_block_hash.is_none());
+                        kvproto::dynamo::request_seed(
+                            lora,
+                            salt.and_then(|e| e.cache_salt.as_deref()).map(str::as_bytes),
+                        )
+                    });
                     let mut keys = Vec::with_capacity(block_hashes.len());
-                    for (h, block) in block_hashes.iter().zip(token_ids.chunks_exact(bs)) {
-                        let s = kvproto::dynamo::chain(parent, kvproto::dynamo::local_block_hash(block, seed), seed);
+                    for (i, (h, block)) in block_hashes.iter().zip(token_ids.chunks_exact(bs)).enumerate() {
+                        if extra_keys.get(i).is_some_and(|e| e.unhashable) {
+                            self.unhashable += (block_hashes.len() - i) as u64;
+                            break;
+                        }
+                        let s = kvproto::dynamo::chain(parent, kvproto::dynamo::local_block_hash(block, local), seed);
                         self.map.insert(h.digest(), s);
+                        if local != seed {
+                            self.seeds.insert(h.digest(), local);
+                        }
                         keys.push(key_from_u64(s));
                         parent = Some(s);
+                    }
+                    if keys.is_empty() {
+                        continue;
                     }
                     out.push(EventBody::Stored {
                         namespace: self.ns.id,
@@ -121,6 +169,7 @@ impl VllmIngest {
                         .iter()
                         .filter_map(|h| {
                             if tier == TierKind::G1Gpu {
+                                self.seeds.remove(&h.digest());
                                 self.map.remove(&h.digest())
                             } else {
                                 self.map.get(&h.digest()).copied()
@@ -134,6 +183,7 @@ impl VllmIngest {
                 }
                 VllmEvent::AllBlocksCleared => {
                     self.map.clear();
+                    self.seeds.clear();
                     out.push(EventBody::Cleared { tier: TierKind::G1Gpu, holder: self.holder(TierKind::G1Gpu) });
                 }
             }
@@ -293,5 +343,105 @@ impl Router {
                 bump(&mut st.counters.recovery_failures, source.to_string());
             }
         });
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use kvproto::dynamo::{DYNAMO_SEED, request_seed, request_sequence_hashes, sequence_hashes};
+    use kvproto::vllm::{BlockExtraKeys, ExtHash};
+
+    use super::*;
+
+    fn ingest() -> VllmIngest {
+        let spec = kvrouter_core::NamespaceSpec {
+            name: Some("vllm".into()),
+            model_id: "m".into(),
+            num_layers: 2,
+            kv_heads: 1,
+            head_dim: 8,
+            dtype: "bf16".into(),
+            tokens_per_block: 4,
+            layout_kind: "layer_separate".into(),
+            tenant_salt_hex: None,
+            adapter_id: None,
+            extra_hex: None,
+            key_scheme: KEY_SCHEME_DYNAMO_XXH3_1337.into(),
+            expected_blocks: 0,
+        };
+        VllmIngest::new(spec.resolve().unwrap(), WorkerId("w".into()), NodeId("n".into()))
+    }
+
+    fn stored(
+        first: i128,
+        parent: Option<i128>,
+        tokens: &[u32],
+        lora: Option<&str>,
+        extra: Vec<BlockExtraKeys>,
+    ) -> VllmEvent {
+        VllmEvent::BlockStored {
+            block_hashes: (0..tokens.len() as i128 / 4).map(|i| ExtHash::Int(first + i)).collect(),
+            parent_block_hash: parent.map(ExtHash::Int),
+            token_ids: tokens.to_vec(),
+            block_size: 4,
+            lora_id: None,
+            medium: None,
+            lora_name: lora.map(str::to_string),
+            extra_keys: extra,
+        }
+    }
+
+    fn keys(out: &[EventBody]) -> Vec<u64> {
+        out.iter()
+            .flat_map(|e| match e {
+                EventBody::Stored { keys, .. } => keys.iter().map(|k| k.low64()).collect(),
+                _ => vec![],
+            })
+            .collect()
+    }
+
+    fn batch(events: Vec<VllmEvent>) -> VllmBatch {
+        VllmBatch { ts: 0.0, events, dp_rank: None }
+    }
+
+    /// A LoRA request's blocks, continued by a later event, and a salted request's: each under
+    /// the hashes Dynamo 1.6.1 gives them, never under the base model's.
+    #[test]
+    fn adapters_and_salts_seed_the_hashes_as_dynamo_does() {
+        let tokens: Vec<u32> = (0..16).collect();
+        let mut ing = ingest();
+        let base = keys(&ing.translate(&batch(vec![stored(100, None, &tokens, None, vec![])])));
+        let want = |seed| -> Vec<u64> {
+            request_sequence_hashes(&tokens, 4, seed).iter().map(|h| key_from_u64(*h).low64()).collect()
+        };
+        assert_eq!(base, want(DYNAMO_SEED));
+        assert_eq!(
+            base,
+            sequence_hashes(&tokens, 4, DYNAMO_SEED).iter().map(|h| key_from_u64(*h).low64()).collect::<Vec<_>>()
+        );
+        let lora_seed = request_seed(Some(b"sql"), None);
+        let first = keys(&ing.translate(&batch(vec![stored(200, None, &tokens[..8], Some("sql"), vec![])])));
+        let rest = keys(&ing.translate(&batch(vec![stored(202, Some(201), &tokens[8..], Some("sql"), vec![])])));
+        assert_eq!([first, rest].concat(), want(lora_seed));
+        let salted =
+            vec![BlockExtraKeys { cache_salt: Some("tenant-a".into()), unhashable: false }, Default::default()];
+        let s = keys(&ing.translate(&batch(vec![stored(300, None, &tokens[..8], None, salted)])));
+        assert_eq!(s, want(request_seed(None, Some(b"tenant-a")))[..2]);
+        assert_ne!(s[0], base[0]);
+    }
+
+    /// A block that binds an image is not indexed, nor is the rest of its event.
+    #[test]
+    fn blocks_binding_images_are_not_indexed() {
+        let tokens: Vec<u32> = (0..16).collect();
+        let mut ing = ingest();
+        let extra = vec![Default::default(), BlockExtraKeys { cache_salt: None, unhashable: true }];
+        let k = keys(&ing.translate(&batch(vec![stored(400, None, &tokens, None, extra)])));
+        assert_eq!(k.len(), 1);
+        assert_eq!(ing.unhashable, 3);
+        // A later event continuing after the image block finds no parent: an orphan.
+        assert!(ing.translate(&batch(vec![stored(500, Some(401), &tokens[..4], None, vec![])])).is_empty());
+        assert_eq!(ing.orphans, 1);
     }
 }

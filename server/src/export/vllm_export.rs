@@ -98,6 +98,8 @@ impl StoredEvent for Origin {
             block_size: self.tokens.len() as u32,
             lora_id: None,
             medium: Some(medium_of(tier).to_string()),
+            lora_name: None,
+            extra_keys: Vec::new(),
         }
     }
 }
