@@ -40,26 +40,33 @@ use crate::export::vllm_origins::{self, Origin, OriginLog, Origins};
 use crate::export::zmq_export::VllmExporter;
 
 /// How a save's blocks are hashed for the export: the seed of their local hashes (Dynamo's
-/// adapter and cache-namespace seeding, [`kvproto::dynamo::request_seed`]) and the first block
-/// Dynamo's hash cannot express (one whose key binds a multimodal input or a per-block extra):
-/// that block and the rest of the save are not exported (`kvcached_vllm_export_unknown_total`),
-/// rather than exported under the hash of other tokens' KV.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// adapter seeding, [`kvproto::dynamo::request_seed`]), the adapter's name (sent as vLLM's
+/// `lora_name`, so that a consumer recomputing hashes from the tokens seeds them too), and the
+/// first block not exported (`kvcached_vllm_export_unknown_total`): one whose key binds a
+/// multimodal input or a per-block extra, which Dynamo's hash cannot express, rather than
+/// exported under the hash of other tokens' KV; and every block of a salted request, whose salt
+/// vLLM's events would carry in the clear.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DynamoTag {
     pub seed: u64,
     pub upto: usize,
+    pub lora: Option<Arc<str>>,
 }
 
 impl DynamoTag {
     /// The tag of a save of `blocks` full blocks under `ctx`.
     pub fn of(ctx: Option<&kvproto::KeyContext>, tokens_per_block: usize, blocks: usize) -> Self {
-        let Some(ctx) = ctx else { return Self { seed: kvproto::dynamo::DYNAMO_SEED, upto: usize::MAX } };
+        let Some(ctx) = ctx else { return Self { seed: kvproto::dynamo::DYNAMO_SEED, upto: usize::MAX, lora: None } };
         let seed =
             kvproto::dynamo::request_seed(ctx.adapter.as_ref().map(|a| a.name.as_bytes()), ctx.cache_salt.as_deref());
         let per_block =
             kvproto::KeyContext { mm: ctx.mm.clone(), block_extras: ctx.block_extras.clone(), ..Default::default() };
-        let upto = per_block.block_extras(tokens_per_block, blocks).keys().next().copied().unwrap_or(usize::MAX);
-        Self { seed, upto }
+        let upto = if ctx.cache_salt.is_some() {
+            0
+        } else {
+            per_block.block_extras(tokens_per_block, blocks).keys().next().copied().unwrap_or(usize::MAX)
+        };
+        Self { seed, upto, lora: ctx.adapter.as_ref().map(|a| Arc::from(a.name.as_str())) }
     }
 }
 
@@ -98,7 +105,7 @@ impl StoredEvent for Origin {
             block_size: self.tokens.len() as u32,
             lora_id: None,
             medium: Some(medium_of(tier).to_string()),
-            lora_name: None,
+            lora_name: self.lora.as_deref().map(str::to_string),
             extra_keys: Vec::new(),
         }
     }
@@ -152,7 +159,13 @@ impl VllmExport {
             let records = vllm_origins::load(path);
             let mut o = origins.lock();
             for r in records {
-                o.entry(r.key).or_insert(Origin { hash: r.hash, parent: r.parent, tokens: r.tokens, tiers: 0 });
+                o.entry(r.key).or_insert(Origin {
+                    hash: r.hash,
+                    parent: r.parent,
+                    tokens: r.tokens,
+                    lora: r.lora,
+                    tiers: 0,
+                });
             }
         }
         let joins = exporter.subscriber_joins(SNAPSHOT_AGAIN);
@@ -231,7 +244,10 @@ impl VllmExport {
         for (i, block) in blocks.iter().enumerate() {
             let hash = kvproto::dynamo::chain(parent, kvproto::dynamo::local_block_hash(block, tag.seed), seed);
             if i >= first {
-                fresh.push((keys[i], Origin { hash, parent, tokens: (*block).into(), tiers: 0 }));
+                fresh.push((
+                    keys[i],
+                    Origin { hash, parent, tokens: (*block).into(), lora: tag.lora.clone(), tiers: 0 },
+                ));
             }
             parent = Some(hash);
         }
@@ -462,11 +478,20 @@ mod tests {
                 let tiers = if i == 1 { 0b110 } else { 0b010 };
                 o.insert(
                     key(i),
-                    Origin { hash: 10 + u64::from(i), parent, tokens: vec![u32::from(i); 16].into(), tiers },
+                    Origin {
+                        hash: 10 + u64::from(i),
+                        parent,
+                        tokens: vec![u32::from(i); 16].into(),
+                        lora: None,
+                        tiers,
+                    },
                 );
             }
-            o.insert(key(50), Origin { hash: 50, parent: Some(49), tokens: vec![5; 16].into(), tiers: 0b010 });
-            o.insert(key(60), Origin { hash: 60, parent: None, tokens: vec![6; 16].into(), tiers: 0 });
+            o.insert(
+                key(50),
+                Origin { hash: 50, parent: Some(49), tokens: vec![5; 16].into(), lora: None, tiers: 0b010 },
+            );
+            o.insert(key(60), Origin { hash: 60, parent: None, tokens: vec![6; 16].into(), lora: None, tiers: 0 });
         }
         let events = snapshot(&origins);
         let stored: Vec<(u64, Option<u64>, String)> = events
@@ -496,8 +521,9 @@ mod tests {
     }
 
     /// A save with a key context is recorded with Dynamo's hashes of that request: the adapter
-    /// and the salt seed the local hashes; from the first block that binds an image nothing is
-    /// recorded (Dynamo's hash cannot name it), so nothing is exported under another KV's hash.
+    /// seeds the local hashes and is exported as `lora_name`; from the first block that binds an
+    /// image nothing is recorded (Dynamo's hash cannot name it), so nothing is exported under
+    /// another KV's hash; a salted request is not exported at all (its salt would travel).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn saves_with_key_contexts_are_recorded_with_their_own_dynamo_hashes() {
         use kvproto::{Adapter, KeyContext, MmInput};
@@ -505,25 +531,37 @@ mod tests {
         let tokens: Vec<u32> = (0..6 * 16).collect();
         let ctx = KeyContext {
             adapter: Some(Adapter { name: "sql".into(), content_hash: vec![9; 32] }),
-            cache_salt: Some(b"tenant-a".to_vec()),
             mm: vec![MmInput { hash: vec![1; 32], offset: 70, length: 10 }],
             ..Default::default()
         };
         let tag = DynamoTag::of(Some(&ctx), 16, 6);
-        let seed = kvproto::dynamo::request_seed(Some(b"sql"), Some(b"tenant-a"));
-        assert_eq!(tag, DynamoTag { seed, upto: 4 });
+        let seed = kvproto::dynamo::request_seed(Some(b"sql"), None);
+        assert_eq!(tag, DynamoTag { seed, upto: 4, lora: Some("sql".into()) });
         let keys: Vec<BlockKey> = (0..6).map(key).collect();
         export.note_save(&keys, &tokens, 16, 0, 6, tag);
         let want = kvproto::dynamo::request_sequence_hashes(&tokens, 16, seed);
-        let origins = export.origins.lock();
-        for (i, k) in keys.iter().enumerate() {
-            match origins.get(k) {
-                Some(o) if i < 4 => assert_eq!(o.hash, want[i], "block {i}"),
-                None if i >= 4 => {}
-                other => panic!("block {i}: {:?}", other.map(|o| o.hash)),
+        {
+            let origins = export.origins.lock();
+            for (i, k) in keys.iter().enumerate() {
+                match origins.get(k) {
+                    Some(o) if i < 4 => {
+                        assert_eq!(o.hash, want[i], "block {i}");
+                        let VllmEvent::BlockStored { lora_name, .. } = o.stored_event(TierKind::G2Host) else {
+                            panic!("not a BlockStored")
+                        };
+                        assert_eq!(lora_name.as_deref(), Some("sql"));
+                    }
+                    None if i >= 4 => {}
+                    other => panic!("block {i}: {:?}", other.map(|o| o.hash)),
+                }
             }
         }
         assert_ne!(want[0], kvproto::dynamo::sequence_hashes(&tokens, 16, kvproto::dynamo::DYNAMO_SEED)[0]);
+        // A salted request: nothing recorded, so nothing exported.
+        let salted = KeyContext { cache_salt: Some(b"tenant-a".to_vec()), ..Default::default() };
+        let other: Vec<BlockKey> = (100..106).map(key).collect();
+        export.note_save(&other, &tokens, 16, 0, 6, DynamoTag::of(Some(&salted), 16, 6));
+        assert!(other.iter().all(|k| !export.origins.lock().contains_key(k)));
     }
 
     /// An export on a free port holding records (and no tier yet) of a chain of `n` blocks of

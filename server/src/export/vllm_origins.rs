@@ -4,7 +4,10 @@
 //!
 //! `<g3.dir>/vllm-origins.log` is a sequence of records, each `[body length: u32 LE]
 //! [XXH3-64 of the body: u64 LE][body]`, body = block key (16 bytes), hash (u64 LE), 1 if a
-//! parent hash follows else 0, parent hash (u64 LE), token count (u32 LE), tokens (u32 LE each).
+//! parent hash follows else 0, parent hash (u64 LE), token count (u32 LE), tokens (u32 LE each),
+//! then for a block computed with a LoRA adapter its name's length (u16 LE) and UTF-8 bytes
+//! (a daemon of an earlier release stops reading its log at the first such record: the blocks
+//! after it are not exported after a downgrade, never exported wrongly).
 //! A record is appended (thread `kv-vllm-origins`, fed by a bounded channel) when G3 takes a
 //! block with a record; nothing is written when it leaves. At start the file is read up to the
 //! first record that is incomplete or fails its checksum (a crash's torn tail), and rewritten
@@ -36,6 +39,8 @@ pub(crate) struct Origin {
     pub parent: Option<u64>,
     /// Shared, so that a snapshot or a log record takes it without copying.
     pub tokens: Arc<[u32]>,
+    /// The LoRA adapter the block was computed with (vLLM's `lora_name`).
+    pub lora: Option<Arc<str>>,
     /// Tiers holding the block (bit per `TierKind::index`).
     pub tiers: u8,
 }
@@ -53,11 +58,12 @@ pub(crate) struct Record {
     pub hash: u64,
     pub parent: Option<u64>,
     pub tokens: Arc<[u32]>,
+    pub lora: Option<Arc<str>>,
 }
 
 impl Record {
     fn of(key: BlockKey, o: &Origin) -> Self {
-        Self { key, hash: o.hash, parent: o.parent, tokens: Arc::clone(&o.tokens) }
+        Self { key, hash: o.hash, parent: o.parent, tokens: Arc::clone(&o.tokens), lora: o.lora.clone() }
     }
 }
 
@@ -77,6 +83,12 @@ fn encode(r: &Record, out: &mut Vec<u8>) {
     body.extend_from_slice(&(r.tokens.len() as u32).to_le_bytes());
     for t in r.tokens.iter() {
         body.extend_from_slice(&t.to_le_bytes());
+    }
+    if let Some(l) = r.lora.as_deref() {
+        // Adapter names are at most 1024 bytes (`kvproto::key_context::MAX_ADAPTER_NAME`).
+        let l = &l.as_bytes()[..l.len().min(usize::from(u16::MAX))];
+        body.extend_from_slice(&(l.len() as u16).to_le_bytes());
+        body.extend_from_slice(l);
     }
     out.extend_from_slice(&(body.len() as u32).to_le_bytes());
     out.extend_from_slice(&xxhash_rust::xxh3::xxh3_64(&body).to_le_bytes());
@@ -100,11 +112,20 @@ fn decode_body(b: &[u8]) -> Option<Record> {
         _ => return None,
     };
     let n = u32_at(b, 33)? as usize;
-    if b.len() != FIXED + 4 * n {
-        return None;
-    }
-    let tokens = b[FIXED..].chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
-    Some(Record { key, hash, parent, tokens })
+    let end = FIXED.checked_add(n.checked_mul(4)?)?;
+    let lora = match b.len().cmp(&end) {
+        std::cmp::Ordering::Equal => None,
+        std::cmp::Ordering::Less => return None,
+        std::cmp::Ordering::Greater => {
+            let len = u16::from_le_bytes(b.get(end..end + 2)?.try_into().ok()?) as usize;
+            if b.len() != end + 2 + len {
+                return None;
+            }
+            Some(Arc::from(std::str::from_utf8(&b[end + 2..]).ok()?))
+        }
+    };
+    let tokens = b[FIXED..end].chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+    Some(Record { key, hash, parent, tokens, lora })
 }
 
 /// The records of `data` up to the first one that is incomplete or damaged.
@@ -278,9 +299,15 @@ mod tests {
     #[test]
     fn records_round_trip_and_a_damaged_tail_is_dropped() {
         let recs = [
-            Record { key: BlockKey([1; 16]), hash: 7, parent: None, tokens: vec![1, 2, 3].into() },
-            Record { key: BlockKey([2; 16]), hash: 8, parent: Some(7), tokens: vec![u32::MAX; 16].into() },
-            Record { key: BlockKey([3; 16]), hash: 9, parent: Some(8), tokens: Vec::<u32>::new().into() },
+            Record { key: BlockKey([1; 16]), hash: 7, parent: None, tokens: vec![1, 2, 3].into(), lora: None },
+            Record {
+                key: BlockKey([2; 16]),
+                hash: 8,
+                parent: Some(7),
+                tokens: vec![u32::MAX; 16].into(),
+                lora: Some("sql-lora".into()),
+            },
+            Record { key: BlockKey([3; 16]), hash: 9, parent: Some(8), tokens: Vec::<u32>::new().into(), lora: None },
         ];
         let mut data = Vec::new();
         for r in &recs {
@@ -289,7 +316,7 @@ mod tests {
         let back = decode_all(&data);
         assert_eq!(back.len(), 3);
         for (a, b) in recs.iter().zip(&back) {
-            assert_eq!((a.key, a.hash, a.parent, &a.tokens), (b.key, b.hash, b.parent, &b.tokens));
+            assert_eq!((a.key, a.hash, a.parent, &a.tokens, &a.lora), (b.key, b.hash, b.parent, &b.tokens, &b.lora));
         }
         // A torn last record, then a flipped byte in the second: only what precedes survives.
         assert_eq!(decode_all(&data[..data.len() - 1]).len(), 2);
