@@ -151,6 +151,21 @@ impl KeyContext {
         Ok(())
     }
 
+    /// The first of the first `blocks` blocks whose extras bind a multimodal input or a
+    /// per-block extra (what a Dynamo hash cannot express; the adapter and salt of block 0 it
+    /// can), if any.
+    pub fn first_per_block_extra(&self, tokens_per_block: usize, blocks: usize) -> Option<usize> {
+        let mm = self.mm.first().map(|m| m.offset as usize / tokens_per_block.max(1));
+        let extra = self.block_extras.first().map(|(b, _)| *b as usize);
+        mm.into_iter().chain(extra).min().filter(|&b| b < blocks)
+    }
+
+    /// The seed of this request's Dynamo local hashes ([`crate::dynamo::request_seed`] of its
+    /// adapter's name and its salt).
+    pub fn dynamo_seed(&self) -> u64 {
+        crate::dynamo::request_seed(self.adapter.as_ref().map(|a| a.name.as_bytes()), self.cache_salt.as_deref())
+    }
+
     /// The extra bytes of each block among the first `blocks` blocks of `tokens_per_block`
     /// tokens that has any (blocks not in the map have none). The context must be valid.
     pub fn block_extras(&self, tokens_per_block: usize, blocks: usize) -> BTreeMap<usize, Vec<u8>> {

@@ -111,6 +111,17 @@ def content(shape: Shape, blocks: int, seed: int, device: str) -> torch.Tensor:
     )
 
 
+def saved_engine(name: str, shape: Shape, blocks: int, seed: int, device: str) -> tuple[Engine, object, float]:
+    """An engine whose `blocks` slots hold `content(seed)`, saved as prompt `seed`; the save's
+    result and seconds."""
+    e = Engine(name, shape, blocks, device)
+    e.blocks().copy_(content(shape, blocks, seed, device))
+    e.sync()
+    t0 = time.perf_counter()
+    saved = e.client.save(prompt(seed, blocks, shape), 0, list(range(blocks)))
+    return e, saved, time.perf_counter() - t0
+
+
 def prompt(seed: int, blocks: int, shape: Shape) -> list[int]:
     return [(seed * 1_000_003 + i * 7919) % 128_000 for i in range(blocks * shape.tokens)]
 
@@ -144,12 +155,7 @@ def check_ipc_two_engines(device: str, tokens: int) -> None:
     shape = Shape(layers=4, heads=8, dim=64, tokens=16)
     blocks = tokens // shape.tokens
     seed = 11
-    a = Engine("gpu-check-a", shape, blocks, device)
-    a.blocks().copy_(content(shape, blocks, seed, device))
-    a.sync()
-    t0 = time.perf_counter()
-    saved = a.client.save(prompt(seed, blocks, shape), 0, list(range(blocks)))
-    took_save = time.perf_counter() - t0
+    a, saved, took_save = saved_engine("gpu-check-a", shape, blocks, seed, device)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     p = ctx.Process(target=_loader, args=(shape, blocks, seed, device, q))
@@ -260,10 +266,7 @@ def check_kill_mid_load(device: str, tokens: int) -> None:
     shape = Shape(layers=4, heads=8, dim=64, tokens=16)
     blocks = tokens // shape.tokens
     seed = 23
-    a = Engine("gpu-check-owner", shape, blocks, device)
-    a.blocks().copy_(content(shape, blocks, seed, device))
-    a.sync()
-    a.client.save(prompt(seed, blocks, shape), 0, list(range(blocks)))
+    a, _, _ = saved_engine("gpu-check-owner", shape, blocks, seed, device)
     ctx = mp.get_context("spawn")
     ready = ctx.Event()
     p = ctx.Process(target=_victim, args=(shape, blocks, seed, device, ready))

@@ -328,18 +328,9 @@ impl ResolvedNamespace {
         match self.scheme {
             KeyScheme::Kvcached => kvproto::context_keys(&self.namespace.fingerprint(), bs, tokens, ctx),
             KeyScheme::DynamoXxh3 => {
-                let seed = kvproto::dynamo::request_seed(
-                    ctx.adapter.as_ref().map(|a| a.name.as_bytes()),
-                    ctx.cache_salt.as_deref(),
-                );
-                let per_block = kvproto::KeyContext {
-                    mm: ctx.mm.clone(),
-                    block_extras: ctx.block_extras.clone(),
-                    ..Default::default()
-                };
                 let blocks = tokens.len() / bs.max(1);
-                let upto = per_block.block_extras(bs, blocks).keys().next().copied().unwrap_or(blocks);
-                kvproto::dynamo::request_sequence_hashes(&tokens[..upto * bs], bs, seed)
+                let upto = ctx.first_per_block_extra(bs, blocks).unwrap_or(blocks);
+                kvproto::dynamo::request_sequence_hashes(&tokens[..upto * bs], bs, ctx.dynamo_seed())
                     .into_iter()
                     .map(key_from_u64)
                     .collect()

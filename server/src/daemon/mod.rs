@@ -405,11 +405,7 @@ impl Daemon {
         let run = keys.get(first..).unwrap_or_default();
         let mut m = BlockStore::count_prefix(&self.store.held_prefix(run));
         if self.g4_lookup_probe && self.store.has_remote_tier() && m.blocks < run.len() {
-            let more = self.store.probe_lower(engine.namespace_id, &run[m.blocks..]);
-            let g4 = TierKind::G4Object.index();
-            m.blocks += more;
-            m.fastest[g4] += more;
-            m.resident[g4] += more;
+            self.extend_from_g4(engine, run, &mut m);
         }
         self.touch_soon(run[..m.blocks].to_vec());
         Ok(Self::answer(engine, &m, if m.blocks > 0 { first + m.blocks } else { 0 }))
@@ -430,12 +426,17 @@ impl Daemon {
             return Ok((keys, m));
         }
         let keys = if keys.len() < blocks { self.keys_in(engine, tokens.all_checked()?, ctx)? } else { keys };
+        self.extend_from_g4(engine, &keys, &mut m);
+        Ok((keys, m))
+    }
+
+    /// Extends the run `m` of `keys` with the blocks right after it that G4 holds.
+    fn extend_from_g4(&self, engine: &Engine, keys: &[kvproto::BlockKey], m: &mut kvtiers::PrefixMatch) {
         let more = self.store.probe_lower(engine.namespace_id, &keys[m.blocks..]);
         let g4 = TierKind::G4Object.index();
         m.blocks += more;
         m.fastest[g4] += more;
         m.resident[g4] += more;
-        Ok((keys, m))
     }
 
     /// Marks a matched prefix's G2 blocks used: by `kv-g2-touch` after the reply when it has

@@ -57,16 +57,12 @@ impl DynamoTag {
     /// The tag of a save of `blocks` full blocks under `ctx`.
     pub fn of(ctx: Option<&kvproto::KeyContext>, tokens_per_block: usize, blocks: usize) -> Self {
         let Some(ctx) = ctx else { return Self { seed: kvproto::dynamo::DYNAMO_SEED, upto: usize::MAX, lora: None } };
-        let seed =
-            kvproto::dynamo::request_seed(ctx.adapter.as_ref().map(|a| a.name.as_bytes()), ctx.cache_salt.as_deref());
-        let per_block =
-            kvproto::KeyContext { mm: ctx.mm.clone(), block_extras: ctx.block_extras.clone(), ..Default::default() };
         let upto = if ctx.cache_salt.is_some() {
             0
         } else {
-            per_block.block_extras(tokens_per_block, blocks).keys().next().copied().unwrap_or(usize::MAX)
+            ctx.first_per_block_extra(tokens_per_block, blocks).unwrap_or(usize::MAX)
         };
-        Self { seed, upto, lora: ctx.adapter.as_ref().map(|a| Arc::from(a.name.as_str())) }
+        Self { seed: ctx.dynamo_seed(), upto, lora: ctx.adapter.as_ref().map(|a| Arc::from(a.name.as_str())) }
     }
 }
 
