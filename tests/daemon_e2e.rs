@@ -193,6 +193,88 @@ async fn requests_with_key_contexts_hit_only_their_own_blocks() {
     daemon.stop().await;
 }
 
+/// Blocks keyed by an engine's own page hashes (docs/block-keys.md section 7): saved and found
+/// by the hashes alone (over LOOKUP and gRPC), loaded byte for byte by another engine; SGLang's
+/// hashes derived from tokens name the same blocks; never a token chain's block, never another
+/// scheme's; a request mixing hashes with tokens or a context, or a scheme the daemon cannot
+/// derive, is refused before anything is stored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blocks_keyed_by_engine_hashes() {
+    use kvproto::engine_hash::sglang_page_hashes_le;
+    use kvproto::{EngineHashes, HashScheme, KeyContext, KeySource};
+    let (d, daemon) = started().await;
+    let tokens = prompt(9, 5);
+    let sglang: Vec<Vec<u8>> =
+        sglang_page_hashes_le(16, &kvproto::tokens_to_le(&tokens)).iter().map(|h| h.to_vec()).collect();
+    let given = KeySource::Hashes(EngineHashes { scheme: HashScheme::Sglang, hashes: sglang.clone() });
+    let derived = KeySource::Hashes(EngineHashes { scheme: HashScheme::Sglang, hashes: vec![] });
+    let vllm = KeySource::Hashes(EngineHashes { scheme: HashScheme::Vllm, hashes: sglang.clone() });
+    let (a, _a_kv) = attached(&daemon, d.path(), "a", 41, 5).await;
+    let slots: Vec<u32> = (0..5).collect();
+    let s = a.save_keyed(&[], &given, 0, &slots).await.unwrap();
+    assert_eq!((s.stored, s.failed), (5, 0));
+    assert_eq!(a.lookup_keyed(&[], &given, 0).await.unwrap().matched_blocks, 5);
+    assert_eq!(a.lookup_keyed(&tokens, &derived, 0).await.unwrap().matched_blocks, 5, "derived from tokens");
+    assert_eq!(a.lookup_keyed(&[], &vllm, 0).await.unwrap().matched_blocks, 0, "another scheme");
+    assert_eq!(a.lookup(&tokens).await.unwrap().matched_blocks, 0, "the token chain's keys");
+    let mut first_two = sglang.clone();
+    first_two[2] = vec![7; 32];
+    let gap = KeySource::Hashes(EngineHashes { scheme: HashScheme::Sglang, hashes: first_two });
+    assert_eq!(a.lookup_keyed(&[], &gap, 0).await.unwrap().matched_blocks, 2);
+    assert_eq!(a.lookup_keyed(&[], &given, 3).await.unwrap().matched_blocks, 2, "the run from block 3");
+
+    // Another engine loads them by the hashes, byte for byte, stopping at the first it lacks.
+    let (b, b_kv) = attached(&daemon, d.path(), "b", 0, 0).await;
+    let done = b.load_now_keyed(&[], &given, 0, &[3, 4, 5, 6, 7]).await.unwrap();
+    assert_eq!(done.loaded_blocks, 5);
+    check(&b_kv, 41, 5, 3);
+    assert_eq!(b.load_now_keyed(&[], &gap, 0, &[0, 1, 2]).await.unwrap().loaded_blocks, 2);
+
+    // Refusals name the field; nothing is stored.
+    let salted = KeyContext { cache_salt: Some(b"s".to_vec()), ..Default::default() };
+    let cases = [
+        (a.save_keyed(&tokens, &given, 0, &slots).await.map(|_| ()).unwrap_err(), "engine_hashes.hashes"),
+        (
+            a.lookup_keyed(&tokens, &KeySource::Hashes(EngineHashes { scheme: HashScheme::Vllm, hashes: vec![] }), 0)
+                .await
+                .map(|_| ())
+                .unwrap_err(),
+            "PYTHONHASHSEED",
+        ),
+        (
+            b.load_op_keyed(
+                &[],
+                &KeySource::Hashes(EngineHashes { scheme: HashScheme::Sglang, hashes: vec![vec![]] }),
+                0,
+                &[0],
+                &[],
+            )
+            .await
+            .map(|_| ())
+            .unwrap_err(),
+            "engine_hashes.hashes",
+        ),
+    ];
+    for (e, field) in cases {
+        assert!(matches!(&e, ClientError::Rpc(s) if s.code() == tonic::Code::InvalidArgument), "{e}");
+        assert!(e.to_string().contains(field), "{e}");
+    }
+    // A context beside hashes: refused at the daemon (raw request, as no client builds it).
+    let mut raw = raw_client(&daemon.socket).await;
+    let e = raw
+        .lookup(kvproto::pb::LookupRequest {
+            engine_id: a.engine_id_now().unwrap(),
+            context: Some((&salted).into()),
+            engine_hashes: Some(kvproto::pb::EngineHashes { scheme: "sglang".into(), hashes: sglang.clone() }),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e}");
+    assert!(e.message().contains("engine_hashes"), "{e}");
+    daemon.stop().await;
+}
+
 /// Resident kB of each mapping of `path` in this process (`/proc/self/smaps`).
 fn resident_kib_of(path: &Path) -> Vec<u64> {
     let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();

@@ -122,6 +122,15 @@ fn context() -> impl Strategy<Value = Option<pb::KeyContext>> {
     )
 }
 
+/// Engine page hashes: a known scheme or not, hashes of any length (0..=70: past both bounds),
+/// sent beside tokens or a context or alone.
+fn engine_hashes() -> impl Strategy<Value = Option<pb::EngineHashes>> {
+    proptest::option::of(
+        (prop_oneof!["sglang", "vllm", ".{0,8}"], proptest::collection::vec(bytes(70), 0..6))
+            .prop_map(|(scheme, hashes)| pb::EngineHashes { scheme, hashes }),
+    )
+}
+
 fn spec() -> impl Strategy<Value = pb::NamespaceSpec> {
     (
         ".{0,20}",
@@ -212,13 +221,14 @@ fn call(real: u64) -> impl Strategy<Value = Call> {
     let ids = || proptest::collection::vec(prop_oneof![0u32..10, any::<u32>()], 0..6);
     prop_oneof![
         register().prop_map(Call::Register),
-        (engine_id(real), tokens(), n32(), ids(), context()).prop_map(
-            |(engine_id, tokens, first_block, block_ids, context)| Call::Save(pb::SaveRequest {
+        (engine_id(real), tokens(), n32(), ids(), context(), engine_hashes()).prop_map(
+            |(engine_id, tokens, first_block, block_ids, context, engine_hashes)| Call::Save(pb::SaveRequest {
                 engine_id,
                 tokens,
                 first_block,
                 block_ids,
-                context
+                context,
+                engine_hashes,
             })
         ),
         (
@@ -228,10 +238,11 @@ fn call(real: u64) -> impl Strategy<Value = Call> {
             n32(),
             proptest::option::of((n64(), n64())),
             context(),
-            n32()
+            n32(),
+            engine_hashes()
         )
-            .prop_map(|(engine_id, tokens, route_id, g1_blocks, at, context, first_block)| Call::Lookup(
-                pb::LookupRequest {
+            .prop_map(|(engine_id, tokens, route_id, g1_blocks, at, context, first_block, engine_hashes)| {
+                Call::Lookup(pb::LookupRequest {
                     engine_id,
                     tokens,
                     route_id,
@@ -239,12 +250,31 @@ fn call(real: u64) -> impl Strategy<Value = Call> {
                     tokens_at: at.map(|(offset, len)| pb::TokenSpan { offset, len }),
                     context,
                     first_block,
-                }
-            )),
-        (engine_id(real), tokens(), n32(), ids(), any::<bool>(), proptest::collection::vec(".{0,12}", 0..3), context())
-            .prop_map(|(engine_id, tokens, first_block, block_ids, wait, sources, context)| Call::Load(
-                pb::LoadRequest { engine_id, tokens, first_block, block_ids, wait, sources, context }
-            )),
+                    engine_hashes,
+                })
+            }),
+        (
+            engine_id(real),
+            tokens(),
+            n32(),
+            ids(),
+            any::<bool>(),
+            proptest::collection::vec(".{0,12}", 0..3),
+            context(),
+            engine_hashes()
+        )
+            .prop_map(|(engine_id, tokens, first_block, block_ids, wait, sources, context, engine_hashes)| {
+                Call::Load(pb::LoadRequest {
+                    engine_id,
+                    tokens,
+                    first_block,
+                    block_ids,
+                    wait,
+                    sources,
+                    context,
+                    engine_hashes,
+                })
+            }),
         (engine_id(real), n64(), 0u32..20, n32()).prop_map(|(engine_id, op_id, timeout_ms, until_blocks)| Call::Wait(
             pb::WaitRequest { engine_id, op_id, timeout_ms, until_blocks }
         )),

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use hyper_util::rt::TokioIo;
 use kvproto::pb::{self, kvcached_client::KvcachedClient};
-use kvproto::{KeyContext, Namespace};
+use kvproto::{KeyContext, KeySource, Namespace};
 use parking_lot::Mutex;
 use tonic::transport::{Channel, Endpoint};
 
@@ -31,7 +31,7 @@ pub struct LoadOp {
     first_block: u32,
     slots: Arc<[u32]>,
     sources: Arc<[String]>,
-    context: Option<pb::KeyContext>,
+    keys: WireKeys,
 }
 
 impl LoadOp {
@@ -390,15 +390,38 @@ impl Client {
         first_block: u32,
         slots: &[u32],
     ) -> Result<pb::SaveResponse, ClientError> {
+        self.save_as(tokens, wire_context(context), first_block, slots).await
+    }
+
+    /// [`Client::save`] of blocks keyed by `keys` (a key context, or the engine's own page
+    /// hashes: `docs/block-keys.md` section 7; with given hashes `tokens` is empty). Its
+    /// lookups and loads must be keyed the same way.
+    pub async fn save_keyed(
+        &self,
+        tokens: &[u32],
+        keys: &KeySource,
+        first_block: u32,
+        slots: &[u32],
+    ) -> Result<pb::SaveResponse, ClientError> {
+        self.save_as(tokens, wire_keys(keys), first_block, slots).await
+    }
+
+    async fn save_as(
+        &self,
+        tokens: &[u32],
+        keys: WireKeys,
+        first_block: u32,
+        slots: &[u32],
+    ) -> Result<pb::SaveResponse, ClientError> {
         let le = kvproto::tokens_to_le(tokens);
-        let context = wire_context(context);
         self.with_retry(|mut rpc, engine_id| {
             let req = pb::SaveRequest {
                 engine_id,
                 tokens: le.clone(),
                 first_block,
                 block_ids: slots.to_vec(),
-                context: context.clone(),
+                context: keys.context.clone(),
+                engine_hashes: keys.hashes.clone(),
             };
             async move { rpc.save(req).await }
         })
@@ -407,7 +430,7 @@ impl Client {
 
     /// How many leading blocks of `tokens` are cached, and in which tier.
     pub async fn lookup(&self, tokens: &[u32]) -> Result<pb::LookupResponse, ClientError> {
-        self.lookup_as(tokens, None, None, 0, 0).await
+        self.lookup_as(tokens, WireKeys::default(), None, 0, 0).await
     }
 
     /// [`Client::lookup`] of a request whose keys bind a [`KeyContext`] (see
@@ -433,6 +456,17 @@ impl Client {
         self.lookup_as(tokens, wire_context(context), None, 0, first_block).await
     }
 
+    /// [`Client::lookup_run`] of blocks keyed by `keys` (see [`Client::save_keyed`]); 0 for
+    /// `first_block` is the cached prefix. Over gRPC.
+    pub async fn lookup_keyed(
+        &self,
+        tokens: &[u32],
+        keys: &KeySource,
+        first_block: u32,
+    ) -> Result<pb::LookupResponse, ClientError> {
+        self.lookup_as(tokens, wire_keys(keys), None, 0, first_block).await
+    }
+
     /// [`Client::lookup`] with blocking I/O on the calling thread, for callers on threads of
     /// their own (never a runtime's worker, which it would stall): the daemon's answer wakes this
     /// thread itself rather than a worker that then wakes it. Over LOOKUP only: `None` when that
@@ -451,6 +485,7 @@ impl Client {
             tokens_at,
             context: None,
             first_block: 0,
+            engine_hashes: None,
         };
         match self.inner.lookups.lookup_blocking(&self.inner.socket, &req)? {
             Ok(r) => Some(Ok(r)),
@@ -476,7 +511,7 @@ impl Client {
     async fn lookup_as(
         &self,
         tokens: &[u32],
-        context: Option<pb::KeyContext>,
+        keys: WireKeys,
         route_id: Option<u64>,
         g1_blocks: u32,
         first_block: u32,
@@ -493,11 +528,13 @@ impl Client {
                 route_id,
                 g1_blocks,
                 tokens_at,
-                context: context.clone(),
+                context: keys.context.clone(),
                 first_block,
+                engine_hashes: keys.hashes.clone(),
             };
             async move {
-                // Lookups with a key context or from a later block go over gRPC.
+                // Lookups with a key context or from a later block go over gRPC; plain ones and
+                // engine hashes' (SGLang's and vLLM's offloading tier's hit queries) over LOOKUP.
                 let fast = if req.context.is_none() && req.first_block == 0 {
                     self.inner.lookups.lookup(&self.inner.socket, &req).await
                 } else {
@@ -521,7 +558,7 @@ impl Client {
         route_id: u64,
         g1_blocks: u32,
     ) -> Result<pb::LookupResponse, ClientError> {
-        self.lookup_as(tokens, None, Some(route_id), g1_blocks, 0).await
+        self.lookup_as(tokens, WireKeys::default(), Some(route_id), g1_blocks, 0).await
     }
 
     /// Reports that blocks `[first_block, ..)` of `tokens` are now in the engine's GPU memory
@@ -642,10 +679,32 @@ impl Client {
         slots: &[u32],
         sources: &[String],
     ) -> Result<LoadOp, ClientError> {
+        self.load_op_as(tokens, wire_context(context), first_block, slots, sources).await
+    }
+
+    /// [`Client::load_op`] of blocks keyed by `keys` (see [`Client::save_keyed`]).
+    pub async fn load_op_keyed(
+        &self,
+        tokens: &[u32],
+        keys: &KeySource,
+        first_block: u32,
+        slots: &[u32],
+        sources: &[String],
+    ) -> Result<LoadOp, ClientError> {
+        self.load_op_as(tokens, wire_keys(keys), first_block, slots, sources).await
+    }
+
+    async fn load_op_as(
+        &self,
+        tokens: &[u32],
+        keys: WireKeys,
+        first_block: u32,
+        slots: &[u32],
+        sources: &[String],
+    ) -> Result<LoadOp, ClientError> {
         let le = kvproto::tokens_to_le(tokens);
-        let context = wire_context(context);
         // The engine id the load was made under (a heartbeat may re-register right after it).
-        let (s, engine_id) = self.load_rpc_le(&le, context.as_ref(), first_block, slots, false, sources).await?;
+        let (s, engine_id) = self.load_rpc_le(&le, &keys, first_block, slots, false, sources).await?;
         Ok(LoadOp {
             current: Arc::new(Mutex::new((s.op_id, engine_id))),
             restarting: Arc::new(tokio::sync::Mutex::new(())),
@@ -653,7 +712,7 @@ impl Client {
             first_block,
             slots: slots.into(),
             sources: sources.into(),
-            context,
+            keys,
         })
     }
 
@@ -677,8 +736,19 @@ impl Client {
         slots: &[u32],
     ) -> Result<pb::LoadStatus, ClientError> {
         let le = kvproto::tokens_to_le(tokens);
-        let context = wire_context(context);
-        finished(self.load_rpc_le(&le, context.as_ref(), first_block, slots, true, &[]).await?.0)
+        finished(self.load_rpc_le(&le, &wire_context(context), first_block, slots, true, &[]).await?.0)
+    }
+
+    /// [`Client::load_now`] of blocks keyed by `keys` (see [`Client::save_keyed`]).
+    pub async fn load_now_keyed(
+        &self,
+        tokens: &[u32],
+        keys: &KeySource,
+        first_block: u32,
+        slots: &[u32],
+    ) -> Result<pb::LoadStatus, ClientError> {
+        let le = kvproto::tokens_to_le(tokens);
+        finished(self.load_rpc_le(&le, &wire_keys(keys), first_block, slots, true, &[]).await?.0)
     }
 
     /// [`Client::load_now`] that may pull the blocks this node lacks from peer daemons:
@@ -694,7 +764,7 @@ impl Client {
         sources: &[String],
     ) -> Result<pb::LoadStatus, ClientError> {
         let le = kvproto::tokens_to_le(tokens);
-        finished(self.load_rpc_le(&le, None, first_block, slots, true, sources).await?.0)
+        finished(self.load_rpc_le(&le, &WireKeys::default(), first_block, slots, true, sources).await?.0)
     }
 
     async fn load_rpc(
@@ -704,13 +774,15 @@ impl Client {
         slots: &[u32],
         wait: bool,
     ) -> Result<pb::LoadStatus, ClientError> {
-        self.load_rpc_le(&kvproto::tokens_to_le(tokens), None, first_block, slots, wait, &[]).await.map(|(s, _)| s)
+        self.load_rpc_le(&kvproto::tokens_to_le(tokens), &WireKeys::default(), first_block, slots, wait, &[])
+            .await
+            .map(|(s, _)| s)
     }
 
     async fn load_rpc_le(
         &self,
         le: &bytes::Bytes,
-        context: Option<&pb::KeyContext>,
+        keys: &WireKeys,
         first_block: u32,
         slots: &[u32],
         wait: bool,
@@ -724,7 +796,8 @@ impl Client {
                 block_ids: slots.to_vec(),
                 wait,
                 sources: sources.to_vec(),
-                context: context.cloned(),
+                context: keys.context.clone(),
+                engine_hashes: keys.hashes.clone(),
             };
             async move { rpc.load(req).await }
         })
@@ -764,7 +837,7 @@ impl Client {
             return finished(self.wait_rpc(now.0, timeout_ms, blocks).await?);
         }
         let (s, engine_id) =
-            self.load_rpc_le(&op.tokens, op.context.as_ref(), op.first_block, &op.slots, false, &op.sources).await?;
+            self.load_rpc_le(&op.tokens, &op.keys, op.first_block, &op.slots, false, &op.sources).await?;
         *op.current.lock() = (s.op_id, engine_id);
         finished(self.wait_rpc(s.op_id, timeout_ms, blocks).await?)
     }
@@ -809,7 +882,23 @@ fn finished(s: pb::LoadStatus) -> Result<pb::LoadStatus, ClientError> {
     Ok(s)
 }
 
-/// A key context as it travels: `None` when absent or empty (the plain chain).
-fn wire_context(context: Option<&KeyContext>) -> Option<pb::KeyContext> {
-    context.filter(|c| !c.is_empty()).map(pb::KeyContext::from)
+/// A request's key source as it travels.
+#[derive(Clone, Debug, Default)]
+struct WireKeys {
+    context: Option<pb::KeyContext>,
+    hashes: Option<pb::EngineHashes>,
+}
+
+/// A key context as it travels: none when absent or empty (the plain chain).
+fn wire_context(context: Option<&KeyContext>) -> WireKeys {
+    WireKeys { context: context.filter(|c| !c.is_empty()).map(pb::KeyContext::from), hashes: None }
+}
+
+/// A key source as it travels.
+fn wire_keys(keys: &KeySource) -> WireKeys {
+    match keys {
+        KeySource::Plain => WireKeys::default(),
+        KeySource::Context(c) => wire_context(Some(c)),
+        KeySource::Hashes(h) => WireKeys { context: None, hashes: Some(pb::EngineHashes::from(h)) },
+    }
 }

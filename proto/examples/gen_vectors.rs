@@ -12,6 +12,7 @@ use std::error::Error;
 use std::path::{Path, PathBuf};
 
 use kvproto::dynamo::{DYNAMO_SEED, local_block_hash, request_seed, request_sequence_hashes, sequence_hashes};
+use kvproto::engine_hash::{HashScheme, engine_hash_keys, sglang_page_hashes_le};
 use kvproto::{block_keys, context_keys};
 
 #[path = "../tests/common/schema.rs"]
@@ -19,8 +20,8 @@ mod schema;
 
 use schema::{
     BlockExtraSpec, BlockKeyFile, BlockKeyVector, ContextFile, ContextRejection, ContextSpec, ContextVector,
-    DynamoFile, DynamoSeedVector, DynamoVector, ExtrasOf, MmSpec, NamespaceSpec, RejectionVector, TOKEN_GENERATOR,
-    TokenSegment, expand_tokens, to_context, to_namespace,
+    DynamoFile, DynamoSeedVector, DynamoVector, EngineHashFile, EngineHashVector, ExtrasOf, MmSpec, NamespaceSpec,
+    RejectionVector, TOKEN_GENERATOR, TokenSegment, expand_tokens, to_context, to_namespace,
 };
 
 const LLAMA8B: &str = "meta-llama/Llama-3.1-8B-Instruct@0e9e39f249a16976918f6564b8830bc894c89659";
@@ -608,6 +609,79 @@ fn dynamo_seed_vectors() -> Vec<DynamoSeedVector> {
     ]
 }
 
+fn engine_hash_vector(
+    name: &str,
+    spec: NamespaceSpec,
+    scheme: HashScheme,
+    tokens: Vec<TokenSegment>,
+    given: Vec<Vec<u8>>,
+) -> Result<EngineHashVector, Box<dyn Error>> {
+    let ns = to_namespace(&spec).map_err(|(field, e)| format!("{name}: {field}: {e}"))?;
+    let toks = expand_tokens(&tokens);
+    let derived = given.is_empty();
+    let hashes: Vec<Vec<u8>> = if derived {
+        sglang_page_hashes_le(spec.tokens_per_block as usize, &kvproto::tokens_to_le(&toks))
+            .iter()
+            .map(|h| h.to_vec())
+            .collect()
+    } else {
+        given
+    };
+    let keys = engine_hash_keys(&ns.fingerprint(), scheme, &hashes);
+    Ok(EngineHashVector {
+        name: name.to_string(),
+        namespace: spec,
+        scheme: scheme.name().to_string(),
+        token_count: toks.len() as u64,
+        tokens,
+        derived,
+        hashes_hex: hashes.iter().map(hex::encode).collect(),
+        keys: keys.iter().map(ToString::to_string).collect(),
+    })
+}
+
+fn engine_hash_vectors() -> Result<Vec<EngineHashVector>, Box<dyn Error>> {
+    let qwen = || ns(QWEN, (28, 8, 128), "bf16", 16, "layer_separate", None, None, None);
+    let vllm_key = |i: usize| {
+        // A 32-byte block hash and a 4-byte big-endian group, as vLLM's make_offload_key.
+        let mut k: Vec<u8> = (0..32).map(|j| (i * 31 + j * 7) as u8).collect();
+        k.extend_from_slice(&(i as u32 % 3).to_be_bytes());
+        k
+    };
+    Ok(vec![
+        engine_hash_vector("sglang_derived_64_tokens", qwen(), HashScheme::Sglang, vec![full(64, 0, 1)], vec![])?,
+        engine_hash_vector(
+            "sglang_derived_partial_page",
+            ns(QWEN, (28, 8, 128), "bf16", 4, "layer_separate", None, None, None),
+            HashScheme::Sglang,
+            vec![full(10, 1000, GOLDEN)],
+            vec![],
+        )?,
+        engine_hash_vector(
+            "sglang_derived_salted_namespace",
+            ns(LLAMA8B, (32, 8, 128), "f16", 16, "layer_separate", Some(hex_bytes(16, 3, 1)), None, None),
+            HashScheme::Sglang,
+            vec![full(48, 7, GOLDEN)],
+            vec![],
+        )?,
+        engine_hash_vector(
+            "sglang_given",
+            qwen(),
+            HashScheme::Sglang,
+            vec![],
+            (0..3).map(|i| (0..32).map(|j| (i * 17 + j) as u8).collect()).collect(),
+        )?,
+        engine_hash_vector("vllm_offload_keys", qwen(), HashScheme::Vllm, vec![], (0..4).map(vllm_key).collect())?,
+        engine_hash_vector(
+            "vllm_short_and_long_hashes",
+            ns(LLAMA70B, (80, 8, 128), "fp8_e4m3", 16, "contiguous", None, None, None),
+            HashScheme::Vllm,
+            vec![],
+            vec![vec![0x01], vec![0xAB; 64]],
+        )?,
+    ])
+}
+
 fn write_or_check(path: &Path, json: &str, check: bool) -> Result<bool, Box<dyn Error>> {
     if check {
         let on_disk = std::fs::read_to_string(path)?;
@@ -646,7 +720,7 @@ fn main() -> Result<(), Box<dyn Error>> {
     };
     let context = ContextFile {
         description: "kvcached key-context test vectors (docs/block-keys.md section 6) and Dynamo request seeds \
-                      (section 8). Regenerate with `cargo run -p kvproto --example gen_vectors`."
+                      (section 9). Regenerate with `cargo run -p kvproto --example gen_vectors`."
             .to_string(),
         format_version: 1,
         token_generator: TOKEN_GENERATOR.to_string(),
@@ -654,7 +728,17 @@ fn main() -> Result<(), Box<dyn Error>> {
         rejections: context_rejections()?,
         dynamo_seeds: dynamo_seed_vectors(),
     };
+    let engine = EngineHashFile {
+        description: "kvcached engine page-hash keys (docs/block-keys.md section 7): the keys of given hashes, \
+                      or of SGLang's page hashes of tokens (derived). Regenerate with \
+                      `cargo run -p kvproto --example gen_vectors`."
+            .to_string(),
+        format_version: 1,
+        token_generator: TOKEN_GENERATOR.to_string(),
+        vectors: engine_hash_vectors()?,
+    };
     let mut ok = true;
+    ok &= write_or_check(&dir.join("engine_hashes.json"), &(serde_json::to_string_pretty(&engine)? + "\n"), check)?;
     ok &= write_or_check(&dir.join("context_keys.json"), &(serde_json::to_string_pretty(&context)? + "\n"), check)?;
     ok &= write_or_check(&dir.join("block_keys.json"), &(serde_json::to_string_pretty(&keys)? + "\n"), check)?;
     ok &= write_or_check(&dir.join("dynamo_hashes.json"), &(serde_json::to_string_pretty(&dynamo)? + "\n"), check)?;

@@ -88,6 +88,38 @@ impl From<&KeyContext> for pb::KeyContext {
     }
 }
 
+impl TryFrom<&pb::EngineHashes> for crate::EngineHashes {
+    type Error = ProtoError;
+    fn try_from(h: &pb::EngineHashes) -> Result<Self, ProtoError> {
+        let e = crate::EngineHashes { scheme: crate::HashScheme::parse(&h.scheme)?, hashes: h.hashes.clone() };
+        e.validate()?;
+        Ok(e)
+    }
+}
+
+impl From<&crate::EngineHashes> for pb::EngineHashes {
+    fn from(h: &crate::EngineHashes) -> Self {
+        pb::EngineHashes { scheme: h.scheme.name().to_string(), hashes: h.hashes.clone() }
+    }
+}
+
+/// What a request's keys are made of: its key context or its engine hashes (never both).
+pub fn key_source(
+    context: Option<&pb::KeyContext>,
+    hashes: Option<&pb::EngineHashes>,
+) -> Result<crate::KeySource, ProtoError> {
+    let ctx = key_context(context)?;
+    match (ctx, hashes) {
+        (Some(_), Some(_)) => Err(ProtoError::InvalidContext {
+            field: "engine_hashes",
+            reason: "given beside a key context: an engine's hashes already bind what its KV depends on".into(),
+        }),
+        (None, Some(h)) => Ok(crate::KeySource::Hashes(crate::EngineHashes::try_from(h)?)),
+        (Some(c), None) => Ok(crate::KeySource::Context(c)),
+        (None, None) => Ok(crate::KeySource::Plain),
+    }
+}
+
 /// The key context a request carries: `None` when absent or empty (the plain chain).
 pub fn key_context(c: Option<&pb::KeyContext>) -> Result<Option<KeyContext>, ProtoError> {
     match c {

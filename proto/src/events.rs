@@ -32,6 +32,10 @@ pub const KEY_SCHEME_KVCACHED: &str = "kvcached-blake3-v2";
 /// Name of the key scheme of Dynamo / RFC-1527 XXH3-64 chained hashes (seed 1337), carried in the
 /// low 8 bytes of a [`BlockKey`] (little-endian), high 8 bytes zero.
 pub const KEY_SCHEME_DYNAMO_XXH3_1337: &str = "dynamo-xxh3-1337";
+/// Name of the key scheme of SGLang's page hashes as kvcached keys them (`docs/block-keys.md`
+/// section 7, scheme "sglang"): what SGLang engines with kvcached's HiCache backend, and vLLM
+/// engines with `kvcached.key_scheme: "sglang"`, save requests without a key context under.
+pub const KEY_SCHEME_SGLANG_PAGES: &str = "sglang-pages-v1";
 
 /// A 64-bit Dynamo sequence hash carried as a [`BlockKey`] (see [`KEY_SCHEME_DYNAMO_XXH3_1337`]).
 pub fn key_from_u64(hash: u64) -> BlockKey {

@@ -42,6 +42,7 @@ pub mod codec;
 #[cfg(feature = "grpc")]
 pub mod convert;
 pub mod dynamo;
+pub mod engine_hash;
 pub mod error;
 mod event_de;
 pub mod events;
@@ -67,6 +68,7 @@ pub mod pb {
     tonic::include_proto!("kvcached.v1");
 }
 
+pub use engine_hash::{EngineHashes, HashScheme, KeySource};
 pub use error::ProtoError;
 pub use key::{
     BlockKey, BlockKeyBuildHasher, BlockKeyHasher, block_keys, block_keys_le, chain_keys_le, check_tokens_le,

@@ -2,8 +2,8 @@
 """Independent reference implementation of kvcached block keys and the Dynamo hash.
 
 Written from docs/block-keys.md alone (it does not call or read the Rust code). It checks every
-vector of proto/tests/data/block_keys.json, context_keys.json and dynamo_hashes.json and exits
-non-zero on any mismatch.
+vector of proto/tests/data/block_keys.json, context_keys.json, dynamo_hashes.json and
+engine_hashes.json and exits non-zero on any mismatch.
 
     python3 -m venv .venv && .venv/bin/pip install blake3 xxhash
     .venv/bin/python proto/tests/reference_keys.py [DATA_DIR]
@@ -11,6 +11,7 @@ non-zero on any mismatch.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 import sys
@@ -214,7 +215,7 @@ def context_keys(fp: bytes, block_size: int, tokens: list[int], ctx: dict) -> tu
     return keys, extras
 
 
-# --- section 8: Dynamo hash --------------------------------------------------------------------
+# --- section 9: Dynamo hash --------------------------------------------------------------------
 
 
 def xxh3(data: bytes, seed: int) -> int:
@@ -247,7 +248,7 @@ def dynamo_request_hashes(tokens: list[int], block_size: int, local_seed: int) -
     return seq
 
 
-# --- section 10: token generator ----------------------------------------------------------------
+# --- section 11: token generator ---------------------------------------------------------------
 
 
 def expand(segments: list[dict]) -> list[int]:
@@ -348,6 +349,38 @@ def check_dynamo(c: Checker, path: Path) -> None:
     print(f"{path.name}: {len(doc['vectors'])} vectors")
 
 
+def engine_hash_keys(fp: bytes, scheme: str, hashes: list[bytes]) -> list[bytes]:
+    """Section 7: each hash's key under the namespace's engine-hash PRF key."""
+    key = blake3.blake3(fp, derive_key_context="kvcached 2026-12-06 engine page hash v1").digest()
+    return [blake3.blake3(enc_bytes(scheme.encode()) + enc_bytes(h), key=key).digest()[:16] for h in hashes]
+
+
+def sglang_page_hashes(tokens: list[int], page: int) -> list[bytes]:
+    """Section 7, scheme sglang: SHA-256 over the previous page's digest and the page's tokens."""
+    out: list[bytes] = []
+    for i in range(len(tokens) // page):
+        prev = out[-1] if out else b""
+        out.append(hashlib.sha256(prev + tokens_le(tokens[i * page : (i + 1) * page])).digest())
+    return out
+
+
+def check_engine_hashes(c: Checker, path: Path) -> None:
+    doc = json.loads(path.read_text(encoding="utf-8"))
+    for v in doc["vectors"]:
+        name = v["name"]
+        ns = v["namespace"]
+        tokens = expand(v["tokens"])
+        c.check(f"{name}: token_count", len(tokens), v["token_count"])
+        if v["derived"]:
+            hashes = sglang_page_hashes(tokens, ns["tokens_per_block"])
+            c.check(f"{name}: hashes", [h.hex() for h in hashes], v["hashes_hex"])
+        else:
+            hashes = [bytes.fromhex(h) for h in v["hashes_hex"]]
+        fp = fingerprint(canonical_bytes(ns))
+        c.check(f"{name}: keys", [k.hex() for k in engine_hash_keys(fp, v["scheme"], hashes)], v["keys"])
+    print(f"{path.name}: {len(doc['vectors'])} vectors")
+
+
 def self_test(c: Checker) -> None:
     """Facts from the text of docs/block-keys.md, independent of the JSON files."""
     c.check("u32le(16)", u32le(16).hex(), "10000000")
@@ -379,6 +412,7 @@ def main() -> int:
     check_block_keys(c, data / "block_keys.json")
     check_dynamo(c, data / "dynamo_hashes.json")
     check_contexts(c, data / "context_keys.json")
+    check_engine_hashes(c, data / "engine_hashes.json")
     print(f"{c.passed} passed, {c.failed} failed")
     return 1 if c.failed else 0
 

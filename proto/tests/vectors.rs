@@ -579,3 +579,38 @@ fn dynamo_request_seed_vectors() {
     let plain: Vec<String> = sequence_hashes(&tokens, 16, DYNAMO_SEED).iter().map(|h| format!("{h:016x}")).collect();
     assert_eq!(plain, base.sequence_hashes_hex);
 }
+
+// ---------------------------------------------------------------------------------------------
+// Engine page hashes (section 7)
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn engine_hash_vectors() {
+    use kvproto::engine_hash::{EngineHashes, HashScheme};
+    let text = std::fs::read_to_string(data_path("engine_hashes.json")).unwrap();
+    let file: schema::EngineHashFile = serde_json::from_str(&text).unwrap();
+    assert_eq!(file.format_version, 1);
+    assert!(file.vectors.len() >= 6, "only {} vectors", file.vectors.len());
+    for v in &file.vectors {
+        let ns = namespace_of(&v.namespace);
+        let scheme = HashScheme::parse(&v.scheme).unwrap();
+        let tokens = expand_tokens(&v.tokens);
+        assert_eq!(tokens.len() as u64, v.token_count, "{}: token_count", v.name);
+        let hashes: Vec<Vec<u8>> = v.hashes_hex.iter().map(|h| hex::decode(h).unwrap()).collect();
+        let tpb = v.namespace.tokens_per_block as usize;
+        let le = kvproto::tokens_to_le(&tokens);
+        let keys = if v.derived {
+            // The daemon's derivation from tokens gives the recorded hashes' keys.
+            let derived = kvproto::engine_hash::sglang_page_hashes_le(tpb, &le);
+            assert_eq!(derived.iter().map(hex::encode).collect::<Vec<_>>(), v.hashes_hex, "{}: hashes", v.name);
+            EngineHashes { scheme, hashes: vec![] }.keys_le(&ns.fingerprint(), tpb, &le).unwrap()
+        } else {
+            EngineHashes { scheme, hashes }.keys_le(&ns.fingerprint(), tpb, &[]).unwrap()
+        };
+        let keys: Vec<String> = keys.iter().map(ToString::to_string).collect();
+        assert_eq!(keys, v.keys, "{}: keys", v.name);
+        // Never a token chain's key of the same namespace.
+        let plain: Vec<String> = block_keys(&ns.fingerprint(), tpb, &tokens).iter().map(ToString::to_string).collect();
+        assert!(keys.iter().all(|k| !plain.contains(k)), "{}", v.name);
+    }
+}

@@ -98,6 +98,23 @@ class KeyContext:
         """16-byte keys of every full block of `tokens` in `namespace` under this context."""
     def __eq__(self, other: object) -> bool: ...
 
+class EngineHashes:
+    """A request's keys as its engine's own page hashes (docs/block-keys.md section 7): SGLang's
+    storage page hashes (scheme "sglang") or vLLM's block hashes as its offloading tiers see
+    them ("vllm"), one per block in order, 1..64 bytes each. With none, the daemon derives the
+    scheme's hashes from the request's tokens ("sglang" only). Raises ValueError out of bounds."""
+
+    def __init__(self, scheme: Literal["sglang", "vllm"], hashes: Sequence[bytes] = ()) -> None: ...
+    @property
+    def scheme(self) -> Literal["sglang", "vllm"]: ...
+    def __len__(self) -> int: ...
+    def block_keys(self, namespace: Namespace, tokens: Sequence[int] = ()) -> list[bytes]:
+        """16-byte keys as the daemon derives them (of the scheme's hashes of tokens when empty)."""
+    @staticmethod
+    def sglang_page_hashes(tokens: Sequence[int], page_size: int) -> list[bytes]:
+        """SGLang's page hashes of the full pages of tokens (SHA-256 chained)."""
+    def __eq__(self, other: object) -> bool: ...
+
 class SlotLayout:
     """Where block slots lie in KV memory: segment i of slot b at offset_i + b * stride_i."""
 
@@ -234,9 +251,23 @@ class Client:
     ) -> Registration:
         """Raises NoCudaDeviceError where the daemon's node has no CUDA device."""
     def save(
-        self, tokens: Tokens, first_block: int, slots: Sequence[int], *, context: KeyContext | None = None
-    ) -> SaveResult: ...
-    def lookup(self, tokens: Tokens, *, context: KeyContext | None = None, first_block: int = 0) -> LookupResult:
+        self,
+        tokens: Tokens,
+        first_block: int,
+        slots: Sequence[int],
+        *,
+        context: KeyContext | None = None,
+        hashes: EngineHashes | None = None,
+    ) -> SaveResult:
+        """hashes: keys from the engine's own page hashes (tokens empty when it holds them)."""
+    def lookup(
+        self,
+        tokens: Tokens,
+        *,
+        context: KeyContext | None = None,
+        first_block: int = 0,
+        hashes: EngineHashes | None = None,
+    ) -> LookupResult:
         """first_block > 0: the cached run starting there (matched_blocks its length)."""
     def lookup_routed(self, tokens: Tokens, route_id: int, g1_blocks: int) -> LookupResult: ...
     def load(
@@ -247,10 +278,17 @@ class Client:
         sources: Sequence[str] = (),
         *,
         context: KeyContext | None = None,
+        hashes: EngineHashes | None = None,
     ) -> LoadOp:
         """Returns at once; sources: peer daemons that may hold what this node lacks."""
     def load_now(
-        self, tokens: Tokens, first_block: int, slots: Sequence[int], *, context: KeyContext | None = None
+        self,
+        tokens: Tokens,
+        first_block: int,
+        slots: Sequence[int],
+        *,
+        context: KeyContext | None = None,
+        hashes: EngineHashes | None = None,
     ) -> LoadStatus:
         """Raises LoadFailedError if the load failed."""
     def load_from(self, tokens: Tokens, first_block: int, slots: Sequence[int], sources: Sequence[str]) -> LoadStatus:

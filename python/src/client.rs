@@ -16,7 +16,9 @@ use tokio::runtime::Runtime;
 
 use crate::errors::{KvcachedError, to_py};
 use crate::memory::{PyGpuKvMemory, PyKvMemory};
-use crate::types::{LoadStatus, LookupResult, PyKeyContext, PyNamespace, Registration, SaveResult, stats_dict};
+use crate::types::{
+    LoadStatus, LookupResult, PyEngineHashes, PyKeyContext, PyNamespace, Registration, SaveResult, stats_dict,
+};
 
 /// Token ids from a Python object: any buffer of unsigned 32-bit integers (a NumPy `uint32`
 /// array, `array.array("I")`) is read directly; anything else must be a sequence of ints.
@@ -191,8 +193,9 @@ impl PyClient {
 
     /// Saves blocks `first_block .. first_block + len(slots)` of the prompt `tokens` from those
     /// slots of the registered memory. The daemon derives every key from the tokens (and the
-    /// request's `context`, a `KeyContext`, when it has one).
-    #[pyo3(signature = (tokens, first_block, slots, *, context = None))]
+    /// request's `context`, a `KeyContext`, when it has one), or from `hashes`, the engine's
+    /// own page hashes (an `EngineHashes`; `tokens` empty when it holds them).
+    #[pyo3(signature = (tokens, first_block, slots, *, context = None, hashes = None))]
     fn save(
         &self,
         py: Python<'_>,
@@ -200,10 +203,11 @@ impl PyClient {
         first_block: u32,
         slots: Vec<u32>,
         context: Option<&PyKeyContext>,
+        hashes: Option<&PyEngineHashes>,
     ) -> PyResult<SaveResult> {
         let tokens = tokens_of(tokens)?;
-        let ctx = context.map(|c| c.inner.clone());
-        self.call(py, move |c| async move { c.save_in(&tokens, ctx.as_ref(), first_block, &slots).await })
+        let src = key_source(context, hashes)?;
+        self.call(py, move |c| async move { c.save_keyed(&tokens, &src, first_block, &slots).await })
             .map(SaveResult::from)
     }
 
@@ -211,19 +215,20 @@ impl PyClient {
     /// With `first_block` > 0: the cached run that starts at that block (a sliding-window
     /// group's window), `matched_blocks` its length and `matched_tokens` the tokens through its
     /// end.
-    #[pyo3(signature = (tokens, *, context = None, first_block = 0))]
+    #[pyo3(signature = (tokens, *, context = None, first_block = 0, hashes = None))]
     fn lookup(
         &self,
         py: Python<'_>,
         tokens: &Bound<'_, PyAny>,
         context: Option<&PyKeyContext>,
         first_block: u32,
+        hashes: Option<&PyEngineHashes>,
     ) -> PyResult<LookupResult> {
         let tokens = tokens_of(tokens)?;
-        let ctx = context.map(|c| c.inner.clone()).filter(|c| !c.is_empty());
-        if ctx.is_some() || first_block > 0 {
+        let src = key_source(context, hashes)?;
+        if !src.is_plain() || first_block > 0 {
             return self
-                .call(py, move |c| async move { c.lookup_run(&tokens, ctx.as_ref(), first_block).await })
+                .call(py, move |c| async move { c.lookup_keyed(&tokens, &src, first_block).await })
                 .map(LookupResult::from);
         }
         // Over LOOKUP with blocking I/O on this thread (the GIL released) when it can: no hop
@@ -254,7 +259,7 @@ impl PyClient {
     /// Starts loading blocks `first_block .. first_block + len(slots)` of `tokens` into those
     /// slots; returns at once. The load stops at the first block not cached. `sources`: peer
     /// daemons that may hold the blocks this node lacks (as `load_from`).
-    #[pyo3(signature = (tokens, first_block, slots, sources = Vec::new(), *, context = None))]
+    #[pyo3(signature = (tokens, first_block, slots, sources = Vec::new(), *, context = None, hashes = None))]
     fn load(
         &self,
         py: Python<'_>,
@@ -263,15 +268,16 @@ impl PyClient {
         slots: Vec<u32>,
         sources: Vec<String>,
         context: Option<&PyKeyContext>,
+        hashes: Option<&PyEngineHashes>,
     ) -> PyResult<PyLoadOp> {
         let tokens = tokens_of(tokens)?;
-        let ctx = context.map(|c| c.inner.clone());
-        self.call(py, move |c| async move { c.load_op_in(&tokens, ctx.as_ref(), first_block, &slots, &sources).await })
+        let src = key_source(context, hashes)?;
+        self.call(py, move |c| async move { c.load_op_keyed(&tokens, &src, first_block, &slots, &sources).await })
             .map(|op| PyLoadOp { op })
     }
 
     /// Loads and waits in one call. Raises `LoadFailedError` if the load failed.
-    #[pyo3(signature = (tokens, first_block, slots, *, context = None))]
+    #[pyo3(signature = (tokens, first_block, slots, *, context = None, hashes = None))]
     fn load_now(
         &self,
         py: Python<'_>,
@@ -279,10 +285,11 @@ impl PyClient {
         first_block: u32,
         slots: Vec<u32>,
         context: Option<&PyKeyContext>,
+        hashes: Option<&PyEngineHashes>,
     ) -> PyResult<LoadStatus> {
         let tokens = tokens_of(tokens)?;
-        let ctx = context.map(|c| c.inner.clone());
-        self.call(py, move |c| async move { c.load_now_in(&tokens, ctx.as_ref(), first_block, &slots).await })
+        let src = key_source(context, hashes)?;
+        self.call(py, move |c| async move { c.load_now_keyed(&tokens, &src, first_block, &slots).await })
             .map(LoadStatus::from)
     }
 
@@ -410,5 +417,17 @@ impl PyClient {
 
     fn __repr__(&self) -> String {
         format!("Client(socket={:?}, engine_id={:?})", self.socket.display().to_string(), self.client.engine_id_now())
+    }
+}
+
+/// A request's key source from its keyword arguments: a key context or engine hashes, not both.
+fn key_source(context: Option<&PyKeyContext>, hashes: Option<&PyEngineHashes>) -> PyResult<kvproto::KeySource> {
+    match (context.filter(|c| !c.inner.is_empty()), hashes) {
+        (Some(_), Some(_)) => Err(PyValueError::new_err(
+            "context and hashes given together: an engine's page hashes already bind what its KV depends on",
+        )),
+        (Some(c), None) => Ok(kvproto::KeySource::Context(c.inner.clone())),
+        (None, Some(h)) => Ok(kvproto::KeySource::Hashes(h.inner.clone())),
+        (None, None) => Ok(kvproto::KeySource::Plain),
     }
 }

@@ -31,6 +31,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<types::PyKvLayout>()?;
     m.add_class::<types::PyNamespace>()?;
     m.add_class::<types::PyKeyContext>()?;
+    m.add_class::<types::PyEngineHashes>()?;
     m.add_class::<types::PySlotLayout>()?;
     m.add_class::<types::LookupResult>()?;
     m.add_class::<types::SaveResult>()?;

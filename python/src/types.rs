@@ -2,7 +2,7 @@
 //! daemon's answers. All immutable.
 
 use kvproto::slots::{Segment, SlotLayout};
-use kvproto::{Adapter, KeyContext, KvLayout, MmInput, Namespace, pb};
+use kvproto::{Adapter, EngineHashes, HashScheme, KeyContext, KvLayout, MmInput, Namespace, pb};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
@@ -149,6 +149,74 @@ impl PyKeyContext {
             self.inner.mm.len(),
             self.inner.block_extras.len()
         )
+    }
+}
+
+/// A request's keys as its engine's own page hashes (docs/block-keys.md section 7): SGLang's
+/// storage page hashes (scheme "sglang") or vLLM's block hashes as its offloading tiers see
+/// them ("vllm"), one per block in order, 1..64 bytes each. With no hashes the daemon derives
+/// the scheme's hashes from the request's tokens ("sglang" only): how a vLLM engine finds the
+/// blocks an SGLang engine of the same model and layout saved. Raises ValueError out of bounds.
+#[pyclass(module = "kvcached", name = "EngineHashes", frozen, eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PyEngineHashes {
+    pub inner: EngineHashes,
+}
+
+#[pymethods]
+impl PyEngineHashes {
+    #[new]
+    #[pyo3(signature = (scheme, hashes = Vec::new()))]
+    fn new(scheme: &str, hashes: Vec<Bound<'_, PyAny>>) -> PyResult<Self> {
+        // `bytes` read in place (the generic Vec<u8> extraction goes element by element).
+        let hashes = hashes
+            .iter()
+            .map(|h| match h.cast::<PyBytes>() {
+                Ok(b) => Ok(b.as_bytes().to_vec()),
+                Err(_) => h.extract::<Vec<u8>>(),
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        let inner = EngineHashes { scheme: HashScheme::parse(scheme).map_err(invalid)?, hashes };
+        inner.validate().map_err(invalid)?;
+        Ok(Self { inner })
+    }
+
+    #[getter]
+    fn scheme(&self) -> &'static str {
+        self.inner.scheme.name()
+    }
+
+    fn __len__(&self) -> usize {
+        self.inner.hashes.len()
+    }
+
+    /// The 16-byte keys of these hashes in `namespace` (of the scheme's hashes of `tokens` when
+    /// there are none), as the daemon derives them.
+    #[pyo3(signature = (namespace, tokens = Vec::new()))]
+    fn block_keys<'py>(
+        &self,
+        py: Python<'py>,
+        namespace: &PyNamespace,
+        tokens: Vec<u32>,
+    ) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+        let ns = &namespace.inner;
+        let le = kvproto::tokens_to_le(&tokens);
+        let keys =
+            self.inner.keys_le(&ns.fingerprint(), ns.layout.tokens_per_block as usize, &le).map_err(invalid)?;
+        Ok(keys.iter().map(|k| PyBytes::new(py, &k.0)).collect())
+    }
+
+    /// SGLang's page hashes of the full pages of `tokens` (SHA-256 chained, 32 bytes each).
+    #[staticmethod]
+    fn sglang_page_hashes<'py>(py: Python<'py>, tokens: Vec<u32>, page_size: usize) -> Vec<Bound<'py, PyBytes>> {
+        kvproto::engine_hash::sglang_page_hashes_le(page_size, &kvproto::tokens_to_le(&tokens))
+            .iter()
+            .map(|h| PyBytes::new(py, h))
+            .collect()
+    }
+
+    fn __repr__(&self) -> String {
+        format!("EngineHashes({:?}, {} hashes)", self.inner.scheme.name(), self.inner.hashes.len())
     }
 }
 

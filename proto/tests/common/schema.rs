@@ -236,6 +236,29 @@ pub struct ContextFile {
     pub dynamo_seeds: Vec<DynamoSeedVector>,
 }
 
+/// One engine-hash vector (section 7): the keys of given hashes, or of the scheme's hashes of
+/// tokens (`tokens` non-empty, `hashes_hex` then the hashes the daemon derives).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct EngineHashVector {
+    pub name: String,
+    pub namespace: NamespaceSpec,
+    pub scheme: String,
+    pub tokens: Vec<TokenSegment>,
+    pub token_count: u64,
+    pub derived: bool,
+    pub hashes_hex: Vec<String>,
+    pub keys: Vec<String>,
+}
+
+/// `engine_hashes.json`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct EngineHashFile {
+    pub description: String,
+    pub format_version: u32,
+    pub token_generator: String,
+    pub vectors: Vec<EngineHashVector>,
+}
+
 /// The context a spec names, or the field at fault.
 pub fn to_context(spec: &ContextSpec) -> Result<kvproto::KeyContext, (String, String)> {
     use kvproto::ProtoError;

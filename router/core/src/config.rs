@@ -3,7 +3,7 @@
 //! Every weight of the cost model and every health threshold is here; `docs/router.md` explains
 //! each one.
 
-use kvproto::events::{KEY_SCHEME_DYNAMO_XXH3_1337, KEY_SCHEME_KVCACHED, key_from_u64};
+use kvproto::events::{KEY_SCHEME_DYNAMO_XXH3_1337, KEY_SCHEME_KVCACHED, KEY_SCHEME_SGLANG_PAGES, key_from_u64};
 use kvproto::{BlockKey, KvLayout, Namespace, NamespaceId, TierKind};
 use serde::{Deserialize, Serialize};
 
@@ -274,6 +274,10 @@ pub enum KeyScheme {
     Kvcached,
     /// Dynamo's XXH3-64 chain, seed 1337.
     DynamoXxh3,
+    /// SGLang's page hashes of the tokens, keyed in the namespace (`docs/block-keys.md` section
+    /// 7): SGLang engines with kvcached's HiCache backend, vLLM engines with `kvcached.key_scheme:
+    /// "sglang"`. A request with a key context is keyed by kvcached's chain, as those engines key it.
+    SglangPages,
 }
 
 impl KeyScheme {
@@ -282,6 +286,7 @@ impl KeyScheme {
         match s {
             KEY_SCHEME_KVCACHED => Some(Self::Kvcached),
             KEY_SCHEME_DYNAMO_XXH3_1337 => Some(Self::DynamoXxh3),
+            KEY_SCHEME_SGLANG_PAGES => Some(Self::SglangPages),
             _ => None,
         }
     }
@@ -290,6 +295,7 @@ impl KeyScheme {
         match self {
             Self::Kvcached => KEY_SCHEME_KVCACHED,
             Self::DynamoXxh3 => KEY_SCHEME_DYNAMO_XXH3_1337,
+            Self::SglangPages => KEY_SCHEME_SGLANG_PAGES,
         }
     }
 }
@@ -314,6 +320,14 @@ impl ResolvedNamespace {
                 .into_iter()
                 .map(key_from_u64)
                 .collect(),
+            KeyScheme::SglangPages => {
+                let hashes = kvproto::engine_hash::sglang_page_hashes_le(bs, &kvproto::tokens_to_le(tokens));
+                kvproto::engine_hash::engine_hash_keys(
+                    &self.namespace.fingerprint(),
+                    kvproto::HashScheme::Sglang,
+                    &hashes,
+                )
+            }
         }
     }
 
@@ -326,7 +340,9 @@ impl ResolvedNamespace {
         let Some(ctx) = ctx else { return self.keys(tokens) };
         let bs = self.namespace.layout.tokens_per_block as usize;
         match self.scheme {
-            KeyScheme::Kvcached => kvproto::context_keys(&self.namespace.fingerprint(), bs, tokens, ctx),
+            KeyScheme::Kvcached | KeyScheme::SglangPages => {
+                kvproto::context_keys(&self.namespace.fingerprint(), bs, tokens, ctx)
+            }
             KeyScheme::DynamoXxh3 => {
                 let blocks = tokens.len() / bs.max(1);
                 let upto = ctx.first_per_block_extra(bs, blocks).unwrap_or(blocks);
@@ -370,7 +386,8 @@ impl NamespaceSpec {
         let scheme = KeyScheme::parse(&self.key_scheme)
             .ok_or_else(|| CoreError::Invalid(format!("unknown key scheme {:?}", self.key_scheme)))?;
         let id = match scheme {
-            KeyScheme::Kvcached => namespace.id(),
+            // The daemon's own namespace: its blocks' keys are of either kind.
+            KeyScheme::Kvcached | KeyScheme::SglangPages => namespace.id(),
             KeyScheme::DynamoXxh3 => {
                 let full = blake3::derive_key(DYNAMO_SPACE_CONTEXT, &namespace.fingerprint().0);
                 let mut id = [0u8; 16];
@@ -617,6 +634,32 @@ namespace = "v"
         let other_scheme = SOURCE.replace("key_scheme = \"dynamo-xxh3-1337\"", "");
         let e = RouterConfig::from_toml(&other_scheme).err().map(|e| e.to_string()).unwrap_or_default();
         assert!(e.contains("key_scheme"), "{e}");
+    }
+
+    /// A namespace in SGLang's page scheme keys requests as SGLang's backend and vLLM's
+    /// connector with `kvcached.key_scheme: "sglang"` save them, under the daemon's own id.
+    #[test]
+    #[allow(clippy::unwrap_used)]
+    fn sglang_pages_scheme_keys_as_the_engines_save() {
+        let c = RouterConfig::from_toml(&SOURCE.replace("dynamo-xxh3-1337", KEY_SCHEME_SGLANG_PAGES).replace(
+            "[[vllm_sources]]\nendpoint = \"tcp://127.0.0.1:5557\"\nworker = \"w\"\nnode = \"n\"\nnamespace = \"v\"\n",
+            "",
+        ))
+        .unwrap();
+        let ns = c.namespaces[0].resolve().unwrap();
+        assert_eq!(ns.scheme, KeyScheme::SglangPages);
+        assert_eq!(ns.id, ns.namespace.id());
+        let tokens: Vec<u32> = (0..40).collect();
+        let derived = kvproto::EngineHashes { scheme: kvproto::HashScheme::Sglang, hashes: vec![] };
+        let want = derived.keys_le(&ns.namespace.fingerprint(), 16, &kvproto::tokens_to_le(&tokens)).unwrap();
+        assert_eq!(ns.keys(&tokens), want);
+        assert_eq!(want.len(), 2);
+        // With a key context the engines key by kvcached's chain.
+        let ctx = kvproto::KeyContext { cache_salt: Some(b"s".to_vec()), ..Default::default() };
+        assert_eq!(
+            ns.keys_in(&tokens, Some(&ctx)),
+            kvproto::context_keys(&ns.namespace.fingerprint(), 16, &tokens, &ctx)
+        );
     }
 
     /// `expected_blocks` is read, and an impossible size is refused with the field's name.

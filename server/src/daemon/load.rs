@@ -156,8 +156,8 @@ impl Daemon {
         progress: &watch::Sender<pb::LoadStatus>,
         settle: &mut Option<(Vec<BlockKey>, LoadReport)>,
     ) -> Result<pb::LoadStatus, ServerError> {
-        let ctx = kvproto::convert::key_context(req.context.as_ref())?;
-        let keys = self.keys_in(engine, &req.tokens, ctx.as_ref())?;
+        let src = kvproto::convert::key_source(req.context.as_ref(), req.engine_hashes.as_ref())?;
+        let keys = self.keys_in(engine, &req.tokens, &src)?;
         Self::span(engine, keys.len(), req.first_block, &req.block_ids)?;
         let first = req.first_block as usize;
         let wanted = keys[first..first + req.block_ids.len()].to_vec();

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use kvproto::{KeyContext, TierKind, pb};
+use kvproto::{KeySource, TierKind, pb};
 use kvtiers::{BlockMeta, BlockStore};
 use parking_lot::Mutex;
 use tokio::sync::watch;
@@ -213,18 +213,24 @@ impl Daemon {
 
     /// [`Daemon::keys`] of a request with a key context (`docs/block-keys.md` section 6),
     /// derived directly (the memo holds plain chains only).
-    fn keys_in(
-        &self,
-        engine: &Engine,
-        tokens: &[u8],
-        ctx: Option<&KeyContext>,
-    ) -> Result<Vec<kvproto::BlockKey>, ServerError> {
-        let Some(ctx) = ctx else { return self.keys(engine, tokens) };
-        kvproto::check_tokens_le(tokens)?;
+    fn keys_in(&self, engine: &Engine, tokens: &[u8], src: &KeySource) -> Result<Vec<kvproto::BlockKey>, ServerError> {
         let tpb = engine.namespace.layout.tokens_per_block as usize;
-        let keys = kvproto::context_keys_le(&engine.fingerprint, tpb, tokens, ctx);
-        metrics::counter!("kvcached_block_keys_total", "source" => "context").increment(keys.len() as u64);
-        Ok(keys)
+        match src {
+            KeySource::Plain => self.keys(engine, tokens),
+            KeySource::Context(ctx) => {
+                kvproto::check_tokens_le(tokens)?;
+                let keys = kvproto::context_keys_le(&engine.fingerprint, tpb, tokens, ctx);
+                metrics::counter!("kvcached_block_keys_total", "source" => "context").increment(keys.len() as u64);
+                Ok(keys)
+            }
+            KeySource::Hashes(h) => {
+                kvproto::check_tokens_le(tokens)?;
+                let keys = h.keys_le(&engine.fingerprint, tpb, tokens)?;
+                metrics::counter!("kvcached_block_keys_total", "source" => "engine_hashes")
+                    .increment(keys.len() as u64);
+                Ok(keys)
+            }
+        }
     }
 
     /// Checks that `first + ids.len()` blocks are covered by the full blocks of `tokens`.
@@ -253,20 +259,21 @@ impl Daemon {
                 engine.namespace_id
             )));
         }
-        let ctx = kvproto::convert::key_context(req.context.as_ref())?;
-        let keys = self.keys_in(&engine, &req.tokens, ctx.as_ref())?;
+        let src = kvproto::convert::key_source(req.context.as_ref(), req.engine_hashes.as_ref())?;
+        let keys = self.keys_in(&engine, &req.tokens, &src)?;
         Self::span(&engine, keys.len(), req.first_block, &req.block_ids)?;
         let mut resp = pb::SaveResponse::default();
         let len = engine.block_bytes();
         let end = req.first_block as usize + req.block_ids.len();
-        // The vLLM export's records of these blocks, made on the reporting thread.
-        let export = self.changes.as_ref().filter(|c| c.exports_vllm());
+        // The vLLM export's records of these blocks, made on the reporting thread (of a token
+        // chain: engine hashes carry no tokens to hash the vLLM way).
+        let export = self.changes.as_ref().filter(|c| c.exports_vllm() && src.is_token_chain());
         // The blocks are charged to the saver's tenant: where it has a quota, the tiers make
         // its room among its own blocks (`kvtiers::quota`).
         let owner = self.engines.tenants().index_of(who).and_then(|t| u32::try_from(t).ok());
         if let Some(c) = export {
             let tpb = engine.namespace.layout.tokens_per_block as usize;
-            let tag = DynamoTag::of(ctx.as_ref(), tpb, keys.len());
+            let tag = DynamoTag::of(src.context(), tpb, keys.len());
             c.saving(&keys, kvproto::tokens_from_le(&req.tokens)?, tpb, req.first_block as usize, end, tag);
         }
         let mut over_quota = false;
@@ -313,15 +320,16 @@ impl Daemon {
         if !tokens.len().is_multiple_of(4) {
             return Err(kvproto::ProtoError::TokenBytes(tokens.len()).into());
         }
-        let ctx = kvproto::convert::key_context(req.context.as_ref())?;
+        let src = kvproto::convert::key_source(req.context.as_ref(), req.engine_hashes.as_ref())?;
         if req.first_block > 0 {
-            return self.lookup_from(&engine, &mut tokens, ctx.as_ref(), req.first_block as usize);
+            return self.lookup_from(&engine, &mut tokens, &src, req.first_block as usize);
         }
-        let (keys, m) = if req.route_id.is_some() || ctx.is_some() {
+        let (keys, m) = if req.route_id.is_some() || !src.is_plain() {
             // The outcome report needs the keys past the engine's own G1 blocks: all of them.
             // A copy that faulted is not remembered by the key memo either: checked first.
-            // A key context's chain is derived whole too (the memo holds plain chains).
-            let keys = self.keys_in(&engine, tokens.all_checked()?, ctx.as_ref())?;
+            // A key context's chain is derived whole too (the memo holds plain chains), and so
+            // are engine hashes' keys.
+            let keys = self.keys_in(&engine, tokens.all_checked()?, &src)?;
             let m = BlockStore::count_prefix(&self.store.held_prefix(&keys));
             (keys, m)
         } else {
@@ -360,7 +368,7 @@ impl Daemon {
         };
         // Past what the tiers' indexes know, G4 may hold more (other daemons' writes): asked in
         // a few round trips, with every key of the prompt.
-        let (keys, m) = self.probe_g4(&engine, &mut tokens, ctx.as_ref(), keys, m)?;
+        let (keys, m) = self.probe_g4(&engine, &mut tokens, &src, keys, m)?;
         // Keys derived from a copy that faulted are not the engine's prompt's: no answer.
         tokens.check()?;
         if let Some(route_id) = req.route_id {
@@ -397,10 +405,10 @@ impl Daemon {
         &self,
         engine: &Engine,
         tokens: &mut crate::engine::token_area::PromptTokens<'_>,
-        ctx: Option<&KeyContext>,
+        src: &KeySource,
         first: usize,
     ) -> Result<pb::LookupResponse, ServerError> {
-        let keys = self.keys_in(engine, tokens.all_checked()?, ctx)?;
+        let keys = self.keys_in(engine, tokens.all_checked()?, src)?;
         tokens.check()?;
         let run = keys.get(first..).unwrap_or_default();
         let mut m = BlockStore::count_prefix(&self.store.held_prefix(run));
@@ -417,15 +425,19 @@ impl Daemon {
         &self,
         engine: &Engine,
         tokens: &mut crate::engine::token_area::PromptTokens<'_>,
-        ctx: Option<&KeyContext>,
+        src: &KeySource,
         keys: Vec<kvproto::BlockKey>,
         mut m: kvtiers::PrefixMatch,
     ) -> Result<(Vec<kvproto::BlockKey>, kvtiers::PrefixMatch), ServerError> {
-        let blocks = tokens.len() / (4 * engine.namespace.layout.tokens_per_block as usize);
+        // Engine hashes' keys are all derived already; a token chain's may stop at its prefix.
+        let blocks = match src {
+            KeySource::Hashes(_) => keys.len(),
+            _ => tokens.len() / (4 * engine.namespace.layout.tokens_per_block as usize),
+        };
         if !self.g4_lookup_probe || !self.store.has_remote_tier() || m.blocks >= blocks {
             return Ok((keys, m));
         }
-        let keys = if keys.len() < blocks { self.keys_in(engine, tokens.all_checked()?, ctx)? } else { keys };
+        let keys = if keys.len() < blocks { self.keys_in(engine, tokens.all_checked()?, src)? } else { keys };
         self.extend_from_g4(engine, &keys, &mut m);
         Ok((keys, m))
     }
@@ -478,8 +490,8 @@ impl Daemon {
             Err(_) => return Err(ServerError::Invalid(format!("unknown GPU block change {}", req.change))),
         };
         let (parent, keys) = if req.keys.is_empty() {
-            let ctx = kvproto::convert::key_context(req.context.as_ref())?;
-            let all = self.keys_in(&engine, &req.tokens, ctx.as_ref())?;
+            let src = kvproto::convert::key_source(req.context.as_ref(), None)?;
+            let all = self.keys_in(&engine, &req.tokens, &src)?;
             let first = req.first_block as usize;
             if change != GpuChange::Cleared && first > all.len() {
                 return Err(ServerError::Invalid(format!(
@@ -518,8 +530,11 @@ impl Daemon {
     ) -> Result<(u64, Arc<Engine>, watch::Sender<pb::LoadStatus>, Held), ServerError> {
         let engine = self.engines.get(req.engine_id, who)?;
         kvproto::check_tokens_le(&req.tokens)?;
-        kvproto::convert::key_context(req.context.as_ref())?;
-        let full_blocks = req.tokens.len() / (4 * engine.namespace.layout.tokens_per_block as usize);
+        let src = kvproto::convert::key_source(req.context.as_ref(), req.engine_hashes.as_ref())?;
+        let full_blocks = match &src {
+            KeySource::Hashes(h) if !h.hashes.is_empty() => h.hashes.len(),
+            _ => req.tokens.len() / (4 * engine.namespace.layout.tokens_per_block as usize),
+        };
         Self::span(&engine, full_blocks, req.first_block, &req.block_ids)?;
         Engine::check_distinct_slots(&req.block_ids)?;
         let held = self.limits.load(who)?;
