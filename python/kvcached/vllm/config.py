@@ -69,6 +69,12 @@ class ConnectorConfig:
     - `kvcached.window_saves`: what a sliding-window group of a hybrid model saves: `"window"`
       (default) only the blocks the window of the saved prefix's end reads, `"all"` every block
       it computes (more hits for shorter shared prefixes, more bytes stored).
+    - `kvcached.key_scheme`: `"tokens"` (default: kvcached's own keys) or `"sglang"`: requests
+      without a key context are keyed by SGLang's page hashes of their tokens, in the namespace
+      `kvcached.shared_pages` names, so that SGLang engines of the same model with kvcached's
+      HiCache backend (`kvcached.page_order: "vllm"`) share blocks with this engine both ways.
+      Needs a full-attention page in vLLM's LBNHC or BLNHC layout (the CUDA backends'), or MLA,
+      and one KV-cache group; set `kvcached.model_id` to the same name on both engines.
     - `kvcached.scheduler_reconnect_for`: seconds a scheduler-side call keeps retrying while the
       daemon is away (default 0.5; the scheduler then answers "nothing cached" for
       `kvcached.retry_after` seconds, default 5, instead of stalling the engine).
@@ -83,6 +89,7 @@ class ConnectorConfig:
     save_decode: bool
     layerwise: bool
     window_saves: str
+    key_scheme: str
     scheduler_reconnect_for: float
     worker_reconnect_for: float
     retry_after: float
@@ -96,6 +103,7 @@ class ConnectorConfig:
         "save_decode",
         "layerwise",
         "window_saves",
+        "key_scheme",
         "scheduler_reconnect_for",
         "worker_reconnect_for",
         "retry_after",
@@ -121,6 +129,7 @@ class ConnectorConfig:
             save_decode=_flag(get("save_decode", False)),
             layerwise=_flag(get("layerwise", False)),
             window_saves=_choice("window_saves", get("window_saves", "window"), ("window", "all")),
+            key_scheme=_choice("key_scheme", get("key_scheme", "tokens"), ("tokens", "sglang")),
             scheduler_reconnect_for=float(get("scheduler_reconnect_for", 0.5)),
             worker_reconnect_for=float(get("worker_reconnect_for", 5.0)),
             retry_after=float(get("retry_after", 5.0)),
@@ -247,6 +256,8 @@ def namespace(
     first). With several groups each has its own: its layers, its spec and its index."""
     group = group or kv_groups(vllm_config, kv_cache_config)[0]
     spec, layers = group.spec, group.layers
+    if cfg.key_scheme == "sglang":
+        return _shared_namespace(vllm_config, kv_cache_config, cfg, tp_rank, tp_size, group)
     if _plain(spec):
         layout = kvcached.KvLayout(
             num_layers=len(layers),
@@ -285,3 +296,46 @@ def namespace(
         + ([f"group={group.index}/{group.count}"] if group.count > 1 else [])
     )
     return kvcached.Namespace(model_id, layout, tenant_salt=cfg.tenant_salt, extra=extra.encode())
+
+
+def _shared_namespace(
+    vllm_config: Any, kv_cache_config: Any, cfg: ConnectorConfig, tp_rank: int, tp_size: int, group: KvGroup
+) -> kvcached.Namespace:
+    """The namespace `kvcached.shared_pages` names for this rank's pages (`kvcached.key_scheme`
+    "sglang"): where vLLM's page holds the bytes SGLang's backend stores, else a refusal."""
+    from kvcached.shared_pages import shared_namespace
+
+    spec, layers = group.spec, group.layers
+    if group.count > 1:
+        raise _unsupported('kvcached.key_scheme "sglang" with more than one KV-cache group')
+    mla = type(spec).__name__.startswith("MLA")
+    layout = layout_name(vllm_config, kv_cache_config).rsplit(".", 1)[-1]
+    itemsize = torch.empty((), dtype=spec.dtype).element_size()
+    if mla:
+        width, rem = divmod(page_bytes(spec), spec.block_size * itemsize)
+        if rem:
+            raise _unsupported(f"an MLA page of {page_bytes(spec)} bytes for {spec.block_size} tokens")
+        heads, head_dim = 1, width
+    elif _plain(spec) and layout in ("LBNHC", "BLNHC"):
+        heads, head_dim = spec.num_kv_heads, spec.head_size
+    else:
+        raise _unsupported(
+            f'kvcached.key_scheme "sglang" with a {type(spec).__name__} page in the {layout} layout (SGLang\'s '
+            "pages are the bytes of a full-attention page in the LBNHC or BLNHC layout, or MLA's)"
+        )
+    tp_rank, tp_size = tp_shard(spec, tp_rank, tp_size)
+    mc = vllm_config.model_config
+    return shared_namespace(
+        cfg.model_id or str(mc.model),
+        attention="mla" if mla else "mha",
+        num_layers=len(layers),
+        kv_heads=heads,
+        head_dim=head_dim,
+        dtype=spec.dtype,
+        page_size=spec.block_size,
+        order="vllm",
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        tenant_salt=cfg.tenant_salt,
+        user=cfg.namespace_extra,
+    )

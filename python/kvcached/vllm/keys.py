@@ -25,6 +25,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+import kvcached
+
 log = logging.getLogger("kvcached.vllm")
 
 # Files of an adapter directory read to hash its weights (vLLM's PEFT loader reads these).
@@ -45,8 +47,6 @@ class ContextArgs:
     block_extras: tuple[tuple[int, bytes], ...] = ()
 
     def make(self) -> Any:
-        import kvcached
-
         return kvcached.KeyContext(
             adapter_name=self.adapter_name,
             adapter_hash=self.adapter_hash,
@@ -142,3 +142,16 @@ def request_context(request: Any, adapters: AdapterHashes, block_size: int) -> t
         ),
         None,
     )
+
+
+# A request's keys as SGLang's page hashes of its tokens, derived by the daemon.
+_SGLANG_KEYS = kvcached.EngineHashes("sglang")
+
+
+def key_kwargs(key_context: Any, key_scheme: str) -> dict[str, Any]:
+    """The keyword arguments that key a request's lookups, loads and saves: its key context,
+    or (`kvcached.key_scheme` "sglang", a request with no context) SGLang's page hashes of its
+    tokens, which SGLang engines with kvcached's HiCache backend key the same blocks by."""
+    if key_context is None and key_scheme == "sglang":
+        return {"hashes": _SGLANG_KEYS}
+    return {"context": key_context}

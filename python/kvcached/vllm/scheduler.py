@@ -18,7 +18,7 @@ from typing import Any
 
 import kvcached
 from kvcached.vllm.config import ConnectorConfig, kv_groups, namespace
-from kvcached.vllm.keys import AdapterHashes, ContextArgs, request_context
+from kvcached.vllm.keys import AdapterHashes, ContextArgs, key_kwargs, request_context
 from kvcached.vllm.meta import KvcachedConnectorMetadata, Transfer
 
 log = logging.getLogger("kvcached.vllm")
@@ -208,7 +208,8 @@ class SchedulerSide:
         for g, c in zip(self.groups, clients, strict=True):
             if windowed and g.window_blocks is not None:
                 continue
-            h = c.lookup(tokens if hit is None else tokens[: hit.matched_tokens], context=st.key_context)
+            keys = key_kwargs(st.key_context, self.cfg.key_scheme)
+            h = c.lookup(tokens if hit is None else tokens[: hit.matched_tokens], **keys)
             if hit is None or h.matched_tokens < hit.matched_tokens:
                 hit = h
             if hit.matched_tokens == 0:
@@ -220,7 +221,8 @@ class SchedulerSide:
             if g.window_blocks is None:
                 continue
             first = max(0, end - g.window_blocks)
-            run = c.lookup(tokens[: end * self.block_size], context=st.key_context, first_block=first)
+            keys = key_kwargs(st.key_context, self.cfg.key_scheme)
+            run = c.lookup(tokens[: end * self.block_size], first_block=first, **keys)
             if first + run.matched_blocks < end:
                 return _NO_HIT  # the window before the hit point is not all there
         return hit

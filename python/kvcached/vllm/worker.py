@@ -38,7 +38,7 @@ from torch.overrides import TorchFunctionMode
 import kvcached
 from kvcached.torch_utils import SharedRegion, cuda_ipc_region, shared_empty
 from kvcached.vllm.config import ConnectorConfig, KvGroup, kv_groups, layout_name, namespace, page_bytes
-from kvcached.vllm.keys import ContextArgs
+from kvcached.vllm.keys import ContextArgs, key_kwargs
 from kvcached.vllm.meta import KvcachedConnectorMetadata, Transfer
 
 log = logging.getLogger("kvcached.vllm")
@@ -272,12 +272,15 @@ class WorkerSide:
 
     # -- loads ---------------------------------------------------------------------------------
 
+    def _keys(self, t: Transfer) -> dict:
+        return key_kwargs(_key_context(t.context), self.cfg.key_scheme)
+
     def _start(self, t: Transfer) -> kvcached.LoadOp | None:
         client = self._register(t.group)
         if client is None:
             return None
         try:
-            return client.load(t.tokens, t.first_block, t.slots, context=_key_context(t.context))
+            return client.load(t.tokens, t.first_block, t.slots, **self._keys(t))
         except kvcached.KvcachedError as e:
             log.warning("kvcached: load for %s refused: %s", t.req_id, e)
             return None
@@ -361,7 +364,7 @@ class WorkerSide:
                 if client is None:
                     self.counts["save_failed"] += len(t.slots)
                     continue
-                r = client.save(t.tokens, t.first_block, t.slots, context=_key_context(t.context))
+                r = client.save(t.tokens, t.first_block, t.slots, **self._keys(t))
             except kvcached.KvcachedError as e:
                 self.counts["save_failed"] += len(t.slots)
                 log.warning("kvcached: save for %s failed: %s", t.req_id, e)

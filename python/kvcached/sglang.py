@@ -1,0 +1,402 @@
+"""kvcached as SGLang HiCache's storage backend (SGLang 0.5.x).
+
+SGLang keeps KV in GPU memory, then in its host pool, then in a storage backend. With this
+backend the storage is the node's kvcached daemon, shared by every engine on the node (SGLang's
+and vLLM's), with its disk and object-store tiers, its peers and the cluster router:
+
+    python -m sglang.launch_server ... --enable-hierarchical-cache \\
+        --hicache-storage-backend dynamic \\
+        --hicache-storage-backend-extra-config '{"backend_name": "kvcached",
+            "module_path": "kvcached.sglang", "class_name": "KvcachedStorage",
+            "interface_v1": 1, "allocator": "shm"}'
+
+- `interface_v1: 1` (required): SGLang hands the backend host-pool page indices
+  (`batch_get_v1` / `batch_set_v1`), and the daemon copies those pages itself.
+- `allocator: "shm"` (recommended): SGLang allocates its host pool in a memfd, which the
+  backend registers with the daemon, so with the `layer_first` and `page_first_direct` layouts
+  the daemon reads and writes the pool's pages in place (no copy in the engine). Any other
+  layout or allocator, and the page order "vllm", go through a staging area of the backend's
+  own (one host copy per page).
+- `kvcached.page_order`: the byte order of a stored MHA page: `"sglang"` (default: each
+  layer's K page, then its V page, as SGLang's pools hold them) or `"vllm"` (each layer's page
+  as vLLM 0.33 holds it, `[tokens, heads, K|V]`), with which a vLLM engine of the same model
+  with `kvcached.key_scheme: "sglang"` shares blocks both ways. MLA pages are the same bytes in
+  both engines.
+- `kvcached.socket`, `kvcached.model_id` (default SGLang's model name), `kvcached.tenant_salt`
+  (default `$KVCACHED_TENANT_SALT`), `kvcached.namespace_extra`, `kvcached.staging_pages`
+  (default 256), `kvcached.reconnect_for` (seconds, default 5).
+
+Pages are keyed by SGLang's own page hashes (`docs/block-keys.md` section 7, scheme "sglang"),
+in the namespace of `kvcached.shared_pages`, which names the bytes: engines share blocks only
+where they hold the same bytes. Every tensor-parallel rank registers its own pages (its heads);
+an MLA model's latent is the same on every rank, so its ranks share one namespace and only
+SGLang's writer rank saves.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import kvcached
+from kvcached.shared_pages import shared_namespace
+
+try:
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
+except ImportError as e:  # pragma: no cover - only without SGLang
+    raise ImportError(f"kvcached.sglang needs SGLang 0.5.x installed ({e})") from e
+
+log = logging.getLogger("kvcached.sglang")
+
+PREFIX = "kvcached."
+KEYS = ("socket", "model_id", "tenant_salt", "namespace_extra", "page_order", "staging_pages", "reconnect_for")
+
+
+def page_key(key: str) -> bytes:
+    """SGLang's page hash (64 hex digits) as the 32 bytes the daemon keys by; any other key
+    string (a suffixed or custom one) as its UTF-8 bytes, hashed where longer than 64."""
+    if len(key) == 64:
+        try:
+            return bytes.fromhex(key)
+        except ValueError:
+            pass
+    b = key.encode()
+    if len(b) > 64:
+        import hashlib
+
+        b = hashlib.sha256(b).digest()
+    return b
+
+
+# Each host layout's buffer with an axis of pages ("n"): its axes, by name. "2" is K and V.
+_MHA_AXES = {"layer_first": "2LnPHD", "page_first": "2nPLHD", "page_first_direct": "2nLPHD", "page_head": "2nHPLD"}
+_MLA_AXES = {"layer_first": "LnPD", "page_first": "nPLD", "page_first_direct": "nLPD"}
+# A block's bytes, pages first: vLLM's order (each layer's page [tokens, heads, K|V], as vLLM
+# 0.33 keeps it), SGLang's (each layer's K page, then its V page), MLA's (each layer's latent).
+_ORDERS = {"vllm": "nLPH2D", "sglang": "nL2PHD", "mla": "nLPD"}
+
+
+@dataclass(frozen=True)
+class Pages:
+    """Where a host pool's pages lie, and how they map to the bytes of a kvcached block in the
+    page order `order` ("vllm" or "sglang"; MLA pages have one order)."""
+
+    attention: str
+    layout: str
+    order: str
+    layers: int
+    page_size: int
+    num_pages: int
+    heads: int
+    dim: int
+    itemsize: int
+
+    @staticmethod
+    def of(pool: Any, is_mla: bool, order: str) -> Pages:
+        layout = str(pool.layout)
+        axes = _MLA_AXES if is_mla else _MHA_AXES
+        if layout not in axes:
+            raise NotImplementedError(
+                f"kvcached's HiCache backend does not know the host layout {layout!r} (it knows {list(axes)})"
+            )
+        if is_mla:
+            heads, dim = 1, int(pool.kv_cache_dim)
+        else:
+            if int(getattr(pool, "v_head_dim", pool.head_dim)) != int(pool.head_dim):
+                raise NotImplementedError("K and V of different head sizes in SGLang's host pool")
+            heads, dim = int(pool.head_num), int(pool.head_dim)
+        size, p = int(pool.size), int(pool.page_size)
+        return Pages(
+            attention="mla" if is_mla else "mha",
+            layout=layout,
+            order="mla" if is_mla else order,
+            layers=int(pool.layer_num),
+            page_size=p,
+            num_pages=size // p,
+            heads=heads,
+            dim=dim,
+            itemsize=int(pool.dtype.itemsize),
+        )
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one layer's page (K and V together for MHA)."""
+        n = self.page_size * self.heads * self.dim * self.itemsize
+        return n if self.attention == "mla" else 2 * n
+
+    def in_place(self) -> kvcached.SlotLayout | None:
+        """The pool's own pages as kvcached slots (slot = page index), two segments per layer
+        in block byte order; None where the pool does not hold a block's layers in that order."""
+        if self.layout not in ("layer_first", "page_first_direct") or self.order == "vllm":
+            return None
+        L, P, S = self.layers, self.page_size, self.num_pages * self.page_size
+        seg = self.page_bytes // 2
+        tok = self.heads * self.dim * self.itemsize
+        segments: list[tuple[int, int]] = []
+        for layer in range(L):
+            for half in range(2):
+                if self.attention == "mha" and self.layout == "layer_first":  # (2, L, S, H, D)
+                    segments.append(((half * L * S + layer * S) * tok, P * tok))
+                elif self.attention == "mha":  # page_first_direct: (2, S/P, L, P, H, D)
+                    segments.append(((half * S * L + layer * P) * tok, L * P * tok))
+                elif self.layout == "layer_first":  # MLA (L, S, 1, dim): a layer's page in halves
+                    segments.append((layer * S * tok + half * seg, P * tok))
+                else:  # MLA page_first_direct: (S/P, L, P, 1, dim)
+                    segments.append((layer * P * tok + half * seg, L * P * tok))
+        return kvcached.SlotLayout(segments, seg, self.num_pages)
+
+    def staging_slots(self, n: int) -> kvcached.SlotLayout:
+        """`n` slots of whole blocks one after another, two segments per layer."""
+        seg = self.page_bytes // 2
+        block = seg * 2 * self.layers
+        return kvcached.SlotLayout([(i * seg, block) for i in range(2 * self.layers)], seg, n)
+
+    def _sizes(self, n: int) -> dict[str, int]:
+        return {"2": 2, "L": self.layers, "n": n, "P": self.page_size, "H": self.heads, "D": self.dim}
+
+    def _view(self, buf: torch.Tensor) -> tuple[torch.Tensor, int, tuple[int, ...]]:
+        """The pool's buffer with an axis of pages: (view, the page axis, the permutation from
+        an index_select of pages to the block order)."""
+        axes = (_MLA_AXES if self.attention == "mla" else _MHA_AXES)[self.layout]
+        size = self._sizes(self.num_pages)
+        order = _ORDERS[self.order]
+        return buf.view(*(size[a] for a in axes)), axes.index("n"), tuple(axes.index(a) for a in order)
+
+    def blocks(self, staging: torch.Tensor, n: int) -> torch.Tensor:
+        """The first `n` staging slots as pages in the block order."""
+        size = self._sizes(n)
+        return staging[: n * self.layers * self.page_bytes // self.itemsize].view(
+            *(size[a] for a in _ORDERS[self.order])
+        )
+
+    def gather(self, buf: torch.Tensor, pages: torch.Tensor, out: torch.Tensor) -> None:
+        """Copies the pool's `pages` into `out` (block order)."""
+        view, axis, perm = self._view(buf)
+        out.copy_(view.index_select(axis, pages).permute(perm))
+
+    def scatter(self, buf: torch.Tensor, pages: torch.Tensor, src: torch.Tensor) -> None:
+        """Copies `src` (block order) into the pool's `pages`."""
+        view, axis, perm = self._view(buf)
+        inverse = tuple(sorted(range(len(perm)), key=lambda i: perm[i]))
+        view.index_copy_(axis, pages, src.permute(inverse))
+
+
+def _pool_offset(pool: Any) -> int | None:
+    """Where the pool's buffer starts in its memfd (None when it is not in one)."""
+    fd, mm = getattr(pool, "fd", None), getattr(getattr(pool, "allocator", None), "mm", None)
+    if fd is None or mm is None:
+        return None
+    import ctypes
+
+    c = ctypes.c_char.from_buffer(mm)
+    base = ctypes.addressof(c)
+    del c  # no export of SGLang's mapping left behind
+    off = int(pool.kv_buffer.data_ptr()) - base
+    return off if 0 <= off < len(mm) else None
+
+
+class KvcachedStorage(HiCacheStorage):
+    """SGLang's HiCache storage backend over the node's kvcached daemon (see the module)."""
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict | None = None) -> None:
+        extra = dict(storage_config.extra_config or {})
+        if not int(extra.get("interface_v1", 0) or 0):
+            raise ValueError(
+                'kvcached\'s HiCache backend needs "interface_v1": 1 in --hicache-storage-backend-extra-config '
+                "(it moves host-pool pages in place)"
+            )
+        unknown = sorted(k for k in extra if k.startswith(PREFIX) and k[len(PREFIX) :] not in KEYS)
+        if unknown:
+            raise ValueError(f"unknown kvcached settings {unknown}; known: {[PREFIX + k for k in KEYS]}")
+
+        def get(key: str, default: Any = None) -> Any:
+            return extra.get(PREFIX + key, default)
+
+        self.config = storage_config
+        self.model_id = str(get("model_id") or storage_config.model_name or "")
+        if not self.model_id:
+            raise ValueError("kvcached's HiCache backend needs the model's name (kvcached.model_id)")
+        salt = get("tenant_salt", os.environ.get("KVCACHED_TENANT_SALT"))
+        self.tenant_salt = salt.encode() if isinstance(salt, str) and salt else (salt or None)
+        self.namespace_extra = str(get("namespace_extra", ""))
+        self.page_order = str(get("page_order", "sglang"))
+        if self.page_order not in ("sglang", "vllm"):
+            raise ValueError(f'kvcached.page_order must be "sglang" or "vllm", not {self.page_order!r}')
+        self.staging_pages = max(1, int(get("staging_pages", 256)))
+        self.client = kvcached.Client(get("socket", os.environ.get("KVCACHED_SOCKET")),
+                                      reconnect_for=float(get("reconnect_for", 5.0)))  # fmt: skip
+        self.pages: Pages | None = None
+        self.namespace: kvcached.Namespace | None = None
+        self.memory: kvcached.KvMemory | None = None
+        # Staging (pools not registered in place): one half for gets, one for sets, each under
+        # its lock (SGLang's prefetch and backup threads call at once).
+        self.staging: torch.Tensor | None = None
+        self._locks = (threading.Lock(), threading.Lock())
+        self.in_place = False
+        self.counts = {"exists": 0, "hit_pages": 0, "get_pages": 0, "got_pages": 0, "set_pages": 0, "stored": 0}
+
+    # -- registration ------------------------------------------------------------------------
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        super().register_mem_pool_host(mem_pool_host)
+        pool = mem_pool_host
+        self.pages = pages = Pages.of(pool, bool(self.config.is_mla_model), self.page_order)
+        self.namespace = shared_namespace(
+            self.model_id,
+            attention=pages.attention,  # type: ignore[arg-type]
+            num_layers=pages.layers,
+            kv_heads=pages.heads,
+            head_dim=pages.dim,
+            dtype=pool.dtype,
+            page_size=pages.page_size,
+            order=pages.order,
+            tp_rank=int(self.config.tp_rank),
+            tp_size=int(self.config.tp_size),
+            tenant_salt=self.tenant_salt,
+            user=self.namespace_extra,
+        )
+        slots = pages.in_place()
+        offset = _pool_offset(pool)
+        if slots is not None and offset == 0:
+            self.memory = kvcached.KvMemory.from_fd(pool.fd, slots)
+            self.in_place = True
+        else:
+            self.memory = kvcached.KvMemory.with_slots(pages.staging_slots(2 * self.staging_pages))
+            self.staging = self.memory.torch(pool.dtype)
+            why = f"{pages.layout}, page order {pages.order}" if slots is None else "not in a memfd (allocator: shm)"
+            log.info("kvcached: SGLang's host pool is staged (%s): one host copy per page", why)
+        name = f"sglang-{os.getpid()}-tp{self.config.tp_rank}"
+        reg = self.client.register(name, self.namespace, self.memory)
+        log.info(
+            "kvcached: SGLang host pool registered (%s, %d pages of %d tokens, %s), namespace %s",
+            pages.layout, pages.num_pages, pages.page_size, "in place" if self.in_place else "staged",
+            reg.namespace_id,
+        )  # fmt: skip
+
+    def _hashes(self, keys: list[str]) -> kvcached.EngineHashes:
+        return kvcached.EngineHashes("sglang", [page_key(k) for k in keys])
+
+    def _page_ids(self, keys: list[str], host_indices: torch.Tensor) -> torch.Tensor:
+        assert self.pages is not None
+        p = self.pages.page_size
+        first = host_indices.view(-1)[: len(keys) * p : p].to(torch.int64)
+        return torch.div(first, p, rounding_mode="floor")
+
+    # -- interface v1 --------------------------------------------------------------------------
+
+    def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
+        if not keys or self.pages is None:
+            return 0
+        try:
+            n = int(self.client.lookup((), hashes=self._hashes(keys)).matched_blocks)
+        except kvcached.KvcachedError as e:
+            log.warning("kvcached: lookup failed (%s): nothing cached", e)
+            return 0
+        self.counts["exists"] += 1
+        self.counts["hit_pages"] += n
+        return n
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
+        if not keys or self.pages is None:
+            return [False] * len(keys)
+        pages = self._page_ids(keys, host_indices)
+        self.counts["get_pages"] += len(keys)
+        got = 0
+        try:
+            if self.in_place:
+                got = self._load(keys, pages.tolist())
+            else:
+                with self._locks[0]:
+                    for at in range(0, len(keys), self.staging_pages):
+                        chunk = keys[at : at + self.staging_pages]
+                        base = self.staging_pages  # the gets' half
+                        n = self._load(chunk, list(range(base, base + len(chunk))))
+                        if n:
+                            src = self.pages.blocks(self._staged(base), n)
+                            self.pages.scatter(self.mem_pool_host.kv_buffer, pages[at : at + n], src)
+                        got += n
+                        if n < len(chunk):
+                            break
+        except kvcached.KvcachedError as e:
+            log.warning("kvcached: load of %d pages failed (%s): a miss", len(keys), e)
+        self.counts["got_pages"] += got
+        return [True] * got + [False] * (len(keys) - got)
+
+    def _load(self, keys: list[str], slots: list[int]) -> int:
+        st = self.client.load_now((), 0, slots, hashes=self._hashes(keys))
+        return int(st.loaded_blocks)
+
+    def _staged(self, slot: int) -> torch.Tensor:
+        assert self.staging is not None and self.pages is not None
+        per = self.pages.layers * self.pages.page_bytes // self.pages.itemsize
+        return self.staging[slot * per :]
+
+    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
+        if not keys or self.pages is None:
+            return [False] * len(keys)
+        pages = self._page_ids(keys, host_indices)
+        self.counts["set_pages"] += len(keys)
+        done = 0
+        try:
+            if self.in_place:
+                done = self._save(keys, pages.tolist())
+            else:
+                with self._locks[1]:
+                    for at in range(0, len(keys), self.staging_pages):
+                        chunk = keys[at : at + self.staging_pages]
+                        out = self.pages.blocks(self._staged(0), len(chunk))
+                        self.pages.gather(self.mem_pool_host.kv_buffer, pages[at : at + len(chunk)], out)
+                        n = self._save(chunk, list(range(len(chunk))))
+                        done += n
+                        if n < len(chunk):
+                            break
+        except kvcached.KvcachedError as e:
+            log.warning("kvcached: save of %d pages failed (%s)", len(keys), e)
+        return [True] * done + [False] * (len(keys) - done)
+
+    def _save(self, keys: list[str], slots: list[int]) -> int:
+        r = self.client.save((), 0, slots, hashes=self._hashes(keys))
+        if r.failed:
+            log.warning("kvcached: %d of %d pages not stored: %s", r.failed, len(keys), r.error)
+        self.counts["stored"] += int(r.stored)
+        return len(keys) - int(r.failed)
+
+    # -- the rest of the interface -------------------------------------------------------------
+
+    def _v1_only(self, what: str) -> NotImplementedError:
+        return NotImplementedError(f"kvcached's HiCache backend serves interface_v1 only ({what} was called)")
+
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
+        raise self._v1_only("get")
+
+    def batch_get(self, keys: list[str], target_locations: Any = None, target_sizes: Any = None) -> Any:
+        raise self._v1_only("batch_get")
+
+    def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
+        raise self._v1_only("set")
+
+    def batch_set(
+        self, keys: list[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None
+    ) -> bool:
+        raise self._v1_only("batch_set")
+
+    def clear(self) -> None:
+        # The node's cache is shared with every other engine: SGLang's "clear" does not empty it.
+        log.info("kvcached: clear() leaves the node's shared cache as it is")
+
+    def get_stats(self) -> dict[str, int]:
+        return dict(self.counts)
+
+    def close(self) -> None:
+        try:
+            self.client.unregister()
+        except kvcached.KvcachedError as e:
+            log.debug("kvcached: unregister failed: %s", e)

@@ -1,0 +1,109 @@
+"""kvcached as SGLang HiCache's storage backend, with SGLang 0.5.x's own host pools on CPU and a
+real daemon (see sglang_harness for how SGLang's controller drives a backend)."""
+
+from __future__ import annotations
+
+import pytest
+
+from sglang_harness import (  # isort: skip
+    PAGE, backend, fill_pages, mha_pool, mla_pool, page_bytes, page_hashes,
+)  # fmt: skip
+
+import kvcached
+
+
+def test_sglang_page_hashes_are_the_daemons():
+    """SGLang's native page hash is the chain the daemon derives for scheme "sglang"."""
+    tokens = list(range(1000, 1000 + 4 * PAGE + 3))
+    ours = [h.hex() for h in kvcached.EngineHashes.sglang_page_hashes(tokens, PAGE)]
+    assert ours == page_hashes(tokens)
+
+
+@pytest.mark.parametrize(
+    ("make", "layout", "allocator", "order", "in_place"),
+    [
+        (mha_pool, "layer_first", "shm", "sglang", True),
+        (mha_pool, "page_first_direct", "shm", "sglang", True),
+        (mha_pool, "layer_first", "default", "sglang", False),
+        (mha_pool, "page_first", "shm", "sglang", False),
+        (mha_pool, "page_head", "default", "sglang", False),
+        (mha_pool, "layer_first", "shm", "vllm", False),
+        (mla_pool, "layer_first", "shm", "sglang", True),
+        (mla_pool, "page_first_direct", "shm", "sglang", True),
+        (mla_pool, "page_first", "default", "sglang", False),
+    ],
+)
+def test_pages_round_trip_between_two_engines(own_daemon, make, layout, allocator, order, in_place):
+    """One engine's pages saved through the backend are found and loaded, byte for byte, by
+    another engine into other pages of its own pool; the pool is registered in place where
+    its layout and allocator allow."""
+    mla = make is mla_pool
+    a_pool, b_pool = make(layout, allocator), make(layout, allocator)
+    a = backend(a_pool, own_daemon.socket, mla=mla, **{"kvcached.page_order": order})
+    b = backend(b_pool, own_daemon.socket, mla=mla, **{"kvcached.page_order": order})
+    assert a.in_place is in_place
+    tokens = list(range(7, 7 + 5 * PAGE))
+    keys = page_hashes(tokens)
+    assert b.batch_exists(keys) == 0
+    a_idx = fill_pages(a_pool, 5, seed=1)
+    assert a.batch_set_v1(keys, a_idx) == [True] * 5
+    # The other engine: the hit query, then the pages into other slots of its own pool.
+    fill_pages(b_pool, 3, seed=2)  # pages it already uses elsewhere
+    assert b.batch_exists(keys) == 5
+    assert b.batch_exists(keys[:2] + page_hashes(list(range(99, 99 + 3 * PAGE)))[2:]) == 2
+    b_idx = b_pool.alloc(5 * PAGE)
+    assert b.batch_get_v1(keys, b_idx) == [True] * 5
+    assert page_bytes(b_pool, b_idx, 5) == page_bytes(a_pool, a_idx, 5)
+    # What was never saved is a miss from its first page.
+    other = page_hashes(list(range(500, 500 + 2 * PAGE)))
+    assert b.batch_get_v1(keys[:1] + other, b_pool.alloc(3 * PAGE)) == [True, False, False]
+    assert a.get_stats()["stored"] == 5
+    a.close()
+    b.close()
+
+
+def test_page_orders_and_ranks_never_share(own_daemon):
+    """Pages of another byte order, another tensor-parallel rank or another dtype are other
+    bytes: never found. An MLA latent is the same on every rank: found from any rank."""
+    tokens = list(range(3, 3 + 2 * PAGE))
+    keys = page_hashes(tokens)
+    pool = mha_pool("layer_first", "shm")
+    saver = backend(pool, own_daemon.socket)
+    assert saver.batch_set_v1(keys, fill_pages(pool, 2, seed=3)) == [True, True]
+    assert backend(mha_pool("layer_first", "shm"), own_daemon.socket).batch_exists(keys) == 2
+    assert (
+        backend(mha_pool("layer_first"), own_daemon.socket, **{"kvcached.page_order": "vllm"}).batch_exists(keys) == 0
+    )
+    assert backend(mha_pool("layer_first", "shm"), own_daemon.socket, tp=(1, 2)).batch_exists(keys) == 0
+    import torch
+
+    assert backend(mha_pool("layer_first", "shm", dtype=torch.float16), own_daemon.socket).batch_exists(keys) == 0
+    assert (
+        backend(mha_pool("layer_first", "shm"), own_daemon.socket, **{"kvcached.model_id": "other"}).batch_exists(keys)
+        == 0
+    )
+    # MLA: SGLang's writer rank saves, every rank finds and loads the same latent.
+    mpool = mla_pool("layer_first", "shm")
+    writer = backend(mpool, own_daemon.socket, mla=True, tp=(0, 4))
+    idx = fill_pages(mpool, 2, seed=4)
+    assert writer.batch_set_v1(keys, idx) == [True, True]
+    r3_pool = mla_pool("layer_first", "shm")
+    r3 = backend(r3_pool, own_daemon.socket, mla=True, tp=(3, 4))
+    got = r3_pool.alloc(2 * PAGE)
+    assert r3.batch_exists(keys) == 2 and r3.batch_get_v1(keys, got) == [True, True]
+    assert page_bytes(r3_pool, got, 2) == page_bytes(mpool, idx, 2)
+
+
+def test_refusals_are_clear(own_daemon):
+    with pytest.raises(ValueError, match="interface_v1"):
+        backend(mha_pool("layer_first"), own_daemon.socket, interface_v1=0)
+    with pytest.raises(ValueError, match="kvcached.page_ordr"):
+        backend(mha_pool("layer_first"), own_daemon.socket, **{"kvcached.page_ordr": "vllm"})
+    b = backend(mha_pool("layer_first"), own_daemon.socket)
+    with pytest.raises(NotImplementedError, match="interface_v1"):
+        b.batch_get(["00" * 32])
+    # Keys SGLang never makes (suffixed, long) still key pages: hashed to at most 64 bytes.
+    pool = b.mem_pool_host
+    odd = ["custom-key-" + "x" * 100, "short"]
+    assert b.batch_set_v1(odd, fill_pages(pool, 2, seed=5)) == [True, True]
+    assert b.batch_exists(odd) == 2
