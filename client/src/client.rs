@@ -474,6 +474,21 @@ impl Client {
     /// daemon that no longer knows the engine); then call [`Client::lookup`], which also
     /// recovers a lost registration.
     pub fn lookup_blocking(&self, tokens: &[u32]) -> Option<Result<pb::LookupResponse, ClientError>> {
+        self.lookup_blocking_keyed(tokens, &KeySource::Plain)
+    }
+
+    /// [`Client::lookup_blocking`] of blocks keyed by `keys` (see [`Client::save_keyed`]): the
+    /// plain chain or engine hashes, which LOOKUP carries; `None` for a key context (gRPC only)
+    /// and wherever [`Client::lookup_blocking`] answers `None`.
+    pub fn lookup_blocking_keyed(
+        &self,
+        tokens: &[u32],
+        keys: &KeySource,
+    ) -> Option<Result<pb::LookupResponse, ClientError>> {
+        let keys = wire_keys(keys);
+        if keys.context.is_some() {
+            return None;
+        }
         let engine_id = self.engine_id().ok()?;
         let staged = self.stage(tokens);
         let (tokens, tokens_at) = self.carried(staged.as_ref(), || kvproto::tokens_to_le(tokens));
@@ -485,7 +500,7 @@ impl Client {
             tokens_at,
             context: None,
             first_block: 0,
-            engine_hashes: None,
+            engine_hashes: keys.hashes,
         };
         match self.inner.lookups.lookup_blocking(&self.inner.socket, &req)? {
             Ok(r) => Some(Ok(r)),

@@ -156,20 +156,20 @@ fn hash_key(fp: &NamespaceFingerprint) -> [u8; 32] {
 
 /// The key of each of `hashes` (scheme `scheme`) in the namespace of `fp`.
 pub fn engine_hash_keys<H: AsRef<[u8]>>(fp: &NamespaceFingerprint, scheme: HashScheme, hashes: &[H]) -> Vec<BlockKey> {
-    let mut prefix = Vec::with_capacity(8 + scheme.name().len());
-    put_bytes(&mut prefix, scheme.name().as_bytes());
-    let base = blake3::Hasher::new_keyed(&hash_key(fp));
+    let key = hash_key(fp);
+    // One message buffer for every hash: `str(scheme) || bytes(hash)`, one BLAKE3 compression
+    // for a 32-byte hash.
+    let mut msg = Vec::with_capacity(8 + scheme.name().len() + MAX_ENGINE_HASH);
+    put_bytes(&mut msg, scheme.name().as_bytes());
+    let at = msg.len();
     hashes
         .iter()
         .map(|h| {
-            let h = h.as_ref();
-            let mut hasher = base.clone();
-            hasher.update(&prefix);
-            hasher.update(&(h.len() as u32).to_le_bytes());
-            hasher.update(h);
-            let mut key = [0u8; 16];
-            key.copy_from_slice(&hasher.finalize().as_bytes()[..16]);
-            BlockKey(key)
+            msg.truncate(at);
+            put_bytes(&mut msg, h.as_ref());
+            let mut out = [0u8; 16];
+            out.copy_from_slice(&blake3::keyed_hash(&key, &msg).as_bytes()[..16]);
+            BlockKey(out)
         })
         .collect()
 }
@@ -196,7 +196,7 @@ pub fn sglang_page_hashes_le(tokens_per_page: usize, le: &[u8]) -> Vec<[u8; 32]>
 }
 
 fn put_bytes(out: &mut Vec<u8>, b: &[u8]) {
-    // Bounded by the scheme names, far below 2^32.
+    // Bounded by the scheme names and MAX_ENGINE_HASH, far below 2^32.
     out.extend_from_slice(&(b.len() as u32).to_le_bytes());
     out.extend_from_slice(b);
 }

@@ -226,20 +226,17 @@ impl PyClient {
     ) -> PyResult<LookupResult> {
         let tokens = tokens_of(tokens)?;
         let src = key_source(context, hashes)?;
-        if !src.is_plain() || first_block > 0 {
-            return self
-                .call(py, move |c| async move { c.lookup_keyed(&tokens, &src, first_block).await })
-                .map(LookupResult::from);
-        }
-        // Over LOOKUP with blocking I/O on this thread (the GIL released) when it can: no hop
-        // through the runtime's worker; through the runtime otherwise.
-        if std::process::id() == self.pid {
+        // Over LOOKUP with blocking I/O on this thread (the GIL released) when it can (the plain
+        // chain and engine hashes from the first block): no hop through the runtime's worker;
+        // through the runtime otherwise.
+        let blocking = first_block == 0 && !matches!(src, kvproto::KeySource::Context(_));
+        if blocking && std::process::id() == self.pid {
             let client = self.client.clone();
-            if let Some(r) = py.detach(|| client.lookup_blocking(&tokens)) {
+            if let Some(r) = py.detach(|| client.lookup_blocking_keyed(&tokens, &src)) {
                 return r.map(LookupResult::from).map_err(|e| to_py(py, e));
             }
         }
-        self.call(py, move |c| async move { c.lookup(&tokens).await }).map(LookupResult::from)
+        self.call(py, move |c| async move { c.lookup_keyed(&tokens, &src, first_block).await }).map(LookupResult::from)
     }
 
     /// `lookup` for a request a router placed (`route_id` from its answer), with the prompt's
