@@ -174,16 +174,26 @@ class Pages:
             *(size[a] for a in _ORDERS[self.order])
         )
 
+    def _page_view(self, buf: torch.Tensor) -> tuple[torch.Tensor, int, tuple[int, ...]]:
+        """The pool's buffer with an axis of pages, that axis, and the permutation from one page
+        of it (the axis selected) to a block in the block order."""
+        view, axis, perm = self._view(buf)
+        assert perm[0] == axis  # the block order starts with the page axis
+        return view, axis, tuple(x - (x > axis) for x in perm[1:])
+
+    # Page by page: one strided copy per page is ~2.5x torch's copy of all pages' permutation
+    # at once (measured on CPU for 36 layers x 4 heads x 128, bf16).
     def gather(self, buf: torch.Tensor, pages: torch.Tensor, out: torch.Tensor) -> None:
         """Copies the pool's `pages` into `out` (block order)."""
-        view, axis, perm = self._view(buf)
-        out.copy_(view.index_select(axis, pages).permute(perm))
+        view, axis, perm = self._page_view(buf)
+        for i, page in enumerate(pages.tolist()):
+            out[i].copy_(view.select(axis, page).permute(perm))
 
     def scatter(self, buf: torch.Tensor, pages: torch.Tensor, src: torch.Tensor) -> None:
         """Copies `src` (block order) into the pool's `pages`."""
-        view, axis, perm = self._view(buf)
-        inverse = tuple(sorted(range(len(perm)), key=lambda i: perm[i]))
-        view.index_copy_(axis, pages, src.permute(inverse))
+        view, axis, perm = self._page_view(buf)
+        for i, page in enumerate(pages.tolist()):
+            view.select(axis, page).permute(perm).copy_(src[i])
 
 
 def _pool_offset(pool: Any) -> int | None:
@@ -268,6 +278,7 @@ class KvcachedStorage(HiCacheStorage):
         else:
             self.memory = kvcached.KvMemory.with_slots(pages.staging_slots(2 * self.staging_pages))
             self.staging = self.memory.torch(pool.dtype)
+            self.staging.zero_()  # faulted in now, not on the first pages SGLang moves
             why = f"{pages.layout}, page order {pages.order}" if slots is None else "not in a memfd (allocator: shm)"
             log.info("kvcached: SGLang's host pool is staged (%s): one host copy per page", why)
         name = f"sglang-{os.getpid()}-tp{self.config.tp_rank}"
