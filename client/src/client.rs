@@ -94,7 +94,15 @@ async fn channel(socket: &Path) -> Result<KvcachedClient<Channel>, ClientError> 
 /// Whether a call failed because the daemon went away or forgot us (restart).
 fn needs_reconnect(s: &tonic::Status) -> bool {
     matches!(s.code(), tonic::Code::Unavailable | tonic::Code::Unknown)
+        || (s.code() == tonic::Code::Cancelled && transport_closed(s))
         || crate::error::reason_of(s) == Some(kvproto::reason::Reason::UnknownEngine)
+}
+
+/// Whether a status is the transport's (a connection that closed under a call in flight: the
+/// daemon killed between two calls on a channel that still held its connection), not the
+/// daemon's answer.
+fn transport_closed(s: &tonic::Status) -> bool {
+    std::error::Error::source(s).is_some_and(|e| e.is::<tonic::transport::Error>())
 }
 
 /// Hands the registration's descriptors to the daemon at `socket` (ATTACH) and fills their
@@ -457,7 +465,8 @@ impl Client {
     }
 
     /// [`Client::lookup_run`] of blocks keyed by `keys` (see [`Client::save_keyed`]); 0 for
-    /// `first_block` is the cached prefix. Over gRPC.
+    /// `first_block` is the cached prefix. Over LOOKUP from the first block without a key
+    /// context, else over gRPC.
     pub async fn lookup_keyed(
         &self,
         tokens: &[u32],
