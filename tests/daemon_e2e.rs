@@ -254,6 +254,20 @@ async fn blocks_keyed_by_engine_hashes() {
             .unwrap_err(),
             "engine_hashes.hashes",
         ),
+        (
+            // A scheme the daemon cannot derive, on a load: refused before the load starts.
+            b.load_op_keyed(
+                &tokens,
+                &KeySource::Hashes(EngineHashes { scheme: HashScheme::Vllm, hashes: vec![] }),
+                0,
+                &[0],
+                &[],
+            )
+            .await
+            .map(|_| ())
+            .unwrap_err(),
+            "PYTHONHASHSEED",
+        ),
     ];
     for (e, field) in cases {
         assert!(matches!(&e, ClientError::Rpc(s) if s.code() == tonic::Code::InvalidArgument), "{e}");

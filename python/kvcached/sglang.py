@@ -10,8 +10,10 @@ and vLLM's), with its disk and object-store tiers, its peers and the cluster rou
             "module_path": "kvcached.sglang", "class_name": "KvcachedStorage",
             "interface_v1": 1, "allocator": "shm"}'
 
-- `interface_v1: 1` (required): SGLang hands the backend host-pool page indices
-  (`batch_get_v1` / `batch_set_v1`), and the daemon copies those pages itself.
+- `interface_v1: 1` (recommended): SGLang hands the backend host-pool page indices
+  (`batch_get_v1` / `batch_set_v1`), and the daemon copies those pages itself. Without it
+  SGLang's generic path hands over each page as a flat copy (`batch_get` / `batch_set`), which
+  the backend moves through its staging area: the same keys and namespace, one copy more.
 - `allocator: "shm"` (recommended): SGLang allocates its host pool in a memfd, which the
   backend registers with the daemon, so with the `layer_first` and `page_first_direct` layouts
   the daemon reads and writes the pool's pages in place (no copy in the engine). Any other
@@ -38,6 +40,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,23 +57,26 @@ except ImportError as e:  # pragma: no cover - only without SGLang
 log = logging.getLogger("kvcached.sglang")
 
 PREFIX = "kvcached."
-KEYS = ("socket", "model_id", "tenant_salt", "namespace_extra", "page_order", "staging_pages", "reconnect_for")
+KEYS = (
+    "socket", "model_id", "tenant_salt", "namespace_extra", "page_order", "staging_pages", "reconnect_for",
+    "retry_after",
+)  # fmt: skip
+# SGLang's batch of pages per backend call (cache_controller.py, STORAGE_BATCH_SIZE).
+SGLANG_BATCH = 128
+# A staging area of at most this many bytes per direction, unless `kvcached.staging_pages` says.
+STAGING_BYTES = 256 << 20
 
 
-def page_key(key: str) -> bytes:
-    """SGLang's page hash (64 hex digits) as the 32 bytes the daemon keys by; any other key
-    string (a suffixed or custom one) as its UTF-8 bytes, hashed where longer than 64."""
-    if len(key) == 64:
-        try:
-            return bytes.fromhex(key)
-        except ValueError:
-            pass
-    b = key.encode()
-    if len(b) > 64:
-        import hashlib
-
-        b = hashlib.sha256(b).digest()
-    return b
+def page_key(key: str) -> bytes | None:
+    """SGLang's page hash (SHA-256, 64 hex digits) as the 32 bytes the daemon keys by; None for
+    any other key (SGLang's XXH3-64 keys, suffixed keys of its unified scheme): scheme "sglang"
+    names SHA-256 page hashes only, and a 64-bit hash is too short to key a node's blocks by."""
+    if len(key) != 64:
+        return None
+    try:
+        return bytes.fromhex(key)
+    except ValueError:
+        return None
 
 
 # Each host layout's buffer with an axis of pages ("n"): its axes, by name. "2" is K and V.
@@ -79,6 +85,11 @@ _MLA_AXES = {"layer_first": "LnPD", "page_first": "nPLD", "page_first_direct": "
 # A block's bytes, pages first: vLLM's order (each layer's page [tokens, heads, K|V], as vLLM
 # 0.33 keeps it), SGLang's (each layer's K page, then its V page), MLA's (each layer's latent).
 _ORDERS = {"vllm": "nLPH2D", "sglang": "nL2PHD", "mla": "nLPD"}
+
+
+def hashes_of(keys: list[str]) -> list[bytes]:
+    """The page keys of `keys` (checked by the caller to be SHA-256 page hashes)."""
+    return [bytes.fromhex(k) for k in keys]
 
 
 @dataclass(frozen=True)
@@ -167,6 +178,13 @@ class Pages:
         order = _ORDERS[self.order]
         return buf.view(*(size[a] for a in axes)), axes.index("n"), tuple(axes.index(a) for a in order)
 
+    def flat_page(self, flat: torch.Tensor) -> torch.Tensor:
+        """One page as SGLang's `get_data_page(flat=True)` gives it, as a view in the block order."""
+        axes = (_MLA_AXES if self.attention == "mla" else _MHA_AXES)[self.layout].replace("n", "")
+        size = self._sizes(1)
+        _, _, perm = self._page_view(torch.empty(0))
+        return flat.view(*(size[a] for a in axes)).permute(perm)
+
     def blocks(self, staging: torch.Tensor, n: int) -> torch.Tensor:
         """The first `n` staging slots as pages in the block order."""
         size = self._sizes(n)
@@ -176,7 +194,13 @@ class Pages:
 
     def _page_view(self, buf: torch.Tensor) -> tuple[torch.Tensor, int, tuple[int, ...]]:
         """The pool's buffer with an axis of pages, that axis, and the permutation from one page
-        of it (the axis selected) to a block in the block order."""
+        of it (the axis selected) to a block in the block order (an empty `buf`: the
+        permutation only)."""
+        if buf.numel() == 0:
+            axes = (_MLA_AXES if self.attention == "mla" else _MHA_AXES)[self.layout]
+            axis = axes.index("n")
+            perm = tuple(axes.index(a) for a in _ORDERS[self.order])
+            return buf, axis, tuple(x - (x > axis) for x in perm[1:])
         view, axis, perm = self._view(buf)
         assert perm[0] == axis  # the block order starts with the page axis
         return view, axis, tuple(x - (x > axis) for x in perm[1:])
@@ -215,11 +239,8 @@ class KvcachedStorage(HiCacheStorage):
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict | None = None) -> None:
         extra = dict(storage_config.extra_config or {})
-        if not int(extra.get("interface_v1", 0) or 0):
-            raise ValueError(
-                'kvcached\'s HiCache backend needs "interface_v1": 1 in --hicache-storage-backend-extra-config '
-                "(it moves host-pool pages in place)"
-            )
+        # SGLang's zero-copy interface (host-pool page indices) or its generic one (flat pages).
+        self.v1 = bool(int(extra.get("interface_v1", 0) or 0))
         unknown = sorted(k for k in extra if k.startswith(PREFIX) and k[len(PREFIX) :] not in KEYS)
         if unknown:
             raise ValueError(f"unknown kvcached settings {unknown}; known: {[PREFIX + k for k in KEYS]}")
@@ -227,6 +248,15 @@ class KvcachedStorage(HiCacheStorage):
         def get(key: str, default: Any = None) -> Any:
             return extra.get(PREFIX + key, default)
 
+        for what, size in (
+            ("pipeline parallelism", getattr(storage_config, "pp_size", 1)),
+            ("attention context parallelism", getattr(storage_config, "attn_cp_size", 1)),
+            ("decode context parallelism", getattr(storage_config, "dcp_size", 1)),
+        ):
+            if int(size or 1) > 1:
+                # Their ranks hold other layers or other slices of a page under the same page
+                # hashes: sharing a namespace would serve one rank another's bytes.
+                raise NotImplementedError(f"kvcached's HiCache backend with {what} ({size} ranks)")
         self.config = storage_config
         self.model_id = str(get("model_id") or storage_config.model_name or "")
         if not self.model_id:
@@ -237,9 +267,15 @@ class KvcachedStorage(HiCacheStorage):
         self.page_order = str(get("page_order", "sglang"))
         if self.page_order not in ("sglang", "vllm"):
             raise ValueError(f'kvcached.page_order must be "sglang" or "vllm", not {self.page_order!r}')
-        self.staging_pages = max(1, int(get("staging_pages", 256)))
+        staging = get("staging_pages")
+        self.staging_pages = max(1, int(staging)) if staging is not None else None
+        # SGLang's prefetch and backup threads wait on each call: a daemon away costs them at
+        # most `reconnect_for` once, then `retry_after` seconds of misses without asking.
         self.client = kvcached.Client(get("socket", os.environ.get("KVCACHED_SOCKET")),
-                                      reconnect_for=float(get("reconnect_for", 5.0)))  # fmt: skip
+                                      reconnect_for=float(get("reconnect_for", 0.5)))  # fmt: skip
+        self.retry_after = float(get("retry_after", 5.0))
+        self._down_until = 0.0
+        self._told: set[str] = set()
         self.pages: Pages | None = None
         self.namespace: kvcached.Namespace | None = None
         self.memory: kvcached.KvMemory | None = None
@@ -255,6 +291,13 @@ class KvcachedStorage(HiCacheStorage):
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         super().register_mem_pool_host(mem_pool_host)
         pool = mem_pool_host
+        if pool.dtype in (torch.uint8, torch.int8):
+            # An fp8 KV cache is stored as bytes: the pool does not say which format, and
+            # e4m3 and e5m2 pages must never meet.
+            raise NotImplementedError(
+                f"kvcached's HiCache backend with a KV cache stored as {pool.dtype} (fp8: the host pool does not "
+                "name its format)"
+            )
         self.pages = pages = Pages.of(pool, bool(self.config.is_mla_model), self.page_order)
         self.namespace = shared_namespace(
             self.model_id,
@@ -270,7 +313,10 @@ class KvcachedStorage(HiCacheStorage):
             tenant_salt=self.tenant_salt,
             user=self.namespace_extra,
         )
-        slots = pages.in_place()
+        if self.staging_pages is None:
+            block = pages.layers * pages.page_bytes
+            self.staging_pages = max(1, min(SGLANG_BATCH, STAGING_BYTES // block))
+        slots = pages.in_place() if self.v1 else None
         offset = _pool_offset(pool)
         if slots is not None and offset == 0:
             self.memory = kvcached.KvMemory.from_fd(pool.fd, slots)
@@ -279,7 +325,13 @@ class KvcachedStorage(HiCacheStorage):
             self.memory = kvcached.KvMemory.with_slots(pages.staging_slots(2 * self.staging_pages))
             self.staging = self.memory.torch(pool.dtype)
             self.staging.zero_()  # faulted in now, not on the first pages SGLang moves
-            why = f"{pages.layout}, page order {pages.order}" if slots is None else "not in a memfd (allocator: shm)"
+            why = (
+                "SGLang's generic interface (interface_v1 off)"
+                if not self.v1
+                else f"{pages.layout}, page order {pages.order}"
+                if slots is None
+                else "not in a memfd (allocator: shm)"
+            )
             log.info("kvcached: SGLang's host pool is staged (%s): one host copy per page", why)
         name = f"sglang-{os.getpid()}-tp{self.config.tp_rank}"
         reg = self.client.register(name, self.namespace, self.memory)
@@ -289,8 +341,35 @@ class KvcachedStorage(HiCacheStorage):
             reg.namespace_id,
         )  # fmt: skip
 
-    def _hashes(self, keys: list[str]) -> kvcached.EngineHashes:
-        return kvcached.EngineHashes("sglang", [page_key(k) for k in keys])
+    def _hashes(self, keys: list[str]) -> kvcached.EngineHashes | None:
+        """The keys as engine hashes, or None (told once) when SGLang's keys are not its
+        SHA-256 page hashes."""
+        hashes = [page_key(k) for k in keys]
+        if any(h is None for h in hashes):
+            bad = next(k for k, h in zip(keys, hashes, strict=True) if h is None)
+            if "keys" not in self._told:
+                self._told.add("keys")
+                log.error(
+                    "kvcached: SGLang page key %r is not a SHA-256 page hash (64 hex digits): kvcached stores "
+                    "none of these pages (unset SGLANG_USE_XXH3_HASH; use SGLang's default key scheme)",
+                    bad,
+                )
+            return None
+        return kvcached.EngineHashes("sglang", hashes)
+
+    def _up(self) -> bool:
+        """Whether to ask the daemon now (not within `retry_after` of finding it away)."""
+        return time.monotonic() >= self._down_until
+
+    def _failed(self, what: str, n: int, e: Exception) -> None:
+        """A call that failed: logged; a daemon away is not asked again for `retry_after`."""
+        if isinstance(e, kvcached.UnreachableError):
+            self._down_until = time.monotonic() + self.retry_after
+            log.warning(
+                "kvcached is not answering (%s); %s of %d pages: none, for %.0f s", e, what, n, self.retry_after
+            )
+        else:
+            log.warning("kvcached: %s of %d pages failed (%s)", what, n, e)
 
     def _page_ids(self, keys: list[str], host_indices: torch.Tensor) -> torch.Tensor:
         assert self.pages is not None
@@ -299,14 +378,20 @@ class KvcachedStorage(HiCacheStorage):
         return torch.div(first, p, rounding_mode="floor")
 
     # -- interface v1 --------------------------------------------------------------------------
+    #
+    # Every call answers: a failure of any kind is a miss (or pages not stored), logged, never an
+    # exception into SGLang's prefetch and backup threads, which it does not restart.
 
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
-        if not keys or self.pages is None:
+        if not keys or self.pages is None or not self._up():
+            return 0
+        hashes = self._hashes(keys)
+        if hashes is None:
             return 0
         try:
-            n = int(self.client.lookup((), hashes=self._hashes(keys)).matched_blocks)
-        except kvcached.KvcachedError as e:
-            log.warning("kvcached: lookup failed (%s): nothing cached", e)
+            n = int(self.client.lookup((), hashes=hashes).matched_blocks)
+        except Exception as e:  # noqa: BLE001 - see above
+            self._failed("lookup", len(keys), e)
             return 0
         self.counts["exists"] += 1
         self.counts["hit_pages"] += n
@@ -316,34 +401,45 @@ class KvcachedStorage(HiCacheStorage):
         return self.batch_exists([key]) == 1
 
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
-        if not keys or self.pages is None:
-            return [False] * len(keys)
-        pages = self._page_ids(keys, host_indices)
+        got = self._get(keys, lambda at, n, base: None, host_indices) if keys else 0
+        return [True] * got + [False] * (len(keys) - got)
+
+    def _get(self, keys: list[str], deliver: Any, host_indices: torch.Tensor | None) -> int:
+        """Loads the pages of `keys` (in place, or through the staging area and `deliver(at, n,
+        base)` for generic calls); how many from the first were loaded."""
+        if self.pages is None or not self._up():
+            return 0
+        hashes = self._hashes(keys)
+        if hashes is None:
+            return 0
         self.counts["get_pages"] += len(keys)
         got = 0
         try:
-            if self.in_place:
-                got = self._load(keys, pages.tolist())
+            if self.in_place and host_indices is not None:
+                got = self._load(hashes, self._page_ids(keys, host_indices).tolist())
             else:
+                assert self.staging_pages is not None
+                pages = self._page_ids(keys, host_indices) if host_indices is not None else None
                 with self._locks[0]:
+                    base = self.staging_pages  # the gets' half
                     for at in range(0, len(keys), self.staging_pages):
-                        chunk = keys[at : at + self.staging_pages]
-                        base = self.staging_pages  # the gets' half
+                        chunk = kvcached.EngineHashes("sglang", hashes_of(keys[at : at + self.staging_pages]))
                         n = self._load(chunk, list(range(base, base + len(chunk))))
-                        if n:
+                        if n and pages is not None:
                             src = self.pages.blocks(self._staged(base), n)
                             self.pages.scatter(self.mem_pool_host.kv_buffer, pages[at : at + n], src)
+                        elif n:
+                            deliver(at, n, base)
                         got += n
                         if n < len(chunk):
                             break
-        except kvcached.KvcachedError as e:
-            log.warning("kvcached: load of %d pages failed (%s): a miss", len(keys), e)
+        except Exception as e:  # noqa: BLE001 - a miss, never an exception into SGLang
+            self._failed("load", len(keys), e)
         self.counts["got_pages"] += got
-        return [True] * got + [False] * (len(keys) - got)
+        return got
 
-    def _load(self, keys: list[str], slots: list[int]) -> int:
-        st = self.client.load_now((), 0, slots, hashes=self._hashes(keys))
-        return int(st.loaded_blocks)
+    def _load(self, hashes: kvcached.EngineHashes, slots: list[int]) -> int:
+        return int(self.client.load_now((), 0, slots, hashes=hashes).loaded_blocks)
 
     def _staged(self, slot: int) -> torch.Tensor:
         assert self.staging is not None and self.pages is not None
@@ -351,53 +447,83 @@ class KvcachedStorage(HiCacheStorage):
         return self.staging[slot * per :]
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
-        if not keys or self.pages is None:
-            return [False] * len(keys)
-        pages = self._page_ids(keys, host_indices)
+        ok = bool(keys) and self._set(keys, None, host_indices)
+        return [ok] * len(keys)
+
+    def _set(self, keys: list[str], values: Any, host_indices: torch.Tensor | None) -> bool:
+        """Stores the pages of `keys` (in place, or through the staging area from the pool's
+        pages or from flat `values`); True when every page is stored (or was already)."""
+        if self.pages is None or not self._up():
+            return False
+        hashes = self._hashes(keys)
+        if hashes is None:
+            return False
         self.counts["set_pages"] += len(keys)
-        done = 0
         try:
-            if self.in_place:
-                done = self._save(keys, pages.tolist())
-            else:
-                with self._locks[1]:
-                    for at in range(0, len(keys), self.staging_pages):
-                        chunk = keys[at : at + self.staging_pages]
-                        out = self.pages.blocks(self._staged(0), len(chunk))
+            if self.in_place and host_indices is not None:
+                return self._save(hashes, self._page_ids(keys, host_indices).tolist())
+            assert self.staging_pages is not None
+            pages = self._page_ids(keys, host_indices) if host_indices is not None else None
+            with self._locks[1]:
+                for at in range(0, len(keys), self.staging_pages):
+                    chunk = keys[at : at + self.staging_pages]
+                    out = self.pages.blocks(self._staged(0), len(chunk))
+                    if pages is not None:
                         self.pages.gather(self.mem_pool_host.kv_buffer, pages[at : at + len(chunk)], out)
-                        n = self._save(chunk, list(range(len(chunk))))
-                        done += n
-                        if n < len(chunk):
-                            break
-        except kvcached.KvcachedError as e:
-            log.warning("kvcached: save of %d pages failed (%s)", len(keys), e)
-        return [True] * done + [False] * (len(keys) - done)
+                    else:
+                        for i in range(len(chunk)):
+                            out[i].copy_(self.pages.flat_page(values[at + i].reshape(-1)))
+                    if not self._save(kvcached.EngineHashes("sglang", hashes_of(chunk)), list(range(len(chunk)))):
+                        return False
+            return True
+        except Exception as e:  # noqa: BLE001 - pages not stored, never an exception into SGLang
+            self._failed("save", len(keys), e)
+            return False
 
-    def _save(self, keys: list[str], slots: list[int]) -> int:
-        r = self.client.save((), 0, slots, hashes=self._hashes(keys))
-        if r.failed:
-            log.warning("kvcached: %d of %d pages not stored: %s", r.failed, len(keys), r.error)
+    def _save(self, hashes: kvcached.EngineHashes, slots: list[int]) -> bool:
+        r = self.client.save((), 0, slots, hashes=hashes)
         self.counts["stored"] += int(r.stored)
-        return len(keys) - int(r.failed)
+        if r.failed:
+            # Which pages failed is not said: SGLang is told none of the batch was stored.
+            log.warning("kvcached: %d of %d pages not stored: %s", r.failed, len(slots), r.error)
+        return r.failed == 0
 
-    # -- the rest of the interface -------------------------------------------------------------
-
-    def _v1_only(self, what: str) -> NotImplementedError:
-        return NotImplementedError(f"kvcached's HiCache backend serves interface_v1 only ({what} was called)")
+    # -- the generic interface (flat pages; SGLang's controller without interface_v1) ----------
 
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
-        raise self._v1_only("get")
+        return self.batch_get([key], [target_location])[0]
 
     def batch_get(self, keys: list[str], target_locations: Any = None, target_sizes: Any = None) -> Any:
-        raise self._v1_only("batch_get")
+        """Each page into its target (a flat page, as `get_dummy_flat_data_page` makes), or None
+        from the first page not cached on."""
+        if target_locations is None or len(target_locations) != len(keys):
+            raise ValueError("batch_get needs one target page per key (SGLang's generic path passes them)")
+        out: list[torch.Tensor | None] = [None] * len(keys)
+        if not keys or self.staging is None:
+            return out
+
+        def deliver(at: int, n: int, base: int) -> None:
+            assert self.pages is not None
+            staged = self.pages.blocks(self._staged(base), n)
+            for i in range(n):
+                self.pages.flat_page(target_locations[at + i]).copy_(staged[i])
+                out[at + i] = target_locations[at + i]
+
+        self._get(keys, deliver, None)
+        return out
 
     def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
-        raise self._v1_only("set")
+        return self.batch_set([key], [value])
 
     def batch_set(
         self, keys: list[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None
     ) -> bool:
-        raise self._v1_only("batch_set")
+        """Stores each page given flat (as `get_data_page` gives it); True when all are stored."""
+        if values is None or len(values) != len(keys):
+            raise ValueError("batch_set needs one page per key (SGLang's generic path passes them)")
+        if not keys or self.staging is None:
+            return False
+        return self._set(keys, values, None)
 
     def clear(self) -> None:
         # The node's cache is shared with every other engine: SGLang's "clear" does not empty it.

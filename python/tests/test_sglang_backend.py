@@ -3,11 +3,14 @@ real daemon (see sglang_harness for how SGLang's controller drives a backend).""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from sglang_harness import (  # isort: skip
-    PAGE, backend, fill_pages, mha_pool, mla_pool, page_bytes, page_hashes,
+    PAGE, backend, fill_pages, mha_pool, mla_pool, page_bytes, page_hashes, storage_config,
 )  # fmt: skip
+from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402  isort: skip
 
 import kvcached
 
@@ -94,16 +97,63 @@ def test_page_orders_and_ranks_never_share(own_daemon):
     assert page_bytes(r3_pool, got, 2) == page_bytes(mpool, idx, 2)
 
 
+@pytest.mark.parametrize(
+    ("make", "layout"), [(mha_pool, "page_first"), (mha_pool, "page_head"), (mla_pool, "layer_first")]
+)
+def test_the_generic_interface_shares_the_zero_copy_ones_blocks(own_daemon, make, layout):
+    """Without interface_v1 SGLang's controller hands over flat pages (`_generic_page_set`:
+    `batch_set(keys, [get_data_page(i)...])`; `_generic_page_get`: `batch_get(keys, [dummy
+    pages])`, then `set_from_flat_data_page`): the same keys and bytes as the zero-copy path."""
+    mla = make is mla_pool
+    g_pool, z_pool = make(layout, "default"), make("layer_first", "shm")
+    generic = backend(g_pool, own_daemon.socket, mla=mla, interface_v1=0)
+    zero_copy = backend(z_pool, own_daemon.socket, mla=mla)
+    keys = page_hashes(list(range(40, 40 + 3 * PAGE)))
+    g_idx = fill_pages(g_pool, 3, seed=21)
+    assert generic.batch_set(keys, [g_pool.get_data_page(int(g_idx[i * PAGE])) for i in range(3)]) is True
+    assert zero_copy.batch_exists(keys) == 3
+    z_idx = z_pool.alloc(3 * PAGE)
+    assert zero_copy.batch_get_v1(keys, z_idx) == [True] * 3
+    # Saved in place, read back through the generic path into other pages.
+    other = page_hashes(list(range(90, 90 + 2 * PAGE)))
+    assert zero_copy.batch_set_v1(other, z_idx[: 2 * PAGE]) == [True, True]
+    got = generic.batch_get(
+        other + page_hashes(list(range(5, 5 + PAGE))), [g_pool.get_dummy_flat_data_page() for _ in range(3)]
+    )
+    assert got[2] is None and all(t is not None for t in got[:2])
+    back = g_pool.alloc(2 * PAGE)
+    for i in range(2):
+        g_pool.set_from_flat_data_page(int(back[i * PAGE]), got[i])
+    assert page_bytes(g_pool, back, 2) == page_bytes(g_pool, g_idx, 2)
+    assert generic.get(keys[0], g_pool.get_dummy_flat_data_page()) is not None
+    assert generic.set(page_hashes(list(range(7, 7 + PAGE)))[0], g_pool.get_data_page(int(g_idx[0]))) is True
+
+
 def test_refusals_are_clear(own_daemon):
-    with pytest.raises(ValueError, match="interface_v1"):
-        backend(mha_pool("layer_first"), own_daemon.socket, interface_v1=0)
     with pytest.raises(ValueError, match="kvcached.page_ordr"):
         backend(mha_pool("layer_first"), own_daemon.socket, **{"kvcached.page_ordr": "vllm"})
     b = backend(mha_pool("layer_first"), own_daemon.socket)
-    with pytest.raises(NotImplementedError, match="interface_v1"):
+    with pytest.raises(ValueError, match="one target page per key"):
         b.batch_get(["00" * 32])
-    # Keys SGLang never makes (suffixed, long) still key pages: hashed to at most 64 bytes.
+    # Keys that are not SGLang's SHA-256 page hashes (XXH3-64, suffixed): nothing stored.
     pool = b.mem_pool_host
-    odd = ["custom-key-" + "x" * 100, "short"]
-    assert b.batch_set_v1(odd, fill_pages(pool, 2, seed=5)) == [True, True]
-    assert b.batch_exists(odd) == 2
+    idx = fill_pages(pool, 2, seed=5)
+    for odd in (["0123456789abcdef", "fedcba9876543210"], [k + "_L0-1" for k in page_hashes(list(range(2 * PAGE)))]):
+        assert b.batch_set_v1(odd, idx) == [False, False]
+        assert b.batch_exists(odd) == 0
+    # Pipeline and context parallelism, and fp8 pages stored as bytes, are refused at start.
+    cfg = storage_config(own_daemon.socket)
+    cfg.pp_size = 2
+    with pytest.raises(NotImplementedError, match="pipeline parallelism"):
+        StorageBackendFactory.create_backend("dynamic", cfg, pool)
+    import torch
+
+    with pytest.raises(NotImplementedError, match="fp8"):
+        backend(mha_pool("layer_first", dtype=torch.uint8), own_daemon.socket)
+    # A daemon away: answered at once as a miss and as nothing stored, for `retry_after`.
+    keys = page_hashes(list(range(60, 60 + PAGE)))
+    own_daemon.kill()
+    assert b.batch_exists(keys) == 0 and b.batch_set_v1(keys, idx[:PAGE]) == [False]
+    t0 = time.monotonic()
+    assert b.batch_exists(keys) == 0 and b.batch_get_v1(keys, idx[:PAGE]) == [False]
+    assert time.monotonic() - t0 < 0.2

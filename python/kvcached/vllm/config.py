@@ -310,6 +310,11 @@ def _shared_namespace(
         raise _unsupported('kvcached.key_scheme "sglang" with more than one KV-cache group')
     mla = type(spec).__name__.startswith("MLA")
     layout = layout_name(vllm_config, kv_cache_config).rsplit(".", 1)[-1]
+    cache_dtype = str(vllm_config.cache_config.cache_dtype)
+    quant = getattr(spec, "kv_quant_mode", None)
+    if cache_dtype != "auto" or (quant is not None and getattr(quant, "name", str(quant)) != "NONE"):
+        # SGLang's host pool stores fp8 KV as bytes without naming its format.
+        raise _unsupported(f'kvcached.key_scheme "sglang" with a quantized KV cache (cache_dtype={cache_dtype})')
     itemsize = torch.empty((), dtype=spec.dtype).element_size()
     if mla:
         width, rem = divmod(page_bytes(spec), spec.block_size * itemsize)
@@ -326,7 +331,7 @@ def _shared_namespace(
     tp_rank, tp_size = tp_shard(spec, tp_rank, tp_size)
     mc = vllm_config.model_config
     return shared_namespace(
-        cfg.model_id or str(mc.model),
+        cfg.model_id or (f"{mc.model}@{mc.revision}" if mc.revision else str(mc.model)),
         attention="mla" if mla else "mha",
         num_layers=len(layers),
         kv_heads=heads,

@@ -277,10 +277,13 @@ impl Daemon {
             c.saving(&keys, kvproto::tokens_from_le(&req.tokens)?, tpb, req.first_block as usize, end, tag);
         }
         let mut over_quota = false;
+        // A token chain's block has its prefix as its parent; an engine hash's stands alone (a
+        // vLLM offloading job may hold chunks of several requests).
+        let chained = src.is_token_chain();
         for (i, &slot) in req.block_ids.iter().enumerate() {
             let idx = req.first_block as usize + i;
-            let meta =
-                BlockMeta { namespace: engine.namespace_id, parent: idx.checked_sub(1).map(|p| keys[p]), len, owner };
+            let parent = idx.checked_sub(1).filter(|_| chained).map(|p| keys[p]);
+            let meta = BlockMeta { namespace: engine.namespace_id, parent, len, owner };
             // Past a block the quota refused, the rest of the chain could only be stored by
             // removing its own prefix: refused too, without asking.
             if over_quota {
@@ -531,9 +534,12 @@ impl Daemon {
         let engine = self.engines.get(req.engine_id, who)?;
         kvproto::check_tokens_le(&req.tokens)?;
         let src = kvproto::convert::key_source(req.context.as_ref(), req.engine_hashes.as_ref())?;
+        let tpb = engine.namespace.layout.tokens_per_block as usize;
         let full_blocks = match &src {
-            KeySource::Hashes(h) if !h.hashes.is_empty() => h.hashes.len(),
-            _ => req.tokens.len() / (4 * engine.namespace.layout.tokens_per_block as usize),
+            // Refused here, before the load takes a slot (hashes beside tokens, a scheme the
+            // daemon cannot derive): the load derives them again.
+            KeySource::Hashes(h) => h.keys_le(&engine.fingerprint, tpb, &req.tokens)?.len(),
+            _ => req.tokens.len() / (4 * tpb),
         };
         Self::span(&engine, full_blocks, req.first_block, &req.block_ids)?;
         Engine::check_distinct_slots(&req.block_ids)?;
