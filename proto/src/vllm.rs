@@ -103,7 +103,8 @@ pub fn tier_of(medium: Option<&str>) -> Option<TierKind> {
     match m.to_ascii_uppercase().as_str() {
         "GPU" | "HBM" => Some(TierKind::G1Gpu),
         "CPU" | "CPU_PINNED" | "CPU_TIER" | "HOST" => Some(TierKind::G2Host),
-        "DISK" | "LOCAL_DISK" | "SSD" | "NVME" => Some(TierKind::G3Disk),
+        // STORAGE: vLLM 0.33's offloading tiers below its CPU tier (its file tier, kvcached's).
+        "DISK" | "LOCAL_DISK" | "SSD" | "NVME" | "STORAGE" => Some(TierKind::G3Disk),
         "EXTERNAL" | "S3" | "OBJECT" | "REMOTE" => Some(TierKind::G4Object),
         _ => None,
     }
@@ -447,5 +448,6 @@ mod tests {
         }
         assert_eq!(tier_of(None), Some(TierKind::G1Gpu));
         assert_eq!(tier_of(Some("tape")), None);
+        assert_eq!(tier_of(Some("STORAGE")), Some(TierKind::G3Disk));
     }
 }

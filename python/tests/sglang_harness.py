@@ -4,13 +4,18 @@ makes it.
 SGLang is importable where $KVCACHED_SGLANG_PATH names a directory holding it (scripts/test
 installs it there, without dependencies, beside vLLM's environment, whose torch it shares).
 The backend is created by SGLang's `StorageBackendFactory.create_backend("dynamic", ...)` and
-then given the host pool with `register_mem_pool_host`, as `HiCacheController` does
-(sglang/srt/managers/cache_controller.py, `attach_storage_backend`: `create_backend(...)` then
-`register_mem_pool_host(self.storage_host_pool)`); pages then move as the controller moves
-them: `batch_exists(keys)` for the prefetch's hit query, `batch_get_v1(keys, host_indices)` in
-`_page_get_zero_copy` and `batch_set_v1(keys, host_indices)` in `_page_set_zero_copy` (both
-chosen for a dynamic backend with `interface_v1: 1`), `host_indices` holding `page_size` token
-slots per key.
+then given the host pool with `register_mem_pool_host`, as `HiCacheController` does; pages then
+move as the controller moves them. In sglang 0.5.23's sglang/srt/managers/cache_controller.py:
+- 614-617: `create_backend(storage_backend, self.storage_config, self.storage_host_pool)`, then
+  `register_mem_pool_host(self.storage_host_pool)`;
+- 664: a dynamic backend with `interface_v1` gets the zero-copy page functions;
+- 1323: the prefetch's hit query, `batch_exists(batch_hashes, extra_info)`;
+- 1113 `_page_get_zero_copy`: `batch_get_v1(hash_values, host_indices, extra_info)`, the leading
+  run of True counted; 1410 `_page_set_zero_copy`: `all(batch_set_v1(...))`;
+- 1130 `_generic_page_get`: `batch_get(hash_values, [get_dummy_flat_data_page() ...])`, then
+  `set_from_flat_data_page` up to the first None; 1403 `_generic_page_set`:
+  `batch_set(hash_values, [get_data_page(host_indices[i * page_size]) ...])`;
+`host_indices` holds `page_size` token slots per key.
 """
 
 from __future__ import annotations

@@ -431,6 +431,25 @@ mod tests {
         assert_ne!(s[0], base[0]);
     }
 
+    /// Chunks vLLM's native offloading stored below its CPU tier (medium STORAGE: its file tier,
+    /// kvcached's tier) are indexed as the node's G3, its CPU tier's as G2.
+    #[test]
+    fn offloading_tiers_events_are_indexed() {
+        let tokens: Vec<u32> = (0..8).collect();
+        let mut ing = ingest();
+        for (medium, tier) in [("STORAGE", TierKind::G3Disk), ("CPU", TierKind::G2Host)] {
+            let mut ev = stored(600, None, &tokens, None, vec![]);
+            if let VllmEvent::BlockStored { medium: m, .. } = &mut ev {
+                *m = Some(medium.into());
+            }
+            let out = ing.translate(&batch(vec![ev]));
+            assert!(
+                matches!(&out[..], [EventBody::Stored { tier: t, keys, .. }] if *t == tier && keys.len() == 2),
+                "{medium}: {out:?}"
+            );
+        }
+    }
+
     /// A block that binds an image is not indexed, nor is the rest of its event.
     #[test]
     fn blocks_binding_images_are_not_indexed() {
