@@ -87,11 +87,6 @@ _MLA_AXES = {"layer_first": "LnPD", "page_first": "nPLD", "page_first_direct": "
 _ORDERS = {"vllm": "nLPH2D", "sglang": "nL2PHD", "mla": "nLPD"}
 
 
-def hashes_of(keys: list[str]) -> list[bytes]:
-    """The page keys of `keys` (checked by the caller to be SHA-256 page hashes)."""
-    return [bytes.fromhex(k) for k in keys]
-
-
 @dataclass(frozen=True)
 class Pages:
     """Where a host pool's pages lie, and how they map to the bytes of a kvcached block in the
@@ -170,20 +165,25 @@ class Pages:
     def _sizes(self, n: int) -> dict[str, int]:
         return {"2": 2, "L": self.layers, "n": n, "P": self.page_size, "H": self.heads, "D": self.dim}
 
-    def _view(self, buf: torch.Tensor) -> tuple[torch.Tensor, int, tuple[int, ...]]:
-        """The pool's buffer with an axis of pages: (view, the page axis, the permutation from
-        an index_select of pages to the block order)."""
-        axes = (_MLA_AXES if self.attention == "mla" else _MHA_AXES)[self.layout]
-        size = self._sizes(self.num_pages)
-        order = _ORDERS[self.order]
-        return buf.view(*(size[a] for a in axes)), axes.index("n"), tuple(axes.index(a) for a in order)
+    def _axes(self) -> str:
+        """The axes of the pool's buffer, by name, with "n" its pages."""
+        return (_MLA_AXES if self.attention == "mla" else _MHA_AXES)[self.layout]
+
+    def _page_perm(self) -> tuple[int, ...]:
+        """The permutation from one page of the pool's buffer (its axes without "n") to a block
+        in the block order."""
+        page_axes = self._axes().replace("n", "")
+        return tuple(page_axes.index(a) for a in _ORDERS[self.order][1:])
+
+    def _page_view(self, buf: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """The pool's buffer with an axis of pages, and that axis."""
+        axes, size = self._axes(), self._sizes(self.num_pages)
+        return buf.view(*(size[a] for a in axes)), axes.index("n")
 
     def flat_page(self, flat: torch.Tensor) -> torch.Tensor:
         """One page as SGLang's `get_data_page(flat=True)` gives it, as a view in the block order."""
-        axes = (_MLA_AXES if self.attention == "mla" else _MHA_AXES)[self.layout].replace("n", "")
         size = self._sizes(1)
-        _, _, perm = self._page_view(torch.empty(0))
-        return flat.view(*(size[a] for a in axes)).permute(perm)
+        return flat.view(*(size[a] for a in self._axes().replace("n", ""))).permute(self._page_perm())
 
     def blocks(self, staging: torch.Tensor, n: int) -> torch.Tensor:
         """The first `n` staging slots as pages in the block order."""
@@ -192,30 +192,17 @@ class Pages:
             *(size[a] for a in _ORDERS[self.order])
         )
 
-    def _page_view(self, buf: torch.Tensor) -> tuple[torch.Tensor, int, tuple[int, ...]]:
-        """The pool's buffer with an axis of pages, that axis, and the permutation from one page
-        of it (the axis selected) to a block in the block order (an empty `buf`: the
-        permutation only)."""
-        if buf.numel() == 0:
-            axes = (_MLA_AXES if self.attention == "mla" else _MHA_AXES)[self.layout]
-            axis = axes.index("n")
-            perm = tuple(axes.index(a) for a in _ORDERS[self.order])
-            return buf, axis, tuple(x - (x > axis) for x in perm[1:])
-        view, axis, perm = self._view(buf)
-        assert perm[0] == axis  # the block order starts with the page axis
-        return view, axis, tuple(x - (x > axis) for x in perm[1:])
-
     # Page by page: one strided copy per page is ~2.5x torch's copy of all pages' permutation
     # at once (measured on CPU for 36 layers x 4 heads x 128, bf16).
     def gather(self, buf: torch.Tensor, pages: torch.Tensor, out: torch.Tensor) -> None:
         """Copies the pool's `pages` into `out` (block order)."""
-        view, axis, perm = self._page_view(buf)
+        (view, axis), perm = self._page_view(buf), self._page_perm()
         for i, page in enumerate(pages.tolist()):
             out[i].copy_(view.select(axis, page).permute(perm))
 
     def scatter(self, buf: torch.Tensor, pages: torch.Tensor, src: torch.Tensor) -> None:
         """Copies `src` (block order) into the pool's `pages`."""
-        view, axis, perm = self._page_view(buf)
+        (view, axis), perm = self._page_view(buf), self._page_perm()
         for i, page in enumerate(pages.tolist()):
             view.select(axis, page).permute(perm).copy_(src[i])
 
@@ -341,9 +328,9 @@ class KvcachedStorage(HiCacheStorage):
             reg.namespace_id,
         )  # fmt: skip
 
-    def _hashes(self, keys: list[str]) -> kvcached.EngineHashes | None:
-        """The keys as engine hashes, or None (told once) when SGLang's keys are not its
-        SHA-256 page hashes."""
+    def _hashes(self, keys: list[str]) -> list[bytes] | None:
+        """The keys' page hashes, or None (told once) when SGLang's keys are not its SHA-256
+        page hashes."""
         hashes = [page_key(k) for k in keys]
         if any(h is None for h in hashes):
             bad = next(k for k, h in zip(keys, hashes, strict=True) if h is None)
@@ -355,7 +342,7 @@ class KvcachedStorage(HiCacheStorage):
                     bad,
                 )
             return None
-        return kvcached.EngineHashes("sglang", hashes)
+        return hashes  # type: ignore[return-value]  # no None left
 
     def _up(self) -> bool:
         """Whether to ask the daemon now (not within `retry_after` of finding it away)."""
@@ -389,7 +376,7 @@ class KvcachedStorage(HiCacheStorage):
         if hashes is None:
             return 0
         try:
-            n = int(self.client.lookup((), hashes=hashes).matched_blocks)
+            n = int(self.client.lookup((), hashes=kvcached.EngineHashes("sglang", hashes)).matched_blocks)
         except Exception as e:  # noqa: BLE001 - see above
             self._failed("lookup", len(keys), e)
             return 0
@@ -423,7 +410,7 @@ class KvcachedStorage(HiCacheStorage):
                 with self._locks[0]:
                     base = self.staging_pages  # the gets' half
                     for at in range(0, len(keys), self.staging_pages):
-                        chunk = kvcached.EngineHashes("sglang", hashes_of(keys[at : at + self.staging_pages]))
+                        chunk = hashes[at : at + self.staging_pages]
                         n = self._load(chunk, list(range(base, base + len(chunk))))
                         if n and pages is not None:
                             src = self.pages.blocks(self._staged(base), n)
@@ -438,8 +425,9 @@ class KvcachedStorage(HiCacheStorage):
         self.counts["got_pages"] += got
         return got
 
-    def _load(self, hashes: kvcached.EngineHashes, slots: list[int]) -> int:
-        return int(self.client.load_now((), 0, slots, hashes=hashes).loaded_blocks)
+    def _load(self, hashes: list[bytes], slots: list[int]) -> int:
+        st = self.client.load_now((), 0, slots, hashes=kvcached.EngineHashes("sglang", hashes))
+        return int(st.loaded_blocks)
 
     def _staged(self, slot: int) -> torch.Tensor:
         assert self.staging is not None and self.pages is not None
@@ -466,22 +454,22 @@ class KvcachedStorage(HiCacheStorage):
             pages = self._page_ids(keys, host_indices) if host_indices is not None else None
             with self._locks[1]:
                 for at in range(0, len(keys), self.staging_pages):
-                    chunk = keys[at : at + self.staging_pages]
+                    chunk = hashes[at : at + self.staging_pages]
                     out = self.pages.blocks(self._staged(0), len(chunk))
                     if pages is not None:
                         self.pages.gather(self.mem_pool_host.kv_buffer, pages[at : at + len(chunk)], out)
                     else:
                         for i in range(len(chunk)):
                             out[i].copy_(self.pages.flat_page(values[at + i].reshape(-1)))
-                    if not self._save(kvcached.EngineHashes("sglang", hashes_of(chunk)), list(range(len(chunk)))):
+                    if not self._save(chunk, list(range(len(chunk)))):
                         return False
             return True
         except Exception as e:  # noqa: BLE001 - pages not stored, never an exception into SGLang
             self._failed("save", len(keys), e)
             return False
 
-    def _save(self, hashes: kvcached.EngineHashes, slots: list[int]) -> bool:
-        r = self.client.save((), 0, slots, hashes=hashes)
+    def _save(self, hashes: list[bytes], slots: list[int]) -> bool:
+        r = self.client.save((), 0, slots, hashes=kvcached.EngineHashes("sglang", hashes))
         self.counts["stored"] += int(r.stored)
         if r.failed:
             # Which pages failed is not said: SGLang is told none of the batch was stored.

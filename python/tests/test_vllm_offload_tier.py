@@ -80,6 +80,16 @@ def store(mgr, view, keys: list, fill: int, req: str) -> None:
     mgr.on_request_finished(ctx)
 
 
+def load(mgr, view, key, ctx) -> bytes:
+    """A hit chunk's bytes as the worker's CPU-to-GPU copy reads them (`prepare_load`)."""
+    cid = int(mgr.prepare_load([key], ctx).chunk_ids[0])
+    flat = view.cast("B")
+    got = bytes(flat[cid * CHUNK : (cid + 1) * CHUNK])
+    flat.release()
+    mgr.complete_load([key], ctx)
+    return got
+
+
 def lookup_until_hit(mgr, tier, key, req: str, steps: int = 200):
     """The scheduler's lookups of one chunk, a step apart, until the manager answers HIT."""
     import time
@@ -121,12 +131,7 @@ def test_chunks_cascade_to_kvcached_and_come_back(own_daemon):
     assert seen[-1] is LookupResult.HIT, seen
     assert LookupResult.RETRY in seen or LookupResult.HIT_PENDING in seen  # asked kvcached, then promoted
     with mgr.lock:
-        spec = mgr.prepare_load([keys[0]], ctx)
-        cid = int(spec.chunk_ids[0])
-        flat = view.cast("B")
-        assert bytes(flat[cid * CHUNK : (cid + 1) * CHUNK]) == bytes([0x10]) * CHUNK
-        flat.release()
-        mgr.complete_load([keys[0]], ctx)
+        assert load(mgr, view, keys[0], ctx) == bytes([0x10]) * CHUNK
         mgr.on_request_finished(ctx)
     # A chunk kvcached never had is a miss.
     ctx, seen = lookup_until_hit(mgr, tier, make_offload_key(b"\x77" * 32, 0), "r3")
@@ -147,12 +152,7 @@ def test_another_engine_of_the_same_model_finds_the_chunks(own_daemon):
     ctx, seen = lookup_until_hit(b, b_tier, key, "b0")
     assert seen[-1] is LookupResult.HIT, seen
     with b.lock:
-        spec = b.prepare_load([key], ctx)
-        cid = int(spec.chunk_ids[0])
-        flat = b_view.cast("B")
-        assert bytes(flat[cid * CHUNK : (cid + 1) * CHUNK]) == bytes([0x21]) * CHUNK
-        flat.release()
-        b.complete_load([key], ctx)
+        assert load(b, b_view, key, ctx) == bytes([0x21]) * CHUNK
     other, o_tier, _ = manager(own_daemon.socket, model="test/another-model")
     _, seen = lookup_until_hit(other, o_tier, key, "o0")
     assert seen[-1] is LookupResult.MISS, seen

@@ -120,6 +120,16 @@ def namespace_of(
     return kvcached.Namespace(model, layout, tenant_salt=salt, extra=body.encode())
 
 
+def _drain(q: queue.SimpleQueue) -> list:
+    """Everything queued in `q` now."""
+    out = []
+    while True:
+        try:
+            out.append(q.get_nowait())
+        except queue.Empty:
+            return out
+
+
 class _Lookups(AsyncLookupManager):
     """vLLM's non-blocking lookups, answered by the daemon in batches (one lookup per run)."""
 
@@ -257,16 +267,12 @@ class KvcachedTier(SecondaryTierManager):
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         out = []
-        while True:
-            try:
-                r = self._finished.get_nowait()
-            except queue.Empty:
-                return out
-            r, missing = r
+        for result, missing in _drain(self._finished):
             if missing:
                 # What a load did not find is gone (evicted meanwhile): a miss from now on.
                 self._lookups.mark_miss(missing)
-            out.append(r)
+            out.append(result)
+        return out
 
     def has_pending_work(self) -> bool:
         with self._inflight_lock:
@@ -279,12 +285,7 @@ class KvcachedTier(SecondaryTierManager):
             f.result()
 
     def take_events(self) -> Iterable[OffloadingEvent]:
-        out = []
-        while True:
-            try:
-                out.append(self._events.get_nowait())
-            except queue.Empty:
-                return out
+        return _drain(self._events)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         return  # the daemon's own lookups and loads keep its recency
