@@ -257,6 +257,7 @@ impl PyClient {
     /// slots; returns at once. The load stops at the first block not cached. `sources`: peer
     /// daemons that may hold the blocks this node lacks (as `load_from`).
     #[pyo3(signature = (tokens, first_block, slots, sources = Vec::new(), *, context = None, hashes = None))]
+    #[allow(clippy::too_many_arguments)] // Python's keywords, one per argument
     fn load(
         &self,
         py: Python<'_>,

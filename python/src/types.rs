@@ -201,8 +201,7 @@ impl PyEngineHashes {
     ) -> PyResult<Vec<Bound<'py, PyBytes>>> {
         let ns = &namespace.inner;
         let le = kvproto::tokens_to_le(&tokens);
-        let keys =
-            self.inner.keys_le(&ns.fingerprint(), ns.layout.tokens_per_block as usize, &le).map_err(invalid)?;
+        let keys = self.inner.keys_le(&ns.fingerprint(), ns.layout.tokens_per_block as usize, &le).map_err(invalid)?;
         Ok(keys.iter().map(|k| PyBytes::new(py, &k.0)).collect())
     }
 
