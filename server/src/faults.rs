@@ -19,13 +19,24 @@
 //! [g4]
 //! down = false        # every request fails
 //! latency_ms = 0      # added to every request
+//! [g1]
+//! fail_every = 0      # every n-th copy submission between an engine's GPU memory and G2
+//!                     # fails, torn half way (`kvtiers::copy::faults`); GPU engines and
+//!                     # emulated ones
+//! emulate = false     # engines registered from now on with shared memory are served as a
+//!                     # GPU's: every copy queued on a fake device's lanes (worker threads),
+//!                     # as the daemon queues CUDA copies on streams (`kvtiers::copy::fake`)
+//! delay_us = 0        # each emulated submission's copies start this late (holds many in
+//!                     # flight)
 //! ```
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
+use kvtiers::copy::fake::FakeFaults;
+use kvtiers::copy::faults::CopyFaults;
 use kvtiers::disk::faults::{DiskFaultSpec, DiskFaults};
 use kvtiers::object::faults::Faults as ObjectFaults;
 use serde::Deserialize;
@@ -38,6 +49,24 @@ const POLL: Duration = Duration::from_millis(50);
 struct FaultFile {
     g3: G3Faults,
     g4: G4Faults,
+    g1: G1File,
+}
+
+#[derive(Debug, Default, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+struct G1File {
+    emulate: bool,
+    fail_every: u64,
+    delay_us: u64,
+}
+
+/// The G1 switches: failures of every device engine's copies; whether engines registered now
+/// get an emulated device over their shared memory, and its delay (shared by every engine).
+#[derive(Debug, Default)]
+pub struct G1Faults {
+    pub copies: Arc<CopyFaults>,
+    pub emulate: AtomicBool,
+    pub device: Arc<FakeFaults>,
 }
 
 #[derive(Debug, Default, Deserialize, PartialEq)]
@@ -69,7 +98,12 @@ impl FaultFile {
     }
 
     /// Sets the switches of the tiers still open (None: the tier is off, or gone).
-    fn apply(&self, g3: Option<&DiskFaults>, g4: Option<&ObjectFaults>) {
+    fn apply(&self, g3: Option<&DiskFaults>, g4: Option<&ObjectFaults>, g1: Option<&G1Faults>) {
+        if let Some(g1) = g1 {
+            g1.emulate.store(self.g1.emulate, Ordering::Relaxed);
+            g1.copies.fail_every(self.g1.fail_every);
+            g1.device.set_delay(Duration::from_micros(self.g1.delay_us));
+        }
         let f = &self.g3;
         if let Some(g3) = g3 {
             g3.set(&DiskFaultSpec {
@@ -90,9 +124,9 @@ impl FaultFile {
 }
 
 /// Opens the store's lower tiers through the fault decorators and starts thread `kv-faults`
-/// applying `path`'s faults. The thread ends once the store (the only other holder of the
-/// switches) is gone.
-pub fn install(path: &Path, cfg: &mut kvtiers::BlockStoreConfig) {
+/// applying `path`'s faults. Returns the G1 switches, for the engine registry. The thread ends
+/// once the store and the registry (the only other holders of the switches) are gone.
+pub fn install(path: &Path, cfg: &mut kvtiers::BlockStoreConfig) -> Arc<G1Faults> {
     tracing::warn!(file = %path.display(), "fault injection is on (inject_faults): for tests only");
     let g3 = Arc::new(DiskFaults::default());
     let g4 = Arc::new(ObjectFaults::default());
@@ -108,21 +142,24 @@ pub fn install(path: &Path, cfg: &mut kvtiers::BlockStoreConfig) {
     if let Some(e) = err {
         tracing::warn!("{}: {e}; no faults injected", path.display());
     }
-    first.apply(Some(&g3), Some(&g4));
-    let (w3, w4) = (Arc::downgrade(&g3), Arc::downgrade(&g4));
+    let g1 = Arc::new(G1Faults::default());
+    first.apply(Some(&g3), Some(&g4), Some(&g1));
+    let (w3, w4, w1) = (Arc::downgrade(&g3), Arc::downgrade(&g4), Arc::downgrade(&g1));
     // Held by the tiers configured; a tier that is off drops its switches with this function.
     let path = path.to_path_buf();
-    let spawned = std::thread::Builder::new().name("kv-faults".into()).spawn(move || watch(&path, &mut seen, &w3, &w4));
+    let spawned =
+        std::thread::Builder::new().name("kv-faults".into()).spawn(move || watch(&path, &mut seen, &w3, &w4, &w1));
     if let Err(e) = spawned {
         tracing::warn!("cannot start thread kv-faults ({e}): the faults stay as the file named them at start");
     }
+    g1
 }
 
-fn watch(path: &PathBuf, seen: &mut String, g3: &Weak<DiskFaults>, g4: &Weak<ObjectFaults>) {
+fn watch(path: &PathBuf, seen: &mut String, g3: &Weak<DiskFaults>, g4: &Weak<ObjectFaults>, g1: &Weak<G1Faults>) {
     loop {
         std::thread::sleep(POLL);
-        let (g3, g4) = (g3.upgrade(), g4.upgrade());
-        if g3.is_none() && g4.is_none() {
+        let (g3, g4, g1) = (g3.upgrade(), g4.upgrade(), g1.upgrade());
+        if g3.is_none() && g4.is_none() && g1.is_none() {
             return;
         }
         let text = std::fs::read_to_string(path).unwrap_or_default();
@@ -134,7 +171,7 @@ fn watch(path: &PathBuf, seen: &mut String, g3: &Weak<DiskFaults>, g4: &Weak<Obj
             Some(e) => tracing::warn!("{}: {e}; no faults injected", path.display()),
             None => tracing::info!(?faults, "injected faults changed"),
         }
-        faults.apply(g3.as_deref(), g4.as_deref());
+        faults.apply(g3.as_deref(), g4.as_deref(), g1.as_deref());
         *seen = text;
     }
 }
@@ -146,9 +183,12 @@ mod tests {
 
     #[test]
     fn the_file_names_faults_and_garbage_names_none() {
-        let (f, err) = FaultFile::parse("[g3]\nread_eio = 0.5\nlatency_ms = 20\n[g4]\ndown = true\n");
+        let (f, err) = FaultFile::parse(
+            "[g3]\nread_eio = 0.5\nlatency_ms = 20\n[g4]\ndown = true\n[g1]\nemulate = true\nfail_every = 3\n",
+        );
         assert_eq!(err, None);
         assert_eq!((f.g3.read_eio, f.g3.latency_ms, f.g4.down), (0.5, 20, true));
+        assert_eq!((f.g1.emulate, f.g1.fail_every, f.g1.delay_us), (true, 3, 0));
         let (f, err) = FaultFile::parse("[g3]\nread_eoi = 1.0\n");
         assert!(err.unwrap().contains("read_eoi"));
         assert_eq!(f, FaultFile::default());

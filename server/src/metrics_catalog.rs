@@ -86,6 +86,10 @@ pub fn describe() {
         ("kvcached_writethrough_errors_total", "Write-throughs that failed, by tier."),
         ("kvcached_promotions_total", "Blocks promoted into G2 from a lower tier."),
         (
+            "kvcached_g1_copy_failures_total",
+            "Copies between a GPU engine's memory and G2 that failed (the block dropped or the load failed), by op.",
+        ),
+        (
             "kvcached_promotions_skipped_total",
             "Blocks a load read from G3 straight into a CPU engine not brought up into G2 after it (the engine's \
              slots no longer matched the block's checksum).",
@@ -212,6 +216,7 @@ pub fn zero_series(config: &crate::Config) {
     for (name, key, values) in [
         ("kvcached_block_keys_total", "source", &["derived", "memo", "context"][..]),
         ("kvcached_namespace_refused_total", "op", &["register", "save"][..]),
+        ("kvcached_g1_copy_failures_total", "op", &["save", "load"][..]),
         ("kvcached_prefetch_total", "result", &["pulling", "local"][..]),
         ("kvcached_tier_read_errors_total", "tier", &lower[..]),
     ] {

@@ -44,8 +44,8 @@ pub async fn serve_announcing(
     serving: impl FnOnce(Option<std::net::SocketAddr>),
 ) -> Result<(), ServerError> {
     http::prometheus();
-    let (store, prefault) = open_store(&config).await?;
-    let daemon = start_daemon(&config, &listeners, store).await?;
+    let (store, prefault, g1_faults) = open_store(&config).await?;
+    let daemon = start_daemon(&config, &listeners, store, g1_faults).await?;
     let socket_path = listeners.unix.local_addr().ok().and_then(|a| a.as_pathname().map(Path::to_path_buf));
     // The socket file this daemon bound: at the end it is unlinked only if it is still that
     // file (a daemon started while this one flushed has bound a new one at the same path).
@@ -143,15 +143,15 @@ impl ListenersOn {
     }
 }
 
+/// What [`open_store`] opened: the store, its G2 prefault thread, the G1 fault switches
+/// (`inject_faults` only).
+type Opened = (Arc<kvtiers::BlockStore>, Option<std::thread::JoinHandle<()>>, Option<Arc<crate::faults::G1Faults>>);
+
 /// Opens G2 and G3 (RocksDB and the data file take a while: off the runtime), and prefaults
 /// the G2 pool in the background when configured.
-async fn open_store(
-    config: &Config,
-) -> Result<(Arc<kvtiers::BlockStore>, Option<std::thread::JoinHandle<()>>), ServerError> {
+async fn open_store(config: &Config) -> Result<Opened, ServerError> {
     let mut store_cfg = config.store_config();
-    if let Some(path) = &config.inject_faults {
-        crate::faults::install(path, &mut store_cfg);
-    }
+    let g1_faults = config.inject_faults.as_ref().map(|path| crate::faults::install(path, &mut store_cfg));
     let store = tokio::task::spawn_blocking(move || kvtiers::BlockStore::open(&store_cfg))
         .await
         .map_err(|e| ServerError::Io(std::io::Error::other(e)))??;
@@ -169,7 +169,7 @@ async fn open_store(
             Err(e) => tracing::warn!("cannot start the G2 prefault thread: {e}"),
         }
     }
-    Ok((store, prefault))
+    Ok((store, prefault, g1_faults))
 }
 
 /// The hit reports (routers, the vLLM-format export) and the daemon around the store.
@@ -177,6 +177,7 @@ async fn start_daemon(
     config: &Config,
     listeners: &Listeners,
     store: Arc<kvtiers::BlockStore>,
+    g1_faults: Option<Arc<crate::faults::G1Faults>>,
 ) -> Result<Arc<Daemon>, ServerError> {
     let fd_limit = crate::policy::limits::raise_fd_limit();
     let limits = Limits::new(config.limits.clone(), fd_limit, config.engines.max_engines);
@@ -197,7 +198,8 @@ async fn start_daemon(
     }
     let engines = engine::Registry::new(Duration::from_millis(config.engines.lease_ms), tickets, Arc::clone(&limits))
         .prefault_memory(config.engines.prefault_memory)
-        .with_tenants(Arc::new(tenants));
+        .with_tenants(Arc::new(tenants))
+        .with_g1_faults(g1_faults);
     let http_addr = listeners.http.as_ref().and_then(|l| l.local_addr().ok());
     let recovery_url = if config.router.advertise_url.is_empty() {
         let scheme = if config.metrics_auth.tls() { "https" } else { "http" };

@@ -1,4 +1,5 @@
-//! Page-locking host memory for CUDA, loaded at run time.
+//! CUDA, loaded at run time: page-locking host memory, and engines' device memory opened from
+//! their IPC handles, copied to and from on streams.
 //!
 //! With no CUDA driver on the machine every function here returns a clear "no CUDA device"
 //! error instead of panicking (cudarc's dynamic loader panics if the library is missing, so the
@@ -6,6 +7,7 @@
 
 use cudarc::driver::sys;
 
+use crate::copy::{Copy, CopyEngine, Direction, Fence, check_ranges};
 use crate::error::{Result, TierError};
 
 fn check(r: sys::CUresult, what: &str) -> Result<()> {
@@ -67,22 +69,32 @@ impl Drop for HostRegistration {
     }
 }
 
+/// Streams a region's copies are spread over: enough to keep both of a GPU's copy engines
+/// busy (one each way) with blocks queued behind the one in flight.
+pub const LANES: usize = 4;
+
 /// A CUDA allocation of another process (an engine's KV memory), opened from its IPC handle
 /// (`cuIpcGetMemHandle` in the engine). Copies in and out are DMA between that memory and host
-/// memory (the G2 pool, page-locked when `g2.cuda_register` took effect). Closed on drop.
+/// memory (the G2 pool, page-locked when `g2.cuda_register` took effect), queued on the
+/// region's own non-blocking streams ([`CopyEngine`]) and waited for by event. Closed on drop,
+/// after every stream has finished.
 #[derive(Debug)]
 pub struct DeviceRegion {
     base: sys::CUdeviceptr,
     len: usize,
     ctx: usize,
     device: sys::CUdevice,
+    /// The streams (`CUstream` as addresses), one per lane.
+    streams: Vec<usize>,
+    /// Events done with, for the next fences (`CUevent` as addresses).
+    events: parking_lot::Mutex<Vec<usize>>,
 }
 
-// SAFETY: the region is a device address plus the primary context it was opened in; every
-// call makes that context current on the calling thread first, and the driver API is
-// thread-safe.
+// SAFETY: the region is a device address plus the primary context it was opened in, its
+// streams and its events; every call makes that context current on the calling thread first,
+// and the driver API is thread-safe.
 unsafe impl Send for DeviceRegion {}
-// SAFETY: as above; copies do not mutate the struct.
+// SAFETY: as above; the event pool is behind a mutex.
 unsafe impl Sync for DeviceRegion {}
 
 impl DeviceRegion {
@@ -115,7 +127,16 @@ impl DeviceRegion {
                 sys::cuDevicePrimaryCtxRelease_v2(device);
                 return Err(e);
             }
-            Ok(Self { base, len, ctx: ctx as usize, device })
+            // From here on, drop undoes what was made (streams, the mapping, the context).
+            let mut region =
+                Self { base, len, ctx: ctx as usize, device, streams: Vec::new(), events: Default::default() };
+            for _ in 0..LANES {
+                let mut stream = std::ptr::null_mut();
+                let flags = sys::CUstream_flags_enum::CU_STREAM_NON_BLOCKING as std::ffi::c_uint;
+                check(sys::cuStreamCreate(&mut stream, flags), "cuStreamCreate")?;
+                region.streams.push(stream as usize);
+            }
+            Ok(region)
         }
     }
 
@@ -124,55 +145,111 @@ impl DeviceRegion {
         self.device
     }
 
-    /// Bytes the engine registered.
-    pub fn len(&self) -> usize {
+    fn current(&self) -> Result<()> {
+        // SAFETY: the context was retained at open and is released only on drop.
+        check(unsafe { sys::cuCtxSetCurrent(self.ctx as sys::CUcontext) }, "cuCtxSetCurrent")
+    }
+
+    /// An event for a fence: one done with, or a new one.
+    fn event(&self) -> Result<sys::CUevent> {
+        if let Some(e) = self.events.lock().pop() {
+            return Ok(e as sys::CUevent);
+        }
+        let mut e = std::ptr::null_mut();
+        let flags = sys::CUevent_flags_enum::CU_EVENT_DISABLE_TIMING as std::ffi::c_uint;
+        // SAFETY: the context is current (callers); a plain out-pointer.
+        check(unsafe { sys::cuEventCreate(&mut e, flags) }, "cuEventCreate")?;
+        Ok(e)
+    }
+}
+
+impl CopyEngine for DeviceRegion {
+    fn lanes(&self) -> usize {
+        self.streams.len().max(1)
+    }
+
+    fn len(&self) -> usize {
         self.len
     }
 
-    /// Whether the region is empty.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
+    unsafe fn submit(&self, lane: usize, copies: &[Copy]) -> Result<Fence> {
+        check_ranges(copies, self.len)?;
+        self.current()?;
+        let stream = self.streams[lane % self.streams.len()] as sys::CUstream;
+        let queued = copies.iter().try_for_each(|c| {
+            let dev = self.base + c.device as u64;
+            // SAFETY: the device range is checked above, the host range is the caller's to keep
+            // valid until the fence completes (this function's contract).
+            unsafe {
+                match c.dir {
+                    Direction::ToHost => check(
+                        sys::cuMemcpyDtoHAsync_v2(c.host as *mut std::ffi::c_void, dev, c.len, stream),
+                        "cuMemcpyDtoHAsync",
+                    ),
+                    Direction::ToDevice => check(
+                        sys::cuMemcpyHtoDAsync_v2(dev, c.host as *const std::ffi::c_void, c.len, stream),
+                        "cuMemcpyHtoDAsync",
+                    ),
+                }
+            }
+        });
+        let fenced = queued.and_then(|()| {
+            let event = self.event()?;
+            // SAFETY: an event and a stream of this context.
+            match check(unsafe { sys::cuEventRecord(event, stream) }, "cuEventRecord") {
+                Ok(()) => Ok(Fence(event as u64)),
+                Err(e) => {
+                    self.events.lock().push(event as usize);
+                    Err(e)
+                }
+            }
+        });
+        if fenced.is_err() {
+            // What was queued before the failure must not run into memory the caller frees
+            // on this error: the stream is drained first.
+            // SAFETY: a stream of this context.
+            unsafe { sys::cuStreamSynchronize(stream) };
+        }
+        fenced.map_err(|e| TierError::Device(format!("{}: {e}", self.describe())))
     }
 
-    fn range(&self, offset: usize, n: usize) -> Result<sys::CUdeviceptr> {
-        match offset.checked_add(n) {
-            Some(end) if end <= self.len => Ok(self.base + offset as u64),
-            _ => Err(TierError::NoCuda(format!("device range {offset}+{n} outside the {}-byte region", self.len))),
-        }
+    fn wait(&self, fence: Fence) -> Result<()> {
+        let event = fence.0 as sys::CUevent;
+        let r = self.current().and_then(|()| {
+            // SAFETY: an event this region recorded.
+            check(unsafe { sys::cuEventSynchronize(event) }, "cuEventSynchronize")
+        });
+        self.events.lock().push(fence.0 as usize);
+        r.map_err(|e| TierError::Device(format!("{}: {e}", self.describe())))
     }
 
-    /// Copies `n` bytes at `offset` of the region to host memory at `dst`.
-    ///
-    /// # Safety
-    /// `dst` must be valid for `n` bytes of writes.
-    pub unsafe fn to_host(&self, offset: usize, dst: *mut u8, n: usize) -> Result<()> {
-        let src = self.range(offset, n)?;
-        // SAFETY: the context is ours; the ranges are checked (device) or guaranteed (host).
-        unsafe {
-            check(sys::cuCtxSetCurrent(self.ctx as sys::CUcontext), "cuCtxSetCurrent")?;
-            check(sys::cuMemcpyDtoH_v2(dst.cast(), src, n), "cuMemcpyDtoH")
+    fn is_done(&self, fence: &Fence) -> bool {
+        if self.current().is_err() {
+            return true;
         }
+        // SAFETY: an event this region recorded. Not ready: false; done or failed: true (the
+        // failure is for `wait` to report).
+        unsafe { sys::cuEventQuery(fence.0 as sys::CUevent) != sys::CUresult::CUDA_ERROR_NOT_READY }
     }
 
-    /// Copies `n` bytes from host memory at `src` to `offset` of the region.
-    ///
-    /// # Safety
-    /// `src` must be valid for `n` bytes of reads.
-    pub unsafe fn from_host(&self, offset: usize, src: *const u8, n: usize) -> Result<()> {
-        let dst = self.range(offset, n)?;
-        // SAFETY: as in `to_host`.
-        unsafe {
-            check(sys::cuCtxSetCurrent(self.ctx as sys::CUcontext), "cuCtxSetCurrent")?;
-            check(sys::cuMemcpyHtoD_v2(dst, src.cast(), n), "cuMemcpyHtoD")
-        }
+    fn describe(&self) -> String {
+        format!("CUDA device {}", self.device)
     }
 }
 
 impl Drop for DeviceRegion {
     fn drop(&mut self) {
-        // SAFETY: opened in `open_ipc` in this context.
+        // SAFETY: everything here was made in `open_ipc` in this context; the streams finish
+        // before the mapping they copy from closes.
         unsafe {
             sys::cuCtxSetCurrent(self.ctx as sys::CUcontext);
+            for s in self.streams.drain(..) {
+                sys::cuStreamSynchronize(s as sys::CUstream);
+                sys::cuStreamDestroy_v2(s as sys::CUstream);
+            }
+            for e in self.events.get_mut().drain(..) {
+                sys::cuEventDestroy_v2(e as sys::CUevent);
+            }
             let r = sys::cuIpcCloseMemHandle(self.base);
             if r != sys::CUresult::CUDA_SUCCESS {
                 tracing::warn!(?r, "cuIpcCloseMemHandle failed");

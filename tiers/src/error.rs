@@ -39,6 +39,10 @@ pub enum TierError {
     /// CUDA is needed for the operation and no device or driver is present.
     #[error("no CUDA device: {0}")]
     NoCuda(String),
+    /// A copy between an engine's device memory and host memory failed, or could not be
+    /// queued: the bytes it was to move are not to be trusted.
+    #[error("device copy failed: {0}")]
+    Device(String),
 }
 
 impl TierError {

@@ -231,9 +231,10 @@ impl Filling {
 // until it is finished or aborted; moving the reservation to another thread moves that right.
 unsafe impl Send for Filling {}
 
-/// A G2 block held by [`HostTier::hold_uncounted`].
+/// A G2 block held for reading outside the tier's lock ([`crate::BlockStore::hold`]): its
+/// pages stay allocated and unchanged while the hold lives.
 #[derive(Debug)]
-pub(crate) struct HeldBlock {
+pub struct HeldBlock {
     _slot: Arc<HostSlot>,
     pub meta: BlockMeta,
     pieces: Vec<(*const u8, usize)>,
@@ -246,7 +247,16 @@ impl HeldBlock {
         // allocated; a committed block is never written again, so the bytes do not change.
         self.pieces.iter().map(|&(p, n)| unsafe { std::slice::from_raw_parts(p, n) }).collect()
     }
+
+    /// Where the block's bytes lie, as (address, bytes) in order: what a DMA engine reads.
+    pub fn ranges(&self) -> Vec<(usize, usize)> {
+        self.pieces.iter().map(|&(p, n)| (p as usize, n)).collect()
+    }
 }
+
+// SAFETY: the pieces are pages of the shared pool that the held slot keeps allocated and that
+// no one writes while it is held (a committed block is immutable).
+unsafe impl Send for HeldBlock {}
 
 #[derive(Debug)]
 struct HostSlot {
@@ -446,10 +456,13 @@ impl HostTier {
 
     /// Holds a block for reading outside the tier's lock, without counting a hit (the
     /// write-through's own reads): its pages stay allocated and unchanged while the hold lives.
-    pub(crate) fn hold_uncounted(&self, key: &BlockKey) -> Option<HeldBlock> {
+    /// `read`: count its bytes as read (false where the read that found it counted them).
+    pub(crate) fn hold_uncounted(&self, key: &BlockKey, read: bool) -> Option<HeldBlock> {
         let (slot, meta) = self.state.lock().get(key, true)?;
         let pieces = self.runs_of(&slot, meta.len).collect();
-        self.counters.bytes_read.add(meta.len);
+        if read {
+            self.counters.bytes_read.add(meta.len);
+        }
         Some(HeldBlock { _slot: slot, meta, pieces })
     }
 
@@ -630,6 +643,13 @@ impl HostTier {
     pub fn abort_fill(&self, filling: Filling) {
         self.state.lock().abort(&filling.key, &filling.slot);
         self.committed.notify_all();
+    }
+
+    /// Drops a reservation whose filling failed (a copy from an engine's memory): as
+    /// [`HostTier::abort_fill`], counted as a failed put.
+    pub fn fail_fill(&self, filling: Filling) {
+        self.abort_fill(filling);
+        self.counters.put_errors.add(1);
     }
 
     /// Blocks evicted from G2 before write-through reached them (their lower copy was lost).

@@ -34,11 +34,16 @@
 //! - [`listener`]: [`TierListener`], what each tier gained and lost (for hit reports).
 //! - [`block`]: block metadata, checksums, lease ids.
 //! - [`stats`]: counters exported as `kvcached_*` metrics.
-//! - [`cuda`]: page-locking host memory for CUDA, loaded at run time.
+//! - [`copy`]: copies between an engine's device memory (G1) and host memory, queued on the
+//!   device's streams with many blocks in flight ([`copy::CopyEngine`], [`copy::CopyQueue`]),
+//!   and a fake device that runs the same contract on threads for tests.
+//! - [`cuda`]: CUDA, loaded at run time: page-locking host memory, engines' device memory
+//!   opened by IPC handle ([`cuda::DeviceRegion`], a [`copy::CopyEngine`]).
 //! - [`error`]: [`TierError`], the crate's one error enum.
 
 pub mod block;
 pub mod buf;
+pub mod copy;
 pub mod cuda;
 pub mod disk;
 pub mod error;
@@ -63,7 +68,7 @@ pub use block::{BlockMeta, LeaseId, SumKind, checksum, checksum_of};
 pub use buf::BlockBuf;
 pub use disk::{DiskTier, DiskTierConfig};
 pub use error::{Result, TierError};
-pub use host::{CudaRegister, Filling, HostTier, HostTierConfig, POPULATE_STEP};
+pub use host::{CudaRegister, Filling, HeldBlock, HostTier, HostTierConfig, POPULATE_STEP};
 pub use listener::TierListener;
 pub use load::{Destination, DirectRead, LoadEnd, LoadError, LoadOptions, LoadReport, LoadSink};
 pub use object::{ObjectTier, ObjectTierConfig};

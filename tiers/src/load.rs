@@ -65,6 +65,14 @@ pub trait LoadSink {
     /// A chunk of blocks is in (for progress reports).
     fn chunk_done(&mut self) {}
 
+    /// Waits until every block `fill` accepted is in place: a sink whose `fill` only queues
+    /// its copy (DMA into an engine's GPU memory, many blocks in flight) finishes them here.
+    /// Called before each [`LoadSink::chunk_done`] and before the load returns; an error (a
+    /// copy failed) fails the load, so no block is reported in place that is not.
+    fn flush(&mut self) -> Result<(), Self::Error> {
+        Ok(())
+    }
+
     /// Memory where a lower tier may read block `i` straight in, skipping G2 (asked only with
     /// [`LoadOptions::direct`]); `None`: not offered.
     fn direct(&self, _i: usize) -> Option<Destination<'_>> {
@@ -160,6 +168,24 @@ impl BlockStore {
         sink: &mut S,
         opts: &LoadOptions,
     ) -> Result<LoadReport, LoadError<S::Error>> {
+        let loaded = self.load_chunks(keys, from, sink, opts);
+        // Copies the sink still has in flight finish before the load is reported, whatever
+        // ended it.
+        let flushed = sink.flush();
+        match (loaded, flushed) {
+            (Err(e), _) => Err(e),
+            (Ok(_), Err(e)) => Err(LoadError::Sink(e)),
+            (Ok(report), Ok(())) => Ok(report),
+        }
+    }
+
+    fn load_chunks<S: LoadSink>(
+        &self,
+        keys: &[BlockKey],
+        from: usize,
+        sink: &mut S,
+        opts: &LoadOptions,
+    ) -> Result<LoadReport, LoadError<S::Error>> {
         let mut report = LoadReport::default();
         let mut buf = BlockBuf::new();
         let mut start = from;
@@ -230,6 +256,7 @@ impl BlockStore {
                     }
                 }
             }
+            sink.flush().map_err(LoadError::Sink)?;
             sink.chunk_done();
             start = end;
         }

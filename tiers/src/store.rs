@@ -10,7 +10,7 @@ use crate::block::{BlockMeta, LeaseId};
 use crate::buf::BlockBuf;
 use crate::disk::{DiskTier, DiskTierConfig};
 use crate::error::{Result, TierError};
-use crate::host::{HostTier, HostTierConfig};
+use crate::host::{Filling, HeldBlock, HostTier, HostTierConfig};
 use crate::object::{ObjectTier, ObjectTierConfig};
 use crate::stats::{Count, TierStats};
 use crate::tier::{BlockRef, Tier, TierExt};
@@ -202,6 +202,34 @@ impl BlockStore {
     ) -> Result<bool> {
         let stored = self.g2.put_with(key, meta, !self.writers.is_empty(), fill)?;
         self.after_put(key, stored)
+    }
+
+    /// Reserves G2 pages for a block the caller fills itself, asynchronously (DMA from an
+    /// engine's GPU memory, many blocks in flight): `Ok(None)` when the key is present already.
+    /// Nothing is visible until [`BlockStore::finish_put`], which also queues the block for the
+    /// tiers below; [`BlockStore::fail_put`] drops it.
+    pub fn begin_put(&self, key: BlockKey, meta: BlockMeta) -> Result<Option<Filling>> {
+        self.g2.begin_fill(key, meta, !self.writers.is_empty())
+    }
+
+    /// Makes a block begun with [`BlockStore::begin_put`] and filled visible; `false` if it
+    /// was removed meanwhile.
+    pub fn finish_put(&self, filling: Filling) -> Result<bool> {
+        let key = *filling.key();
+        let stored = self.g2.finish_fill(filling);
+        self.after_put(key, stored)
+    }
+
+    /// Drops a block begun with [`BlockStore::begin_put`] whose filling failed: never visible.
+    pub fn fail_put(&self, filling: Filling) {
+        self.g2.fail_fill(filling);
+    }
+
+    /// Holds a G2 block for reading outside any lock (an asynchronous copy into an engine's
+    /// GPU memory) without counting a hit (the read that found it counted one): its pages
+    /// stay allocated and unchanged while the hold lives. None: not in G2.
+    pub fn hold(&self, key: &BlockKey) -> Option<HeldBlock> {
+        self.g2.hold_uncounted(key, false)
     }
 
     fn after_put(&self, key: BlockKey, stored: bool) -> Result<bool> {

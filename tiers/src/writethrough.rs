@@ -222,7 +222,7 @@ fn writer_loop(
         bufs.resize_with(keys.len().max(bufs.len()), BlockBuf::new);
         let mut found: Vec<(BlockKey, Source)> = Vec::new();
         for (i, (k, _)) in keys.iter().enumerate() {
-            if let Some(held) = w.g2.hold_uncounted(k) {
+            if let Some(held) = w.g2.hold_uncounted(k, true) {
                 found.push((*k, Source::G2(held)));
                 continue;
             }

@@ -8,15 +8,18 @@
 //! 4. tally: the status the engine waits for, and the tokens of prefill each tier saved.
 //!
 //! [`BlockStore::load_into`]: kvtiers::BlockStore::load_into
+use std::cell::RefCell;
+use std::rc::Rc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use kvproto::{BlockKey, TierKind, pb};
-use kvtiers::{BlockMeta, Destination, LoadEnd, LoadError, LoadOptions, LoadReport, LoadSink};
+use kvtiers::copy::{Copy, CopyEngine, CopyQueue, Direction};
+use kvtiers::{BlockMeta, BlockStore, Destination, HeldBlock, LoadEnd, LoadError, LoadOptions, LoadReport, LoadSink};
 use tokio::sync::watch;
 
 use super::{Daemon, LOAD_CHUNK, LOAD_LEASE, MAX_SOURCES};
-use crate::engine::Engine;
+use crate::engine::{Engine, copy_failed};
 use crate::error::ServerError;
 use crate::peer::Incoming;
 
@@ -30,6 +33,54 @@ struct SlotSink<'a> {
     status: pb::LoadStatus,
     /// Blocks now come from a peer's pull (counted for the peer, whatever tier they landed in).
     pulling: bool,
+    /// A GPU engine's copies in flight ([`Queued`]); None for a CPU engine.
+    queued: Option<Queued<'a>>,
+}
+
+/// The copies of a load into a GPU engine, queued on its streams: each block's G2 pages held
+/// until its copy completed; the first failure, reported by the next `fill` or `flush`.
+struct Queued<'a> {
+    store: &'a BlockStore,
+    /// The load's keys (block `i` of the sink is `keys[i]`).
+    keys: &'a [BlockKey],
+    queue: CopyQueue<'a, HeldBlock, Finished<'a>>,
+    failed: Rc<RefCell<Option<kvtiers::TierError>>>,
+}
+
+/// What a queued load does with a block whose copy finished.
+type Finished<'a> = Box<dyn FnMut(HeldBlock, kvtiers::Result<()>) + 'a>;
+
+impl<'a> Queued<'a> {
+    fn new(store: &'a BlockStore, keys: &'a [BlockKey], dev: &'a dyn CopyEngine) -> Self {
+        let failed = Rc::new(RefCell::new(None));
+        let first = Rc::clone(&failed);
+        let done = Box::new(move |_held: HeldBlock, copied: kvtiers::Result<()>| {
+            if let Err(e) = copied {
+                first.borrow_mut().get_or_insert(e);
+            }
+        });
+        Self { store, keys, queue: CopyQueue::new(dev, LOAD_CHUNK, done), failed }
+    }
+
+    /// The first copy that failed, as the load's error.
+    fn check(&self, engine: &Engine) -> Result<(), ServerError> {
+        match self.failed.borrow_mut().take() {
+            Some(e) => Err(copy_failed("load", engine.id, &e)),
+            None => Ok(()),
+        }
+    }
+}
+
+impl<'a> SlotSink<'a> {
+    fn new(engine: &'a Engine, slots: &'a [u32], progress: &'a watch::Sender<pb::LoadStatus>) -> Self {
+        Self { engine, slots, progress, status: pb::LoadStatus::default(), pulling: false, queued: None }
+    }
+
+    /// Queues the copies of a GPU engine's loads from `store` of `keys` on its streams.
+    fn queued(mut self, store: &'a BlockStore, keys: &'a [BlockKey]) -> Self {
+        self.queued = self.engine.device().map(|dev| Queued::new(store, keys, dev));
+        self
+    }
 }
 
 impl SlotSink<'_> {
@@ -49,6 +100,19 @@ impl LoadSink for SlotSink<'_> {
     }
 
     fn fill(&mut self, i: usize, pieces: &[&[u8]]) -> Result<(), ServerError> {
+        if let Some(q) = self.queued.as_mut() {
+            q.check(self.engine)?;
+            // Queued where the pieces are the G2 block's own pages, held until the copy is
+            // done; pieces of a buffer (a block G2 had no room for) are copied synchronously.
+            if let Some(held) = q.store.hold(&q.keys[i]).filter(|h| same_memory(&h.ranges(), pieces)) {
+                let copies = Copy::zip(Direction::ToDevice, &self.engine.segment_ranges(self.slots[i]), &held.ranges())
+                    .map_err(|e| ServerError::Invalid(e.to_string()))?;
+                // SAFETY: the copies read the held block's pages, which the queue keeps (as
+                // `held`) until they completed; a committed G2 block is never written.
+                unsafe { q.queue.push(&copies, held) };
+                return Ok(());
+            }
+        }
         self.engine.write_slot_from(self.slots[i], pieces)
     }
 
@@ -65,6 +129,16 @@ impl LoadSink for SlotSink<'_> {
 
     fn chunk_done(&mut self) {
         self.tell();
+    }
+
+    fn flush(&mut self) -> Result<(), ServerError> {
+        match self.queued.as_mut() {
+            Some(q) => {
+                q.queue.drain();
+                q.check(self.engine)
+            }
+            None => Ok(()),
+        }
     }
 
     fn direct(&self, i: usize) -> Option<Destination<'_>> {
@@ -84,6 +158,11 @@ impl LoadSink for SlotSink<'_> {
     fn copy_back(&self, i: usize, dst: &mut [&mut [u8]]) -> bool {
         self.engine.read_slot_into(self.slots[i], dst).is_ok()
     }
+}
+
+/// Whether a held block's pages are the very pieces a load was handed.
+fn same_memory(held: &[(usize, usize)], pieces: &[&[u8]]) -> bool {
+    held.len() == pieces.len() && held.iter().zip(pieces).all(|(&(p, n), q)| p == q.as_ptr() as usize && n == q.len())
 }
 
 fn failed<E>(e: LoadError<E>) -> E
@@ -133,13 +212,7 @@ impl Daemon {
         // the engine was told: copied back out of its slots and checked against the sum they
         // were read with (the engine may have written them since; then they stay below).
         if let Some((keys, report)) = settle {
-            let sink = SlotSink {
-                engine,
-                slots: &req.block_ids,
-                progress: tx,
-                status: pb::LoadStatus::default(),
-                pulling: false,
-            };
+            let sink = SlotSink::new(engine, &req.block_ids, tx);
             self.store.settle(&keys, &report.direct, &sink);
         }
     }
@@ -163,7 +236,8 @@ impl Daemon {
         let wanted = keys[first..first + req.block_ids.len()].to_vec();
         let lease = self.store.pin(&wanted, LOAD_LEASE);
         let status = pb::LoadStatus { op_id: op, state: pb::load_status::State::Done as i32, ..Default::default() };
-        let mut sink = SlotSink { engine, slots: &req.block_ids, progress, status, pulling: false };
+        let mut sink =
+            SlotSink { status, ..SlotSink::new(engine, &req.block_ids, progress) }.queued(&self.store, &wanted);
         // 1. Plan.
         let incoming = self.plan_pulls(engine, req, &wanted);
         let local = incoming.as_ref().map_or(wanted.len(), |inc| inc.offset);

@@ -6,14 +6,15 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use kvproto::{KeySource, TierKind, pb};
+use kvproto::{BlockKey, KeySource, TierKind, pb};
+use kvtiers::copy::{Copy, CopyEngine, CopyQueue, Direction};
 use kvtiers::{BlockMeta, BlockStore};
 use parking_lot::Mutex;
 use tokio::sync::watch;
 
 use crate::engine::key_memo::KeyMemo;
 use crate::engine::prefix_probe::{PrefixProber, Probing};
-use crate::engine::{Engine, Registry};
+use crate::engine::{Engine, Registry, copy_failed};
 use crate::error::ServerError;
 use crate::export::reports::{GpuChange, Reports};
 use crate::export::vllm_export::DynamoTag;
@@ -36,6 +37,10 @@ const LOAD_LEASE: Duration = Duration::from_secs(30);
 
 /// Blocks of a load brought up from G3 in one batch read (bounds the buffers a load holds).
 const LOAD_CHUNK: usize = 16;
+
+/// Blocks of a GPU engine's save in flight on its streams at once: enough to keep the copy
+/// engines busy while the next blocks' pages are reserved (a block is 0.25-2 MiB).
+pub(crate) const SAVE_DEPTH: usize = 16;
 /// Peers one load may name.
 const MAX_SOURCES: usize = 8;
 
@@ -263,7 +268,6 @@ impl Daemon {
         let keys = self.keys_in(&engine, &req.tokens, &src)?;
         Self::span(&engine, keys.len(), req.first_block, &req.block_ids)?;
         let mut resp = pb::SaveResponse::default();
-        let len = engine.block_bytes();
         let end = req.first_block as usize + req.block_ids.len();
         // The vLLM export's records of these blocks, made on the reporting thread (of a token
         // chain: engine hashes carry no tokens to hash the vLLM way).
@@ -276,37 +280,13 @@ impl Daemon {
             let tag = DynamoTag::of(src.context(), tpb, keys.len());
             c.saving(&keys, kvproto::tokens_from_le(&req.tokens)?, tpb, req.first_block as usize, end, tag);
         }
-        let mut over_quota = false;
         // A token chain's block has its prefix as its parent; an engine hash's stands alone (a
         // vLLM offloading job may hold chunks of several requests).
         let chained = src.is_token_chain();
-        for (i, &slot) in req.block_ids.iter().enumerate() {
-            let idx = req.first_block as usize + i;
-            let parent = idx.checked_sub(1).filter(|_| chained).map(|p| keys[p]);
-            let meta = BlockMeta { namespace: engine.namespace_id, parent, len, owner };
-            // Past a block the quota refused, the rest of the chain could only be stored by
-            // removing its own prefix: refused too, without asking.
-            if over_quota {
-                resp.failed += 1;
-                continue;
-            }
-            // Straight from the engine's segments into the block's G2 pages: one copy (DMA for
-            // GPU memory).
-            let put = self.store.put_with(keys[idx], meta, |dst| {
-                engine.read_slot_into(slot, dst).map_err(|e| kvtiers::TierError::Fill(e.to_string()))
-            });
-            crate::sched::between_copies(len);
-            match put {
-                Ok(true) => resp.stored += 1,
-                Ok(false) => resp.already_present += 1,
-                Err(e) => {
-                    over_quota |= matches!(e, kvtiers::TierError::OverQuota { .. });
-                    resp.failed += 1;
-                    if resp.error.is_empty() {
-                        resp.error = e.to_string();
-                    }
-                }
-            }
+        let blocks = SaveBlocks { engine: &engine, keys: &keys, req, owner, chained };
+        match engine.device() {
+            Some(dev) => self.save_queued(&blocks, dev, &mut resp),
+            None => self.save_copied(&blocks, &mut resp),
         }
         if let Some(c) = export
             && resp.failed > 0
@@ -315,6 +295,76 @@ impl Daemon {
         }
         self.saves.fetch_add(1, Ordering::Relaxed);
         Ok(resp)
+    }
+
+    /// A CPU engine's save: each block gathered from the engine's mapped segments straight
+    /// into its G2 pages, one copy, block after block.
+    fn save_copied(&self, b: &SaveBlocks<'_>, resp: &mut pb::SaveResponse) {
+        let mut over_quota = false;
+        for (i, &slot) in b.req.block_ids.iter().enumerate() {
+            // Past a block the quota refused, the rest of the chain could only be stored by
+            // removing its own prefix: refused too, without asking.
+            if over_quota {
+                resp.failed += 1;
+                continue;
+            }
+            let (key, meta) = b.block(i);
+            let put = self.store.put_with(key, meta, |dst| {
+                b.engine.read_slot_into(slot, dst).map_err(|e| kvtiers::TierError::Fill(e.to_string()))
+            });
+            crate::sched::between_copies(meta.len);
+            tally(resp, put, &mut over_quota);
+        }
+    }
+
+    /// A GPU engine's save: each block's G2 pages reserved and its copies queued on the
+    /// engine's streams, up to [`SAVE_DEPTH`] blocks in flight, the next block prepared while
+    /// the DMA engines move the last. A block becomes visible only once its copies completed;
+    /// one whose copy failed is dropped, never served, and counted
+    /// (`kvcached_g1_copy_failures_total`).
+    fn save_queued(&self, b: &SaveBlocks<'_>, dev: &dyn CopyEngine, out: &mut pb::SaveResponse) {
+        let resp = std::cell::RefCell::new(std::mem::take(out));
+        let mut over_quota = false;
+        let mut queue = CopyQueue::new(dev, SAVE_DEPTH, |fill: kvtiers::Filling, copied: kvtiers::Result<()>| {
+            let put = match copied {
+                Ok(()) => self.store.finish_put(fill),
+                Err(e) => {
+                    self.store.fail_put(fill);
+                    Err(kvtiers::TierError::Fill(copy_failed("save", b.engine.id, &e).to_string()))
+                }
+            };
+            tally(&mut resp.borrow_mut(), put, &mut false);
+        });
+        for (i, &slot) in b.req.block_ids.iter().enumerate() {
+            if over_quota {
+                resp.borrow_mut().failed += 1;
+                continue;
+            }
+            let (key, meta) = b.block(i);
+            let fill = match self.store.begin_put(key, meta) {
+                Ok(Some(fill)) => fill,
+                Ok(None) => {
+                    resp.borrow_mut().already_present += 1;
+                    continue;
+                }
+                Err(e) => {
+                    tally(&mut resp.borrow_mut(), Err(e), &mut over_quota);
+                    continue;
+                }
+            };
+            let host: Vec<(usize, usize)> = fill.pieces().iter().map(|&(p, n)| (p as usize, n)).collect();
+            match Copy::zip(Direction::ToHost, &b.engine.segment_ranges(slot), &host) {
+                // SAFETY: the copies land in the reservation's own pages, which the queue keeps
+                // (as `fill`) until they completed; nobody else sees them before `finish_put`.
+                Ok(copies) => unsafe { queue.push(&copies, fill) },
+                Err(e) => {
+                    self.store.fail_put(fill);
+                    tally(&mut resp.borrow_mut(), Err(e), &mut over_quota);
+                }
+            }
+        }
+        drop(queue);
+        *out = resp.into_inner();
     }
 
     pub fn lookup(&self, req: &pb::LookupRequest, who: Principal) -> Result<pb::LookupResponse, ServerError> {
@@ -716,6 +766,47 @@ impl Daemon {
         metrics::gauge!("kvcached_degraded_neighbours", "kind" => "g4").set(f64::from(u8::from(g4)));
         metrics::gauge!("kvcached_degraded_neighbours", "kind" => "router").set(failing_routers as f64);
         pb::HealthResponse { ok: reasons.is_empty(), reasons, warnings }
+    }
+}
+
+/// The blocks one SAVE names, and what each block's key and metadata are made of.
+struct SaveBlocks<'a> {
+    engine: &'a Engine,
+    keys: &'a [BlockKey],
+    req: &'a pb::SaveRequest,
+    /// The saver's tenant, charged for the blocks.
+    owner: Option<u32>,
+    /// Whether a block's parent is the block before it (a token chain).
+    chained: bool,
+}
+
+impl SaveBlocks<'_> {
+    /// The key and metadata of the request's `i`-th block.
+    fn block(&self, i: usize) -> (BlockKey, BlockMeta) {
+        let idx = self.req.first_block as usize + i;
+        let parent = idx.checked_sub(1).filter(|_| self.chained).map(|p| self.keys[p]);
+        let meta = BlockMeta {
+            namespace: self.engine.namespace_id,
+            parent,
+            len: self.engine.block_bytes(),
+            owner: self.owner,
+        };
+        (self.keys[idx], meta)
+    }
+}
+
+/// Counts one block's put into a SAVE's answer; a quota refusal sets `over_quota`.
+fn tally(resp: &mut pb::SaveResponse, put: kvtiers::Result<bool>, over_quota: &mut bool) {
+    match put {
+        Ok(true) => resp.stored += 1,
+        Ok(false) => resp.already_present += 1,
+        Err(e) => {
+            *over_quota |= matches!(e, kvtiers::TierError::OverQuota { .. });
+            resp.failed += 1;
+            if resp.error.is_empty() {
+                resp.error = e.to_string();
+            }
+        }
     }
 }
 

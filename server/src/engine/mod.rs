@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 
 use kvproto::slots::{Segment, SlotLayout};
 use kvproto::{Namespace, NamespaceFingerprint, NamespaceId, pb};
+use kvtiers::copy::{Copy, CopyEngine, Direction};
 use memmap2::{MmapOptions, MmapRaw};
 use parking_lot::{Mutex, RwLock};
 
@@ -39,7 +40,33 @@ enum EngineMemory {
         /// What the memory is, for errors ("KV memory (memfd)", ...).
         path: String,
     },
-    Cuda(kvtiers::cuda::DeviceRegion),
+    /// A GPU's memory (CUDA IPC), or under fault injection a shared-memory region served as
+    /// one ([`kvtiers::copy::fake::FakeDevice`], `[g1] emulate`): copied to and from by
+    /// queued DMA ([`Engine::device`]).
+    Device(Box<dyn CopyEngine>),
+}
+
+/// An engine's shared memory kept mapped, and guarded, under an emulated device.
+struct Mapped {
+    _guard: FaultGuard,
+    _map: MmapRaw,
+}
+
+// SAFETY: the mapping and its guard are only kept alive here (dropped in order: guard first);
+// the emulated device copies through raw pointers into them, as the daemon does.
+unsafe impl Send for Mapped {}
+// SAFETY: as above; nothing here is read or written through `&Mapped`.
+unsafe impl Sync for Mapped {}
+
+/// Streams (or emulated lanes) a device engine's copies are spread over.
+const DEVICE_LANES: usize = kvtiers::cuda::LANES;
+
+/// A copy between an engine's device memory and G2 that failed: the block is not saved (a
+/// save) or the load fails (a load), never served; counted by `op` ("save", "load").
+pub(crate) fn copy_failed(op: &'static str, engine: u64, e: &kvtiers::TierError) -> ServerError {
+    metrics::counter!("kvcached_g1_copy_failures_total", "op" => op).increment(1);
+    tracing::warn!(engine, op, "a copy between the engine's GPU memory and G2 failed: {e}");
+    ServerError::Attach(format!("{op}: a copy between the engine's GPU memory and G2 failed: {e}"))
 }
 
 /// The refusal of a path where a descriptor is wanted.
@@ -56,20 +83,6 @@ fn shrank(path: &str) -> ServerError {
         "the engine's {path} shrank under the daemon (truncated by the engine?): its saves and loads fail \
          until it registers again"
     ))
-}
-
-/// [`kvtiers::pieces::zip_pieces`] over a block's pieces and a slot's segments, which add up to
-/// the same length (checked at attach).
-fn zip_pieces(
-    src: &[(usize, usize)],
-    dst: &[(usize, usize)],
-    f: impl FnMut(usize, usize, usize) -> Result<(), ServerError>,
-) -> Result<(), ServerError> {
-    if kvtiers::pieces::zip_pieces(src.iter().copied(), dst.iter().copied(), f)? {
-        Ok(())
-    } else {
-        Err(ServerError::Invalid("block pieces and slot segments differ in length".into()))
-    }
 }
 
 /// One attached engine.
@@ -141,6 +154,9 @@ pub(crate) struct Attaching<'a> {
     /// The registering process (its descriptors' tickets must be its own).
     pub pid: Option<i32>,
     pub held: Held,
+    /// The G1 fault switches (`inject_faults` only): a device engine's copies go through
+    /// them, and with `[g1] emulate` a shared-memory region is served as an emulated GPU's.
+    pub g1: Option<Arc<crate::faults::G1Faults>>,
 }
 
 /// A registration's request checked, before anything is mapped, bound or counted.
@@ -207,7 +223,8 @@ impl Engine {
     /// Maps the engine's memory, handed over as descriptors, for a registration [`Checked`]
     /// already.
     fn attach(a: Attaching<'_>, checked: Checked, tickets: &Tickets) -> Result<Self, ServerError> {
-        let Attaching { id, req, owner, pid, held } = a;
+        let Attaching { id, req, owner, pid, held, g1 } = a;
+        let emulate = g1.as_ref().filter(|g1| g1.emulate.load(Ordering::Relaxed)).map(|g1| Arc::clone(&g1.device));
         let Checked { namespace, slots, size, map_bytes } = checked;
         let Principal::Uid(uid) = owner else {
             return Err(ServerError::Attach("engines attach over the Unix socket only".into()));
@@ -236,7 +253,20 @@ impl Engine {
                     .map_raw(&r.file)
                     .map_err(|e| ServerError::Attach(format!("cannot map the {what}: {e}")))?;
                 let guard = FaultGuard::watch(map.as_ptr() as usize, map.len()).map_err(ServerError::Attach)?;
-                EngineMemory::Shm { guard, map, path: what.to_string() }
+                match emulate {
+                    None => EngineMemory::Shm { guard, map, path: what.to_string() },
+                    Some(faults) => {
+                        let (base, len) = (map.as_mut_ptr(), map.len());
+                        let keep = Box::new(Mapped { _guard: guard, _map: map });
+                        // SAFETY: the mapping is valid for reads and writes while `keep`, which
+                        // the device holds, lives.
+                        let dev =
+                            unsafe { kvtiers::copy::fake::FakeDevice::over(base, len, keep, DEVICE_LANES, faults) }
+                                .map_err(|e| ServerError::Attach(e.to_string()))?;
+                        tracing::warn!(engine = id, "engine memory served as an emulated GPU's (inject_faults [g1])");
+                        EngineMemory::Device(Box::new(dev))
+                    }
+                }
             }
             Some(pb::memory_region::Kind::CudaIpcHandle(handle)) => {
                 let len = usize::try_from(size).map_err(|_| invalid("region size exceeds the address space"))?;
@@ -247,9 +277,16 @@ impl Engine {
                     bytes = len,
                     "engine KV memory opened over CUDA IPC"
                 );
-                EngineMemory::Cuda(region)
+                EngineMemory::Device(Box::new(region))
             }
             _ => return Err(invalid("region has neither fd_ticket nor cuda_ipc_handle")),
+        };
+        // Under fault injection every device's copies can be made to fail.
+        let memory = match (memory, &g1) {
+            (EngineMemory::Device(dev), Some(g1)) => {
+                EngineMemory::Device(Box::new(kvtiers::copy::faults::FaultyCopies::new(dev, Arc::clone(&g1.copies))))
+            }
+            (m, _) => m,
         };
         // A token area that cannot be used costs speed, not the registration: the engine is
         // told why (`token_area_error`) and sends its tokens inline.
@@ -331,7 +368,7 @@ impl Engine {
 
     /// The segments of engine block `block` as (offset in the region, length), in block byte
     /// order. In range: checked against the region size at attach.
-    fn segment_ranges(&self, block: u32) -> Vec<(usize, usize)> {
+    pub(crate) fn segment_ranges(&self, block: u32) -> Vec<(usize, usize)> {
         self.slots.ranges(block).collect()
     }
 
@@ -403,11 +440,20 @@ impl Engine {
         filled
     }
 
+    /// The engine's device memory, copied to and from by queued DMA; None for an engine whose
+    /// memory the daemon maps (a CPU engine).
+    pub fn device(&self) -> Option<&dyn CopyEngine> {
+        match &self.memory {
+            EngineMemory::Device(d) => Some(d.as_ref()),
+            EngineMemory::Shm { .. } => None,
+        }
+    }
+
     /// Bytes of the region mapped into the daemon (none of a GPU's memory).
     pub fn mapped_bytes(&self) -> u64 {
         match &self.memory {
             EngineMemory::Shm { map, .. } => map.len() as u64,
-            EngineMemory::Cuda(_) => 0,
+            EngineMemory::Device(_) => 0,
         }
     }
 
@@ -434,10 +480,13 @@ impl Engine {
                 // What a faulted copy read is not the block: fail, so it is never stored.
                 if guard.faulted() { Err(shrank(path)) } else { Ok(()) }
             }
-            EngineMemory::Cuda(region) => zip_pieces(&self.segment_ranges(block), &dst, |off, d, n| {
-                // SAFETY: `d` is inside the caller's piece for `n` bytes.
-                unsafe { region.to_host(off, d as *mut u8, n) }.map_err(|e| ServerError::Attach(e.to_string()))
-            }),
+            EngineMemory::Device(dev) => {
+                let copies = Copy::zip(Direction::ToHost, &self.segment_ranges(block), &dst)
+                    .map_err(|e| ServerError::Invalid(e.to_string()))?;
+                // SAFETY: the host ranges are the caller's pieces, borrowed mutably for this
+                // call, which waits for the copies.
+                unsafe { dev.copy_now(&copies) }.map_err(|e| copy_failed("save", self.id, &e))
+            }
         }
     }
 
@@ -462,12 +511,13 @@ impl Engine {
                 unsafe { kvtiers::pieces::copy_pieces(pieces.iter().map(|p| (p.as_ptr(), p.len())), dst) };
                 if guard.faulted() { Err(shrank(path)) } else { Ok(()) }
             }
-            EngineMemory::Cuda(region) => {
+            EngineMemory::Device(dev) => {
                 let src: Vec<(usize, usize)> = pieces.iter().map(|p| (p.as_ptr() as usize, p.len())).collect();
-                zip_pieces(&src, &self.segment_ranges(block), |s, off, n| {
-                    // SAFETY: `s` is inside the caller's piece for `n` bytes.
-                    unsafe { region.from_host(off, s as *const u8, n) }.map_err(|e| ServerError::Attach(e.to_string()))
-                })
+                let copies = Copy::zip(Direction::ToDevice, &self.segment_ranges(block), &src)
+                    .map_err(|e| ServerError::Invalid(e.to_string()))?;
+                // SAFETY: the host ranges are the caller's pieces, borrowed for this call,
+                // which waits for the copies; the device only reads them.
+                unsafe { dev.copy_now(&copies) }.map_err(|e| copy_failed("load", self.id, &e))
             }
         }
     }
@@ -502,6 +552,8 @@ pub struct Registry {
     prefault: bool,
     /// Who may name which tenant salt.
     tenants: Arc<crate::policy::tenants::Tenants>,
+    /// The G1 fault switches (`inject_faults` only).
+    g1_faults: Option<Arc<crate::faults::G1Faults>>,
 }
 
 /// A first id for a counter that must not repeat the ids of a previous daemon process: the
@@ -524,12 +576,20 @@ impl Registry {
             lease,
             prefault: false,
             tenants: Arc::default(),
+            g1_faults: None,
         }
     }
 
     /// Sets the tenants registrations are checked against (`[[tenants]]`).
     pub fn with_tenants(mut self, tenants: Arc<crate::policy::tenants::Tenants>) -> Self {
         self.tenants = tenants;
+        self
+    }
+
+    /// Sets the G1 fault switches (`inject_faults`): with `[g1] emulate`, engines registered
+    /// with shared memory are served as emulated GPUs.
+    pub fn with_g1_faults(mut self, g1: Option<Arc<crate::faults::G1Faults>>) -> Self {
+        self.g1_faults = g1;
         self
     }
 
@@ -568,7 +628,8 @@ impl Registry {
                 break id;
             }
         };
-        let mut e = Engine::attach(Attaching { id, req, owner, pid, held }, checked, &self.tickets)?;
+        let g1 = self.g1_faults.clone();
+        let mut e = Engine::attach(Attaching { id, req, owner, pid, held, g1 }, checked, &self.tickets)?;
         e.may_write = self.tenants.rights(owner, &e.namespace)?.write;
         self.tenants.bind(owner, &e.namespace)?;
         if self.prefault {
