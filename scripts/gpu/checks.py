@@ -22,15 +22,28 @@ Checks:
 - `bad_registration`: a registration naming memory that does not exist (a corrupted IPC handle on
   CUDA, a descriptor of the wrong size on CPU) is refused with a clear error, and the daemon
   serves the next engine.
+- `injected_copy_failure`: with the daemon's fault file (`inject_faults` `[g1] fail_every`) failing
+  every n-th copy between the engine's memory and G2, a save drops those blocks (and says so) and
+  serves none of them, a load fails naming why, and with the faults off every byte is right. On
+  CPU the engine's shared memory is served as an emulated device's (`[g1] emulate`), so the same
+  queued copies are the ones that fail.
+- `g3_to_g1`: a prompt of 2 MiB blocks saved through a second daemon, flushed to its G3 as it
+  stops, loaded after its restart (G2 empty: every block from G3) into the engine's memory, beside
+  an O_DIRECT read of the same number of bytes of the G3 file into pinned memory, each piece copied
+  on to the device (goal >= 0.8x).
 """
 
 from __future__ import annotations
 
 import argparse
+import mmap
 import multiprocessing as mp
 import os
+import shutil
 import signal
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -68,12 +81,14 @@ class Shape:
 class Engine:
     """One engine's KV (`slots` blocks of `shape`) on `device`, registered with the daemon."""
 
-    def __init__(self, name: str, shape: Shape, slots: int, device: str, model: str = "gpu-check"):
+    def __init__(
+        self, name: str, shape: Shape, slots: int, device: str, model: str = "gpu-check", socket: str | None = None
+    ):
         self.shape, self.slots, self.device = shape, slots, device
         layout = shape.layout()
         self.slot_layout = kvcached.SlotLayout.layer_separate(layout, slots)
         size = 2 * shape.layers * slots * shape.segment
-        self.client = kvcached.Client(reconnect_for=5.0)
+        self.client = kvcached.Client(socket, reconnect_for=5.0)
         ns = kvcached.Namespace(model, layout)
         if device == "cuda":
             self.kv = torch.zeros(size, dtype=torch.uint8, device="cuda")
@@ -293,6 +308,200 @@ def check_kill_mid_load(device: str, tokens: int) -> None:
     )
 
 
+# -- injected_copy_failure -------------------------------------------------------------------
+
+
+def _set_faults(text: str) -> None:
+    """Writes the daemon's fault file (`inject_faults`, which scripts/gpu-check sets) and waits
+    until it has been read (the daemon looks every 50 ms)."""
+    path = os.environ["KVCACHED_GPU_CHECK_FAULTS"]
+    with open(path + ".new", "w") as f:
+        f.write(text)
+    os.replace(path + ".new", path)
+    time.sleep(0.5)
+
+
+def check_injected_copy_failure(device: str, tokens: int) -> None:
+    if not os.environ.get("KVCACHED_GPU_CHECK_FAULTS"):
+        record("injected_copy_failure", False, "no fault file: run through scripts/gpu-check")
+        return
+    shape = Shape(layers=4, heads=8, dim=64, tokens=16)
+    blocks, seed = 64, 31
+    # On CPU the engine's shared memory is served as an emulated device's (chosen when it
+    # registers), so the same queued copies fail; on CUDA the engine's own GPU memory.
+    g1 = "[g1]\n" + ("emulate = true\n" if device == "cpu" else "")
+    _set_faults(g1)
+    e = Engine("gpu-check-faults", shape, 2 * blocks, device, model="gpu-check-faults")
+    want = content(shape, blocks, seed, device)
+    e.blocks()[:, :blocks].copy_(want)
+    e.sync()
+    tokens_ = prompt(seed, blocks, shape)
+    slots_b = list(range(blocks, 2 * blocks))
+
+    def load() -> tuple[int, bool]:
+        e.blocks()[:, blocks:].fill_(0xA5)
+        e.sync()
+        st = e.client.load_now(tokens_, 0, slots_b)
+        e.sync()
+        n = st.loaded_blocks
+        return n, bool(torch.equal(e.blocks()[:, blocks : blocks + n], want[:, :n]))
+
+    # A save whose every 7th copy fails: those blocks are dropped, never served.
+    _set_faults(g1 + "fail_every = 7\n")
+    saved = e.client.save(tokens_, 0, list(range(blocks)))
+    _set_faults(g1)
+    served, served_right = load()
+    save_ok = saved.failed >= 1 and saved.stored + saved.failed == blocks and "GPU memory" in saved.error
+    save_ok = save_ok and served < blocks and served_right
+    # The dropped blocks saved again; then a load whose every 5th copy fails fails, naming why.
+    e.client.save(tokens_, 0, list(range(blocks)))
+    _set_faults(g1 + "fail_every = 5\n")
+    try:
+        e.client.load_now(tokens_, 0, slots_b)
+        load_failed, why = False, "the load was reported whole"
+    except Exception as ex:
+        load_failed, why = "GPU memory" in str(ex), str(ex)[:140]
+    _set_faults(g1)
+    after, after_right = load()
+    e.client.unregister()
+    ok = save_ok and load_failed and after == blocks and after_right
+    record(
+        "injected_copy_failure",
+        ok,
+        f"save with every 7th copy failing: {saved.stored} stored, {saved.failed} dropped "
+        f"({saved.error[:80]!r}), then {served} of {blocks} served, bytes {'equal' if served_right else 'DIFFER'}; "
+        f"load with every 5th failing: {'failed' if load_failed else 'NOT failed'} ({why}); faults off: "
+        f"{after} loaded, bytes {'equal' if after_right else 'DIFFER'}",
+    )
+
+
+# -- g3_to_g1 --------------------------------------------------------------------------------
+
+
+class _Daemon:
+    """A second kvcached (the binary scripts/gpu-check runs) on its own socket, G2 and G3."""
+
+    def __init__(self, root: str, g2_bytes: int):
+        self.root, self.g2_bytes = root, g2_bytes
+        self.socket = os.path.join(root, "g3check.sock")
+        self.starts = 0
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.starts += 1
+        log_path = os.path.join(self.root, f"g3check-{self.starts}.log")
+        g2 = os.path.join(self.root, f"g2-{self.starts}")
+        os.makedirs(g2, exist_ok=True)
+        cmd = [os.environ["KVCACHED_GPU_CHECK_DAEMON"], "--socket", self.socket, "--metrics-addr", "127.0.0.1:0"]
+        cmd += ["--g2-capacity-bytes", str(self.g2_bytes), "--g2-shm-dir", g2]
+        cmd += ["--g3-dir", os.path.join(self.root, "g3")]
+        with open(log_path, "wb") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=log)
+        deadline = time.time() + 60
+        while "kvcached serving" not in open(log_path, errors="replace").read():
+            if self.proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"the second kvcached did not start: {open(log_path).read()[-600:]}")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        """SIGTERM: the daemon drains and flushes its write-through to G3 before it exits."""
+        if self.proc is not None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(180)
+            self.proc = None
+
+
+def _raw_read_rate(path: str, nbytes: int, device: str) -> tuple[float, str]:
+    """GiB/s of reading `nbytes` of `path` with O_DIRECT in 8 MiB pieces into two page-aligned
+    host buffers (pinned on CUDA), each piece copied on to the device while the next is read."""
+    chunk = 8 << 20
+    nbytes = min(nbytes, os.path.getsize(path)) // 4096 * 4096
+    how = "O_DIRECT"
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except OSError:
+        fd, how = os.open(path, os.O_RDONLY), "buffered, cache dropped (O_DIRECT refused here)"
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    if device == "cuda":
+        bufs = [torch.empty(chunk, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        views = [memoryview(b.numpy()) for b in bufs]
+    else:
+        maps = [mmap.mmap(-1, chunk) for _ in range(2)]
+        views = [memoryview(m) for m in maps]
+        bufs = [torch.frombuffer(m, dtype=torch.uint8) for m in maps]
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    done = [None, None]
+    try:
+        t0 = time.perf_counter()
+        off, i = 0, 0
+        while off < nbytes:
+            k = i % 2
+            if done[k] is not None:
+                done[k].synchronize()
+            n = os.preadv(fd, [views[k][: min(chunk, nbytes - off)]], off)
+            if n <= 0:
+                break
+            dst[off : off + n].copy_(bufs[k][:n], non_blocking=True)
+            if device == "cuda":
+                done[k] = torch.cuda.Event()
+                done[k].record()
+            off, i = off + n, i + 1
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return off / (time.perf_counter() - t0) / 2**30, how
+    finally:
+        os.close(fd)
+
+
+def check_g3_to_g1(device: str, tokens: int) -> None:
+    if not os.environ.get("KVCACHED_GPU_CHECK_DAEMON"):
+        record("g3_to_g1", False, "no daemon binary named: run through scripts/gpu-check")
+        return
+    shape = Shape(layers=4, heads=8, dim=128, tokens=128)  # 2 MiB blocks
+    blocks, seed = max(8, tokens // shape.tokens), 41
+    nbytes = blocks * shape.block
+    root = tempfile.mkdtemp(prefix="g3check-", dir=os.environ.get("KVCACHED_GPU_CHECK_TMP"))
+    d = _Daemon(root, max(2 * nbytes, 256 << 20))
+    try:
+        # Saved through one daemon life, flushed to G3 at its stop; the next life's G2 is empty.
+        d.start()
+        a = Engine("gpu-check-g3-a", shape, blocks, device, model="gpu-check-g3", socket=d.socket)
+        want = content(shape, blocks, seed, device)
+        a.blocks().copy_(want)
+        a.sync()
+        saved = a.client.save(prompt(seed, blocks, shape), 0, list(range(blocks)))
+        a.client.unregister()
+        d.stop()
+        d.start()
+        b = Engine("gpu-check-g3-b", shape, blocks, device, model="gpu-check-g3", socket=d.socket)
+        b.blocks().fill_(0xA5)
+        b.sync()
+        t0 = time.perf_counter()
+        st = b.client.load_now(prompt(seed, blocks, shape), 0, list(range(blocks)))
+        b.sync()
+        took = time.perf_counter() - t0
+        same = bool(torch.equal(b.blocks(), want))
+        b.client.unregister()
+        d.stop()
+        data = max(
+            (os.path.join(dp, f) for dp, _, fs in os.walk(os.path.join(root, "g3")) for f in fs), key=os.path.getsize
+        )
+        raw, how = _raw_read_rate(data, nbytes, device)
+        rate = nbytes / took / 2**30
+        ok = saved.stored == blocks and st.loaded_blocks == blocks and st.from_g3 == blocks and same
+        record(
+            "g3_to_g1",
+            ok,
+            f"{blocks} blocks of {shape.block >> 20} MiB ({nbytes / 2**30:.2f} GiB) only in G3: loaded "
+            f"{st.loaded_blocks} ({st.from_g3} from G3) in {took:.2f} s, {rate:.2f} GiB/s, bytes "
+            f"{'equal' if same else 'DIFFER'}; raw read ({how}) + {'pinned copy' if device == 'cuda' else 'copy'} "
+            f"of the G3 file: {raw:.2f} GiB/s ({rate / raw:.2f}x, goal >= 0.8x)",
+        )
+    finally:
+        d.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
 # -- bad_registration ------------------------------------------------------------------------
 
 
@@ -334,6 +543,8 @@ def main() -> int:
         "copy_rates": check_copy_rates,
         "kill_mid_load": check_kill_mid_load,
         "bad_registration": check_bad_registration,
+        "injected_copy_failure": check_injected_copy_failure,
+        "g3_to_g1": check_g3_to_g1,
     }
     for name, f in checks.items():
         if args.only and name not in args.only:
@@ -348,10 +559,6 @@ def main() -> int:
     for name, ok, detail in RESULTS:
         print(f"| {name} | {'pass' if ok else 'FAIL'} | {detail} |")
     print()
-    print(
-        "not in this bundle: G3 -> G1 against O_DIRECT + pinned copy, an injected failure of a GPU copy, "
-        "the vLLM connector's worker on CUDA tensors (vLLM is not on the GPU machine)"
-    )
     return 0 if all(ok for _, ok, _ in RESULTS) else 1
 
 

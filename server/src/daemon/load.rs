@@ -65,7 +65,7 @@ impl<'a> Queued<'a> {
     /// The first copy that failed, as the load's error.
     fn check(&self, engine: &Engine) -> Result<(), ServerError> {
         match self.failed.borrow_mut().take() {
-            Some(e) => Err(copy_failed("load", engine.id, &e)),
+            Some(e) => Err(copy_failed("load", engine.id, &e).into()),
             None => Ok(()),
         }
     }

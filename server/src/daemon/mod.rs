@@ -330,7 +330,7 @@ impl Daemon {
                 Ok(()) => self.store.finish_put(fill),
                 Err(e) => {
                     self.store.fail_put(fill);
-                    Err(kvtiers::TierError::Fill(copy_failed("save", b.engine.id, &e).to_string()))
+                    Err(copy_failed("save", b.engine.id, &e))
                 }
             };
             tally(&mut resp.borrow_mut(), put, &mut false);

@@ -63,10 +63,14 @@ const DEVICE_LANES: usize = kvtiers::cuda::LANES;
 
 /// A copy between an engine's device memory and G2 that failed: the block is not saved (a
 /// save) or the load fails (a load), never served; counted by `op` ("save", "load").
-pub(crate) fn copy_failed(op: &'static str, engine: u64, e: &kvtiers::TierError) -> ServerError {
+pub(crate) fn copy_failed(op: &'static str, engine: u64, e: &kvtiers::TierError) -> kvtiers::TierError {
     metrics::counter!("kvcached_g1_copy_failures_total", "op" => op).increment(1);
     tracing::warn!(engine, op, "a copy between the engine's GPU memory and G2 failed: {e}");
-    ServerError::Attach(format!("{op}: a copy between the engine's GPU memory and G2 failed: {e}"))
+    let why = match e {
+        kvtiers::TierError::Device(m) => m.clone(),
+        e => e.to_string(),
+    };
+    kvtiers::TierError::Device(format!("{op}: a copy between the engine's GPU memory and G2 failed: {why}"))
 }
 
 /// The refusal of a path where a descriptor is wanted.
@@ -485,7 +489,7 @@ impl Engine {
                     .map_err(|e| ServerError::Invalid(e.to_string()))?;
                 // SAFETY: the host ranges are the caller's pieces, borrowed mutably for this
                 // call, which waits for the copies.
-                unsafe { dev.copy_now(&copies) }.map_err(|e| copy_failed("save", self.id, &e))
+                unsafe { dev.copy_now(&copies) }.map_err(|e| copy_failed("save", self.id, &e).into())
             }
         }
     }
@@ -517,7 +521,7 @@ impl Engine {
                     .map_err(|e| ServerError::Invalid(e.to_string()))?;
                 // SAFETY: the host ranges are the caller's pieces, borrowed for this call,
                 // which waits for the copies; the device only reads them.
-                unsafe { dev.copy_now(&copies) }.map_err(|e| copy_failed("load", self.id, &e))
+                unsafe { dev.copy_now(&copies) }.map_err(|e| copy_failed("load", self.id, &e).into())
             }
         }
     }
