@@ -85,6 +85,35 @@ async fn a_failed_copy_is_a_counted_miss_never_wrong_kv() {
     n.stop();
 }
 
+/// A save whose engine hashes name one chunk twice (a vLLM offloading job may) stores it once
+/// and answers at once: the second reservation waits for the first block's copy instead of for
+/// a commit only the same save could make.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_named_twice_in_one_save_is_stored_once() {
+    use kvproto::{EngineHashes, HashScheme, KeySource};
+    let d = tempfile::tempdir().unwrap();
+    let (n, mut e) = emulated(d.path(), EMULATED, "g1/twice").await;
+    for b in 0..4 {
+        e.mem.write_block(b, &kvtests::oracle::block(7, b));
+    }
+    e.mem.write_block(4, &kvtests::oracle::block(7, 1));
+    let hashes: Vec<Vec<u8>> = [1u8, 2, 3, 4, 2].iter().map(|&h| vec![h; 32]).collect();
+    let src = KeySource::Hashes(EngineHashes { scheme: HashScheme::Vllm, hashes });
+    let t0 = std::time::Instant::now();
+    let r = e.client.save_keyed(&[], &src, 0, &[0, 1, 2, 3, 4]).await.unwrap();
+    assert_eq!((r.stored, r.already_present, r.failed), (4, 1, 0), "{r:?}");
+    // Not a timing assertion of speed: the stall this guards against is the 5 s a reservation
+    // waits for a key being written.
+    assert!(t0.elapsed() < Duration::from_secs(4), "the save waited on itself: {:?}", t0.elapsed());
+    let st = e.client.load_now_keyed(&[], &src, 0, &[64, 65, 66, 67, 68]).await.unwrap();
+    assert_eq!(st.loaded_blocks, 5, "{st:?}");
+    for (slot, b) in [(64, 0), (65, 1), (66, 2), (67, 3), (68, 1)] {
+        assert!(e.mem.read_block(slot) == kvtests::oracle::block(7, b), "slot {slot}");
+    }
+    drop(e);
+    n.stop();
+}
+
 /// `key=value` of a log line.
 fn field<'a>(line: &'a str, key: &str) -> &'a str {
     let at = line.find(&format!("{key}=")).unwrap_or_else(|| panic!("no {key} in {line}")) + key.len() + 1;

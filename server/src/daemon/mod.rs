@@ -335,12 +335,18 @@ impl Daemon {
             };
             tally(&mut resp.borrow_mut(), put, &mut false);
         });
+        // Keys queued by this save: a key named twice (engine hashes may repeat a chunk) waits
+        // for its first copy, which only this thread can finish.
+        let mut queued = std::collections::HashSet::with_capacity(b.req.block_ids.len());
         for (i, &slot) in b.req.block_ids.iter().enumerate() {
             if over_quota {
                 resp.borrow_mut().failed += 1;
                 continue;
             }
             let (key, meta) = b.block(i);
+            if !queued.insert(key) {
+                queue.drain();
+            }
             let fill = match self.store.begin_put(key, meta) {
                 Ok(Some(fill)) => fill,
                 Ok(None) => {
