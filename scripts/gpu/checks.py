@@ -31,11 +31,18 @@ Checks:
   stops, loaded after its restart (G2 empty: every block from G3) into the engine's memory, beside
   an O_DIRECT read of the same number of bytes of the G3 file into pinned memory, each piece copied
   on to the device (goal >= 0.8x).
+- `vllm_worker`: the vLLM connector's worker half (`kvcached.vllm.worker.WorkerSide`) driven with
+  the calls vLLM's model runner makes (KV cache registration, a step's loads and saves), with the
+  KV as vLLM 0.33 allocates and views it on the device; one worker saves blocks, another loads
+  them into other blocks and every byte is compared on the device. vLLM itself is used where it
+  is installed (the CPU run); on the GPU machine, where it is not, `vllm_stand_in/` provides the
+  few names the connector imports (checked against vLLM by `python/tests/test_vllm_stand_in.py`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import mmap
 import multiprocessing as mp
 import os
@@ -502,6 +509,131 @@ def check_g3_to_g1(device: str, tokens: int) -> None:
         shutil.rmtree(root, ignore_errors=True)
 
 
+# -- vllm_worker -----------------------------------------------------------------------------
+
+VLLM_LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
+
+
+def _vllm():
+    """vLLM where it is installed (the CPU run), else the stand-in of its names the connector's
+    worker half uses (`vllm_stand_in/`, the GPU machine)."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_stand_in"))
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    return FullAttentionSpec
+
+
+def vllm_configs(layout: str, blocks: int) -> tuple[object, object]:
+    """vLLM's configuration as the worker half reads it, for a plain full-attention model of 4
+    layers of 8 KV heads of 128 bf16 elements, 16 tokens per block, its KV in `layout`:
+    (vllm_config, kv_cache_config). `python/tests/test_vllm_stand_in.py` derives the namespace
+    from these with vLLM and with the stand-in."""
+    from types import SimpleNamespace
+
+    spec = _vllm()(block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
+    parallel = SimpleNamespace(
+        pipeline_parallel_size=1,
+        tensor_parallel_size=1,
+        decode_context_parallel_size=1,
+        prefill_context_parallel_size=1,
+    )
+    vllm_config = SimpleNamespace(
+        parallel_config=parallel,
+        model_config=SimpleNamespace(model="gpu-check/vllm-worker", revision=None),
+        cache_config=SimpleNamespace(kv_cache_layout=layout, cache_dtype="auto"),
+        device_config=SimpleNamespace(device_type="cpu" if layout == "LBHNC" else "cuda"),
+    )
+    group = SimpleNamespace(kv_cache_spec=spec, layer_names=VLLM_LAYERS)
+    return vllm_config, SimpleNamespace(num_blocks=blocks, kv_cache_groups=[group], kv_cache_layout=layout)
+
+
+def _vllm_worker(engine_id: str, device: str, blocks: int):
+    """The connector's worker half as vLLM 0.33's model runner makes and feeds it
+    ([`vllm_configs`]): its KV cache one int8 allocation viewed per layer in vLLM's layout for
+    the device (LBNHC on CUDA, LBHNC on CPU), registered with the daemon. Returns the worker and
+    the layer views ([blocks, heads, tokens, K|V])."""
+    from types import SimpleNamespace
+
+    from kvcached.vllm.config import ConnectorConfig
+    from kvcached.vllm.worker import WorkerSide
+
+    layout = "LBNHC" if device == "cuda" else "LBHNC"
+    vllm_config, kv_cache_config = vllm_configs(layout, blocks)
+    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    cfg = ConnectorConfig.from_extra({"kvcached.namespace_extra": "gpu-check"})
+    w = WorkerSide(vllm_config, kv_cache_config, cfg, SimpleNamespace(engine_id=engine_id))
+    page = spec.real_page_size_bytes
+    # vLLM's allocate_kv_cache: one int8 tensor for every layer (on CPU inside the connector's
+    # memory-pool context, which puts it in shared memory), then a view per layer.
+    with w.mem_pool_context() or contextlib.nullcontext():
+        buf = torch.zeros(len(VLLM_LAYERS) * blocks * page, dtype=torch.int8, device=device)
+    heads, tokens, content = spec.num_kv_heads, spec.block_size, 2 * spec.head_size
+    views = {}
+    for i, name in enumerate(VLLM_LAYERS):
+        raw = buf[i * blocks * page : (i + 1) * blocks * page].view(torch.bfloat16)
+        if layout == "LBNHC":
+            views[name] = raw.view(blocks, tokens, heads, content).permute(0, 2, 1, 3)
+        else:
+            views[name] = raw.view(blocks, heads, tokens, content)
+    w.register_kv_caches(views)
+    return w, views
+
+
+def _vllm_step(w, meta) -> set[int]:
+    """One step of vLLM's model runner with the connector's worker: loads started before the
+    forward pass and waited for at each layer, saves taken after it; the blocks that failed."""
+    w.start_load_kv(meta)
+    for name in VLLM_LAYERS:
+        w.wait_for_layer_load(name)
+        w.save_kv_layer(name)
+    w.wait_for_save(meta)
+    return w.take_invalid_blocks()
+
+
+def check_vllm_worker(device: str, tokens: int) -> None:
+    from array import array
+
+    slots = 256
+    a, kv_a = _vllm_worker("gpu-check-vllm-a", device, slots)
+    from kvcached.vllm.meta import KvcachedConnectorMetadata, Transfer
+
+    n = 64
+    src, dst = list(range(0, 2 * n, 2)), list(range(2 * n, 3 * n))
+    g = torch.Generator(device=device).manual_seed(51)
+    for name in VLLM_LAYERS:
+        v = kv_a[name]
+        v[src] = torch.randn(v[src].shape, generator=g, device=device, dtype=torch.float32).to(torch.bfloat16)
+    toks = array("I", [(7919 * i) % 50_000 for i in range((n + 1) * 16)])
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    bad_save = _vllm_step(a, KvcachedConnectorMetadata(saves=[Transfer("r", toks[: n * 16], 0, src)]))
+    took_save = time.perf_counter() - t0
+    b, kv_b = _vllm_worker("gpu-check-vllm-b", device, slots)
+    t0 = time.perf_counter()
+    # One block more than was saved: the load stops there and names it.
+    invalid = _vllm_step(b, KvcachedConnectorMetadata(loads=[Transfer("r", toks, 0, dst + [3 * n])]))
+    if device == "cuda":
+        torch.cuda.synchronize()
+    took_load = time.perf_counter() - t0
+    same = all(bool(torch.equal(kv_b[name][dst], kv_a[name][src])) for name in VLLM_LAYERS)
+    counts = dict(a.counts), dict(b.counts)
+    a.shutdown()
+    b.shutdown()
+    ok = not bad_save and counts[0]["saved"] == n and counts[1]["loaded"] == n and invalid == {3 * n} and same
+    record(
+        "vllm_worker",
+        ok,
+        f"the connector's worker on {device} KV in vLLM's {'LBNHC' if device == 'cuda' else 'LBHNC'} layout "
+        f"({'vLLM stand-in' if 'vllm_stand_in' in sys.modules['vllm'].__file__ else 'vLLM'}): {n} blocks saved in "
+        f"{took_save * 1e3:.0f} ms, loaded by another worker in {took_load * 1e3:.0f} ms, bytes "
+        f"{'equal' if same else 'DIFFER'}, the unsaved block reported {sorted(invalid)}",
+    )
+
+
 # -- bad_registration ------------------------------------------------------------------------
 
 
@@ -545,6 +677,7 @@ def main() -> int:
         "bad_registration": check_bad_registration,
         "injected_copy_failure": check_injected_copy_failure,
         "g3_to_g1": check_g3_to_g1,
+        "vllm_worker": check_vllm_worker,
     }
     for name, f in checks.items():
         if args.only and name not in args.only:
