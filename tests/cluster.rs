@@ -190,7 +190,7 @@ fn vllm_source_router(endpoint: &str) -> RouterConfig {
 
 /// Asks `router` to place `tokens` until it answers with cached blocks `want` per tier (20 s, as
 /// every wait of the cluster harness).
-async fn wait_until_cached(router: &RouterProc, tokens: &[u32], want: [u64; 4], what: &str) -> Value {
+async fn wait_until_cached(router: &RouterProc, dir: &Path, tokens: &[u32], want: [u64; 4], what: &str) -> Value {
     let http = reqwest::Client::builder().pool_max_idle_per_host(0).build().unwrap();
     let t0 = Instant::now();
     loop {
@@ -204,9 +204,31 @@ async fn wait_until_cached(router: &RouterProc, tokens: &[u32], want: [u64; 4], 
         if cached(&v) == want {
             return v;
         }
-        assert!(t0.elapsed() < Duration::from_secs(20), "{what}: {v}");
+        if t0.elapsed() >= Duration::from_secs(20) {
+            panic!("{what}: {v}\n{}", export_trail(&http, router, dir).await);
+        }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// What the daemon said of its export (its stderr's export lines: the blocks announced, the
+/// snapshots sent) and the router's vLLM counters (batches, gaps, orphans): the trail of a
+/// failed wait.
+async fn export_trail(http: &reqwest::Client, router: &RouterProc, dir: &Path) -> String {
+    let log = std::fs::read_to_string(dir.join("kvcached.stderr")).unwrap_or_default();
+    let daemon: Vec<&str> = log
+        .lines()
+        .filter(|l| {
+            ["export", "announced", "subscriber", "write-through", "WARN", "ERROR"].iter().any(|w| l.contains(w))
+        })
+        .collect();
+    let metrics = match http.get(format!("{}/metrics", router.base)).send().await {
+        Ok(r) => r.text().await.unwrap_or_default(),
+        Err(e) => e.to_string(),
+    };
+    let router: Vec<&str> =
+        metrics.lines().filter(|l| !l.starts_with('#') && (l.contains("vllm") || l.contains("gap"))).collect();
+    format!("daemon:\n{}\nrouter:\n{}", daemon.join("\n"), router.join("\n"))
 }
 
 /// A router that subscribes to the export after blocks were stored (started late, or
@@ -240,7 +262,7 @@ async fn a_router_subscribing_late_to_the_vllm_export_is_sent_what_the_daemon_ho
     assert_eq!(stored, 24, "G2 blocks in {} replayed batches", batches.len());
     let config = vllm_source_router(&endpoint);
     let router = start_router_with("127.0.0.1:0", config).await;
-    wait_until_cached(&router, &p, [0, 24, 0, 0], "the late subscriber never saw the held blocks").await;
+    wait_until_cached(&router, d.path(), &p, [0, 24, 0, 0], "the late subscriber never saw the held blocks").await;
     drop(c);
     signal_and_wait(daemon, libc::SIGTERM);
     router.stop().await;
@@ -264,7 +286,7 @@ async fn the_vllm_export_still_exports_what_g3_kept_across_a_restart() {
     let daemon = spawn_daemon_with(d.path(), &section);
     let config = vllm_source_router(&endpoint);
     let router = start_router_with("127.0.0.1:0", config).await;
-    wait_until_cached(&router, &p, [0, 0, 24, 0], "G3's blocks were not exported after the restart").await;
+    wait_until_cached(&router, d.path(), &p, [0, 0, 24, 0], "G3's blocks were not exported after the restart").await;
     signal_and_wait(daemon, libc::SIGTERM);
     router.stop().await;
 }

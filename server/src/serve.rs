@@ -343,6 +343,9 @@ fn serve_listeners(
         let _ = rx.wait_for(|s| *s).await;
     };
     let limits = Arc::clone(&daemon.limits);
+    // Readiness and neighbours as gauges before any listener answers: `/metrics` shows them
+    // from its first request (the housekeeping task below refreshes them every period).
+    daemon.health(queue);
     let mut tasks = JoinSet::new();
     {
         let lookups = lookups.cloned();
@@ -403,8 +406,7 @@ fn serve_listeners(
         let mut rx = stop.clone();
         let period = Duration::from_millis((config.engines.lease_ms / 3).max(100));
         tasks.spawn(async move {
-            // Readiness and neighbours as gauges, from the start and then every period.
-            d.health(queue);
+            // Readiness and neighbours as gauges, every period.
             loop {
                 tokio::select! {
                     _ = tokio::time::sleep(period) => {
