@@ -164,3 +164,21 @@ def make_engine(model_dir):
     yield make
     for e in made:
         e.close()
+
+
+@pytest.fixture
+def make_pp_engine(model_dir):
+    """`make_pp_engine(socket, role, extra, **kw)`: a vllm_harness.Engine of two pipeline
+    stages, closed after the test."""
+    from vllm_harness import pp_engine
+
+    made = []
+
+    def make(*args, **kw):
+        e = pp_engine(*args, model_dir=model_dir, **kw)
+        made.append(e)
+        return e
+
+    yield make
+    for e in made:
+        e.close()

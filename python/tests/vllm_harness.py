@@ -170,6 +170,8 @@ class Engine:
     spec: Any = SPEC
     # Each layer's KV-cache group and spec (one group of `spec` unless hybrid).
     layer_groups: dict[str, tuple[int, Any]] = field(default_factory=dict)
+    # With pipeline parallelism: each stage's worker and its layers (`worker` is stage 0's).
+    stages: list[tuple[KvcachedConnector, list[str]]] = field(default_factory=list)
     timings: dict[str, list[float]] = field(default_factory=lambda: {"schedule": [], "worker": []})
 
     @property
@@ -178,7 +180,8 @@ class Engine:
 
     def close(self) -> None:
         """Unregisters both halves from the daemon (vLLM calls shutdown on each)."""
-        self.worker.shutdown()
+        for w, _ in self.stages or [(self.worker, LAYERS)]:
+            w.shutdown()
         self.connector.shutdown()
 
     def add(self, req: Request) -> Request:
@@ -210,6 +213,27 @@ class Engine:
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         t1 = time.perf_counter()
+        if self.stages:
+            kvo = self._stages_step(out, finished_recving)
+        else:
+            kvo = self._worker_step(out, finished_recving)
+        t2 = time.perf_counter()
+        ids = list(out.num_scheduled_tokens)
+        # A step that leaves part of the prompt to compute samples nothing (a prefill chunk).
+        reqs = self.scheduler.requests
+        sampled = [[token] if reqs[r].num_computed_tokens >= reqs[r].num_tokens else [] for r in ids]
+        mro = ModelRunnerOutput(
+            req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+            sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},
+            pooler_output=None, kv_connector_output=kvo,
+        )  # fmt: skip
+        eco = self.scheduler.update_from_output(out, mro)
+        self.timings["schedule"].append(t1 - t0)
+        self.timings["worker"].append(t2 - t1)
+        return out, eco
+
+    def _worker_step(self, out: Any, finished_recving: set[str] | None) -> KVConnectorOutput:
+        """The one worker's part of a step, as vLLM's model runner calls it."""
         w = self.worker
         w.bind_connector_metadata(out.kv_connector_metadata)
         w.start_load_kv(None)
@@ -227,20 +251,35 @@ class Engine:
             invalid_block_ids=w.get_block_ids_with_load_errors(),
         )
         w.clear_connector_metadata()
-        t2 = time.perf_counter()
-        ids = list(out.num_scheduled_tokens)
-        # A step that leaves part of the prompt to compute samples nothing (a prefill chunk).
-        reqs = self.scheduler.requests
-        sampled = [[token] if reqs[r].num_computed_tokens >= reqs[r].num_tokens else [] for r in ids]
-        mro = ModelRunnerOutput(
-            req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-            sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},
-            pooler_output=None, kv_connector_output=kvo,
-        )  # fmt: skip
-        eco = self.scheduler.update_from_output(out, mro)
-        self.timings["schedule"].append(t1 - t0)
-        self.timings["worker"].append(t2 - t1)
-        return out, eco
+        return kvo
+
+    def _stages_step(self, out: Any, finished_recving: set[str] | None) -> KVConnectorOutput:
+        """Every pipeline stage's worker's part of a step: each loads, the forward pass writes
+        every layer, each saves its own layers; their outputs combined as vLLM's aggregator
+        does (a transfer is finished once every worker finished it; a block any worker failed
+        to load is invalid)."""
+        for w, _ in self.stages:
+            w.bind_connector_metadata(out.kv_connector_metadata)
+            w.start_load_kv(None)
+        for w, layers in self.stages:
+            for name in layers:
+                w.wait_for_layer_load(name)
+        self.forward(out)
+        for w, layers in self.stages:
+            for name in layers:
+                w.save_kv_layer(name, self.kv[name], None)
+            w.wait_for_save()
+        results = [w.get_transfer_results(out.finished_req_ids) for w, _ in self.stages]
+        recving = set.intersection(*(set(r.finished_recving or ()) for r in results))
+        failed = set.union(*(set(r.failed_recving or ()) for r in results))
+        invalid = set.union(*(w.get_block_ids_with_load_errors() for w, _ in self.stages))
+        for w, _ in self.stages:
+            w.clear_connector_metadata()
+        return KVConnectorOutput(
+            finished_recving=(recving | (finished_recving or set())) or None,
+            failed_recving=failed or None,
+            invalid_block_ids=invalid,
+        )
 
     def block_kv(self, block: int) -> list[bytes]:
         """The bytes of one block, per layer."""
@@ -291,3 +330,36 @@ def engine(
         raise
     layer_groups = {name: (g, sp) for g, (layers, sp) in enumerate(groups or [(LAYERS, spec)]) for name in layers}
     return Engine(sched, worker, kv, kv_layout, spec=spec, layer_groups=layer_groups)
+
+
+def pp_engine(*args: Any, num_blocks: int = 64, layout: str = "LBHNC", **kwargs: Any) -> Engine:
+    """An engine of two pipeline stages (one layer each): vLLM's scheduler with stage 0's
+    KV-cache config (as vLLM's engine core gives it), and a worker per stage on its own KV
+    tensors, each built from the stage's projection of the model's KV-cache group."""
+    cfg = vllm_config(*args, layout=layout, **kwargs)
+    cfg.parallel_config.pipeline_parallel_size = len(LAYERS)
+    kcfgs = [kv_cache_config(cfg, num_blocks, groups=[([name], SPEC)]) for name in LAYERS]
+    sched = Scheduler(
+        vllm_config=cfg, kv_cache_config=kcfgs[0], log_stats=True,
+        structured_output_manager=StructuredOutputManager(cfg), block_size=BLOCK,
+    )  # fmt: skip
+    assert type(sched.connector) is KvcachedConnector, type(sched.connector)
+    kv_layout = KVCacheLayout[layout]
+    stages: list[tuple[KvcachedConnector, list[str]]] = []
+    kv: dict[str, torch.Tensor] = {}
+    try:
+        for kcfg in kcfgs:
+            worker = KvcachedConnector(cfg, KVConnectorRole.WORKER, kcfg)
+            stages.append((worker, list(kcfg.kv_cache_groups[0].layer_names)))
+            ctx = worker.get_mem_pool_context()
+            assert ctx is not None
+            with ctx:
+                stage_kv = allocate_kv_cache(kcfg, torch.device("cpu"), kv_layout)
+            worker.register_kv_caches(stage_kv)
+            kv.update(stage_kv)
+    except BaseException:
+        for w, _ in stages:
+            w.shutdown()
+        sched.connector.shutdown()
+        raise
+    return Engine(sched, stages[0][0], kv, kv_layout, stages=stages)

@@ -5,12 +5,14 @@ Both halves of the connector (the scheduler's and each worker's) derive the name
 same vLLM configuration, so that what a worker saves is what the scheduler finds. Everything that
 changes the bytes of a block goes into it: the model, the KV layout (layers, heads, head size,
 element type, tokens per block), vLLM's physical KV layout name (LBHNC on CPU, LBNHC on CUDA: the
-same KV in another byte order), and the tensor-parallel rank (each rank holds other heads).
-Engines whose namespaces differ never exchange KV.
+same KV in another byte order), the tensor-parallel rank (each rank holds other heads) and, with
+pipeline parallelism, the layers of the rank's stage (each stage holds other layers). Engines
+whose namespaces differ never exchange KV.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -143,15 +145,16 @@ def _unsupported(what: str) -> NotImplementedError:
     return NotImplementedError(
         f"kvcached's vLLM connector does not support {what}: it handles KV-cache groups of "
         "attention whose blocks hold their tokens' KV (full attention, sliding window, MLA, "
-        "quantized or padded pages), without pipeline or context parallelism"
+        "quantized or padded pages), with tensor and pipeline parallelism, without context parallelism"
     )
 
 
 @dataclass(frozen=True)
 class KvGroup:
-    """One KV-cache group: its index, attention spec and layers, and for a sliding-window
-    group the blocks before a point that attention there reads (`window_blocks`; None: every
-    block, full attention)."""
+    """One KV-cache group: its index, attention spec and layers (this pipeline stage's: none
+    where the stage holds no layer of the group), and for a sliding-window group the blocks
+    before a point that attention there reads (`window_blocks`; None: every block, full
+    attention)."""
 
     index: int
     count: int
@@ -169,12 +172,11 @@ def kv_groups(vllm_config: Any, kv_cache_config: Any) -> list[KvGroup]:
     (fp8 with per-tensor scales, or with per-token-head scales inside the page), padded pages,
     K and V of different head sizes; with vLLM's hybrid KV-cache manager, sliding-window groups
     (SlidingWindowSpec) beside full-attention ones. The connector copies a page's bytes as they
-    are; what they mean goes into the namespace (`namespace`)."""
+    are; what they mean goes into the namespace (`namespace`). With pipeline parallelism each
+    stage's groups hold that stage's layers (vLLM's projection of the model's groups)."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
     pc = vllm_config.parallel_config
-    if pc.pipeline_parallel_size > 1:
-        raise _unsupported("pipeline parallelism")
     if getattr(pc, "decode_context_parallel_size", 1) > 1 or getattr(pc, "prefill_context_parallel_size", 1) > 1:
         raise _unsupported("context parallelism (a block's tokens spread over ranks)")
     groups = kv_cache_config.kv_cache_groups
@@ -193,6 +195,18 @@ def kv_groups(vllm_config: Any, kv_cache_config: Any) -> list[KvGroup]:
     if len({g.spec.block_size for g in out}) != 1:
         raise _unsupported(f"KV-cache groups of different block sizes ({[g.spec.block_size for g in out]})")
     return out
+
+
+def pp_size(vllm_config: Any) -> int:
+    """The pipeline-parallel size (1: no pipeline parallelism)."""
+    return int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1)
+
+
+def stage_digest(layers: tuple[str, ...] | list[str]) -> str:
+    """What names a pipeline stage's share of a KV-cache group in its namespace: a digest of the
+    group's layers on the stage. The scheduler (whose KV-cache config is stage 0's) and the
+    stage's workers derive it from the same names."""
+    return hashlib.sha256("\n".join(layers).encode()).hexdigest()[:16]
 
 
 def kv_spec(vllm_config: Any, kv_cache_config: Any) -> tuple[Any, list[str]]:
@@ -253,9 +267,13 @@ def namespace(
     group: KvGroup | None = None,
 ) -> kvcached.Namespace:
     """The namespace of tensor-parallel rank `tp_rank`'s KV of KV-cache `group` (default: the
-    first). With several groups each has its own: its layers, its spec and its index."""
+    first). With several groups each has its own: its layers, its spec and its index. With
+    pipeline parallelism each stage's share of a group has its own too (`stage_digest`)."""
     group = group or kv_groups(vllm_config, kv_cache_config)[0]
     spec, layers = group.spec, group.layers
+    if not layers:
+        raise ValueError(f"KV-cache group {group.index} has no layers on this pipeline stage: it has no namespace here")
+    pp = pp_size(vllm_config)
     if cfg.key_scheme == "sglang":
         return _shared_namespace(vllm_config, kv_cache_config, cfg, tp_rank, tp_size, group)
     if _plain(spec):
@@ -294,6 +312,7 @@ def namespace(
             f"user={cfg.namespace_extra}",
         ]
         + ([f"group={group.index}/{group.count}"] if group.count > 1 else [])
+        + ([f"pp={pp}", f"stage={stage_digest(layers)}"] if pp > 1 else [])
     )
     return kvcached.Namespace(model_id, layout, tenant_salt=cfg.tenant_salt, extra=extra.encode())
 
@@ -308,6 +327,9 @@ def _shared_namespace(
     spec, layers = group.spec, group.layers
     if group.count > 1:
         raise _unsupported('kvcached.key_scheme "sglang" with more than one KV-cache group')
+    if pp_size(vllm_config) > 1:
+        # SGLang's page keys name no pipeline stage: each stage's pages would share them.
+        raise _unsupported('kvcached.key_scheme "sglang" with pipeline parallelism')
     mla = type(spec).__name__.startswith("MLA")
     layout = layout_name(vllm_config, kv_cache_config).rsplit(".", 1)[-1]
     cache_dtype = str(vllm_config.cache_config.cache_dtype)

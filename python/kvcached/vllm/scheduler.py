@@ -4,7 +4,9 @@ into the blocks vLLM allocated, and plans saves of the blocks each step fills.
 It keeps no copy of the cache's contents: each `get_num_new_matched_tokens` is a lookup on the
 daemon (no block data moves). The scheduler process has no KV memory, but the daemon answers
 lookups only for a registered engine, so this half registers one slot of its namespace's layout
-(the namespace of tensor-parallel rank 0, whose saves it counts on).
+(the namespace of tensor-parallel rank 0 of pipeline stage 0, whose saves it counts on). Every
+rank and stage saves the same blocks of its own share of the KV; one that lacks a block found
+here fails that block's load, and vLLM recomputes it (`kv_load_failure_policy`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import kvcached
-from kvcached.vllm.config import ConnectorConfig, kv_groups, namespace
+from kvcached.vllm.config import ConnectorConfig, _unsupported, kv_groups, namespace
 from kvcached.vllm.keys import AdapterHashes, ContextArgs, key_kwargs, request_context
 from kvcached.vllm.meta import KvcachedConnectorMetadata, Transfer
 
@@ -68,10 +70,15 @@ class SchedulerStats:
 class SchedulerSide:
     def __init__(self, vllm_config: Any, kv_cache_config: Any, cfg: ConnectorConfig, transfer_config: Any):
         self.groups = kv_groups(vllm_config, kv_cache_config)
+        # vLLM's scheduler holds pipeline stage 0's KV-cache config: the stage whose namespaces
+        # lookups ask.
+        empty = [g.index for g in self.groups if not g.layers]
+        if empty:
+            raise _unsupported(f"KV-cache groups {empty} without layers on pipeline stage 0 (lookups ask stage 0's)")
         self.block_size: int = self.groups[0].spec.block_size
         self.cfg = cfg
         tp_size = vllm_config.parallel_config.tensor_parallel_size
-        # Each KV-cache group's blocks are keyed in a namespace of their own (rank 0's).
+        # Each KV-cache group's blocks are keyed in a namespace of their own (rank 0's of stage 0).
         self.namespaces = [namespace(vllm_config, kv_cache_config, cfg, 0, tp_size, g) for g in self.groups]
         self.namespace = self.namespaces[0]
         self.consumer = bool(transfer_config.is_kv_consumer)

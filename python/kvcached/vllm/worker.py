@@ -37,7 +37,7 @@ from torch.overrides import TorchFunctionMode
 
 import kvcached
 from kvcached.torch_utils import SharedRegion, cuda_ipc_region, shared_empty
-from kvcached.vllm.config import ConnectorConfig, KvGroup, kv_groups, layout_name, namespace, page_bytes
+from kvcached.vllm.config import ConnectorConfig, KvGroup, kv_groups, layout_name, namespace, page_bytes, pp_size
 from kvcached.vllm.keys import ContextArgs, key_kwargs
 from kvcached.vllm.meta import KvcachedConnectorMetadata, Transfer
 
@@ -66,6 +66,26 @@ def _tp() -> tuple[int, int] | None:
     except (ImportError, AssertionError):
         pass
     return None
+
+
+def _pp_stage(vllm_config: Any, layers: list[str]) -> int:
+    """This worker's pipeline stage: vLLM's pipeline group rank, or (outside a vLLM process) the
+    stage vLLM's layer partition gives the first of `layers`."""
+    pp = pp_size(vllm_config)
+    if pp == 1:
+        return 0
+    try:
+        from vllm.distributed.parallel_state import get_pp_group, model_parallel_is_initialized
+
+        if model_parallel_is_initialized():
+            return int(get_pp_group().rank_in_group)
+    except (ImportError, AssertionError):
+        pass
+    from vllm.distributed.utils import get_pp_indices
+
+    total = vllm_config.model_config.get_total_num_hidden_layers()
+    first = min(_layer_order(n) for n in layers)
+    return next((s for s in range(pp) if get_pp_indices(total, s, pp)[0] <= first < get_pp_indices(total, s, pp)[1]), 0)
 
 
 class _SharedKvAllocation(TorchFunctionMode):
@@ -107,9 +127,10 @@ def page_is_one_run(view: torch.Tensor) -> bool:
 
 class _GroupReg:
     """One KV-cache group's registration: its namespace, its slots over vLLM's KV memory (every
-    group's layers are views of the same allocation) and its client."""
+    group's layers are views of the same allocation) and its client. A group without layers on
+    this pipeline stage has no namespace here: its transfers on this stage move nothing."""
 
-    def __init__(self, group: KvGroup, ns: kvcached.Namespace, engine_name: str):
+    def __init__(self, group: KvGroup, ns: kvcached.Namespace | None, engine_name: str):
         self.group = group
         self.namespace = ns
         self.engine_name = engine_name
@@ -131,7 +152,10 @@ def _layer_order(name: str) -> int:
 class WorkerSide:
     def __init__(self, vllm_config: Any, kv_cache_config: Any, cfg: ConnectorConfig, transfer_config: Any):
         self.groups = kv_groups(vllm_config, kv_cache_config)
-        self.spec, self.layers = self.groups[0].spec, list(self.groups[0].layers)
+        # The first group with layers on this pipeline stage (every group, without pipeline
+        # parallelism): its registration is the worker's own.
+        self.first = next(g.index for g in self.groups if g.layers)
+        self.spec, self.layers = self.groups[self.first].spec, list(self.groups[self.first].layers)
         # The layer whose attention runs last: layerwise saves start after it.
         every = [name for g in self.groups for name in g.layers]
         self.last_layer = max(every, key=_layer_order) if len(self.groups) > 1 else every[-1]
@@ -140,16 +164,17 @@ class WorkerSide:
         self.cfg = cfg
         self.layout = layout_name(vllm_config, kv_cache_config)
         tp = _tp() or (0, vllm_config.parallel_config.tensor_parallel_size)
-        name = f"vllm-{transfer_config.engine_id}-tp{tp[0]}"
+        stage = f"-pp{_pp_stage(vllm_config, every)}" if pp_size(vllm_config) > 1 else ""
+        name = f"vllm-{transfer_config.engine_id}{stage}-tp{tp[0]}"
         self.regs = [
             _GroupReg(
                 g,
-                namespace(vllm_config, kv_cache_config, cfg, *tp, g),
+                namespace(vllm_config, kv_cache_config, cfg, *tp, g) if g.layers else None,
                 (name + (f"-g{g.index}" if g.count > 1 else ""))[:128],
             )
             for g in self.groups
         ]
-        self.namespace = self.regs[0].namespace
+        self.namespace = self.regs[self.first].namespace
         self.region: SharedRegion | None = None
         self.cuda = False
         self._sync: list[tuple[kvcached.LoadOp | None, Transfer]] = []
@@ -173,11 +198,11 @@ class WorkerSide:
     @property
     def client(self) -> kvcached.Client | None:
         """The first group's client (None until registered)."""
-        return self.regs[0].client
+        return self.regs[self.first].client
 
     @property
     def memory(self) -> kvcached.KvMemory | kvcached.GpuKvMemory | None:
-        return self.regs[0].memory
+        return self.regs[self.first].memory
 
     def _slots(self, group: KvGroup, views: list[torch.Tensor], base: int, region_bytes: int) -> kvcached.SlotLayout:
         """Each layer's page of a block as two segments (its halves). A view is vLLM's
@@ -227,19 +252,24 @@ class WorkerSide:
                 )
             base = self.region.tensor.data_ptr()
             for r in self.regs:
+                if r.namespace is None:
+                    continue
                 slots = self._slots(r.group, [kv_caches[n] for n in r.group.layers], base, self.region.size)
                 r.memory = kvcached.KvMemory.from_fd(self.region.fd, slots)
             self.region.close()  # each KvMemory holds its own descriptor
         elif device.type == "cuda":
             ipc = cuda_ipc_region(views[0])
             for r in self.regs:
+                if r.namespace is None:
+                    continue
                 slots = self._slots(r.group, [kv_caches[n] for n in r.group.layers], ipc.base_ptr, ipc.size)
                 r.memory = kvcached.GpuKvMemory(ipc.handle, ipc.device, ipc.size, slots)
             self.cuda = True
         else:
             raise NotImplementedError(f"kvcached's connector does not support KV on {device.type}")
-        for g in range(len(self.regs)):
-            self._register(g, at_start=True)
+        for g, r in enumerate(self.regs):
+            if r.namespace is not None:
+                self._register(g, at_start=True)
 
     def _register(self, group: int = 0, at_start: bool = False) -> kvcached.Client | None:
         """Group `group`'s registered client; registers (again at most every `retry_after`
@@ -275,7 +305,13 @@ class WorkerSide:
     def _keys(self, t: Transfer) -> dict:
         return key_kwargs(_key_context(t.context), self.cfg.key_scheme)
 
+    def _idle(self, t: Transfer) -> bool:
+        """Whether `t` is of a group without layers on this stage (nothing to move here)."""
+        return self.regs[t.group].namespace is None
+
     def _start(self, t: Transfer) -> kvcached.LoadOp | None:
+        if self._idle(t):
+            return None
         client = self._register(t.group)
         if client is None:
             return None
@@ -287,6 +323,8 @@ class WorkerSide:
 
     def _finish(self, op: kvcached.LoadOp | None, t: Transfer, status: kvcached.LoadStatus | None) -> bool:
         """Records a finished load; False when not every block came (those are invalid)."""
+        if self._idle(t):
+            return True
         got = status.loaded_blocks if status is not None and op is not None else 0
         self.counts["loaded"] += got
         if got < len(t.slots):
@@ -359,6 +397,8 @@ class WorkerSide:
         if ready is not None:
             ready.synchronize()
         for t in saves:
+            if self._idle(t):
+                continue
             try:
                 client = self._register(t.group)
                 if client is None:
@@ -379,7 +419,7 @@ class WorkerSide:
         meta = self.meta
         if not (self.cfg.layerwise and meta and meta.saves and layer_name == self.last_layer):
             return
-        if self._register(0) is None or self._saving is not None:
+        if self._register(self.first) is None or self._saving is not None:
             return
         ready = None
         if self.cuda:
@@ -394,7 +434,7 @@ class WorkerSide:
         if saving is not None:
             saving.result()
             return
-        if meta.saves and self._register(0) is not None:
+        if meta.saves and self._register(self.first) is not None:
             if self.cuda:
                 torch.cuda.current_stream().synchronize()
             self._save_all(meta.saves)
