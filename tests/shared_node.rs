@@ -449,3 +449,87 @@ async fn flood(socket: &Path, announced: u32, chunks: usize, streams: u32, rss: 
     drop(conns);
     peak
 }
+
+/// A hybrid model's KV-cache groups register vLLM's one KV allocation once per group, each with
+/// its own namespace and slots: those registrations share the memory, mapped once and counted
+/// once against `limits.max_engines_per_uid` until the last of them goes, and each is served
+/// through it as an engine of its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn registrations_of_one_memory_share_it_and_count_once() {
+    let d = InProcess::start(|c| c.limits.max_engines_per_uid = 2).await;
+    let layout = tenant_layout();
+    let block = layout.block_bytes() as usize;
+    let dir = tempfile::tempdir().unwrap();
+    let mut kv = KvMemory::create_layer_separate(dir.path().join("kv"), &layout, 8).unwrap();
+    let mut groups = Vec::new();
+    for g in 0..6 {
+        let file = std::fs::OpenOptions::new().read(true).write(true).open(dir.path().join("kv")).unwrap();
+        let mem = KvMemory::from_file(file, kv.slots().clone()).unwrap();
+        let c = Client::connect(&d.socket).await.unwrap();
+        c.register(&format!("group-{g}"), &Namespace::new(format!("m/g{g}"), layout), &mem).await.unwrap();
+        groups.push((c, mem));
+    }
+    // Six registrations, one engine: one more memory fits the uid's two, a third does not.
+    let other = KvMemory::anonymous(&layout, 4).unwrap();
+    let second = Client::connect(&d.socket).await.unwrap();
+    second.register("second", &Namespace::new("m/other", layout), &other).await.unwrap();
+    let third_mem = KvMemory::anonymous(&layout, 4).unwrap();
+    let third = Client::connect(&d.socket).await.unwrap();
+    let e = third.register("third", &Namespace::new("m/third", layout), &third_mem).await.unwrap_err();
+    assert_eq!(code(&e), Some(tonic::Code::ResourceExhausted), "{e}");
+    assert!(e.to_string().contains("engines per uid"), "{e}");
+
+    // Each registration is served through the shared mapping: group 5 saves slot 1 and loads
+    // the block into slot 2.
+    let prompt = tenant_prompt(1);
+    kv.write_block(1, &synthetic_block(11, 1, block));
+    let (g5, _) = &groups[5];
+    assert_eq!(g5.save(&prompt, 0, &[1]).await.unwrap().stored, 1);
+    assert_eq!(g5.load_now(&prompt, 0, &[2]).await.unwrap().loaded_blocks, 1);
+    assert_eq!(kv.read_block(2), synthetic_block(11, 1, block));
+
+    // The first registration going leaves the memory to the others, still counted.
+    let (g0, _) = &groups[0];
+    g0.unregister().await.unwrap();
+    kv.write_block(3, &synthetic_block(12, 3, block));
+    assert_eq!(g5.save(&tenant_prompt(2), 1, &[3]).await.unwrap().stored, 1);
+    assert!(third.register("third", &Namespace::new("m/third", layout), &third_mem).await.is_err());
+    // Once the last goes, the uid's engine is free again.
+    for (c, _) in &groups[1..] {
+        c.unregister().await.unwrap();
+    }
+    third.register("third", &Namespace::new("m/third", layout), &third_mem).await.unwrap();
+    d.stop().await;
+}
+
+/// Memory is shared between registrations of one owner only: uid nobody registering root's KV
+/// file (world-writable here) gets engines counted as its own, and never holds root's count:
+/// once root's registrations go, root registers again though nobody's still hold the file.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_is_shared_only_between_registrations_of_one_owner() {
+    kvtests::require_root!("to run a client as another uid");
+    use std::os::unix::fs::PermissionsExt;
+    let d = InProcess::start(|c| c.limits.max_engines_per_uid = 1).await;
+    let layout = tenant_layout();
+    let path = d.dir.path().join("kv-shared");
+    let kv = KvMemory::create_layer_separate(&path, &layout, 8).unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o666)).unwrap();
+    let mut root = Vec::new();
+    for g in 0..3 {
+        let file = std::fs::OpenOptions::new().read(true).write(true).open(&path).unwrap();
+        let mem = KvMemory::from_file(file, kv.slots().clone()).unwrap();
+        let c = Client::connect(&d.socket).await.unwrap();
+        c.register(&format!("root-{g}"), &Namespace::new(format!("m/g{g}"), layout), &mem).await.unwrap();
+        root.push((c, mem));
+    }
+    // nobody's two registrations of the same file are one engine of its own (its limit is 1).
+    let said = intruder_says(&d, NOBODY, &["share", path.to_str().unwrap(), "2"]);
+    assert_eq!(said, "registered=2 first_error=none");
+    for (c, _) in &root {
+        c.unregister().await.unwrap();
+    }
+    let other = KvMemory::anonymous(&layout, 4).unwrap();
+    let c = Client::connect(&d.socket).await.unwrap();
+    c.register("root-again", &Namespace::new("m/again", layout), &other).await.unwrap();
+    d.stop().await;
+}

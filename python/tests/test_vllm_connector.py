@@ -399,3 +399,46 @@ def test_a_hybrid_model_saving_whole_window_groups_serves_shorter_shared_prefixe
     for i in (1, 2):
         assert e.block_kv(ids[1][i])[1] == e.expected_block_kv(prompt, i)[1], f"window block {i}"
     finish(e, "W2")
+
+
+def test_a_hybrid_engines_groups_count_as_one_engine(tmp_path, make_engine):
+    """Each KV-cache group registers vLLM's one KV allocation with its own slots and namespace
+    (the scheduler's groups one anonymous slot); the daemon maps each memory once and counts
+    its registrations as one engine. So a hybrid engine of two groups, four registrations, fits
+    a uid allowed two engines, and its groups are served."""
+    import torch
+    from conftest import Daemon
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+    from vllm_harness import LAYERS, SPEC
+
+    config = tmp_path / "kvcached.toml"
+    config.write_text("[limits]\nmax_engines_per_uid = 2\n")
+    root = tmp_path / "daemon"
+    root.mkdir()
+    d = Daemon(root, extra=["--config", str(config)])
+    d.start()
+    try:
+        swa = SlidingWindowSpec(
+            block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.bfloat16, sliding_window=2 * BLOCK
+        )
+        e = make_engine(
+            d.socket, prefix_caching=False, batched_tokens=256, groups=[([LAYERS[0]], SPEC), ([LAYERS[1]], swa)]
+        )
+        assert all(r.client is not None for r in e.worker.worker.regs), "a group was not registered"
+        assert e.connector.scheduler._connect() is not None, "the scheduler's groups were not registered"
+        prompt = [t + 41_000 for t in range(4 * BLOCK + 1)]
+        e.add(request("C1", prompt))
+        e.step()
+        assert e.worker.worker.counts["saved"] == 4 + 3 and e.worker.worker.counts["save_failed"] == 0
+        finish(e, "C1")
+        e.add(request("C2", prompt))
+        out, _ = e.step()
+        assert sorted((t.group, t.first_block, len(t.slots)) for t in out.kv_connector_metadata.loads) == [
+            (0, 0, 4),
+            (1, 2, 2),
+        ]
+        assert e.worker.worker.counts["load_failed"] == 0
+        finish(e, "C2")
+        e.close()
+    finally:
+        d.stop()

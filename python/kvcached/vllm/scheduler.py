@@ -109,10 +109,15 @@ class SchedulerSide:
         if self._clients is None:
             clients = []
             try:
-                for g, ns in zip(self.groups, self.namespaces, strict=True):
+                # Every group's slot in one memory: the daemon counts registrations of one
+                # memory as one engine (`limits.max_engines_per_uid`).
+                slots = [kvcached.KvMemory.anonymous(ns.layout, 1) for ns in self.namespaces]
+                shared = max(slots, key=lambda m: m.size)
+                for g, ns, own in zip(self.groups, self.namespaces, slots, strict=True):
                     client = self.cfg.connect(self.cfg.scheduler_reconnect_for)
                     suffix = f"-g{g.index}" if g.count > 1 else ""
-                    client.register((self.engine_name + suffix)[:128], ns, kvcached.KvMemory.anonymous(ns.layout, 1))
+                    memory = kvcached.KvMemory.from_fd(shared.fd, own.slots)
+                    client.register((self.engine_name + suffix)[:128], ns, memory)
                     clients.append(client)
                 self._clients = clients
                 log.info("kvcached connector (scheduler): namespaces %s at %s",

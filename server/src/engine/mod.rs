@@ -4,11 +4,13 @@
 //! On a CPU-only node an engine's KV memory is a shared-memory file the daemon maps; a GPU
 //! engine passes a CUDA IPC handle, which the daemon opens with the CUDA driver (loaded at run
 //! time; a clear "no CUDA device" error where there is none) and copies to and from with DMA.
-//! [`Engine::read_slot_into`] and [`Engine::write_slot_from`] hide which.
+//! [`Engine::read_slot_into`] and [`Engine::write_slot_from`] hide which. Registrations of the
+//! same memory by the same owner share it, mapped and counted once ([`memory`]).
 
 pub mod attach;
 pub mod fault_guard;
 pub mod key_memo;
+pub mod memory;
 pub mod prefix_probe;
 pub mod token_area;
 
@@ -20,46 +22,13 @@ use std::time::{Duration, Instant};
 use kvproto::slots::{Segment, SlotLayout};
 use kvproto::{Namespace, NamespaceFingerprint, NamespaceId, pb};
 use kvtiers::copy::{Copy, CopyEngine, Direction};
-use memmap2::{MmapOptions, MmapRaw};
 use parking_lot::{Mutex, RwLock};
 
 use crate::engine::attach::Tickets;
-use crate::engine::fault_guard::FaultGuard;
+use crate::engine::memory::{EngineMemory, MAX_SHARERS, MemoryIdentity, Region, SharedMemory};
 use crate::engine::token_area::PromptTokens;
 use crate::error::ServerError;
-use crate::policy::limits::{Held, Limits, Principal};
-
-/// The KV memory of one engine, mapped into the daemon.
-#[derive(Debug)]
-enum EngineMemory {
-    /// A shared-memory file; `guard` (dropped before `map`, fields drop in order) turns a
-    /// SIGBUS from a file the engine truncated into an error (`fault_guard`).
-    Shm {
-        guard: FaultGuard,
-        map: MmapRaw,
-        /// What the memory is, for errors ("KV memory (memfd)", ...).
-        path: String,
-    },
-    /// A GPU's memory (CUDA IPC), or under fault injection a shared-memory region served as
-    /// one ([`kvtiers::copy::fake::FakeDevice`], `[g1] emulate`): copied to and from by
-    /// queued DMA ([`Engine::device`]).
-    Device(Box<dyn CopyEngine>),
-}
-
-/// An engine's shared memory kept mapped, and guarded, under an emulated device.
-struct Mapped {
-    _guard: FaultGuard,
-    _map: MmapRaw,
-}
-
-// SAFETY: the mapping and its guard are only kept alive here (dropped in order: guard first);
-// the emulated device copies through raw pointers into them, as the daemon does.
-unsafe impl Send for Mapped {}
-// SAFETY: as above; nothing here is read or written through `&Mapped`.
-unsafe impl Sync for Mapped {}
-
-/// Streams (or emulated lanes) a device engine's copies are spread over.
-const DEVICE_LANES: usize = kvtiers::cuda::LANES;
+use crate::policy::limits::{Limits, Principal};
 
 /// A copy between an engine's device memory and G2 that failed: the block is not saved (a
 /// save) or the load fails (a load), never served; counted by `op` ("save", "load").
@@ -99,7 +68,9 @@ pub struct Engine {
     pub(crate) fingerprint: NamespaceFingerprint,
     /// The `kv_namespace` label of this engine's per-namespace series (`metrics_catalog.rs`).
     pub kv_label: String,
-    memory: EngineMemory,
+    /// Its KV memory, shared with the owner's other registrations of the same memory (which
+    /// hold it counted against the owner's limits).
+    memory: Arc<SharedMemory>,
     /// Where each block slot lies in the memory.
     slots: SlotLayout,
     pub num_blocks: u32,
@@ -108,8 +79,6 @@ pub struct Engine {
     /// Whether its tenant may write its namespace (`tenants.rs`: the trust model); its saves
     /// are refused otherwise.
     pub may_write: bool,
-    /// Counts it against its owner's `limits.max_engines_per_uid` while it lives.
-    _held: Held,
     /// Where routers send this engine's requests, and its role (published with hit reports).
     pub address: String,
     pub role: String,
@@ -157,10 +126,8 @@ pub(crate) struct Attaching<'a> {
     pub owner: Principal,
     /// The registering process (its descriptors' tickets must be its own).
     pub pid: Option<i32>,
-    pub held: Held,
-    /// The G1 fault switches (`inject_faults` only): a device engine's copies go through
-    /// them, and with `[g1] emulate` a shared-memory region is served as an emulated GPU's.
-    pub g1: Option<Arc<crate::faults::G1Faults>>,
+    /// Its KV memory, mapped (or shared with the owner's registration of the same memory).
+    pub memory: Arc<SharedMemory>,
 }
 
 /// A registration's request checked, before anything is mapped, bound or counted.
@@ -173,6 +140,8 @@ pub(crate) struct Checked {
     /// Bytes of the region the daemon maps into its address space: from its start to the end
     /// of its last block slot, in whole pages (none of a GPU's memory).
     pub map_bytes: u64,
+    /// Whether the region is a GPU allocation (CUDA IPC).
+    gpu: bool,
 }
 
 impl Checked {
@@ -206,7 +175,15 @@ impl Checked {
             Some(pb::memory_region::Kind::CudaIpcHandle(_)) => 0,
             None => return Err(invalid("region has neither fd_ticket nor cuda_ipc_handle")),
         };
-        Ok(Self { namespace, slots, size, map_bytes })
+        let gpu = matches!(region.kind, Some(pb::memory_region::Kind::CudaIpcHandle(_)));
+        Ok(Self { namespace, slots, size, map_bytes, gpu })
+    }
+
+    /// Bytes from the region's start the registration's slots use, as memory shared with
+    /// another registration must offer them: what would be mapped (a file), the whole region
+    /// (a GPU allocation, opened whole).
+    fn needs(&self) -> u64 {
+        if self.gpu { self.size } else { self.map_bytes }
     }
 }
 
@@ -224,73 +201,13 @@ const PREFAULT_STEP: usize = 64 << 20;
 const STEP_PAGES: usize = kvtiers::POPULATE_STEP / PAGE as usize;
 
 impl Engine {
-    /// Maps the engine's memory, handed over as descriptors, for a registration [`Checked`]
-    /// already.
+    /// Attaches an engine over its memory (mapped or shared already), for a registration
+    /// [`Checked`] already.
     fn attach(a: Attaching<'_>, checked: Checked, tickets: &Tickets) -> Result<Self, ServerError> {
-        let Attaching { id, req, owner, pid, held, g1 } = a;
-        let emulate = g1.as_ref().filter(|g1| g1.emulate.load(Ordering::Relaxed)).map(|g1| Arc::clone(&g1.device));
-        let Checked { namespace, slots, size, map_bytes } = checked;
+        let Attaching { id, req, owner, pid, memory } = a;
+        let Checked { namespace, slots, .. } = checked;
         let Principal::Uid(uid) = owner else {
             return Err(ServerError::Attach("engines attach over the Unix socket only".into()));
-        };
-        let region = req.region.as_ref().ok_or_else(|| invalid("region is missing"))?;
-        #[allow(deprecated)]
-        let memory = match &region.kind {
-            Some(pb::memory_region::Kind::FdTicket(t)) => {
-                let r = tickets.redeem(t, uid, pid)?;
-                let what = "KV memory (descriptor)";
-                if !r.writable {
-                    return Err(ServerError::Attach(format!(
-                        "the {what} is open read-only: loads write into it, pass it open for reading and writing"
-                    )));
-                }
-                let len = r.file.metadata().map_err(|e| ServerError::Attach(format!("{what}: {e}")))?.len();
-                if len < size {
-                    return Err(ServerError::Attach(format!(
-                        "the {what} has {len} bytes, the registration says {size}"
-                    )));
-                }
-                let map_len =
-                    usize::try_from(map_bytes).map_err(|_| invalid("region size exceeds the address space"))?;
-                let map = MmapOptions::new()
-                    .len(map_len)
-                    .map_raw(&r.file)
-                    .map_err(|e| ServerError::Attach(format!("cannot map the {what}: {e}")))?;
-                let guard = FaultGuard::watch(map.as_ptr() as usize, map.len()).map_err(ServerError::Attach)?;
-                match emulate {
-                    None => EngineMemory::Shm { guard, map, path: what.to_string() },
-                    Some(faults) => {
-                        let (base, len) = (map.as_mut_ptr(), map.len());
-                        let keep = Box::new(Mapped { _guard: guard, _map: map });
-                        // SAFETY: the mapping is valid for reads and writes while `keep`, which
-                        // the device holds, lives.
-                        let dev =
-                            unsafe { kvtiers::copy::fake::FakeDevice::over(base, len, keep, DEVICE_LANES, faults) }
-                                .map_err(|e| ServerError::Attach(e.to_string()))?;
-                        tracing::warn!(engine = id, "engine memory served as an emulated GPU's (inject_faults [g1])");
-                        EngineMemory::Device(Box::new(dev))
-                    }
-                }
-            }
-            Some(pb::memory_region::Kind::CudaIpcHandle(handle)) => {
-                let len = usize::try_from(size).map_err(|_| invalid("region size exceeds the address space"))?;
-                let region = kvtiers::cuda::DeviceRegion::open_ipc(handle, region.cuda_device, len)
-                    .map_err(|e| ServerError::Attach(e.to_string()))?;
-                tracing::info!(
-                    device = region.cuda_device_ordinal(),
-                    bytes = len,
-                    "engine KV memory opened over CUDA IPC"
-                );
-                EngineMemory::Device(Box::new(region))
-            }
-            _ => return Err(invalid("region has neither fd_ticket nor cuda_ipc_handle")),
-        };
-        // Under fault injection every device's copies can be made to fail.
-        let memory = match (memory, &g1) {
-            (EngineMemory::Device(dev), Some(g1)) => {
-                EngineMemory::Device(Box::new(kvtiers::copy::faults::FaultyCopies::new(dev, Arc::clone(&g1.copies))))
-            }
-            (m, _) => m,
         };
         // A token area that cannot be used costs speed, not the registration: the engine is
         // told why (`token_area_error`) and sends its tokens inline.
@@ -320,7 +237,6 @@ impl Engine {
             slots,
             owner,
             may_write: false,
-            _held: held,
             address: req.worker_address.clone(),
             role: req.role.clone(),
             token_area,
@@ -381,7 +297,7 @@ impl Engine {
     /// (None for a CUDA engine, or one whose memory shrank). `block` must have passed
     /// [`Engine::check_slots`]; the tier reads only into segments of whole 4 KiB pages.
     pub fn slot_memory(&self, block: u32) -> Option<Vec<(*mut u8, usize)>> {
-        match &self.memory {
+        match &self.memory.memory {
             EngineMemory::Shm { guard, map, .. } if !guard.faulted() => {
                 let base = map.as_mut_ptr();
                 Some(self.segment_ranges(block).into_iter().map(|(o, n)| (base.wrapping_add(o), n)).collect())
@@ -393,7 +309,7 @@ impl Engine {
     /// Fails if the engine's memory shrank under the daemon since it was mapped: what was read
     /// into it since is not the block (see `fault_guard`).
     pub fn check_memory(&self) -> Result<(), ServerError> {
-        match &self.memory {
+        match &self.memory.memory {
             EngineMemory::Shm { guard, path, .. } if guard.faulted() => Err(shrank(path)),
             _ => Ok(()),
         }
@@ -405,7 +321,7 @@ impl Engine {
     /// allocate memory in the daemon's name for a region that may be sparse), and so is a GPU's
     /// memory. Returns the bytes filled.
     pub fn prefault(&self, budget: Duration) -> u64 {
-        let EngineMemory::Shm { map, .. } = &self.memory else { return 0 };
+        let EngineMemory::Shm { map, .. } = &self.memory.memory else { return 0 };
         let start = Instant::now();
         let (base, len) = (map.as_mut_ptr(), map.len());
         let mut filled = 0u64;
@@ -447,7 +363,7 @@ impl Engine {
     /// The engine's device memory, copied to and from by queued DMA; None for an engine whose
     /// memory the daemon maps (a CPU engine).
     pub fn device(&self) -> Option<&dyn CopyEngine> {
-        match &self.memory {
+        match &self.memory.memory {
             EngineMemory::Device(d) => Some(d.as_ref()),
             EngineMemory::Shm { .. } => None,
         }
@@ -455,10 +371,7 @@ impl Engine {
 
     /// Bytes of the region mapped into the daemon (none of a GPU's memory).
     pub fn mapped_bytes(&self) -> u64 {
-        match &self.memory {
-            EngineMemory::Shm { map, .. } => map.len() as u64,
-            EngineMemory::Device(_) => 0,
-        }
+        self.memory.mapped_bytes()
     }
 
     /// Copies engine block `block` into `dst` (pieces of the block's bytes in order: its G2
@@ -469,7 +382,7 @@ impl Engine {
             return Err(ServerError::Invalid("block pieces and slot segments differ in length".into()));
         }
         let dst: Vec<(usize, usize)> = dst.iter_mut().map(|d| (d.as_mut_ptr() as usize, d.len())).collect();
-        match &self.memory {
+        match &self.memory.memory {
             EngineMemory::Shm { guard, map, path } => {
                 if guard.faulted() {
                     return Err(shrank(path));
@@ -496,7 +409,7 @@ impl Engine {
 
     /// Copies a block given as pieces (in order) into engine block `block`.
     pub fn write_slot_from(&self, block: u32, pieces: &[&[u8]]) -> Result<(), ServerError> {
-        match &self.memory {
+        match &self.memory.memory {
             EngineMemory::Shm { guard, map, path } => {
                 if guard.faulted() {
                     return Err(shrank(path));
@@ -622,7 +535,6 @@ impl Registry {
         pid: Option<i32>,
     ) -> Result<Arc<Engine>, ServerError> {
         let checked = Checked::new(req)?;
-        let held = self.limits.engine(owner, checked.map_bytes)?;
         // Random, unguessable and never 0; not derived from the time, so a restarted daemon
         // does not hand out its previous life's ids either. Distinct counters give distinct ids
         // but for a 2^-64 hash collision.
@@ -632,11 +544,23 @@ impl Registry {
                 break id;
             }
         };
-        let g1 = self.g1_faults.clone();
-        let mut e = Engine::attach(Attaching { id, req, owner, pid, held, g1 }, checked, &self.tickets)?;
+        let Principal::Uid(uid) = owner else {
+            return Err(ServerError::Attach("engines attach over the Unix socket only".into()));
+        };
+        let region = Region::take(req, checked.size, &self.tickets, uid, pid)?;
+        // The owner's memory registered already (another KV-cache group over the same
+        // allocation) is shared, not mapped and counted again.
+        let (memory, fresh) = match self.shared_memory(owner, region.identity(), checked.needs())? {
+            Some(m) => (m, false),
+            None => {
+                let held = self.limits.engine(owner, checked.map_bytes)?;
+                (Arc::new(SharedMemory::open(region, checked.map_bytes, held, self.g1_faults.as_ref(), id)?), true)
+            }
+        };
+        let mut e = Engine::attach(Attaching { id, req, owner, pid, memory }, checked, &self.tickets)?;
         e.may_write = self.tenants.rights(owner, &e.namespace)?.write;
         self.tenants.bind(owner, &e.namespace)?;
-        if self.prefault {
+        if self.prefault && fresh {
             let t = Instant::now();
             let filled = e.prefault(PREFAULT_BUDGET);
             tracing::debug!(
@@ -660,9 +584,36 @@ impl Registry {
             namespace = %e.namespace_id,
             may_write = e.may_write,
             mapped = e.mapped_bytes(),
+            shared = !fresh,
             "engine attached"
         );
         Ok(e)
+    }
+
+    /// `owner`'s memory `identity`, held by one of its engines with at least `needs` bytes
+    /// usable, if any; refused when [`MAX_SHARERS`] registrations hold it already.
+    fn shared_memory(
+        &self,
+        owner: Principal,
+        identity: &MemoryIdentity,
+        needs: u64,
+    ) -> Result<Option<Arc<SharedMemory>>, ServerError> {
+        let engines = self.engines.read();
+        let Some(m) = engines
+            .values()
+            .filter(|e| e.owner == owner)
+            .map(|e| &e.memory)
+            .find(|m| m.identity == *identity && needs <= m.extent)
+        else {
+            return Ok(None);
+        };
+        if Arc::strong_count(m) >= MAX_SHARERS {
+            return Err(ServerError::Exhausted(format!(
+                "this KV memory is registered {MAX_SHARERS} times already (one registration per KV-cache group \
+                 and rank): unregister some first"
+            )));
+        }
+        Ok(Some(Arc::clone(m)))
     }
 
     /// Engine `id`, if `who` registered it (to anyone else it does not exist: the same answer as

@@ -4,6 +4,8 @@
 //! ```text
 //! intruder SOCKET use ENGINE_ID        # heartbeat, load into, wait on, unregister, look up (LOOKUP) another's engine
 //! intruder SOCKET register N           # register N engines of its own (memfd KV memory)
+//! intruder SOCKET share PATH N         # register N engines over the KV file at PATH (opened
+//!                                       # for writing), holding them until it exits
 //! intruder SOCKET hold N SECS          # open N connections and hold them
 //! intruder SOCKET tenant SALT SAVE LOOKUP  # an engine salted SALT ("-": none) saves the first SAVE
 //!                                       # blocks of tenant_prompt(8), then looks up LOOKUP of them
@@ -78,6 +80,28 @@ async fn run(args: &[String]) -> Result<String, String> {
                 let mut c = kvclient::Client::connect(&socket).await.map_err(|e| e.to_string())?;
                 c.set_token_area_bytes(0);
                 match c.register(&format!("intruder-{i}"), &Namespace::new("m", layout), &mem).await {
+                    Ok(_) => ok += 1,
+                    Err(e) if first_err == "none" => first_err = e.to_string().replace(' ', "_"),
+                    Err(_) => {}
+                }
+                held.push((c, mem));
+            }
+            Ok(format!("registered={ok} first_error={first_err}"))
+        }
+        Some("share") => {
+            let path = args.get(2).ok_or("share PATH N")?;
+            let n: u32 = args.get(3).and_then(|a| a.parse().ok()).ok_or("share PATH N")?;
+            let layout = kvtests::tenant_layout();
+            let slots = kvproto::slots::SlotLayout::layer_separate(&layout, 8);
+            let mut ok = 0;
+            let mut first_err = String::from("none");
+            let mut held = Vec::new();
+            for i in 0..n {
+                let file = std::fs::OpenOptions::new().read(true).write(true).open(path).map_err(|e| e.to_string())?;
+                let mem = kvclient::KvMemory::from_file(file, slots.clone()).map_err(|e| e.to_string())?;
+                let mut c = kvclient::Client::connect(&socket).await.map_err(|e| e.to_string())?;
+                c.set_token_area_bytes(0);
+                match c.register(&format!("sharer-{i}"), &Namespace::new(format!("nobody/g{i}"), layout), &mem).await {
                     Ok(_) => ok += 1,
                     Err(e) if first_err == "none" => first_err = e.to_string().replace(' ', "_"),
                     Err(_) => {}
