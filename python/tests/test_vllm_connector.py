@@ -24,6 +24,23 @@ def finish(e, rid: str) -> None:
     assert rid not in e.scheduler.requests
 
 
+def loaded_then_scheduled(e, rid: str) -> tuple[list, object]:
+    """A hybrid model's request with a hit: it waits for its loads (asynchronous: vLLM takes a
+    failed load of a model with several KV-cache groups only as a whole request's), then is
+    scheduled. Returns its planned loads as (group, first block, blocks), sorted, and the
+    output of the step that scheduled it."""
+    out, _ = e.step()
+    assert rid not in out.num_scheduled_tokens
+    assert e.scheduler.requests[rid].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert not out.kv_connector_metadata.loads
+    loads = sorted((t.group, t.first_block, len(t.slots)) for t in out.kv_connector_metadata.async_loads)
+    for _ in range(20):
+        out, _ = e.step()
+        if rid in out.num_scheduled_tokens:
+            break
+    return loads, out
+
+
 def assert_prompt_kv(e, rid_blocks: list[int], tokens: list[int], count: int) -> None:
     for i in range(count):
         assert e.block_kv(rid_blocks[i]) == e.expected_block_kv(tokens, i), f"block {i}"
@@ -310,8 +327,7 @@ def test_a_hybrid_model_saves_and_loads_full_and_sliding_window_groups(daemon, m
     finish(e, "H1")
 
     e.add(request("H2", prompt))
-    out, _ = e.step()
-    loads = sorted((t.group, t.first_block, len(t.slots)) for t in out.kv_connector_metadata.loads)
+    loads, out = loaded_then_scheduled(e, "H2")
     # The window (32 tokens) of the first token computed (96) starts in block 4.
     assert loads == [(0, 0, 6), (1, 4, 2)], loads
     assert out.num_scheduled_tokens["H2"] == len(prompt) - 6 * BLOCK
@@ -326,7 +342,7 @@ def test_a_hybrid_model_saves_and_loads_full_and_sliding_window_groups(daemon, m
     # A prompt sharing only the first 3 blocks: the window before block 3 was never saved.
     e.add(request("H4", prompt[: 3 * BLOCK] + [1] * 40))
     out, _ = e.step()
-    assert not out.kv_connector_metadata.loads
+    assert not out.kv_connector_metadata.async_loads and "H4" in out.num_scheduled_tokens
     finish(e, "H4")
     # A prompt only the full group holds (its window blocks were never saved): no hit at all.
     other = [t + 9000 for t in range(3 * BLOCK + 1)]
@@ -334,7 +350,7 @@ def test_a_hybrid_model_saves_and_loads_full_and_sliding_window_groups(daemon, m
     full_only.save(other, 0, [1, 2, 3])
     e.add(request("H3", other))
     out, _ = e.step()
-    assert not out.kv_connector_metadata.loads
+    assert not out.kv_connector_metadata.async_loads and "H3" in out.num_scheduled_tokens
     finish(e, "H3")
 
 
@@ -392,8 +408,7 @@ def test_a_hybrid_model_saving_whole_window_groups_serves_shorter_shared_prefixe
     assert saves == [(0, 0, 6), (1, 0, 6)]
     finish(e, "W1")
     e.add(request("W2", prompt[: 3 * BLOCK] + [1] * 40))
-    out, _ = e.step()
-    loads = sorted((t.group, t.first_block, len(t.slots)) for t in out.kv_connector_metadata.loads)
+    loads, _ = loaded_then_scheduled(e, "W2")
     assert loads == [(0, 0, 3), (1, 1, 2)], loads
     ids = e.scheduler.kv_cache_manager.get_blocks("W2").get_block_ids()
     for i in (1, 2):
@@ -432,13 +447,45 @@ def test_a_hybrid_engines_groups_count_as_one_engine(tmp_path, make_engine):
         assert e.worker.worker.counts["saved"] == 4 + 3 and e.worker.worker.counts["save_failed"] == 0
         finish(e, "C1")
         e.add(request("C2", prompt))
-        out, _ = e.step()
-        assert sorted((t.group, t.first_block, len(t.slots)) for t in out.kv_connector_metadata.loads) == [
-            (0, 0, 4),
-            (1, 2, 2),
-        ]
+        loads, _ = loaded_then_scheduled(e, "C2")
+        assert loads == [(0, 0, 4), (1, 2, 2)], loads
         assert e.worker.worker.counts["load_failed"] == 0
         finish(e, "C2")
         e.close()
     finally:
         d.stop()
+
+
+def test_a_hybrid_models_failed_load_fails_its_request_and_vllm_recomputes_it(daemon, make_engine):
+    """vLLM 0.33 cannot map block ids back to requests when a model has several KV-cache groups
+    (it raises on `invalid_block_ids`): a hybrid model's failed load is reported as its
+    request's (`failed_recving`), and vLLM computes the whole prompt again."""
+    import torch
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+    from vllm_harness import LAYERS, SPEC
+
+    swa = SlidingWindowSpec(
+        block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.bfloat16, sliding_window=2 * BLOCK
+    )
+    groups = [([LAYERS[0]], SPEC), ([LAYERS[1]], swa)]
+    e = make_engine(daemon.socket, prefix_caching=False, batched_tokens=256, groups=groups)
+    prompt = [t + 43_000 for t in range(4 * BLOCK + 3)]
+    e.add(request("F1", prompt))
+    e.step()
+    finish(e, "F1")
+    # Fault injection: the window group's load cannot start (its daemon connection is gone).
+    worker = e.worker.worker
+    start = worker._start
+    worker._start = lambda t: None if t.group == 1 else start(t)
+    r = e.add(request("F2", prompt))
+    loads, out = loaded_then_scheduled(e, "F2")
+    assert loads == [(0, 0, 4), (1, 2, 2)], loads
+    assert worker.counts["load_failed"] == 2
+    # Computed again from the start, every byte right.
+    assert out.num_scheduled_tokens["F2"] == len(prompt)
+    assert r.num_computed_tokens == len(prompt)
+    ids = e.scheduler.kv_cache_manager.get_blocks("F2").get_block_ids()
+    for i in range(4):
+        assert e.block_kv(ids[0][i])[0] == e.expected_block_kv(prompt, i)[0], f"full block {i}"
+    worker._start = start
+    finish(e, "F2")

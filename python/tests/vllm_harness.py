@@ -29,7 +29,7 @@ from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
 from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, MambaSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
@@ -71,10 +71,14 @@ def vllm_config(
     layout: str = "LBHNC",
     batched_tokens: int = 64,
     hybrid: bool = False,
+    mamba: bool = False,
 ) -> VllmConfig:
     cache = CacheConfig(
         block_size=BLOCK, gpu_memory_utilization=0.9, cache_dtype="auto", enable_prefix_caching=prefix_caching
     )
+    if mamba:
+        # Mamba state kept at block boundaries (what a hybrid Mamba model runs with prefix caching).
+        cache.mamba_cache_mode = "align"
     cache.kv_cache_layout = layout  # the engine core resolves it in a real engine
     transfer = KVTransferConfig(
         kv_connector="KvcachedConnector",
@@ -147,6 +151,19 @@ def context_tag(req: Request) -> str:
     return ";".join(parts)
 
 
+def is_state(spec: Any) -> bool:
+    """Whether `spec` is a state group's (Mamba / linear attention)."""
+    return isinstance(spec, MambaSpec)
+
+
+def state_bytes(tokens: list[int], end: int, layer: int, spec: Any, tag: str = "") -> torch.Tensor:
+    """A state layer's state after the first `end` tokens (its page's bytes, unpadded): a
+    function of those tokens, as a Mamba layer's conv and SSM states are."""
+    seed = int.from_bytes(hashlib.blake2b(repr(("state", tokens[:end], layer, tag)).encode(), digest_size=8).digest())
+    g = torch.Generator().manual_seed(seed & ((1 << 63) - 1))
+    return torch.randint(0, 256, (spec.real_page_size_bytes,), generator=g, dtype=torch.uint8)
+
+
 def token_kv(tokens: list[int], pos: int, layer: int, tag: str = "", spec: Any = SPEC) -> torch.Tensor:
     """KV bytes of token `pos` in `layer` ([heads, K|V] as int16): a function of the prompt up
     to and including the token, as real KV is (and of what `tag` names besides the tokens; the
@@ -201,13 +218,35 @@ class Engine:
             toks = list(req.all_token_ids)
             tag = context_tag(req)
             all_blocks = s.kv_cache_manager.get_blocks(rid).get_block_ids()
+            self._forward_states(all_blocks, toks, start, min(start + n, len(toks)), tag)
             for pos in range(start, min(start + n, len(toks))):
                 slot = pos % BLOCK
                 for li, name in enumerate(LAYERS):
                     g, spec = self.layer_groups.get(name, (0, self.spec))
+                    if is_state(spec):
+                        continue
                     b = all_blocks[g][pos // BLOCK]
                     assert b != 0, f"{name}: no block for computed token {pos}"
                     self.kv[name][b, :, slot, :].view(torch.uint8).copy_(token_kv(toks, pos, li, tag, spec))
+
+    def _forward_states(self, all_blocks: Any, toks: list[int], start: int, end: int, tag: str) -> None:
+        """A state layer's step, as vLLM's Mamba kernels run it in align mode: it starts from
+        the state in block `(start - 1) // BLOCK` (which must be the prefix's: loaded or
+        computed) and leaves the state after `end` tokens in block `cdiv(end, BLOCK) - 1`."""
+        for li, name in enumerate(LAYERS):
+            g, spec = self.layer_groups.get(name, (0, self.spec))
+            if not is_state(spec) or end <= start:
+                continue
+            if start > 0:
+                prev = all_blocks[g][(start - 1) // BLOCK]
+                assert prev != 0, f"{name}: no state block to start from at {start}"
+                have = self.kv[name][prev].reshape(-1).view(torch.uint8)[: spec.real_page_size_bytes]
+                assert torch.equal(have, state_bytes(toks, start, li, spec, tag)), f"{name}: wrong state at {start}"
+            cur = all_blocks[g][-(-end // BLOCK) - 1]
+            assert cur != 0, f"{name}: no state block for {end}"
+            self.kv[name][cur].reshape(-1).view(torch.uint8)[: spec.real_page_size_bytes].copy_(
+                state_bytes(toks, end, li, spec, tag)
+            )
 
     def step(self, token: int = 7, finished_recving: set[str] | None = None) -> Any:
         t0 = time.perf_counter()
@@ -282,8 +321,13 @@ class Engine:
         )
 
     def block_kv(self, block: int) -> list[bytes]:
-        """The bytes of one block, per layer."""
-        return [self.kv[name][block].contiguous().view(torch.uint8).numpy().tobytes() for name in LAYERS]
+        """The bytes of one block, per layer (a state layer's: its state, unpadded)."""
+        out = []
+        for name in LAYERS:
+            spec = self.layer_groups.get(name, (0, self.spec))[1]
+            page = self.kv[name][block].contiguous().view(torch.uint8).reshape(-1)
+            out.append((page[: spec.real_page_size_bytes] if is_state(spec) else page).numpy().tobytes())
+        return out
 
     def expected_block_kv(self, tokens: list[int], index: int, tag: str = "") -> list[bytes]:
         """What the forward pass writes for block `index` of `tokens` (of a request whose
@@ -292,6 +336,10 @@ class Engine:
         out = []
         for li, name in enumerate(LAYERS):
             spec = self.layer_groups.get(name, (0, self.spec))[1]
+            if is_state(spec):
+                page = state_bytes(tokens, (index + 1) * BLOCK, li, spec, tag).numpy().tobytes()
+                out.append(page)
+                continue
             scratch = torch.empty_like(self.kv[name][:1])
             for slot in range(BLOCK):
                 scratch[0, :, slot, :].view(torch.uint8).copy_(token_kv(tokens, index * BLOCK + slot, li, tag, spec))
@@ -305,7 +353,8 @@ def engine(
     """A scheduler and a worker of `vllm_config(*args, layout=layout, **kwargs)` with the
     kvcached connector, over `num_blocks` blocks of KV in `layout` for the attention `spec` (or
     the KV-cache `groups`, [(layers, spec)], with vLLM's hybrid manager on)."""
-    cfg = vllm_config(*args, layout=layout, hybrid=groups is not None, **kwargs)
+    mamba = any(is_state(sp) for _, sp in groups or [])
+    cfg = vllm_config(*args, layout=layout, hybrid=groups is not None, mamba=mamba, **kwargs)
     kcfg = kv_cache_config(cfg, num_blocks, spec, groups)
     sched = Scheduler(
         vllm_config=cfg, kv_cache_config=kcfg, log_stats=True,

@@ -145,22 +145,26 @@ def _unsupported(what: str) -> NotImplementedError:
     return NotImplementedError(
         f"kvcached's vLLM connector does not support {what}: it handles KV-cache groups of "
         "attention whose blocks hold their tokens' KV (full attention, sliding window, MLA, "
-        "quantized or padded pages), with tensor and pipeline parallelism, without context parallelism"
+        "quantized or padded pages) and Mamba / linear-attention state kept at block boundaries "
+        "(mamba_cache_mode 'align'), with tensor and pipeline parallelism, without context parallelism"
     )
 
 
 @dataclass(frozen=True)
 class KvGroup:
-    """One KV-cache group: its index, attention spec and layers (this pipeline stage's: none
-    where the stage holds no layer of the group), and for a sliding-window group the blocks
-    before a point that attention there reads (`window_blocks`; None: every block, full
-    attention)."""
+    """One KV-cache group: its index, spec and layers (this pipeline stage's: none where the
+    stage holds no layer of the group), and for a sliding-window group the blocks before a point
+    that attention there reads (`window_blocks`; None: every block, full attention). A state
+    group (`state`: Mamba / linear attention in vLLM's align mode) holds in block `i` the
+    layers' state after the first `(i + 1) x block_size` tokens, not those tokens' KV: one
+    block restores a prefix."""
 
     index: int
     count: int
     spec: Any
     layers: tuple[str, ...]
     window_blocks: int | None
+    state: bool = False
 
 
 def kv_groups(vllm_config: Any, kv_cache_config: Any) -> list[KvGroup]:
@@ -173,8 +177,15 @@ def kv_groups(vllm_config: Any, kv_cache_config: Any) -> list[KvGroup]:
     K and V of different head sizes; with vLLM's hybrid KV-cache manager, sliding-window groups
     (SlidingWindowSpec) beside full-attention ones. The connector copies a page's bytes as they
     are; what they mean goes into the namespace (`namespace`). With pipeline parallelism each
-    stage's groups hold that stage's layers (vLLM's projection of the model's groups)."""
+    stage's groups hold that stage's layers (vLLM's projection of the model's groups). Mamba and
+    linear-attention groups (MambaSpec) are served in vLLM's align mode (`--mamba-cache-mode
+    align`, which keeps their state at block boundaries), as state groups."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    try:
+        from vllm.v1.kv_cache_interface import MambaSpec
+    except ImportError:  # a vLLM without state groups
+        MambaSpec = None  # noqa: N806
 
     pc = vllm_config.parallel_config
     if getattr(pc, "decode_context_parallel_size", 1) > 1 or getattr(pc, "prefill_context_parallel_size", 1) > 1:
@@ -183,15 +194,24 @@ def kv_groups(vllm_config: Any, kv_cache_config: Any) -> list[KvGroup]:
     out = []
     for i, g in enumerate(groups):
         spec = g.kv_cache_spec
+        state = False
         if isinstance(spec, FullAttentionSpec):
             window = None
         elif type(spec) is SlidingWindowSpec:
             window = -(-(spec.sliding_window - 1 + spec.extra_retained_tokens) // spec.block_size)
+        elif MambaSpec is not None and isinstance(spec, MambaSpec):
+            if spec.mamba_cache_mode != "align":
+                raise _unsupported(
+                    f"Mamba / linear-attention state without mamba_cache_mode 'align' (KV-cache group {i}: "
+                    f"mode {spec.mamba_cache_mode!r} keeps no state at block boundaries; start vLLM with "
+                    "--mamba-cache-mode align and prefix caching on)"
+                )
+            window, state = None, True
         else:
             raise _unsupported(f"{type(spec).__name__} layers (KV-cache group {i} of {len(groups)})")
         if not getattr(spec, "has_layer_views", True):
             raise _unsupported(f"{type(spec).__name__} layers without per-layer KV views")
-        out.append(KvGroup(i, len(groups), spec, tuple(g.layer_names), window))
+        out.append(KvGroup(i, len(groups), spec, tuple(g.layer_names), window, state))
     if len({g.spec.block_size for g in out}) != 1:
         raise _unsupported(f"KV-cache groups of different block sizes ({[g.spec.block_size for g in out]})")
     return out
@@ -276,6 +296,8 @@ def namespace(
     pp = pp_size(vllm_config)
     if cfg.key_scheme == "sglang":
         return _shared_namespace(vllm_config, kv_cache_config, cfg, tp_rank, tp_size, group)
+    if group.state:
+        return _state_namespace(vllm_config, kv_cache_config, cfg, tp_rank, tp_size, group)
     if _plain(spec):
         layout = kvcached.KvLayout(
             num_layers=len(layers),
@@ -312,6 +334,38 @@ def namespace(
             f"user={cfg.namespace_extra}",
         ]
         + ([f"group={group.index}/{group.count}"] if group.count > 1 else [])
+        + ([f"pp={pp}", f"stage={stage_digest(layers)}"] if pp > 1 else [])
+    )
+    return kvcached.Namespace(model_id, layout, tenant_salt=cfg.tenant_salt, extra=extra.encode())
+
+
+def _state_namespace(
+    vllm_config: Any, kv_cache_config: Any, cfg: ConnectorConfig, tp_rank: int, tp_size: int, group: KvGroup
+) -> kvcached.Namespace:
+    """The namespace of a state group's blocks (Mamba / linear attention): each block is a
+    layer's state page (conv and SSM states, unpadded) as int8 bytes in two halves, with
+    vLLM's whole spec (shapes, dtypes, kind) in the extra bytes."""
+    spec, layers, bs = group.spec, group.layers, group.spec.block_size
+    page = page_bytes(spec)
+    if page % (2 * bs):
+        raise _unsupported(f"a Mamba state page of {page} bytes (not a multiple of 2 x {bs} tokens per block)")
+    layout = kvcached.KvLayout(
+        num_layers=len(layers), kv_heads=1, head_dim=page // (2 * bs), dtype="int8", tokens_per_block=bs,
+        kind="layer_separate",
+    )  # fmt: skip
+    mc = vllm_config.model_config
+    model_id = cfg.model_id or (f"{mc.model}@{mc.revision}" if mc.revision else str(mc.model))
+    pp = pp_size(vllm_config)
+    extra = ";".join(
+        [
+            "vllm-v1-state",
+            f"layout={layout_name(vllm_config, kv_cache_config)}",
+            f"spec={spec!r}",
+            f"cache_dtype={vllm_config.cache_config.cache_dtype}",
+            f"tp={tp_rank}/{tp_size}",
+            f"user={cfg.namespace_extra}",
+            f"group={group.index}/{group.count}",
+        ]
         + ([f"pp={pp}", f"stage={stage_digest(layers)}"] if pp > 1 else [])
     )
     return kvcached.Namespace(model_id, layout, tenant_salt=cfg.tenant_salt, extra=extra.encode())

@@ -28,6 +28,12 @@ log = logging.getLogger("kvcached.vllm")
 # A lookup's answer when not every group can serve the prefix.
 _NO_HIT = SimpleNamespace(matched_blocks=0, matched_tokens=0, g2_blocks=0, g3_blocks=0, g4_blocks=0)
 
+# Block boundaries, from where the attention hit ends back, at which a lookup asks whether the
+# state groups hold a state: a saved state lies where an earlier prompt's last whole block
+# before its last token ended, which for a request extending that prompt is where the hit ends
+# or a block before it.
+STATE_PROBES = 4
+
 
 @dataclass
 class _Req:
@@ -45,6 +51,10 @@ class _Req:
     block_ids: list[list[int]] = field(default_factory=list)
     # Tokens from the start of the prompt already in kvcached (saved, loaded or planned).
     saved_upto: int = 0
+    # A load of it failed (`failed_recving`): vLLM computes it, not looked up again.
+    load_failed: bool = False
+    # (state group, block boundary in tokens) of the state blocks saved.
+    states_saved: set[tuple[int, int]] = field(default_factory=set)
     scheduled: bool = False
     # Of the last lookup's hit, tokens whose fastest copy is on disk (G3 or G4).
     disk_tokens: int = 0
@@ -78,6 +88,10 @@ class SchedulerSide:
         self.block_size: int = self.groups[0].spec.block_size
         self.cfg = cfg
         tp_size = vllm_config.parallel_config.tensor_parallel_size
+        # State groups (Mamba) restore a prefix from one block, which vLLM reads only when the
+        # load finished before the request's first step (loads of several groups are
+        # asynchronous: `get_num_new_matched_tokens`).
+        self.states = [g for g in self.groups if g.state]
         # Each KV-cache group's blocks are keyed in a namespace of their own (rank 0's of stage 0).
         self.namespaces = [namespace(vllm_config, kv_cache_config, cfg, 0, tp_size, g) for g in self.groups]
         self.namespace = self.namespaces[0]
@@ -180,7 +194,7 @@ class SchedulerSide:
         st = self._track(request)
         st.local_tokens = num_computed_tokens
         st.load_async = False
-        if not self.consumer or st.unsupported:
+        if not self.consumer or st.unsupported or st.load_failed:
             return 0, False
         bs = self.block_size
         # vLLM computes at least the last token itself: a hit may cover every block before it.
@@ -202,23 +216,27 @@ class SchedulerSide:
         n = max(0, found - num_computed_tokens)
         self.stats.hit_tokens += n
         st.disk_tokens = (hit.g3_blocks + hit.g4_blocks) * bs
-        st.load_async = self.cfg.load_async and n > 0
+        # With several KV-cache groups vLLM takes a failed load only as a whole request that
+        # waited for it (`failed_recving`), so such a model's loads are asynchronous.
+        st.load_async = (self.cfg.load_async or len(self.groups) > 1) and n > 0
         return n, st.load_async
 
     def _windowed(self) -> bool:
         """Whether window groups save only their windows (they then need a full-attention
         group to say where a hit ends)."""
-        return self.cfg.window_saves == "window" and any(g.window_blocks is None for g in self.groups)
+        return self.cfg.window_saves == "window" and any(g.window_blocks is None and not g.state for g in self.groups)
 
     def _hit(self, clients: list[kvcached.Client], st: _Req, tokens: Any) -> Any:
         """The cached prefix every group can serve: the shortest of the full-attention groups'
         cached prefixes, where every window group also holds the blocks its window reads before
         it (saved windows end where earlier prompts ended). With `window_saves = "all"` (or no
-        full-attention group) every group's prefix is looked up from the first block."""
+        full-attention group) every group's prefix is looked up from the first block. With state
+        groups (Mamba) the hit ends at the longest block boundary, at most `STATE_PROBES` back
+        from there, where every state group holds the state too."""
         windowed = self._windowed()
         hit = None
         for g, c in zip(self.groups, clients, strict=True):
-            if windowed and g.window_blocks is not None:
+            if g.state or (windowed and g.window_blocks is not None):
                 continue
             keys = key_kwargs(st.key_context, self.cfg.key_scheme)
             h = c.lookup(tokens if hit is None else tokens[: hit.matched_tokens], **keys)
@@ -226,18 +244,51 @@ class SchedulerSide:
                 hit = h
             if hit.matched_tokens == 0:
                 return hit
-        if not windowed:
-            return hit
+        if hit is None:
+            if not self.states:
+                return _NO_HIT
+            # State groups alone (a Mamba model without attention): the state decides.
+            end = len(tokens) // self.block_size
+            hit = SimpleNamespace(matched_blocks=end, matched_tokens=end * self.block_size, g2_blocks=end,
+                                  g3_blocks=0, g4_blocks=0)  # fmt: skip
         end = hit.matched_tokens // self.block_size
+        if windowed and not self._windows_hold(clients, st, tokens, end):
+            return _NO_HIT
+        if not self.states:
+            return hit
+        # The hit ends where every state group holds the state: at most STATE_PROBES block
+        # boundaries back from where attention's ends (and the windows hold there too).
+        for b in range(end, max(0, end - STATE_PROBES), -1):
+            if not self._states_hold(clients, st, tokens, b):
+                continue
+            if b < end and windowed and not self._windows_hold(clients, st, tokens, b):
+                continue
+            disk = min(hit.g3_blocks + hit.g4_blocks, b)
+            return SimpleNamespace(matched_blocks=b, matched_tokens=b * self.block_size, g2_blocks=b - disk,
+                                   g3_blocks=disk, g4_blocks=0)  # fmt: skip
+        return _NO_HIT
+
+    def _windows_hold(self, clients: list[kvcached.Client], st: _Req, tokens: Any, end: int) -> bool:
+        """Whether every window group holds the blocks its window reads before block `end`."""
         for g, c in zip(self.groups, clients, strict=True):
-            if g.window_blocks is None:
+            if g.window_blocks is None or g.state:
                 continue
             first = max(0, end - g.window_blocks)
             keys = key_kwargs(st.key_context, self.cfg.key_scheme)
             run = c.lookup(tokens[: end * self.block_size], first_block=first, **keys)
             if first + run.matched_blocks < end:
-                return _NO_HIT  # the window before the hit point is not all there
-        return hit
+                return False  # the window before the hit point is not all there
+        return True
+
+    def _states_hold(self, clients: list[kvcached.Client], st: _Req, tokens: Any, end: int) -> bool:
+        """Whether every state group holds the state after the first `end` blocks (its block
+        `end - 1`)."""
+        for g in self.states:
+            keys = key_kwargs(st.key_context, self.cfg.key_scheme)
+            run = clients[g.index].lookup(tokens[: end * self.block_size], first_block=end - 1, **keys)
+            if run.matched_blocks < 1:
+                return False
+        return True
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         st = self._track(request)
@@ -250,6 +301,16 @@ class SchedulerSide:
         tokens = self._tokens(st, (first + count) * bs)
         planned = []
         for g in self.groups:
+            if g.state:
+                # The state after the hit, into the block vLLM reads it from (its others are
+                # its null block).
+                at = first + count - 1
+                ids = st.block_ids[g.index]
+                if len(ids) <= at or ids[at] == 0:
+                    log.error("kvcached connector: %s has no block for its state", request.request_id)
+                    return
+                planned.append(Transfer(request.request_id, tokens, at, [ids[at]], st.context, g.index))
+                continue
             slots = st.block_ids[g.index][first : first + count]
             if len(slots) != count:
                 have, need = len(slots), count
@@ -322,7 +383,35 @@ class SchedulerSide:
                     have.extend(more)
             done = cached.num_computed_tokens[i] + scheduled[rid] - len(spec.get(rid, ()))
             self._plan_save(meta, st, done)
+        if self.states:
+            self._plan_state_saves(meta, scheduler_output)
         return meta
+
+    def _plan_state_saves(self, meta: KvcachedConnectorMetadata, scheduler_output: Any) -> None:
+        """Saves of the state blocks vLLM offers this step: the state groups' blocks at the
+        block boundaries its prefix cache keeps (by exact block id: a state group's block table
+        is not append-only). They are written by this step's forward pass, and saved after it
+        (`wait_for_save`), before vLLM may reuse them."""
+        block_state = getattr(scheduler_output, "kv_connector_block_state", None)
+        offers = block_state.boundary_state_offloads if block_state is not None else {}
+        bs = self.block_size
+        for rid, entries in offers.items():
+            st = self._reqs.get(rid)
+            if st is None or st.unsupported:
+                continue
+            req = st.request
+            limit = req.num_tokens if self.cfg.save_decode else req.num_prompt_tokens
+            for group, block_id, boundary in entries:
+                if not (0 <= group < len(self.groups) and self.groups[group].state):
+                    continue
+                if block_id == 0 or boundary <= 0 or boundary % bs or boundary > limit:
+                    continue
+                if (group, boundary) in st.states_saved or boundary > len(req.all_token_ids):
+                    continue
+                st.states_saved.add((group, boundary))
+                meta.saves.append(Transfer(rid, self._tokens(st, boundary), boundary // bs - 1, [block_id],
+                                           st.context, group))  # fmt: skip
+                self.stats.blocks_to_save += 1
 
     def _plan_save(self, meta: KvcachedConnectorMetadata, st: _Req, done_tokens: int) -> None:
         bs = self.block_size
@@ -339,6 +428,8 @@ class SchedulerSide:
         saves = []
         windowed = self._windowed()
         for g in self.groups:
+            if g.state:
+                continue  # saved as vLLM offers their blocks (`_plan_state_saves`)
             slots = st.block_ids[g.index][first:last]
             if len(slots) != last - first:
                 return
@@ -355,6 +446,15 @@ class SchedulerSide:
         st.saved_upto = end
         self.stats.saves_planned += 1
         self.stats.blocks_to_save += sum(len(t.slots) for t in saves)
+
+    def update_connector_output(self, output: Any) -> None:
+        """The workers' report of a step: a request whose load failed (vLLM computes it from
+        the start) is not looked up again, or it would wait for the same failing load anew."""
+        for rid in getattr(output, "failed_recving", None) or ():
+            st = self._reqs.get(rid)
+            if st is not None:
+                st.load_failed = True
+                log.warning("kvcached connector: a load of %s failed; vLLM computes it", rid)
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         st = self._reqs.pop(request.request_id, None)

@@ -322,14 +322,18 @@ class WorkerSide:
             return None
 
     def _finish(self, op: kvcached.LoadOp | None, t: Transfer, status: kvcached.LoadStatus | None) -> bool:
-        """Records a finished load; False when not every block came (those are invalid)."""
+        """Records a finished load; False when not every block came. With one KV-cache group
+        the blocks that did not come are reported invalid (vLLM recomputes them); with several,
+        vLLM 0.33 takes only whole requests as failed (`failed_recving`: block ids are not
+        unique across groups), so the caller reports the request."""
         if self._idle(t):
             return True
         got = status.loaded_blocks if status is not None and op is not None else 0
         self.counts["loaded"] += got
         if got < len(t.slots):
             self.counts["load_failed"] += len(t.slots) - got
-            self._invalid.update(t.slots[got:])
+            if len(self.groups) == 1:
+                self._invalid.update(t.slots[got:])
             return False
         return True
 
@@ -377,7 +381,8 @@ class WorkerSide:
             if any(s is not None and not s.finished for s in statuses):
                 continue
             for (op, t), status in zip(loads, statuses, strict=True):
-                if not self._finish(op, t, status) and (status is None or status.loaded_blocks == 0):
+                whole = status is None or status.loaded_blocks == 0 or len(self.groups) > 1
+                if not self._finish(op, t, status) and whole:
                     self._failed_recving.add(req_id)
             done.add(req_id)
             del self._async[req_id]
