@@ -254,8 +254,20 @@ def _plain(spec: Any) -> bool:
 
 def page_bytes(spec: Any) -> int:
     """The bytes of one layer's page of one block that the connector copies: the page without
-    its padding."""
-    return int(spec.real_page_size_bytes)
+    its padding. A state page (Mamba: its conv and SSM states) is copied rounded up to whole
+    units of 2 x block_size bytes (its namespace's layout is tokens of two halves), which vLLM's
+    padding (to the attention page) leaves room for."""
+    real = int(spec.real_page_size_bytes)
+    if getattr(spec, "mamba_cache_mode", None) is None:
+        return real
+    unit = 2 * spec.block_size
+    rounded = -(-real // unit) * unit
+    if rounded > spec.page_size_bytes:
+        raise _unsupported(
+            f"a Mamba state page of {real} bytes in a {spec.page_size_bytes}-byte page (no room to copy it "
+            f"in whole units of 2 x {spec.block_size} bytes)"
+        )
+    return rounded
 
 
 def tp_shard(spec: Any, tp_rank: int, tp_size: int) -> tuple[int, int]:
@@ -347,8 +359,6 @@ def _state_namespace(
     vLLM's whole spec (shapes, dtypes, kind) in the extra bytes."""
     spec, layers, bs = group.spec, group.layers, group.spec.block_size
     page = page_bytes(spec)
-    if page % (2 * bs):
-        raise _unsupported(f"a Mamba state page of {page} bytes (not a multiple of 2 x {bs} tokens per block)")
     layout = kvcached.KvLayout(
         num_layers=len(layers), kv_heads=1, head_dim=page // (2 * bs), dtype="int8", tokens_per_block=bs,
         kind="layer_separate",

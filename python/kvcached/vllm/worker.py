@@ -226,7 +226,11 @@ class WorkerSide:
             kernel_page = v[0].numel() * es
             if ratio > 1 and v.stride(0) * es != kernel_page:
                 raise NotImplementedError(f"{name}: kernel blocks of a block are not adjacent (padded pages)")
-            if kernel_page * ratio != page:
+            if group.state:
+                # The state, rounded up into the page's padding (`page_bytes`).
+                if ratio != 1 or kernel_page > page or page > v.stride(0) * es:
+                    raise RuntimeError(f"{name}: a {tuple(v.shape)} state view, {page} bytes copied per block")
+            elif kernel_page * ratio != page:
                 raise RuntimeError(f"{name}: a block page of {kernel_page * ratio} bytes, the spec says {page}")
             block_stride = v.stride(0) * es * ratio
             offset = v.data_ptr() - base
