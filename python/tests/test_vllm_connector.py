@@ -489,3 +489,38 @@ def test_a_hybrid_models_failed_load_fails_its_request_and_vllm_recomputes_it(da
         assert e.block_kv(ids[0][i])[0] == e.expected_block_kv(prompt, i)[0], f"full block {i}"
     worker._start = start
     finish(e, "F2")
+
+
+def test_chunked_local_attention_loads_the_current_chunk(daemon, make_engine):
+    """Chunked local attention (Llama 4: tokens attend within their chunk) beside full
+    attention: the chunked group saves each block as it is computed (vLLM frees a past chunk's
+    blocks), and a later request loads only the blocks of its hit's chunk, where vLLM holds
+    blocks for it."""
+    import torch
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec
+    from vllm_harness import LAYERS, SPEC
+
+    chunked = ChunkedLocalAttentionSpec(
+        block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.bfloat16, attention_chunk_size=4 * BLOCK
+    )
+    e = make_engine(
+        daemon.socket, prefix_caching=False, batched_tokens=256, groups=[([LAYERS[0]], SPEC), ([LAYERS[1]], chunked)]
+    )
+    sched = e.connector.scheduler
+    assert [g.chunked for g in sched.groups] == [False, True]
+    prompt = [t + 45_000 for t in range(6 * BLOCK + 3)]
+    e.add(request("K1", prompt))
+    out, _ = e.step()
+    saves = sorted((t.group, t.first_block, len(t.slots)) for t in out.kv_connector_metadata.saves)
+    assert saves == [(0, 0, 6), (1, 0, 6)], saves
+    finish(e, "K1")
+    e.add(request("K2", prompt))
+    loads, out = loaded_then_scheduled(e, "K2")
+    # The hit ends at token 96, in the chunk of tokens 64-127: the chunked group loads blocks 4-5.
+    assert loads == [(0, 0, 6), (1, 4, 2)], loads
+    assert out.num_scheduled_tokens["K2"] == len(prompt) - 6 * BLOCK
+    ids = e.scheduler.kv_cache_manager.get_blocks("K2").get_block_ids()
+    for i in (4, 5):
+        assert e.block_kv(ids[1][i])[1] == e.expected_block_kv(prompt, i)[1], f"chunk block {i}"
+    assert all(b == 0 for b in ids[1][:4])  # vLLM holds no block of the past chunk
+    finish(e, "K2")

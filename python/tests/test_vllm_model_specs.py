@@ -1,10 +1,10 @@
 """The connector on the KV-cache groups vLLM itself derives for real model architectures from a
 config.json alone (`vllm_model_specs.py`: the model built on torch's meta device, its layers'
 specs, vLLM's planner's groups): full attention (Llama), sliding window beside full (Gemma 3,
-gpt-oss), MLA (DeepSeek V3), Mamba and linear-attention state beside attention (Jamba, Qwen3-Next,
-Nemotron-H). For each, both halves of the connector accept the groups and agree on their
-namespaces, and the blocks of every group round-trip byte for byte between two workers' KV
-tensors, allocated by vLLM in its CPU layout."""
+gpt-oss), MLA (DeepSeek V3), chunked local attention beside full (Llama 4), Mamba and
+linear-attention state beside attention (Jamba, Qwen3-Next, Nemotron-H). For each, both halves
+of the connector accept the groups and agree on their namespaces, and the blocks of every group
+round-trip byte for byte between two workers' KV tensors, allocated by vLLM in its CPU layout."""
 
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ KINDS = {
     "gemma3": ["window"] * 5 + ["full"],
     "gpt-oss": ["window", "full"],
     "deepseek-v3": ["mla"],
+    "llama4": ["chunked"] * 3 + ["full"],
     "jamba": ["state"] * 3 + ["full"],
     "qwen3-next": ["state"] * 3 + ["full"],
     "nemotron-h": ["state"] * 2 + ["full"],
@@ -60,6 +61,8 @@ def derived() -> dict:
 def kind(g) -> str:
     if g.state:
         return "state"
+    if g.chunked:
+        return "chunked"
     if g.window_blocks is not None:
         return "window"
     return "mla" if type(g.spec).__name__.startswith("MLA") else "full"

@@ -59,6 +59,14 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "moe_layer_freq": 1, "topk_method": "noaux_tc", "n_group": 1, "topk_group": 1,
         "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "norm_topk_prob": True, "rope_theta": 10000.0,
     },
+    "llama4": {
+        "architectures": ["Llama4ForCausalLM"], "model_type": "llama4_text", "hidden_size": 128,
+        "intermediate_size": 256, "intermediate_size_mlp": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 32, "num_hidden_layers": 4, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+        "attention_chunk_size": 64, "no_rope_layers": [1, 1, 1, 0], "num_local_experts": 2,
+        "num_experts_per_tok": 1, "interleave_moe_layer_step": 1, "use_qk_norm": True, "attn_temperature_tuning": True,
+        "floor_scale": 8192, "attn_scale": 0.1,
+    },
     "jamba": {
         "architectures": ["JambaForCausalLM"], "model_type": "jamba", "hidden_size": 128, "intermediate_size": 256,
         "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 4, "attn_layer_period": 4,

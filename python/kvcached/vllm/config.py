@@ -165,6 +165,8 @@ class KvGroup:
     layers: tuple[str, ...]
     window_blocks: int | None
     state: bool = False
+    # Chunked local attention (Llama 4): vLLM holds only the blocks of the current chunk.
+    chunked: bool = False
 
 
 def kv_groups(vllm_config: Any, kv_cache_config: Any) -> list[KvGroup]:
@@ -183,9 +185,9 @@ def kv_groups(vllm_config: Any, kv_cache_config: Any) -> list[KvGroup]:
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
     try:
-        from vllm.v1.kv_cache_interface import MambaSpec
-    except ImportError:  # a vLLM without state groups
-        MambaSpec = None  # noqa: N806
+        from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, MambaSpec
+    except ImportError:  # a vLLM without chunked or state groups
+        ChunkedLocalAttentionSpec = MambaSpec = None  # noqa: N806
 
     pc = vllm_config.parallel_config
     if getattr(pc, "decode_context_parallel_size", 1) > 1 or getattr(pc, "prefill_context_parallel_size", 1) > 1:
@@ -194,9 +196,13 @@ def kv_groups(vllm_config: Any, kv_cache_config: Any) -> list[KvGroup]:
     out = []
     for i, g in enumerate(groups):
         spec = g.kv_cache_spec
-        state = False
+        state = chunked = False
         if isinstance(spec, FullAttentionSpec):
             window = None
+        elif ChunkedLocalAttentionSpec is not None and type(spec) is ChunkedLocalAttentionSpec:
+            # Saved block by block as computed (before vLLM frees a past chunk), looked up as a
+            # prefix, loaded where vLLM holds blocks (the current chunk's).
+            window, chunked = None, True
         elif type(spec) is SlidingWindowSpec:
             window = -(-(spec.sliding_window - 1 + spec.extra_retained_tokens) // spec.block_size)
         elif MambaSpec is not None and isinstance(spec, MambaSpec):
@@ -211,7 +217,7 @@ def kv_groups(vllm_config: Any, kv_cache_config: Any) -> list[KvGroup]:
             raise _unsupported(f"{type(spec).__name__} layers (KV-cache group {i} of {len(groups)})")
         if not getattr(spec, "has_layer_views", True):
             raise _unsupported(f"{type(spec).__name__} layers without per-layer KV views")
-        out.append(KvGroup(i, len(groups), spec, tuple(g.layer_names), window, state))
+        out.append(KvGroup(i, len(groups), spec, tuple(g.layer_names), window, state, chunked))
     if len({g.spec.block_size for g in out}) != 1:
         raise _unsupported(f"KV-cache groups of different block sizes ({[g.spec.block_size for g in out]})")
     return out

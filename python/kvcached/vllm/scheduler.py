@@ -317,9 +317,10 @@ class SchedulerSide:
                 log.error("kvcached connector: %s has %d blocks, a load needs %d", request.request_id, have, need)
                 return
             # A window group holds blocks (vLLM's others are its null block, 0) only where its
-            # window reads: those are loaded, the blocks before them are not needed.
+            # window reads, a chunked group only in the current chunk: those are loaded, the
+            # blocks before them are not needed.
             skip = 0
-            if g.window_blocks is not None:
+            if g.window_blocks is not None or g.chunked:
                 while skip < len(slots) and slots[skip] == 0:
                     skip += 1
             if 0 in slots[skip:]:
