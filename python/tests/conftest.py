@@ -149,21 +149,26 @@ def model_dir():
     shutil.rmtree(d, ignore_errors=True)
 
 
-@pytest.fixture
-def make_engine(model_dir):
-    """`make_engine(socket, role, extra, **kw)`: a vllm_harness.Engine, closed after the test."""
-    from vllm_harness import engine
-
+def _engines(build, model_dir):
+    """Engines `build(*args, model_dir=model_dir, **kw)` makes, closed after the test."""
     made = []
 
     def make(*args, **kw):
-        e = engine(*args, model_dir=model_dir, **kw)
+        e = build(*args, model_dir=model_dir, **kw)
         made.append(e)
         return e
 
     yield make
     for e in made:
         e.close()
+
+
+@pytest.fixture
+def make_engine(model_dir):
+    """`make_engine(socket, role, extra, **kw)`: a vllm_harness.Engine, closed after the test."""
+    from vllm_harness import engine
+
+    yield from _engines(engine, model_dir)
 
 
 @pytest.fixture
@@ -172,13 +177,4 @@ def make_pp_engine(model_dir):
     stages, closed after the test."""
     from vllm_harness import pp_engine
 
-    made = []
-
-    def make(*args, **kw):
-        e = pp_engine(*args, model_dir=model_dir, **kw)
-        made.append(e)
-        return e
-
-    yield make
-    for e in made:
-        e.close()
+    yield from _engines(pp_engine, model_dir)

@@ -9,36 +9,11 @@ import pytest
 pytest.importorskip("vllm")
 
 from vllm.v1.request import RequestStatus  # noqa: E402
-from vllm_harness import BLOCK, EOS, request  # noqa: E402
+from vllm_harness import BLOCK, assert_group_kv, finish, loaded_then_scheduled, request, window  # noqa: E402
 
 import kvcached  # noqa: E402
 
 PROMPT = list(range(100, 100 + 3 * BLOCK + 5))  # 3 full blocks and 5 tokens
-
-
-def finish(e, rid: str) -> None:
-    for _ in range(4):
-        if rid not in e.scheduler.requests:
-            return
-        e.step(token=EOS)
-    assert rid not in e.scheduler.requests
-
-
-def loaded_then_scheduled(e, rid: str) -> tuple[list, object]:
-    """A hybrid model's request with a hit: it waits for its loads (asynchronous: vLLM takes a
-    failed load of a model with several KV-cache groups only as a whole request's), then is
-    scheduled. Returns its planned loads as (group, first block, blocks), sorted, and the
-    output of the step that scheduled it."""
-    out, _ = e.step()
-    assert rid not in out.num_scheduled_tokens
-    assert e.scheduler.requests[rid].status == RequestStatus.WAITING_FOR_REMOTE_KVS
-    assert not out.kv_connector_metadata.loads
-    loads = sorted((t.group, t.first_block, len(t.slots)) for t in out.kv_connector_metadata.async_loads)
-    for _ in range(20):
-        out, _ = e.step()
-        if rid in out.num_scheduled_tokens:
-            break
-    return loads, out
 
 
 def assert_prompt_kv(e, rid_blocks: list[int], tokens: list[int], count: int) -> None:
@@ -303,13 +278,9 @@ def test_a_hybrid_model_saves_and_loads_full_and_sliding_window_groups(daemon, m
     window group the blocks the window of the prompt's end reads (and one more); a later request
     is served as far as the full group holds the prefix and the window group its window, which
     is all the window group loads (vLLM gives it no block before it)."""
-    import torch
-    from vllm.v1.kv_cache_interface import SlidingWindowSpec
     from vllm_harness import LAYERS, SPEC
 
-    swa = SlidingWindowSpec(
-        block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.bfloat16, sliding_window=2 * BLOCK
-    )
+    swa = window(2 * BLOCK)
     e = make_engine(
         daemon.socket, prefix_caching=False, batched_tokens=256, groups=[([LAYERS[0]], SPEC), ([LAYERS[1]], swa)]
     )
@@ -331,11 +302,8 @@ def test_a_hybrid_model_saves_and_loads_full_and_sliding_window_groups(daemon, m
     # The window (32 tokens) of the first token computed (96) starts in block 4.
     assert loads == [(0, 0, 6), (1, 4, 2)], loads
     assert out.num_scheduled_tokens["H2"] == len(prompt) - 6 * BLOCK
-    ids = e.scheduler.kv_cache_manager.get_blocks("H2").get_block_ids()
-    for i in range(6):
-        assert e.block_kv(ids[0][i])[0] == e.expected_block_kv(prompt, i)[0], f"full block {i}"
-    for i in (4, 5):
-        assert e.block_kv(ids[1][i])[1] == e.expected_block_kv(prompt, i)[1], f"window block {i}"
+    assert_group_kv(e, "H2", prompt, 0, range(6))
+    assert_group_kv(e, "H2", prompt, 1, (4, 5))
     assert e.worker.worker.counts["load_failed"] == 0
     finish(e, "H2")
 
@@ -355,13 +323,9 @@ def test_a_hybrid_model_saves_and_loads_full_and_sliding_window_groups(daemon, m
 
 
 def test_a_hybrid_prefill_hands_off_to_a_hybrid_decode_engine(daemon, make_engine):
-    import torch
-    from vllm.v1.kv_cache_interface import SlidingWindowSpec
     from vllm_harness import LAYERS, SPEC
 
-    swa = SlidingWindowSpec(
-        block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.bfloat16, sliding_window=BLOCK + 1
-    )
+    swa = window(BLOCK + 1)
     groups = [([LAYERS[0]], SPEC), ([LAYERS[1]], swa)]
     p = make_engine(daemon.socket, "kv_producer", groups=groups, batched_tokens=256)
     d = make_engine(daemon.socket, "kv_consumer", {"kvcached.load_async": True}, groups=groups, batched_tokens=256)
@@ -391,13 +355,9 @@ def test_a_hybrid_prefill_hands_off_to_a_hybrid_decode_engine(daemon, make_engin
 def test_a_hybrid_model_saving_whole_window_groups_serves_shorter_shared_prefixes(daemon, make_engine):
     """`kvcached.window_saves: "all"`: the window group saves every block it computes, so a
     request sharing only the start of an earlier prompt is served too (its window there)."""
-    import torch
-    from vllm.v1.kv_cache_interface import SlidingWindowSpec
     from vllm_harness import LAYERS, SPEC
 
-    swa = SlidingWindowSpec(
-        block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.bfloat16, sliding_window=2 * BLOCK
-    )
+    swa = window(2 * BLOCK)
     extra = {"kvcached.window_saves": "all", "kvcached.namespace_extra": "all-windows"}
     groups = [([LAYERS[0]], SPEC), ([LAYERS[1]], swa)]
     e = make_engine(daemon.socket, prefix_caching=False, batched_tokens=256, extra=extra, groups=groups)
@@ -421,9 +381,7 @@ def test_a_hybrid_engines_groups_count_as_one_engine(tmp_path, make_engine):
     (the scheduler's groups one anonymous slot); the daemon maps each memory once and counts
     its registrations as one engine. So a hybrid engine of two groups, four registrations, fits
     a uid allowed two engines, and its groups are served."""
-    import torch
     from conftest import Daemon
-    from vllm.v1.kv_cache_interface import SlidingWindowSpec
     from vllm_harness import LAYERS, SPEC
 
     config = tmp_path / "kvcached.toml"
@@ -433,9 +391,7 @@ def test_a_hybrid_engines_groups_count_as_one_engine(tmp_path, make_engine):
     d = Daemon(root, extra=["--config", str(config)])
     d.start()
     try:
-        swa = SlidingWindowSpec(
-            block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.bfloat16, sliding_window=2 * BLOCK
-        )
+        swa = window(2 * BLOCK)
         e = make_engine(
             d.socket, prefix_caching=False, batched_tokens=256, groups=[([LAYERS[0]], SPEC), ([LAYERS[1]], swa)]
         )
@@ -460,13 +416,9 @@ def test_a_hybrid_models_failed_load_fails_its_request_and_vllm_recomputes_it(da
     """vLLM 0.33 cannot map block ids back to requests when a model has several KV-cache groups
     (it raises on `invalid_block_ids`): a hybrid model's failed load is reported as its
     request's (`failed_recving`), and vLLM computes the whole prompt again."""
-    import torch
-    from vllm.v1.kv_cache_interface import SlidingWindowSpec
     from vllm_harness import LAYERS, SPEC
 
-    swa = SlidingWindowSpec(
-        block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.bfloat16, sliding_window=2 * BLOCK
-    )
+    swa = window(2 * BLOCK)
     groups = [([LAYERS[0]], SPEC), ([LAYERS[1]], swa)]
     e = make_engine(daemon.socket, prefix_caching=False, batched_tokens=256, groups=groups)
     prompt = [t + 43_000 for t in range(4 * BLOCK + 3)]
@@ -519,8 +471,7 @@ def test_chunked_local_attention_loads_the_current_chunk(daemon, make_engine):
     # The hit ends at token 96, in the chunk of tokens 64-127: the chunked group loads blocks 4-5.
     assert loads == [(0, 0, 6), (1, 4, 2)], loads
     assert out.num_scheduled_tokens["K2"] == len(prompt) - 6 * BLOCK
+    assert_group_kv(e, "K2", prompt, 1, (4, 5))
     ids = e.scheduler.kv_cache_manager.get_blocks("K2").get_block_ids()
-    for i in (4, 5):
-        assert e.block_kv(ids[1][i])[1] == e.expected_block_kv(prompt, i)[1], f"chunk block {i}"
     assert all(b == 0 for b in ids[1][:4])  # vLLM holds no block of the past chunk
     finish(e, "K2")

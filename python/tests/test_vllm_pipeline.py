@@ -9,15 +9,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from vllm_harness import BLOCK, EOS, request  # noqa: E402
-
-
-def finish(e, rid: str) -> None:
-    for _ in range(6):
-        if rid not in e.scheduler.requests:
-            return
-        e.step(token=EOS)
-    assert rid not in e.scheduler.requests
+from vllm_harness import BLOCK, finish, request  # noqa: E402
 
 
 def counts(e) -> list[dict]:

@@ -15,8 +15,7 @@ pytest.importorskip("vllm")
 
 import torch  # noqa: E402
 from vllm.v1.kv_cache_interface import MambaSpec  # noqa: E402
-from vllm.v1.request import RequestStatus  # noqa: E402
-from vllm_harness import BLOCK, EOS, LAYERS, SPEC, request  # noqa: E402
+from vllm_harness import BLOCK, LAYERS, SPEC, assert_group_kv, finish, loaded_then_scheduled, request  # noqa: E402
 
 
 def mamba(mode: str = "align") -> MambaSpec:
@@ -46,14 +45,6 @@ def run(e, rid: str, tokens: list[int]):
     return r
 
 
-def finish(e, rid: str) -> None:
-    for _ in range(6):
-        if rid not in e.scheduler.requests:
-            return
-        e.step(token=EOS)
-    assert rid not in e.scheduler.requests
-
-
 def test_a_mamba_hybrid_saves_the_state_at_the_prompts_boundary_and_another_engine_resumes_there(daemon, make_engine):
     prompt = [t + 51_000 for t in range(6 * BLOCK + 4)]  # the state is kept after 96 tokens
     a = hybrid(make_engine, daemon.socket)
@@ -70,21 +61,12 @@ def test_a_mamba_hybrid_saves_the_state_at_the_prompts_boundary_and_another_engi
     # Another engine (vLLM's own prefix cache empty): the state and the attention blocks before
     # it are loaded, before the request's first step reads them.
     b = hybrid(make_engine, daemon.socket)
-    r = b.add(request("B1", prompt))
-    out, _ = b.step()
-    assert "B1" not in out.num_scheduled_tokens
-    assert r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
-    loads = sorted((t.group, t.first_block, len(t.slots)) for t in out.kv_connector_metadata.async_loads)
+    b.add(request("B1", prompt))
+    loads, out = loaded_then_scheduled(b, "B1")
     assert loads == [(0, 0, 6), (1, 5, 1)], loads
-    for _ in range(10):
-        out, _ = b.step()
-        if "B1" in out.num_scheduled_tokens:
-            break
     # The forward pass checked the state it resumed from; the request computes the last 4.
     assert out.num_scheduled_tokens["B1"] == len(prompt) - 6 * BLOCK
-    ids = b.scheduler.kv_cache_manager.get_blocks("B1").get_block_ids()
-    for i in range(6):
-        assert b.block_kv(ids[0][i])[0] == b.expected_block_kv(prompt, i)[0], f"attention block {i}"
+    assert_group_kv(b, "B1", prompt, 0, range(6))
     assert b.worker.worker.counts["loaded"] == 7 and b.worker.worker.counts["load_failed"] == 0
     finish(b, "B1")
 

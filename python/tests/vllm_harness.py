@@ -29,10 +29,10 @@ from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
 from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, MambaSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, MambaSpec, SlidingWindowSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
-from vllm.v1.request import Request
+from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.utils import allocate_kv_cache
 
@@ -149,6 +149,49 @@ def context_tag(req: Request) -> str:
     if req.prompt_embeds is not None:
         parts.append(hashlib.blake2b(req.prompt_embeds.numpy().tobytes(), digest_size=8).hexdigest())
     return ";".join(parts)
+
+
+def window(tokens: int) -> SlidingWindowSpec:
+    """A sliding-window spec of `tokens` with SPEC's heads (a hybrid model's window layers)."""
+    return SlidingWindowSpec(
+        block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.bfloat16, sliding_window=tokens
+    )
+
+
+def finish(e: Engine, rid: str, steps: int = 6) -> None:
+    """Steps until request `rid` has finished (its next token EOS)."""
+    for _ in range(steps):
+        if rid not in e.scheduler.requests:
+            return
+        e.step(token=EOS)
+    assert rid not in e.scheduler.requests
+
+
+def assert_group_kv(e: Engine, rid: str, tokens: list[int], group: int, blocks: Any) -> None:
+    """Request `rid`'s blocks `blocks` of KV-cache `group` hold, in that group's layers, what the
+    forward pass writes for `tokens`."""
+    ids = e.scheduler.kv_cache_manager.get_blocks(rid).get_block_ids()[group]
+    layers = [i for i, name in enumerate(LAYERS) if e.layer_groups.get(name, (0,))[0] == group]
+    for b in blocks:
+        have, want = e.block_kv(ids[b]), e.expected_block_kv(tokens, b)
+        for li in layers:
+            assert have[li] == want[li], f"group {group} block {b} layer {li}"
+
+
+def loaded_then_scheduled(e: Engine, rid: str) -> tuple[list, Any]:
+    """A request with a hit whose loads are asynchronous (kvcached.load_async, or a hybrid
+    model's): it waits for them, then is scheduled. Returns its planned loads as (group, first
+    block, blocks), sorted, and the output of the step that scheduled it."""
+    out, _ = e.step()
+    assert rid not in out.num_scheduled_tokens
+    assert e.scheduler.requests[rid].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert not out.kv_connector_metadata.loads
+    loads = sorted((t.group, t.first_block, len(t.slots)) for t in out.kv_connector_metadata.async_loads)
+    for _ in range(20):
+        out, _ = e.step()
+        if rid in out.num_scheduled_tokens:
+            break
+    return loads, out
 
 
 def is_state(spec: Any) -> bool:
