@@ -475,3 +475,41 @@ def test_chunked_local_attention_loads_the_current_chunk(daemon, make_engine):
     ids = e.scheduler.kv_cache_manager.get_blocks("K2").get_block_ids()
     assert all(b == 0 for b in ids[1][:4])  # vLLM holds no block of the past chunk
     finish(e, "K2")
+
+
+def test_a_hybrid_load_that_cannot_be_planned_fails_its_request_instead_of_leaving_it_waiting(daemon, make_engine):
+    """A hybrid model's request waits for its loads (WAITING_FOR_REMOTE_KVS): when the plan
+    cannot be made (vLLM's blocks are not where the load needs them), the request is reported
+    failed, and vLLM computes it, rather than waiting for loads never started."""
+    from types import SimpleNamespace
+
+    from vllm_harness import LAYERS, SPEC
+
+    e = make_engine(
+        daemon.socket,
+        prefix_caching=False,
+        batched_tokens=256,
+        groups=[([LAYERS[0]], SPEC), ([LAYERS[1]], window(2 * BLOCK))],
+    )
+    prompt = [t + 47_000 for t in range(4 * BLOCK + 3)]
+    e.add(request("U1", prompt))
+    e.step()
+    finish(e, "U1")
+    # Fault injection: the full group's block table shows a hole where the load must go.
+    sched = e.connector.scheduler
+    plan = sched.update_state_after_alloc
+
+    def holed(request, blocks, n):
+        ids = [list(b) for b in blocks.get_block_ids()]
+        ids[0][1] = 0
+        plan(request, SimpleNamespace(get_block_ids=lambda: tuple(ids)), n)
+
+    sched.update_state_after_alloc = holed
+    r = e.add(request("U2", prompt))
+    loads, out = loaded_then_scheduled(e, "U2")
+    sched.update_state_after_alloc = plan
+    assert loads == []  # nothing planned
+    assert out.num_scheduled_tokens["U2"] == len(prompt)  # computed from the start
+    assert r.num_computed_tokens == len(prompt)
+    assert_group_kv(e, "U2", prompt, 0, range(4))
+    finish(e, "U2")

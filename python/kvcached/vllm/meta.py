@@ -37,3 +37,8 @@ class KvcachedConnectorMetadata(KVConnectorMetadata):
     loads: list[Transfer] = field(default_factory=list)
     async_loads: list[Transfer] = field(default_factory=list)
     saves: list[Transfer] = field(default_factory=list)
+    # Requests whose loads vLLM counts on but which could not be planned (their blocks were not
+    # where the plan needed them): asynchronous ones fail as requests (`failed_recving`), the
+    # blocks of synchronous ones are reported invalid; vLLM computes them.
+    unplanned: list[str] = field(default_factory=list)
+    unplanned_blocks: list[int] = field(default_factory=list)

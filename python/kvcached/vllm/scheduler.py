@@ -104,6 +104,8 @@ class SchedulerSide:
         self._reqs: dict[str, _Req] = {}
         self._loads: list[Transfer] = []
         self._async_loads: list[Transfer] = []
+        self._unplanned: list[str] = []
+        self._unplanned_blocks: list[int] = []
         self._told: set[str] = set()
         self._adapters = AdapterHashes()
         self._connect()
@@ -127,13 +129,20 @@ class SchedulerSide:
                 # memory as one engine (`limits.max_engines_per_uid`).
                 slots = [kvcached.KvMemory.anonymous(ns.layout, 1) for ns in self.namespaces]
                 shared = max(slots, key=lambda m: m.size)
-                for g, ns, own in zip(self.groups, self.namespaces, slots, strict=True):
+                # The largest first: the daemon maps the memory as far as the first
+                # registration's slot reaches, and shares that with the others.
+                order = sorted(range(len(slots)), key=lambda i: -slots[i].size)
+                clients_by_group: dict[int, kvcached.Client] = {}
+                for i in order:
+                    g, ns, own = self.groups[i], self.namespaces[i], slots[i]
                     client = self.cfg.connect(self.cfg.scheduler_reconnect_for)
                     suffix = f"-g{g.index}" if g.count > 1 else ""
                     memory = kvcached.KvMemory.from_fd(shared.fd, own.slots)
-                    client.register((self.engine_name + suffix)[:128], ns, memory)
                     clients.append(client)
-                self._clients = clients
+                    client.register((self.engine_name + suffix)[:128], ns, memory)
+                    clients_by_group[i] = client
+                self._clients = [clients_by_group[i] for i in range(len(slots))]
+                clients = self._clients
                 log.info("kvcached connector (scheduler): namespaces %s at %s",
                          [ns.id for ns in self.namespaces], clients[0].socket)  # fmt: skip
             except kvcached.KvcachedError as e:
@@ -307,14 +316,13 @@ class SchedulerSide:
                 at = first + count - 1
                 ids = st.block_ids[g.index]
                 if len(ids) <= at or ids[at] == 0:
-                    log.error("kvcached connector: %s has no block for its state", request.request_id)
+                    self._unplannable(st, first, count, "no block for its state")
                     return
                 planned.append(Transfer(request.request_id, tokens, at, [ids[at]], st.context, g.index))
                 continue
             slots = st.block_ids[g.index][first : first + count]
             if len(slots) != count:
-                have, need = len(slots), count
-                log.error("kvcached connector: %s has %d blocks, a load needs %d", request.request_id, have, need)
+                self._unplannable(st, first, count, f"{len(slots)} blocks where a load needs {count}")
                 return
             # A window group holds blocks (vLLM's others are its null block, 0) only where its
             # window reads, a chunked group only in the current chunk: those are loaded, the
@@ -324,7 +332,7 @@ class SchedulerSide:
                 while skip < len(slots) and slots[skip] == 0:
                     skip += 1
             if 0 in slots[skip:]:
-                log.error("kvcached connector: %s has no block for part of a load", request.request_id)
+                self._unplannable(st, first, count, "no block for part of a load")
                 return
             if skip < len(slots):
                 planned.append(Transfer(request.request_id, tokens, first + skip, slots[skip:], st.context, g.index))
@@ -333,6 +341,16 @@ class SchedulerSide:
         st.saved_upto = max(st.saved_upto, (first + count) * bs)
         self.stats.loads_planned += 1
         self.stats.blocks_to_load += count
+
+    def _unplannable(self, st: _Req, first: int, count: int, why: str) -> None:
+        """A load vLLM counts on that cannot be planned: reported failed (the request's, when
+        it waits for its loads; else its blocks'), so that vLLM computes them."""
+        log.error("kvcached connector: %s: %s; vLLM computes it", st.request.request_id, why)
+        if st.load_async:
+            self._unplanned.append(st.request.request_id)
+        else:
+            ids = st.block_ids[0] if st.block_ids else []
+            self._unplanned_blocks.extend(b for b in ids[first : first + count] if b)
 
     def hit_sources(self, request: Any, num_external_tokens: int) -> dict[Any, int]:
         """The external hit split into host memory (G2) and disk (G3/G4) tokens. The lookup
@@ -349,8 +367,13 @@ class SchedulerSide:
         return {k: v for k, v in out.items() if v}
 
     def build_connector_meta(self, scheduler_output: Any) -> KvcachedConnectorMetadata:
-        meta = KvcachedConnectorMetadata(loads=self._loads, async_loads=self._async_loads)
-        self._loads, self._async_loads = [], []
+        meta = KvcachedConnectorMetadata(
+            loads=self._loads,
+            async_loads=self._async_loads,
+            unplanned=self._unplanned,
+            unplanned_blocks=self._unplanned_blocks,
+        )
+        self._loads, self._async_loads, self._unplanned, self._unplanned_blocks = [], [], [], []
         if not self.producer:
             return meta
         scheduled = scheduler_output.num_scheduled_tokens

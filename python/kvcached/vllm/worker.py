@@ -137,6 +137,8 @@ class _GroupReg:
         self.memory: kvcached.KvMemory | kvcached.GpuKvMemory | None = None
         self.client: kvcached.Client | None = None
         self.retry_at = 0.0
+        # Bytes from the memory's start its slots reach.
+        self.extent = 0
 
 
 def _layer_order(name: str) -> int:
@@ -158,7 +160,10 @@ class WorkerSide:
         self.spec, self.layers = self.groups[self.first].spec, list(self.groups[self.first].layers)
         # The layer whose attention runs last: layerwise saves start after it.
         every = [name for g in self.groups for name in g.layers]
-        self.last_layer = max(every, key=_layer_order) if len(self.groups) > 1 else every[-1]
+        # (of attention: a state layer, Mamba's, is not an attention layer vLLM's runner calls
+        # save_kv_layer for)
+        attention = [name for g in self.groups if not g.state for name in g.layers] or every
+        self.last_layer = max(attention, key=_layer_order) if len(self.groups) > 1 else attention[-1]
         self.vllm_config = vllm_config
         self.kv_cache_config = kv_cache_config
         self.cfg = cfg
@@ -182,6 +187,8 @@ class WorkerSide:
         self._async: dict[str, list[tuple[kvcached.LoadOp | None, Transfer]]] = {}
         self._invalid: set[int] = set()
         self._failed_recving: set[str] = set()
+        # Requests whose loads the scheduler could not plan: done, and failed, at the next poll.
+        self._unplanned: set[str] = set()
         self._saving: concurrent.futures.Future[None] | None = None
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self.meta: KvcachedConnectorMetadata | None = None
@@ -204,7 +211,9 @@ class WorkerSide:
     def memory(self) -> kvcached.KvMemory | kvcached.GpuKvMemory | None:
         return self.regs[self.first].memory
 
-    def _slots(self, group: KvGroup, views: list[torch.Tensor], base: int, region_bytes: int) -> kvcached.SlotLayout:
+    def _slots(
+        self, group: KvGroup, views: list[torch.Tensor], base: int, region_bytes: int
+    ) -> tuple[kvcached.SlotLayout, int]:
         """Each layer's page of a block as two segments (its halves). A view is vLLM's
         `[blocks, heads, tokens, content]` of one layer; the attention kernel's blocks may
         subdivide a manager block (`ratio` kernel blocks per block), which vLLM allows only when
@@ -213,6 +222,7 @@ class WorkerSide:
         page = page_bytes(spec)
         blocks = self.kv_cache_config.num_blocks
         segments = []
+        extent = 0
         for name, v in zip(group.layers, views, strict=True):
             es = v.element_size()
             if v.dim() != 4 or v.shape[0] % blocks:
@@ -237,7 +247,8 @@ class WorkerSide:
             if offset < 0 or offset + (blocks - 1) * block_stride + page > region_bytes:
                 raise RuntimeError(f"{name}'s KV is not inside the registered region")
             segments += [(offset, block_stride), (offset + page // 2, block_stride)]
-        return kvcached.SlotLayout(segments, page // 2, blocks)
+            extent = max(extent, offset + (blocks - 1) * block_stride + page)
+        return kvcached.SlotLayout(segments, page // 2, blocks), extent
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         missing = [n for g in self.groups for n in g.layers if n not in kv_caches]
@@ -258,7 +269,7 @@ class WorkerSide:
             for r in self.regs:
                 if r.namespace is None:
                     continue
-                slots = self._slots(r.group, [kv_caches[n] for n in r.group.layers], base, self.region.size)
+                slots, r.extent = self._slots(r.group, [kv_caches[n] for n in r.group.layers], base, self.region.size)
                 r.memory = kvcached.KvMemory.from_fd(self.region.fd, slots)
             self.region.close()  # each KvMemory holds its own descriptor
         elif device.type == "cuda":
@@ -266,13 +277,15 @@ class WorkerSide:
             for r in self.regs:
                 if r.namespace is None:
                     continue
-                slots = self._slots(r.group, [kv_caches[n] for n in r.group.layers], ipc.base_ptr, ipc.size)
+                slots, r.extent = self._slots(r.group, [kv_caches[n] for n in r.group.layers], ipc.base_ptr, ipc.size)
                 r.memory = kvcached.GpuKvMemory(ipc.handle, ipc.device, ipc.size, slots)
             self.cuda = True
         else:
             raise NotImplementedError(f"kvcached's connector does not support KV on {device.type}")
-        for g, r in enumerate(self.regs):
-            if r.namespace is not None:
+        # The group whose slots reach furthest first: the daemon maps the memory that far, and
+        # shares that mapping with the others (a later group reaching further is mapped again).
+        for g in sorted(range(len(self.regs)), key=lambda g: -self.regs[g].extent):
+            if self.regs[g].namespace is not None:
                 self._register(g, at_start=True)
 
     def _register(self, group: int = 0, at_start: bool = False) -> kvcached.Client | None:
@@ -346,6 +359,8 @@ class WorkerSide:
         if self.cuda and (meta.loads or meta.async_loads):
             # The daemon writes the blocks by DMA; kernels still queued must not race it.
             torch.cuda.current_stream().synchronize()
+        self._unplanned.update(meta.unplanned)
+        self._invalid.update(meta.unplanned_blocks)
         self._sync = [(self._start(t), t) for t in meta.loads]
         for t in meta.async_loads:
             self._async.setdefault(t.req_id, []).append((self._start(t), t))
@@ -372,7 +387,8 @@ class WorkerSide:
             self.wait_sync_loads()
 
     def poll_async_loads(self) -> set[str]:
-        done: set[str] = set()
+        done, self._unplanned = self._unplanned, set()
+        self._failed_recving |= done
         for req_id, loads in list(self._async.items()):
             statuses = []
             for op, t in loads:

@@ -13,7 +13,7 @@
 use std::fs::File;
 use std::os::unix::fs::MetadataExt;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use kvproto::pb;
 use kvtiers::copy::CopyEngine;
@@ -132,6 +132,8 @@ pub(crate) struct SharedMemory {
     /// Bytes from the region's start that registrations' slots may use: the mapping's length
     /// (a file), the region's size (a GPU allocation).
     pub(crate) extent: u64,
+    /// Registrations holding it (at most [`MAX_SHARERS`]).
+    users: AtomicUsize,
     /// Counts it against its owner's `limits.max_engines_per_uid` and engine memory while any
     /// registration of it lives.
     _held: Held,
@@ -193,7 +195,28 @@ impl SharedMemory {
             }
             (m, _) => m,
         };
-        Ok(Self { memory, identity, extent, _held: held })
+        Ok(Self { memory, identity, extent, users: AtomicUsize::new(1), _held: held })
+    }
+
+    /// Whether a registration of `identity` needing `needs` bytes may share it: the same
+    /// memory, room for its slots, and a mapping that has not faulted (a file the engine
+    /// truncated: its registrations fail until they register anew, mapping it afresh).
+    pub(crate) fn fits(&self, identity: &MemoryIdentity, needs: u64) -> bool {
+        let intact = match &self.memory {
+            EngineMemory::Shm { guard, .. } => !guard.faulted(),
+            EngineMemory::Device(_) => true,
+        };
+        self.identity == *identity && needs <= self.extent && intact
+    }
+
+    /// One more registration holds it; false (nothing taken) when [`MAX_SHARERS`] do.
+    pub(crate) fn take(&self) -> bool {
+        self.users.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < MAX_SHARERS).then_some(n + 1)).is_ok()
+    }
+
+    /// A registration holding it went.
+    pub(crate) fn leave(&self) {
+        self.users.fetch_sub(1, Ordering::AcqRel);
     }
 
     /// Bytes mapped into the daemon (none of a GPU's memory).

@@ -71,6 +71,9 @@ pub struct Engine {
     /// Its KV memory, shared with the owner's other registrations of the same memory (which
     /// hold it counted against the owner's limits).
     memory: Arc<SharedMemory>,
+    /// A registration sharing another's memory: counted against `engines.max_engines` while
+    /// it lives (its token area and registration are its own).
+    _sharer: Option<crate::policy::limits::Held>,
     /// Where each block slot lies in the memory.
     slots: SlotLayout,
     pub num_blocks: u32,
@@ -128,6 +131,8 @@ pub(crate) struct Attaching<'a> {
     pub pid: Option<i32>,
     /// Its KV memory, mapped (or shared with the owner's registration of the same memory).
     pub memory: Arc<SharedMemory>,
+    /// For a registration sharing memory: its count against `engines.max_engines`.
+    pub sharer: Option<crate::policy::limits::Held>,
 }
 
 /// A registration's request checked, before anything is mapped, bound or counted.
@@ -204,7 +209,7 @@ impl Engine {
     /// Attaches an engine over its memory (mapped or shared already), for a registration
     /// [`Checked`] already.
     fn attach(a: Attaching<'_>, checked: Checked, tickets: &Tickets) -> Result<Self, ServerError> {
-        let Attaching { id, req, owner, pid, memory } = a;
+        let Attaching { id, req, owner, pid, memory, sharer } = a;
         let Checked { namespace, slots, .. } = checked;
         let Principal::Uid(uid) = owner else {
             return Err(ServerError::Attach("engines attach over the Unix socket only".into()));
@@ -233,6 +238,7 @@ impl Engine {
             fingerprint: namespace.fingerprint(),
             namespace,
             memory,
+            _sharer: sharer,
             num_blocks: req.num_blocks,
             slots,
             owner,
@@ -448,6 +454,13 @@ impl Engine {
     }
 }
 
+impl Drop for Engine {
+    fn drop(&mut self) {
+        // Its hold on the memory: the last registration's drop unmaps it.
+        self.memory.leave();
+    }
+}
+
 // SAFETY: the mapping is shared memory accessed through raw pointers only; the engine protocol
 // gives the daemon exclusive use of the block slots named in a request while it runs.
 unsafe impl Send for Engine {}
@@ -550,14 +563,24 @@ impl Registry {
         let region = Region::take(req, checked.size, &self.tickets, uid, pid)?;
         // The owner's memory registered already (another KV-cache group over the same
         // allocation) is shared, not mapped and counted again.
-        let (memory, fresh) = match self.shared_memory(owner, region.identity(), checked.needs())? {
-            Some(m) => (m, false),
+        let (memory, sharer) = match self.shared_memory(owner, region.identity(), checked.needs())? {
+            Some(m) => match self.limits.sharer(owner) {
+                Ok(held) => (m, Some(held)),
+                Err(e) => {
+                    m.leave();
+                    return Err(e);
+                }
+            },
             None => {
                 let held = self.limits.engine(owner, checked.map_bytes)?;
-                (Arc::new(SharedMemory::open(region, checked.map_bytes, held, self.g1_faults.as_ref(), id)?), true)
+                (Arc::new(SharedMemory::open(region, checked.map_bytes, held, self.g1_faults.as_ref(), id)?), None)
             }
         };
-        let mut e = Engine::attach(Attaching { id, req, owner, pid, memory }, checked, &self.tickets)?;
+        let fresh = sharer.is_none();
+        let held = Arc::clone(&memory);
+        let mut e = Engine::attach(Attaching { id, req, owner, pid, memory, sharer }, checked, &self.tickets)
+            .inspect_err(|_| held.leave())?;
+        drop(held);
         e.may_write = self.tenants.rights(owner, &e.namespace)?.write;
         self.tenants.bind(owner, &e.namespace)?;
         if self.prefault && fresh {
@@ -591,7 +614,8 @@ impl Registry {
     }
 
     /// `owner`'s memory `identity`, held by one of its engines with at least `needs` bytes
-    /// usable, if any; refused when [`MAX_SHARERS`] registrations hold it already.
+    /// usable, if any, taken for one more registration (which must `leave` it if it does not
+    /// attach); refused when [`MAX_SHARERS`] registrations hold it already.
     fn shared_memory(
         &self,
         owner: Principal,
@@ -599,15 +623,12 @@ impl Registry {
         needs: u64,
     ) -> Result<Option<Arc<SharedMemory>>, ServerError> {
         let engines = self.engines.read();
-        let Some(m) = engines
-            .values()
-            .filter(|e| e.owner == owner)
-            .map(|e| &e.memory)
-            .find(|m| m.identity == *identity && needs <= m.extent)
+        let Some(m) =
+            engines.values().filter(|e| e.owner == owner).map(|e| &e.memory).find(|m| m.fits(identity, needs))
         else {
             return Ok(None);
         };
-        if Arc::strong_count(m) >= MAX_SHARERS {
+        if !m.take() {
             return Err(ServerError::Exhausted(format!(
                 "this KV memory is registered {MAX_SHARERS} times already (one registration per KV-cache group \
                  and rank): unregister some first"

@@ -39,6 +39,10 @@ impl std::fmt::Display for Principal {
 struct Use {
     connections: usize,
     engines: usize,
+    /// Registrations sharing the memory of one of this uid's engines (`engine::memory`): each
+    /// counts against `engines.max_engines` (it holds a token area and a registration of its
+    /// own), not against the uid's engines.
+    sharers: usize,
     /// Bytes of engine memory mapped for this uid's engines.
     engine_bytes: u64,
     pending_loads: usize,
@@ -49,6 +53,7 @@ impl Use {
     fn is_zero(&self) -> bool {
         self.connections == 0
             && self.engines == 0
+            && self.sharers == 0
             && self.engine_bytes == 0
             && self.pending_loads == 0
             && self.buffered == 0
@@ -255,7 +260,7 @@ impl Limits {
         let (max, max_bytes) = (self.cfg.max_engines_per_uid, self.max_engine_bytes);
         let mut g = self.inner.lock();
         let u = g.per.get(&who).copied().unwrap_or_default();
-        let refusal = if !self.share(who, u.engines, 1).admits(g.engines, self.max_engines) {
+        let refusal = if !self.share(who, u.engines + u.sharers, 1).admits(g.engines, self.max_engines) {
             Some((Limit::Engines, g.engines as u64, self.max_engines as u64))
         } else if u.engines >= max {
             Some((Limit::EnginesPerUid, u.engines as u64, max as u64))
@@ -267,15 +272,7 @@ impl Limits {
         if let Some((limit, have, max)) = refusal {
             drop(g);
             return Err(match limit {
-                Limit::Engines => {
-                    self.refused.increment(1);
-                    metrics::counter!("kvcached_limit_refusals_by_limit_total", "limit" => limit.label()).increment(1);
-                    ServerError::Exhausted(format!(
-                        "{have} engines attached (engines.max_engines {max}; the last {} are kept for uids that hold \
-                         none)",
-                        reserve_of(max as usize)
-                    ))
-                }
+                Limit::Engines => self.refuse_engines(have, max),
                 Limit::EngineMemoryPerUid => {
                     self.refused.increment(1);
                     metrics::counter!("kvcached_limit_refusals_by_limit_total", "limit" => limit.label()).increment(1);
@@ -292,6 +289,32 @@ impl Limits {
         u.engines += 1;
         u.engine_bytes += bytes;
         Ok(Held { limits: Arc::clone(self), who, what: Holding::Engine(bytes) })
+    }
+
+    /// A registration of `who` sharing the memory of one of its engines attaches: counted
+    /// against `engines.max_engines` and the uid's share of it, not against its engines or
+    /// engine memory (the memory's first registration holds those).
+    pub fn sharer(self: &Arc<Self>, who: Principal) -> Result<Held, ServerError> {
+        let mut g = self.inner.lock();
+        let u = g.per.get(&who).copied().unwrap_or_default();
+        if !self.share(who, u.engines + u.sharers, 1).admits(g.engines, self.max_engines) {
+            let have = g.engines as u64;
+            drop(g);
+            return Err(self.refuse_engines(have, self.max_engines as u64));
+        }
+        g.engines += 1;
+        g.per.entry(who).or_default().sharers += 1;
+        Ok(Held { limits: Arc::clone(self), who, what: Holding::Sharer })
+    }
+
+    fn refuse_engines(&self, have: u64, max: u64) -> ServerError {
+        self.refused.increment(1);
+        metrics::counter!("kvcached_limit_refusals_by_limit_total", "limit" => Limit::Engines.label()).increment(1);
+        ServerError::Exhausted(format!(
+            "{have} engines attached (engines.max_engines {max}, registrations sharing one memory included; the \
+             last {} are kept for uids that hold none)",
+            reserve_of(max as usize)
+        ))
     }
 
     /// A load of `who` starts.
@@ -350,6 +373,7 @@ pub fn physical_memory() -> u64 {
 enum Holding {
     Connection,
     Engine(u64),
+    Sharer,
     Load,
     Buffered(u64),
 }
@@ -377,7 +401,7 @@ impl Drop for Held {
                 g.connections = g.connections.saturating_sub(1);
                 metrics::gauge!("kvcached_connections").set(g.connections as f64);
             }
-            Holding::Engine(_) => {
+            Holding::Engine(_) | Holding::Sharer => {
                 let mut g = self.limits.inner.lock();
                 g.engines = g.engines.saturating_sub(1);
             }
@@ -389,6 +413,7 @@ impl Drop for Held {
                 u.engines = u.engines.saturating_sub(1);
                 u.engine_bytes = u.engine_bytes.saturating_sub(bytes);
             }
+            Holding::Sharer => u.sharers = u.sharers.saturating_sub(1),
             Holding::Load => u.pending_loads = u.pending_loads.saturating_sub(1),
             Holding::Buffered(n) => u.buffered = u.buffered.saturating_sub(n),
         });
