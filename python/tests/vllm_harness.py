@@ -122,7 +122,9 @@ def kv_cache_config(cfg: VllmConfig, num_blocks: int, spec: Any = SPEC, groups: 
     return kcfg
 
 
-def request(rid: str, tokens: list[int], max_tokens: int = 2, params: dict | None = None, **kw: Any) -> Request:
+def request(
+    rid: str, tokens: list[int], max_tokens: int = 2, params: dict | None = None, block: int = BLOCK, **kw: Any
+) -> Request:
     global _none_hash
     if not _none_hash:
         init_none_hash(sha256)
@@ -132,7 +134,7 @@ def request(rid: str, tokens: list[int], max_tokens: int = 2, params: dict | Non
     kw.setdefault("mm_features", None)
     req = Request(
         request_id=rid, prompt_token_ids=tokens, sampling_params=sp, pooling_params=None,
-        block_hasher=get_request_block_hasher(BLOCK, sha256), **kw,
+        block_hasher=get_request_block_hasher(block, sha256), **kw,
     )  # fmt: skip
     req.kv_transfer_params = params
     return req
@@ -455,3 +457,90 @@ def pp_engine(*args: Any, num_blocks: int = 64, layout: str = "LBHNC", **kwargs:
         sched.connector.shutdown()
         raise
     return Engine(sched, stages[0][0], kv, kv_layout, stages=stages)
+
+
+@dataclass
+class DcpEngine(Engine):
+    """An engine of `dcp` decode-context-parallel ranks: vLLM's scheduler with blocks of
+    BLOCK x dcp tokens, and a worker per rank on its own KV tensors, each holding its share of
+    a block's tokens (vLLM's slot mapping: token `p` of a block lies on rank
+    `(p // interleave) % dcp`, in slot `(p // (dcp x interleave)) x interleave + p % interleave`)."""
+
+    dcp: int = 2
+    interleave: int = 1
+    ranks: list[dict[str, torch.Tensor]] = field(default_factory=list)
+
+    def where(self, pos: int) -> tuple[int, int]:
+        """(rank, slot in its block) of token `pos`."""
+        n, i = self.dcp, self.interleave
+        off = pos % (BLOCK * n)
+        return (off // i) % n, (off // (n * i)) * i + off % i
+
+    def forward(self, out: Any) -> None:
+        s = self.scheduler
+        starts = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
+        c = out.scheduled_cached_reqs
+        starts.update(zip(c.req_ids, c.num_computed_tokens, strict=True))
+        for rid, n in out.num_scheduled_tokens.items():
+            toks = list(s.requests[rid].all_token_ids)
+            ids = s.kv_cache_manager.get_blocks(rid).get_block_ids()[0]
+            for pos in range(starts[rid], min(starts[rid] + n, len(toks))):
+                rank, slot = self.where(pos)
+                b = ids[pos // (BLOCK * self.dcp)]
+                for li, name in enumerate(LAYERS):
+                    self.ranks[rank][name][b, :, slot, :].view(torch.uint8).copy_(token_kv(toks, pos, li))
+
+    def rank_block_kv(self, rank: int, block: int) -> list[bytes]:
+        """Rank `rank`'s page of block `block`, per layer."""
+        return [self.ranks[rank][name][block].contiguous().view(torch.uint8).numpy().tobytes() for name in LAYERS]
+
+    def expected_rank_block_kv(self, rank: int, tokens: list[int], index: int) -> list[bytes]:
+        """What the forward pass writes into rank `rank`'s page of block `index` of `tokens`."""
+        out = []
+        for li, name in enumerate(LAYERS):
+            scratch = torch.empty_like(self.ranks[rank][name][:1])
+            for pos in range(index * BLOCK * self.dcp, (index + 1) * BLOCK * self.dcp):
+                r, slot = self.where(pos)
+                if r == rank:
+                    scratch[0, :, slot, :].view(torch.uint8).copy_(token_kv(tokens, pos, li))
+            out.append(scratch[0].contiguous().view(torch.uint8).numpy().tobytes())
+        return out
+
+
+def dcp_engine(*args: Any, dcp: int = 2, interleave: int = 1, num_blocks: int = 64, **kwargs: Any) -> DcpEngine:
+    """An engine of `dcp` decode-context-parallel ranks (`DcpEngine`), each rank's worker built
+    as vLLM's would be on that rank (its DCP rank is what vLLM's parallel state says there)."""
+    from unittest import mock
+
+    import kvcached.vllm.worker as worker_mod
+
+    cfg = vllm_config(*args, **kwargs)
+    cfg.parallel_config.decode_context_parallel_size = dcp
+    cfg.parallel_config.cp_kv_cache_interleave_size = interleave
+    kcfg = kv_cache_config(cfg, num_blocks)
+    kcfg.hash_block_size = BLOCK * dcp
+    sched = Scheduler(
+        vllm_config=cfg, kv_cache_config=kcfg, log_stats=True, structured_output_manager=StructuredOutputManager(cfg),
+        block_size=BLOCK * dcp, hash_block_size=BLOCK * dcp,
+    )  # fmt: skip
+    assert type(sched.connector) is KvcachedConnector, type(sched.connector)
+    stages: list[tuple[KvcachedConnector, list[str]]] = []
+    ranks: list[dict[str, torch.Tensor]] = []
+    try:
+        for rank in range(dcp):
+            with mock.patch.object(worker_mod, "_dcp_rank", lambda *_a, rank=rank: rank):
+                worker = KvcachedConnector(cfg, KVConnectorRole.WORKER, kcfg)
+            stages.append((worker, list(LAYERS)))
+            ctx = worker.get_mem_pool_context()
+            assert ctx is not None
+            with ctx:
+                kv = allocate_kv_cache(kcfg, torch.device("cpu"), KVCacheLayout["LBHNC"])
+            worker.register_kv_caches(kv)
+            ranks.append(kv)
+    except BaseException:
+        for w, _ in stages:
+            w.shutdown()
+        sched.connector.shutdown()
+        raise
+    return DcpEngine(sched, stages[0][0], ranks[0], KVCacheLayout["LBHNC"], stages=stages, dcp=dcp,
+                     interleave=interleave, ranks=ranks)  # fmt: skip

@@ -146,7 +146,7 @@ def _unsupported(what: str) -> NotImplementedError:
         f"kvcached's vLLM connector does not support {what}: it handles KV-cache groups of "
         "attention whose blocks hold their tokens' KV (full attention, sliding window, MLA, "
         "quantized or padded pages) and Mamba / linear-attention state kept at block boundaries "
-        "(mamba_cache_mode 'align'), with tensor and pipeline parallelism, without context parallelism"
+        "(mamba_cache_mode 'align'), with tensor, pipeline and decode context parallelism"
     )
 
 
@@ -167,6 +167,10 @@ class KvGroup:
     state: bool = False
     # Chunked local attention (Llama 4): vLLM holds only the blocks of the current chunk.
     chunked: bool = False
+    # Tokens of one block as vLLM's scheduler counts them (its hashes, its block ids): the
+    # spec's block size, times the decode context parallel size (each rank holds a share of a
+    # block's tokens in a page of the spec's block size).
+    block_tokens: int = 0
 
 
 def kv_groups(vllm_config: Any, kv_cache_config: Any) -> list[KvGroup]:
@@ -190,13 +194,15 @@ def kv_groups(vllm_config: Any, kv_cache_config: Any) -> list[KvGroup]:
         ChunkedLocalAttentionSpec = MambaSpec = None  # noqa: N806
 
     pc = vllm_config.parallel_config
-    if getattr(pc, "decode_context_parallel_size", 1) > 1 or getattr(pc, "prefill_context_parallel_size", 1) > 1:
-        raise _unsupported("context parallelism (a block's tokens spread over ranks)")
+    if getattr(pc, "prefill_context_parallel_size", 1) > 1:
+        raise _unsupported("prefill context parallelism (not built)")
+    dcp = dcp_size(vllm_config)
     groups = kv_cache_config.kv_cache_groups
     out = []
     for i, g in enumerate(groups):
         spec = g.kv_cache_spec
         state = chunked = False
+        block_tokens = spec.block_size * dcp
         if isinstance(spec, FullAttentionSpec):
             window = None
         elif ChunkedLocalAttentionSpec is not None and type(spec) is ChunkedLocalAttentionSpec:
@@ -204,7 +210,7 @@ def kv_groups(vllm_config: Any, kv_cache_config: Any) -> list[KvGroup]:
             # prefix, loaded where vLLM holds blocks (the current chunk's).
             window, chunked = None, True
         elif type(spec) is SlidingWindowSpec:
-            window = -(-(spec.sliding_window - 1 + spec.extra_retained_tokens) // spec.block_size)
+            window = -(-(spec.sliding_window - 1 + spec.extra_retained_tokens) // block_tokens)
         elif MambaSpec is not None and isinstance(spec, MambaSpec):
             if spec.mamba_cache_mode != "align":
                 raise _unsupported(
@@ -217,10 +223,15 @@ def kv_groups(vllm_config: Any, kv_cache_config: Any) -> list[KvGroup]:
             raise _unsupported(f"{type(spec).__name__} layers (KV-cache group {i} of {len(groups)})")
         if not getattr(spec, "has_layer_views", True):
             raise _unsupported(f"{type(spec).__name__} layers without per-layer KV views")
-        out.append(KvGroup(i, len(groups), spec, tuple(g.layer_names), window, state, chunked))
+        out.append(KvGroup(i, len(groups), spec, tuple(g.layer_names), window, state, chunked, block_tokens))
     if len({g.spec.block_size for g in out}) != 1:
         raise _unsupported(f"KV-cache groups of different block sizes ({[g.spec.block_size for g in out]})")
     return out
+
+
+def dcp_size(vllm_config: Any) -> int:
+    """The decode-context-parallel size (1: none)."""
+    return int(getattr(vllm_config.parallel_config, "decode_context_parallel_size", 1) or 1)
 
 
 def pp_size(vllm_config: Any) -> int:
@@ -303,10 +314,13 @@ def namespace(
     tp_rank: int,
     tp_size: int,
     group: KvGroup | None = None,
+    dcp_rank: int = 0,
 ) -> kvcached.Namespace:
     """The namespace of tensor-parallel rank `tp_rank`'s KV of KV-cache `group` (default: the
     first). With several groups each has its own: its layers, its spec and its index. With
-    pipeline parallelism each stage's share of a group has its own too (`stage_digest`)."""
+    pipeline parallelism each stage's share of a group has its own too (`stage_digest`); with
+    decode context parallelism each rank's share of a block's tokens (`dcp_rank`), a page of
+    the spec's block size keyed by blocks of the scheduler's (`block_tokens`)."""
     group = group or kv_groups(vllm_config, kv_cache_config)[0]
     spec, layers = group.spec, group.layers
     if not layers:
@@ -316,7 +330,8 @@ def namespace(
         return _shared_namespace(vllm_config, kv_cache_config, cfg, tp_rank, tp_size, group)
     if group.state:
         return _state_namespace(vllm_config, kv_cache_config, cfg, tp_rank, tp_size, group)
-    if _plain(spec):
+    dcp = dcp_size(vllm_config)
+    if _plain(spec) and dcp == 1:
         layout = kvcached.KvLayout(
             num_layers=len(layers),
             kv_heads=spec.num_kv_heads,
@@ -329,7 +344,7 @@ def namespace(
     else:
         # Any other page: its bytes as int8, in two halves per layer, with the spec's fields in
         # `extra` (so an fp8 page and a bf16 page, or MLA and full attention, never share keys).
-        page, bs = page_bytes(spec), spec.block_size
+        page, bs = page_bytes(spec), group.block_tokens or spec.block_size
         if page % (2 * bs):
             raise _unsupported(f"a KV page of {page} bytes (not a multiple of 2 x {bs} tokens per block)")
         layout = kvcached.KvLayout(
@@ -353,8 +368,14 @@ def namespace(
         ]
         + ([f"group={group.index}/{group.count}"] if group.count > 1 else [])
         + ([f"pp={pp}", f"stage={stage_digest(layers)}"] if pp > 1 else [])
+        + ([f"dcp={dcp_rank}/{dcp}", f"interleave={_interleave(vllm_config)}"] if dcp > 1 else [])
     )
     return kvcached.Namespace(model_id, layout, tenant_salt=cfg.tenant_salt, extra=extra.encode())
+
+
+def _interleave(vllm_config: Any) -> int:
+    """Tokens in a row on one decode-context-parallel rank (vLLM's `cp_kv_cache_interleave_size`)."""
+    return int(getattr(vllm_config.parallel_config, "cp_kv_cache_interleave_size", 1) or 1)
 
 
 def _state_namespace(

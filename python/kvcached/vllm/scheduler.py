@@ -85,7 +85,9 @@ class SchedulerSide:
         empty = [g.index for g in self.groups if not g.layers]
         if empty:
             raise _unsupported(f"KV-cache groups {empty} without layers on pipeline stage 0 (lookups ask stage 0's)")
-        self.block_size: int = self.groups[0].spec.block_size
+        # Blocks as vLLM's scheduler counts them (with decode context parallelism, the spec's
+        # block size times the ranks).
+        self.block_size: int = self.groups[0].block_tokens
         self.cfg = cfg
         tp_size = vllm_config.parallel_config.tensor_parallel_size
         # State groups (Mamba) restore a prefix from one block, which vLLM reads only when the

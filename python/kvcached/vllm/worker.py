@@ -37,7 +37,16 @@ from torch.overrides import TorchFunctionMode
 
 import kvcached
 from kvcached.torch_utils import SharedRegion, cuda_ipc_region, shared_empty
-from kvcached.vllm.config import ConnectorConfig, KvGroup, kv_groups, layout_name, namespace, page_bytes, pp_size
+from kvcached.vllm.config import (
+    ConnectorConfig,
+    KvGroup,
+    dcp_size,
+    kv_groups,
+    layout_name,
+    namespace,
+    page_bytes,
+    pp_size,
+)
 from kvcached.vllm.keys import ContextArgs, key_kwargs
 from kvcached.vllm.meta import KvcachedConnectorMetadata, Transfer
 
@@ -86,6 +95,23 @@ def _pp_stage(vllm_config: Any, layers: list[str]) -> int:
     total = vllm_config.model_config.get_total_num_hidden_layers()
     first = min(_layer_order(n) for n in layers)
     return next((s for s in range(pp) if get_pp_indices(total, s, pp)[0] <= first < get_pp_indices(total, s, pp)[1]), 0)
+
+
+def _dcp_rank(vllm_config: Any, tp_rank: int) -> int:
+    """This worker's decode-context-parallel rank: vLLM's DCP group rank, or (outside a vLLM
+    process) the one its tensor-parallel rank gives (vLLM's DCP groups are runs of consecutive
+    TP ranks)."""
+    dcp = dcp_size(vllm_config)
+    if dcp == 1:
+        return 0
+    try:
+        from vllm.distributed.parallel_state import get_dcp_group, model_parallel_is_initialized
+
+        if model_parallel_is_initialized():
+            return int(get_dcp_group().rank_in_group)
+    except (ImportError, AssertionError):
+        pass
+    return tp_rank % dcp
 
 
 class _SharedKvAllocation(TorchFunctionMode):
@@ -170,11 +196,13 @@ class WorkerSide:
         self.layout = layout_name(vllm_config, kv_cache_config)
         tp = _tp() or (0, vllm_config.parallel_config.tensor_parallel_size)
         stage = f"-pp{_pp_stage(vllm_config, every)}" if pp_size(vllm_config) > 1 else ""
-        name = f"vllm-{transfer_config.engine_id}{stage}-tp{tp[0]}"
+        self.dcp_rank = _dcp_rank(vllm_config, tp[0])
+        cp = f"-dcp{self.dcp_rank}" if dcp_size(vllm_config) > 1 else ""
+        name = f"vllm-{transfer_config.engine_id}{stage}-tp{tp[0]}{cp}"
         self.regs = [
             _GroupReg(
                 g,
-                namespace(vllm_config, kv_cache_config, cfg, *tp, g) if g.layers else None,
+                namespace(vllm_config, kv_cache_config, cfg, *tp, g, dcp_rank=self.dcp_rank) if g.layers else None,
                 (name + (f"-g{g.index}" if g.count > 1 else ""))[:128],
             )
             for g in self.groups
