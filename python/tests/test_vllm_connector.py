@@ -412,19 +412,24 @@ def test_a_hybrid_engines_groups_count_as_one_engine(tmp_path, make_engine):
         d.stop()
 
 
+def saved_hybrid(make_engine, socket: str, rid: str, base: int):
+    """A hybrid engine (full attention and a 32-token window) that saved a 4-block prompt."""
+    from vllm_harness import LAYERS, SPEC
+
+    groups = [([LAYERS[0]], SPEC), ([LAYERS[1]], window(2 * BLOCK))]
+    e = make_engine(socket, prefix_caching=False, batched_tokens=256, groups=groups)
+    prompt = [t + base for t in range(4 * BLOCK + 3)]
+    e.add(request(rid, prompt))
+    e.step()
+    finish(e, rid)
+    return e, prompt
+
+
 def test_a_hybrid_models_failed_load_fails_its_request_and_vllm_recomputes_it(daemon, make_engine):
     """vLLM 0.33 cannot map block ids back to requests when a model has several KV-cache groups
     (it raises on `invalid_block_ids`): a hybrid model's failed load is reported as its
     request's (`failed_recving`), and vLLM computes the whole prompt again."""
-    from vllm_harness import LAYERS, SPEC
-
-    swa = window(2 * BLOCK)
-    groups = [([LAYERS[0]], SPEC), ([LAYERS[1]], swa)]
-    e = make_engine(daemon.socket, prefix_caching=False, batched_tokens=256, groups=groups)
-    prompt = [t + 43_000 for t in range(4 * BLOCK + 3)]
-    e.add(request("F1", prompt))
-    e.step()
-    finish(e, "F1")
+    e, prompt = saved_hybrid(make_engine, daemon.socket, "F1", 43_000)
     # Fault injection: the window group's load cannot start (its daemon connection is gone).
     worker = e.worker.worker
     start = worker._start
@@ -436,9 +441,7 @@ def test_a_hybrid_models_failed_load_fails_its_request_and_vllm_recomputes_it(da
     # Computed again from the start, every byte right.
     assert out.num_scheduled_tokens["F2"] == len(prompt)
     assert r.num_computed_tokens == len(prompt)
-    ids = e.scheduler.kv_cache_manager.get_blocks("F2").get_block_ids()
-    for i in range(4):
-        assert e.block_kv(ids[0][i])[0] == e.expected_block_kv(prompt, i)[0], f"full block {i}"
+    assert_group_kv(e, "F2", prompt, 0, range(4))
     worker._start = start
     finish(e, "F2")
 
@@ -483,18 +486,7 @@ def test_a_hybrid_load_that_cannot_be_planned_fails_its_request_instead_of_leavi
     failed, and vLLM computes it, rather than waiting for loads never started."""
     from types import SimpleNamespace
 
-    from vllm_harness import LAYERS, SPEC
-
-    e = make_engine(
-        daemon.socket,
-        prefix_caching=False,
-        batched_tokens=256,
-        groups=[([LAYERS[0]], SPEC), ([LAYERS[1]], window(2 * BLOCK))],
-    )
-    prompt = [t + 47_000 for t in range(4 * BLOCK + 3)]
-    e.add(request("U1", prompt))
-    e.step()
-    finish(e, "U1")
+    e, prompt = saved_hybrid(make_engine, daemon.socket, "U1", 47_000)
     # Fault injection: the full group's block table shows a hole where the load must go.
     sched = e.connector.scheduler
     plan = sched.update_state_after_alloc

@@ -250,13 +250,18 @@ class Engine:
         self.scheduler.add_request(req)
         return req
 
-    def forward(self, out: Any) -> None:
-        """Writes KV for every token the step computes, into the request's blocks."""
-        s = self.scheduler
-        # Where each request's step starts (schedule() has already moved num_computed_tokens).
+    @staticmethod
+    def starts(out: Any) -> dict[str, int]:
+        """Where each request's step starts (schedule() has already moved num_computed_tokens)."""
         starts = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
         c = out.scheduled_cached_reqs
         starts.update(zip(c.req_ids, c.num_computed_tokens, strict=True))
+        return starts
+
+    def forward(self, out: Any) -> None:
+        """Writes KV for every token the step computes, into the request's blocks."""
+        s = self.scheduler
+        starts = self.starts(out)
         for rid, n in out.num_scheduled_tokens.items():
             req = s.requests[rid]
             start = starts[rid]
@@ -439,24 +444,38 @@ def pp_engine(*args: Any, num_blocks: int = 64, layout: str = "LBHNC", **kwargs:
     )  # fmt: skip
     assert type(sched.connector) is KvcachedConnector, type(sched.connector)
     kv_layout = KVCacheLayout[layout]
+    stages, kvs = workers(sched, [(cfg, kcfg, None) for kcfg in kcfgs], kv_layout)
+    kv = {name: t for stage_kv in kvs for name, t in stage_kv.items()}
+    return Engine(sched, stages[0][0], kv, kv_layout, stages=stages)
+
+
+def workers(
+    sched: Scheduler, configs: list[tuple[VllmConfig, Any, Any]], kv_layout: KVCacheLayout
+) -> tuple[list[tuple[KvcachedConnector, list[str]]], list[dict[str, torch.Tensor]]]:
+    """A worker per (config, KV-cache config, patch) on KV tensors vLLM allocates, as each
+    rank's model runner makes them (`patch`: a context the worker is built in, or None), with
+    its layers; `sched`'s connector and those built are shut down if one fails."""
+    from contextlib import nullcontext
+
     stages: list[tuple[KvcachedConnector, list[str]]] = []
-    kv: dict[str, torch.Tensor] = {}
+    kvs: list[dict[str, torch.Tensor]] = []
     try:
-        for kcfg in kcfgs:
-            worker = KvcachedConnector(cfg, KVConnectorRole.WORKER, kcfg)
-            stages.append((worker, list(kcfg.kv_cache_groups[0].layer_names)))
+        for cfg, kcfg, patch in configs:
+            with patch or nullcontext():
+                worker = KvcachedConnector(cfg, KVConnectorRole.WORKER, kcfg)
+            stages.append((worker, [n for g in kcfg.kv_cache_groups for n in g.layer_names]))
             ctx = worker.get_mem_pool_context()
             assert ctx is not None
             with ctx:
-                stage_kv = allocate_kv_cache(kcfg, torch.device("cpu"), kv_layout)
-            worker.register_kv_caches(stage_kv)
-            kv.update(stage_kv)
+                kv = allocate_kv_cache(kcfg, torch.device("cpu"), kv_layout)
+            worker.register_kv_caches(kv)
+            kvs.append(kv)
     except BaseException:
         for w, _ in stages:
             w.shutdown()
         sched.connector.shutdown()
         raise
-    return Engine(sched, stages[0][0], kv, kv_layout, stages=stages)
+    return stages, kvs
 
 
 @dataclass
@@ -478,9 +497,7 @@ class DcpEngine(Engine):
 
     def forward(self, out: Any) -> None:
         s = self.scheduler
-        starts = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
-        c = out.scheduled_cached_reqs
-        starts.update(zip(c.req_ids, c.num_computed_tokens, strict=True))
+        starts = self.starts(out)
         for rid, n in out.num_scheduled_tokens.items():
             toks = list(s.requests[rid].all_token_ids)
             ids = s.kv_cache_manager.get_blocks(rid).get_block_ids()[0]
@@ -524,23 +541,7 @@ def dcp_engine(*args: Any, dcp: int = 2, interleave: int = 1, num_blocks: int = 
         block_size=BLOCK * dcp, hash_block_size=BLOCK * dcp,
     )  # fmt: skip
     assert type(sched.connector) is KvcachedConnector, type(sched.connector)
-    stages: list[tuple[KvcachedConnector, list[str]]] = []
-    ranks: list[dict[str, torch.Tensor]] = []
-    try:
-        for rank in range(dcp):
-            with mock.patch.object(worker_mod, "_dcp_rank", lambda *_a, rank=rank: rank):
-                worker = KvcachedConnector(cfg, KVConnectorRole.WORKER, kcfg)
-            stages.append((worker, list(LAYERS)))
-            ctx = worker.get_mem_pool_context()
-            assert ctx is not None
-            with ctx:
-                kv = allocate_kv_cache(kcfg, torch.device("cpu"), KVCacheLayout["LBHNC"])
-            worker.register_kv_caches(kv)
-            ranks.append(kv)
-    except BaseException:
-        for w, _ in stages:
-            w.shutdown()
-        sched.connector.shutdown()
-        raise
+    ranked = [(cfg, kcfg, mock.patch.object(worker_mod, "_dcp_rank", lambda *_a, r=r: r)) for r in range(dcp)]
+    stages, ranks = workers(sched, ranked, KVCacheLayout["LBHNC"])
     return DcpEngine(sched, stages[0][0], ranks[0], KVCacheLayout["LBHNC"], stages=stages, dcp=dcp,
                      interleave=interleave, ranks=ranks)  # fmt: skip
