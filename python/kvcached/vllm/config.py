@@ -202,7 +202,8 @@ def kv_groups(vllm_config: Any, kv_cache_config: Any) -> list[KvGroup]:
     for i, g in enumerate(groups):
         spec = g.kv_cache_spec
         state = chunked = False
-        block_tokens = spec.block_size * dcp
+        # Only specs vLLM shards over the DCP ranks (attention's) span N pages per block.
+        block_tokens = spec.block_size * (dcp if _dcp_sharded(spec) else 1)
         if isinstance(spec, FullAttentionSpec):
             window = None
         elif ChunkedLocalAttentionSpec is not None and type(spec) is ChunkedLocalAttentionSpec:
@@ -227,6 +228,12 @@ def kv_groups(vllm_config: Any, kv_cache_config: Any) -> list[KvGroup]:
     if len({g.spec.block_size for g in out}) != 1:
         raise _unsupported(f"KV-cache groups of different block sizes ({[g.spec.block_size for g in out]})")
     return out
+
+
+def _dcp_sharded(spec: Any) -> bool:
+    """Whether vLLM deals a block's tokens over the decode-context-parallel ranks for `spec`
+    (attention: `dcp_sharded`; a Mamba state is every rank's whole)."""
+    return bool(getattr(spec, "dcp_sharded", True))
 
 
 def dcp_size(vllm_config: Any) -> int:
@@ -330,7 +337,7 @@ def namespace(
         return _shared_namespace(vllm_config, kv_cache_config, cfg, tp_rank, tp_size, group)
     if group.state:
         return _state_namespace(vllm_config, kv_cache_config, cfg, tp_rank, tp_size, group)
-    dcp = dcp_size(vllm_config)
+    dcp = dcp_size(vllm_config) if _dcp_sharded(spec) else 1
     if _plain(spec) and dcp == 1:
         layout = kvcached.KvLayout(
             num_layers=len(layers),
