@@ -415,18 +415,9 @@ def engine(
     # are scheduled past their placeholders (the fake forward pass needs no encoder).
     sched.max_num_encoder_input_tokens = 8192
     sched.encoder_cache_manager = EncoderCacheManager.create_manager(cache_size=8192, vllm_config=cfg)
-    worker = KvcachedConnector(cfg, KVConnectorRole.WORKER, kcfg)
     kv_layout = KVCacheLayout[layout]
-    try:
-        # As vLLM's model runner does (initialize_kv_cache_tensors, then register_kv_caches).
-        ctx = worker.get_mem_pool_context()
-        assert ctx is not None
-        with ctx:
-            kv = allocate_kv_cache(kcfg, torch.device("cpu"), kv_layout)
-        worker.register_kv_caches(kv)
-    except BaseException:
-        sched.connector.shutdown()
-        raise
+    # As vLLM's model runner does (initialize_kv_cache_tensors, then register_kv_caches).
+    [(worker, _)], [kv] = workers(sched, [(cfg, kcfg, None)], kv_layout)
     layer_groups = {name: (g, sp) for g, (layers, sp) in enumerate(groups or [(LAYERS, spec)]) for name in layers}
     return Engine(sched, worker, kv, kv_layout, spec=spec, layer_groups=layer_groups)
 

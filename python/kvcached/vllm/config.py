@@ -332,7 +332,6 @@ def namespace(
     spec, layers = group.spec, group.layers
     if not layers:
         raise ValueError(f"KV-cache group {group.index} has no layers on this pipeline stage: it has no namespace here")
-    pp = pp_size(vllm_config)
     if cfg.key_scheme == "sglang":
         return _shared_namespace(vllm_config, kv_cache_config, cfg, tp_rank, tp_size, group)
     if group.state:
@@ -354,14 +353,9 @@ def namespace(
         page, bs = page_bytes(spec), group.block_tokens or spec.block_size
         if page % (2 * bs):
             raise _unsupported(f"a KV page of {page} bytes (not a multiple of 2 x {bs} tokens per block)")
-        layout = kvcached.KvLayout(
-            num_layers=len(layers), kv_heads=1, head_dim=page // (2 * bs), dtype="int8", tokens_per_block=bs,
-            kind="layer_separate",
-        )  # fmt: skip
+        layout = _bytes_layout(len(layers), page, bs)
         spec_desc = f"spec={spec!r}"
     tp_rank, tp_size = tp_shard(spec, tp_rank, tp_size)
-    mc = vllm_config.model_config
-    model_id = cfg.model_id or (f"{mc.model}@{mc.revision}" if mc.revision else str(mc.model))
     extra = ";".join(
         [
             "vllm-v1-kv",
@@ -374,10 +368,33 @@ def namespace(
             f"user={cfg.namespace_extra}",
         ]
         + ([f"group={group.index}/{group.count}"] if group.count > 1 else [])
-        + ([f"pp={pp}", f"stage={stage_digest(layers)}"] if pp > 1 else [])
+        + _stage_tags(vllm_config, layers)
         + ([f"dcp={dcp_rank}/{dcp}", f"interleave={_interleave(vllm_config)}"] if dcp > 1 else [])
     )
-    return kvcached.Namespace(model_id, layout, tenant_salt=cfg.tenant_salt, extra=extra.encode())
+    return kvcached.Namespace(_model_id(vllm_config, cfg), layout, tenant_salt=cfg.tenant_salt, extra=extra.encode())
+
+
+def _model_id(vllm_config: Any, cfg: ConnectorConfig) -> str:
+    """The model's identity in the namespace: `kvcached.model_id`, else vLLM's model name or
+    path (`@revision` when one is set)."""
+    mc = vllm_config.model_config
+    return cfg.model_id or (f"{mc.model}@{mc.revision}" if mc.revision else str(mc.model))
+
+
+def _bytes_layout(num_layers: int, page: int, tokens_per_block: int) -> kvcached.KvLayout:
+    """A layout of `page`-byte pages per layer as int8 bytes in two halves (any page that is not
+    a dense K/V page named by its heads: its meaning goes into the extra key bytes)."""
+    return kvcached.KvLayout(
+        num_layers=num_layers, kv_heads=1, head_dim=page // (2 * tokens_per_block), dtype="int8",
+        tokens_per_block=tokens_per_block, kind="layer_separate",
+    )  # fmt: skip
+
+
+def _stage_tags(vllm_config: Any, layers: tuple[str, ...]) -> list[str]:
+    """The extra key bytes naming a pipeline stage's share of a group (none without pipeline
+    parallelism)."""
+    pp = pp_size(vllm_config)
+    return [f"pp={pp}", f"stage={stage_digest(layers)}"] if pp > 1 else []
 
 
 def _interleave(vllm_config: Any) -> int:
@@ -392,14 +409,7 @@ def _state_namespace(
     layer's state page (conv and SSM states, unpadded) as int8 bytes in two halves, with
     vLLM's whole spec (shapes, dtypes, kind) in the extra bytes."""
     spec, layers, bs = group.spec, group.layers, group.spec.block_size
-    page = page_bytes(spec)
-    layout = kvcached.KvLayout(
-        num_layers=len(layers), kv_heads=1, head_dim=page // (2 * bs), dtype="int8", tokens_per_block=bs,
-        kind="layer_separate",
-    )  # fmt: skip
-    mc = vllm_config.model_config
-    model_id = cfg.model_id or (f"{mc.model}@{mc.revision}" if mc.revision else str(mc.model))
-    pp = pp_size(vllm_config)
+    layout = _bytes_layout(len(layers), page_bytes(spec), bs)
     extra = ";".join(
         [
             "vllm-v1-state",
@@ -410,9 +420,9 @@ def _state_namespace(
             f"user={cfg.namespace_extra}",
             f"group={group.index}/{group.count}",
         ]
-        + ([f"pp={pp}", f"stage={stage_digest(layers)}"] if pp > 1 else [])
+        + _stage_tags(vllm_config, layers)
     )
-    return kvcached.Namespace(model_id, layout, tenant_salt=cfg.tenant_salt, extra=extra.encode())
+    return kvcached.Namespace(_model_id(vllm_config, cfg), layout, tenant_salt=cfg.tenant_salt, extra=extra.encode())
 
 
 def _shared_namespace(
@@ -449,9 +459,8 @@ def _shared_namespace(
             "pages are the bytes of a full-attention page in the LBNHC or BLNHC layout, or MLA's)"
         )
     tp_rank, tp_size = tp_shard(spec, tp_rank, tp_size)
-    mc = vllm_config.model_config
     return shared_namespace(
-        cfg.model_id or (f"{mc.model}@{mc.revision}" if mc.revision else str(mc.model)),
+        _model_id(vllm_config, cfg),
         attention="mla" if mla else "mha",
         num_layers=len(layers),
         kv_heads=heads,

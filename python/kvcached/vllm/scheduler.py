@@ -130,10 +130,10 @@ class SchedulerSide:
                 # Every group's slot in one memory: the daemon counts registrations of one
                 # memory as one engine (`limits.max_engines_per_uid`).
                 slots = [kvcached.KvMemory.anonymous(ns.layout, 1) for ns in self.namespaces]
-                shared = max(slots, key=lambda m: m.size)
                 # The largest first: the daemon maps the memory as far as the first
                 # registration's slot reaches, and shares that with the others.
                 order = sorted(range(len(slots)), key=lambda i: -slots[i].size)
+                shared = slots[order[0]]
                 clients_by_group: dict[int, kvcached.Client] = {}
                 for i in order:
                     g, ns, own = self.groups[i], self.namespaces[i], slots[i]

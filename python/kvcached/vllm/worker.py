@@ -62,19 +62,22 @@ def _key_context(args: ContextArgs | None) -> kvcached.KeyContext | None:
     return None if args is None else args.make()
 
 
-def _tp() -> tuple[int, int] | None:
+def _vllm_group(name: str) -> tuple[int, int] | None:
+    """This process's (rank, size) in vLLM's `name` parallel group ("tp", "pp", "dcp"), or None
+    outside a vLLM process whose parallel state is set up (tests, the GPU check's stand-in)."""
     try:
-        from vllm.distributed.parallel_state import (
-            get_tensor_model_parallel_rank,
-            get_tensor_model_parallel_world_size,
-            model_parallel_is_initialized,
-        )
+        from vllm.distributed import parallel_state
 
-        if model_parallel_is_initialized():
-            return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
-    except (ImportError, AssertionError):
+        if parallel_state.model_parallel_is_initialized():
+            group = getattr(parallel_state, f"get_{name}_group")()
+            return int(group.rank_in_group), int(group.world_size)
+    except (ImportError, AssertionError, AttributeError):
         pass
     return None
+
+
+def _tp() -> tuple[int, int] | None:
+    return _vllm_group("tp")
 
 
 def _pp_stage(vllm_config: Any, layers: list[str]) -> int:
@@ -83,18 +86,17 @@ def _pp_stage(vllm_config: Any, layers: list[str]) -> int:
     pp = pp_size(vllm_config)
     if pp == 1:
         return 0
-    try:
-        from vllm.distributed.parallel_state import get_pp_group, model_parallel_is_initialized
-
-        if model_parallel_is_initialized():
-            return int(get_pp_group().rank_in_group)
-    except (ImportError, AssertionError):
-        pass
+    if (group := _vllm_group("pp")) is not None:
+        return group[0]
     from vllm.distributed.utils import get_pp_indices
 
     total = vllm_config.model_config.get_total_num_hidden_layers()
     first = min(_layer_order(n) for n in layers)
-    return next((s for s in range(pp) if get_pp_indices(total, s, pp)[0] <= first < get_pp_indices(total, s, pp)[1]), 0)
+    for stage in range(pp):
+        lo, hi = get_pp_indices(total, stage, pp)
+        if lo <= first < hi:
+            return stage
+    return 0
 
 
 def _dcp_rank(vllm_config: Any, tp_rank: int) -> int:
@@ -104,14 +106,8 @@ def _dcp_rank(vllm_config: Any, tp_rank: int) -> int:
     dcp = dcp_size(vllm_config)
     if dcp == 1:
         return 0
-    try:
-        from vllm.distributed.parallel_state import get_dcp_group, model_parallel_is_initialized
-
-        if model_parallel_is_initialized():
-            return int(get_dcp_group().rank_in_group)
-    except (ImportError, AssertionError):
-        pass
-    return tp_rank % dcp
+    group = _vllm_group("dcp")
+    return group[0] if group is not None else tp_rank % dcp
 
 
 class _SharedKvAllocation(TorchFunctionMode):
@@ -163,8 +159,6 @@ class _GroupReg:
         self.memory: kvcached.KvMemory | kvcached.GpuKvMemory | None = None
         self.client: kvcached.Client | None = None
         self.retry_at = 0.0
-        # Bytes from the memory's start its slots reach.
-        self.extent = 0
 
 
 def _layer_order(name: str) -> int:
@@ -239,9 +233,7 @@ class WorkerSide:
     def memory(self) -> kvcached.KvMemory | kvcached.GpuKvMemory | None:
         return self.regs[self.first].memory
 
-    def _slots(
-        self, group: KvGroup, views: list[torch.Tensor], base: int, region_bytes: int
-    ) -> tuple[kvcached.SlotLayout, int]:
+    def _slots(self, group: KvGroup, views: list[torch.Tensor], base: int, region_bytes: int) -> kvcached.SlotLayout:
         """Each layer's page of a block as two segments (its halves). A view is vLLM's
         `[blocks, heads, tokens, content]` of one layer; the attention kernel's blocks may
         subdivide a manager block (`ratio` kernel blocks per block), which vLLM allows only when
@@ -250,7 +242,6 @@ class WorkerSide:
         page = page_bytes(spec)
         blocks = self.kv_cache_config.num_blocks
         segments = []
-        extent = 0
         for name, v in zip(group.layers, views, strict=True):
             es = v.element_size()
             if v.dim() != 4 or v.shape[0] % blocks:
@@ -275,8 +266,7 @@ class WorkerSide:
             if offset < 0 or offset + (blocks - 1) * block_stride + page > region_bytes:
                 raise RuntimeError(f"{name}'s KV is not inside the registered region")
             segments += [(offset, block_stride), (offset + page // 2, block_stride)]
-            extent = max(extent, offset + (blocks - 1) * block_stride + page)
-        return kvcached.SlotLayout(segments, page // 2, blocks), extent
+        return kvcached.SlotLayout(segments, page // 2, blocks)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         missing = [n for g in self.groups for n in g.layers if n not in kv_caches]
@@ -297,7 +287,7 @@ class WorkerSide:
             for r in self.regs:
                 if r.namespace is None:
                     continue
-                slots, r.extent = self._slots(r.group, [kv_caches[n] for n in r.group.layers], base, self.region.size)
+                slots = self._slots(r.group, [kv_caches[n] for n in r.group.layers], base, self.region.size)
                 r.memory = kvcached.KvMemory.from_fd(self.region.fd, slots)
             self.region.close()  # each KvMemory holds its own descriptor
         elif device.type == "cuda":
@@ -305,16 +295,21 @@ class WorkerSide:
             for r in self.regs:
                 if r.namespace is None:
                     continue
-                slots, r.extent = self._slots(r.group, [kv_caches[n] for n in r.group.layers], ipc.base_ptr, ipc.size)
+                slots = self._slots(r.group, [kv_caches[n] for n in r.group.layers], ipc.base_ptr, ipc.size)
                 r.memory = kvcached.GpuKvMemory(ipc.handle, ipc.device, ipc.size, slots)
             self.cuda = True
         else:
             raise NotImplementedError(f"kvcached's connector does not support KV on {device.type}")
-        # The group whose slots reach furthest first: the daemon maps the memory that far, and
-        # shares that mapping with the others (a later group reaching further is mapped again).
-        for g in sorted(range(len(self.regs)), key=lambda g: -self.regs[g].extent):
-            if self.regs[g].namespace is not None:
+        for g, r in enumerate(self.regs):
+            if r.namespace is not None:
                 self._register(g, at_start=True)
+
+    def _furthest(self) -> int | None:
+        """The group whose slots reach furthest into the memory: registered first, the daemon
+        maps the memory that far and shares the mapping with the others (a group reaching
+        further, registered later, is mapped again)."""
+        held = [g for g, r in enumerate(self.regs) if r.memory is not None]
+        return max(held, key=lambda g: self.regs[g].memory.slots.extent, default=None)
 
     def _register(self, group: int = 0, at_start: bool = False) -> kvcached.Client | None:
         """Group `group`'s registered client; registers (again at most every `retry_after`
@@ -326,6 +321,9 @@ class WorkerSide:
         r = self.regs[group]
         if r.client is not None or r.memory is None or time.monotonic() < r.retry_at:
             return r.client
+        furthest = self._furthest()
+        if furthest is not None and furthest != group and self.regs[furthest].client is None:
+            self._register(furthest, at_start)
         try:
             client = self.cfg.connect(self.cfg.worker_reconnect_for)
             if isinstance(r.memory, kvcached.GpuKvMemory):
