@@ -534,6 +534,12 @@ async fn memory_is_shared_only_between_registrations_of_one_owner() {
     d.stop().await;
 }
 
+/// A registration of 16 slots of `file` (1 MiB), `stride` apart, its descriptor handed to `d`.
+fn shared_region(d: &InProcess, file: &std::fs::File, stride: u64) -> pb::RegisterRequest {
+    let t = kvclient::attach::attach(&d.socket, &[file]).unwrap();
+    sparse_register(t[0].to_vec(), 1 << 20, small_layout().segment_bytes(), stride)
+}
+
 /// The bounds of sharing one memory: a registration whose slots reach past the shared mapping
 /// maps the memory afresh (counted as an engine of its own: refused here at one per uid);
 /// registrations sharing a memory count against `engines.max_engines` (each holds a token area
@@ -545,22 +551,20 @@ async fn sharing_one_memory_is_bounded() {
     let d = InProcess::start(|c| c.limits.max_engines_per_uid = 1).await;
     let file = sparse_memfd(mib);
     let mut c = raw_client(&d.socket).await;
-    let ticket = |f: &std::fs::File| kvclient::attach::attach(&d.socket, &[f]).unwrap()[0].to_vec();
     // 16 slots 2 segments apart: 64 KiB mapped.
-    c.register(sparse_register(ticket(&file), mib, seg, 2 * seg)).await.unwrap();
-    c.register(sparse_register(ticket(&file), mib, seg, 2 * seg)).await.unwrap();
+    c.register(shared_region(&d, &file, 2 * seg)).await.unwrap();
+    c.register(shared_region(&d, &file, 2 * seg)).await.unwrap();
     // Slots spread over the whole MiB: past the mapping, mapped afresh, a second engine.
-    let e = c.register(sparse_register(ticket(&file), mib, seg, mib / 16)).await.unwrap_err();
+    let e = c.register(shared_region(&d, &file, mib / 16)).await.unwrap_err();
     assert_eq!(e.code(), tonic::Code::ResourceExhausted, "{e:?}");
     assert!(e.message().contains("engines per uid"), "{}", e.message());
     d.stop().await;
 
     let d = InProcess::start(|c| c.engines.max_engines = 4).await;
     let mut c = raw_client(&d.socket).await;
-    let ticket = |f: &std::fs::File| kvclient::attach::attach(&d.socket, &[f]).unwrap()[0].to_vec();
     let mut attached = 0;
     let refused = loop {
-        match c.register(sparse_register(ticket(&file), mib, seg, 2 * seg)).await {
+        match c.register(shared_region(&d, &file, 2 * seg)).await {
             Ok(_) => attached += 1,
             Err(e) => break e,
         }
@@ -574,12 +578,11 @@ async fn sharing_one_memory_is_bounded() {
 
     let d = InProcess::start(|c| c.engines.max_engines = 128).await;
     let mut c = raw_client(&d.socket).await;
-    let ticket = |f: &std::fs::File| kvclient::attach::attach(&d.socket, &[f]).unwrap()[0].to_vec();
     for i in 0..64 {
-        let r = c.register(sparse_register(ticket(&file), mib, seg, 2 * seg)).await;
+        let r = c.register(shared_region(&d, &file, 2 * seg)).await;
         assert!(r.is_ok(), "registration {i}: {r:?}");
     }
-    let e = c.register(sparse_register(ticket(&file), mib, seg, 2 * seg)).await.unwrap_err();
+    let e = c.register(shared_region(&d, &file, 2 * seg)).await.unwrap_err();
     assert_eq!(e.code(), tonic::Code::ResourceExhausted, "{e:?}");
     assert!(e.message().contains("registered 64 times"), "{}", e.message());
     d.stop().await;

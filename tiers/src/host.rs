@@ -565,8 +565,7 @@ impl HostTier {
         match fill(&mut filling.pieces_mut()) {
             Ok(()) => Ok(self.finish_fill(filling)),
             Err(e) => {
-                self.abort_fill(filling);
-                self.counters.put_errors.add(1);
+                self.fail_fill(filling);
                 Err(e)
             }
         }

@@ -122,6 +122,15 @@ impl Region {
             Self::File { identity, .. } | Self::Cuda { identity, .. } => identity,
         }
     }
+
+    /// Bytes from the region's start a registration needs of memory it shares: what it would
+    /// map of a file (`map_bytes`), the whole of a GPU allocation (opened whole).
+    pub(crate) fn needs(&self, map_bytes: u64) -> u64 {
+        match self {
+            Self::File { .. } => map_bytes,
+            Self::Cuda { len, .. } => *len as u64,
+        }
+    }
 }
 
 /// One engine memory, held for every registration of it; see the module doc.
@@ -209,22 +218,44 @@ impl SharedMemory {
         self.identity == *identity && needs <= self.extent && intact
     }
 
-    /// One more registration holds it; false (nothing taken) when [`MAX_SHARERS`] do.
-    pub(crate) fn take(&self) -> bool {
-        self.users.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < MAX_SHARERS).then_some(n + 1)).is_ok()
-    }
-
-    /// A registration holding it went.
-    pub(crate) fn leave(&self) {
-        self.users.fetch_sub(1, Ordering::AcqRel);
-    }
-
     /// Bytes mapped into the daemon (none of a GPU's memory).
     pub(crate) fn mapped_bytes(&self) -> u64 {
         match &self.memory {
             EngineMemory::Shm { map, .. } => map.len() as u64,
             EngineMemory::Device(_) => 0,
         }
+    }
+}
+
+/// One registration's hold on a [`SharedMemory`], counted in its users while it lives (the
+/// last one's drop unmaps it).
+#[derive(Debug)]
+pub(crate) struct SharedUse(Arc<SharedMemory>);
+
+impl SharedUse {
+    /// The hold of the registration that opened `memory` (its first user).
+    pub(crate) fn first(memory: SharedMemory) -> Self {
+        Self(Arc::new(memory))
+    }
+
+    /// Another registration's hold; None when [`MAX_SHARERS`] hold it.
+    pub(crate) fn another(&self) -> Option<Self> {
+        let taken =
+            self.0.users.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < MAX_SHARERS).then_some(n + 1));
+        taken.is_ok().then(|| Self(Arc::clone(&self.0)))
+    }
+}
+
+impl std::ops::Deref for SharedUse {
+    type Target = SharedMemory;
+    fn deref(&self) -> &SharedMemory {
+        &self.0
+    }
+}
+
+impl Drop for SharedUse {
+    fn drop(&mut self) {
+        self.0.users.fetch_sub(1, Ordering::AcqRel);
     }
 }
 

@@ -25,7 +25,7 @@ use kvtiers::copy::{Copy, CopyEngine, Direction};
 use parking_lot::{Mutex, RwLock};
 
 use crate::engine::attach::Tickets;
-use crate::engine::memory::{EngineMemory, MAX_SHARERS, MemoryIdentity, Region, SharedMemory};
+use crate::engine::memory::{EngineMemory, MAX_SHARERS, MemoryIdentity, Region, SharedMemory, SharedUse};
 use crate::engine::token_area::PromptTokens;
 use crate::error::ServerError;
 use crate::policy::limits::{Limits, Principal};
@@ -70,7 +70,7 @@ pub struct Engine {
     pub kv_label: String,
     /// Its KV memory, shared with the owner's other registrations of the same memory (which
     /// hold it counted against the owner's limits).
-    memory: Arc<SharedMemory>,
+    memory: SharedUse,
     /// A registration sharing another's memory: counted against `engines.max_engines` while
     /// it lives (its token area and registration are its own).
     _sharer: Option<crate::policy::limits::Held>,
@@ -130,7 +130,7 @@ pub(crate) struct Attaching<'a> {
     /// The registering process (its descriptors' tickets must be its own).
     pub pid: Option<i32>,
     /// Its KV memory, mapped (or shared with the owner's registration of the same memory).
-    pub memory: Arc<SharedMemory>,
+    pub memory: SharedUse,
     /// For a registration sharing memory: its count against `engines.max_engines`.
     pub sharer: Option<crate::policy::limits::Held>,
 }
@@ -145,8 +145,6 @@ pub(crate) struct Checked {
     /// Bytes of the region the daemon maps into its address space: from its start to the end
     /// of its last block slot, in whole pages (none of a GPU's memory).
     pub map_bytes: u64,
-    /// Whether the region is a GPU allocation (CUDA IPC).
-    gpu: bool,
 }
 
 impl Checked {
@@ -180,15 +178,7 @@ impl Checked {
             Some(pb::memory_region::Kind::CudaIpcHandle(_)) => 0,
             None => return Err(invalid("region has neither fd_ticket nor cuda_ipc_handle")),
         };
-        let gpu = matches!(region.kind, Some(pb::memory_region::Kind::CudaIpcHandle(_)));
-        Ok(Self { namespace, slots, size, map_bytes, gpu })
-    }
-
-    /// Bytes from the region's start the registration's slots use, as memory shared with
-    /// another registration must offer them: what would be mapped (a file), the whole region
-    /// (a GPU allocation, opened whole).
-    fn needs(&self) -> u64 {
-        if self.gpu { self.size } else { self.map_bytes }
+        Ok(Self { namespace, slots, size, map_bytes })
     }
 }
 
@@ -454,13 +444,6 @@ impl Engine {
     }
 }
 
-impl Drop for Engine {
-    fn drop(&mut self) {
-        // Its hold on the memory: the last registration's drop unmaps it.
-        self.memory.leave();
-    }
-}
-
 // SAFETY: the mapping is shared memory accessed through raw pointers only; the engine protocol
 // gives the daemon exclusive use of the block slots named in a request while it runs.
 unsafe impl Send for Engine {}
@@ -563,24 +546,16 @@ impl Registry {
         let region = Region::take(req, checked.size, &self.tickets, uid, pid)?;
         // The owner's memory registered already (another KV-cache group over the same
         // allocation) is shared, not mapped and counted again.
-        let (memory, sharer) = match self.shared_memory(owner, region.identity(), checked.needs())? {
-            Some(m) => match self.limits.sharer(owner) {
-                Ok(held) => (m, Some(held)),
-                Err(e) => {
-                    m.leave();
-                    return Err(e);
-                }
-            },
+        let (memory, sharer) = match self.shared_memory(owner, region.identity(), region.needs(checked.map_bytes))? {
+            Some(m) => (m, Some(self.limits.sharer(owner)?)),
             None => {
                 let held = self.limits.engine(owner, checked.map_bytes)?;
-                (Arc::new(SharedMemory::open(region, checked.map_bytes, held, self.g1_faults.as_ref(), id)?), None)
+                let opened = SharedMemory::open(region, checked.map_bytes, held, self.g1_faults.as_ref(), id)?;
+                (SharedUse::first(opened), None)
             }
         };
         let fresh = sharer.is_none();
-        let held = Arc::clone(&memory);
-        let mut e = Engine::attach(Attaching { id, req, owner, pid, memory, sharer }, checked, &self.tickets)
-            .inspect_err(|_| held.leave())?;
-        drop(held);
+        let mut e = Engine::attach(Attaching { id, req, owner, pid, memory, sharer }, checked, &self.tickets)?;
         e.may_write = self.tenants.rights(owner, &e.namespace)?.write;
         self.tenants.bind(owner, &e.namespace)?;
         if self.prefault && fresh {
@@ -614,27 +589,27 @@ impl Registry {
     }
 
     /// `owner`'s memory `identity`, held by one of its engines with at least `needs` bytes
-    /// usable, if any, taken for one more registration (which must `leave` it if it does not
-    /// attach); refused when [`MAX_SHARERS`] registrations hold it already.
+    /// usable, if any, held for one more registration (until that hold drops); refused when
+    /// [`MAX_SHARERS`] registrations hold it already.
     fn shared_memory(
         &self,
         owner: Principal,
         identity: &MemoryIdentity,
         needs: u64,
-    ) -> Result<Option<Arc<SharedMemory>>, ServerError> {
+    ) -> Result<Option<SharedUse>, ServerError> {
         let engines = self.engines.read();
         let Some(m) =
             engines.values().filter(|e| e.owner == owner).map(|e| &e.memory).find(|m| m.fits(identity, needs))
         else {
             return Ok(None);
         };
-        if !m.take() {
-            return Err(ServerError::Exhausted(format!(
+        match m.another() {
+            Some(hold) => Ok(Some(hold)),
+            None => Err(ServerError::Exhausted(format!(
                 "this KV memory is registered {MAX_SHARERS} times already (one registration per KV-cache group \
                  and rank): unregister some first"
-            )));
+            ))),
         }
-        Ok(Some(Arc::clone(m)))
     }
 
     /// Engine `id`, if `who` registered it (to anyone else it does not exist: the same answer as

@@ -260,7 +260,7 @@ impl Limits {
         let (max, max_bytes) = (self.cfg.max_engines_per_uid, self.max_engine_bytes);
         let mut g = self.inner.lock();
         let u = g.per.get(&who).copied().unwrap_or_default();
-        let refusal = if !self.share(who, u.engines + u.sharers, 1).admits(g.engines, self.max_engines) {
+        let refusal = if !self.admits_engine(who, &u, g.engines) {
             Some((Limit::Engines, g.engines as u64, self.max_engines as u64))
         } else if u.engines >= max {
             Some((Limit::EnginesPerUid, u.engines as u64, max as u64))
@@ -297,7 +297,7 @@ impl Limits {
     pub fn sharer(self: &Arc<Self>, who: Principal) -> Result<Held, ServerError> {
         let mut g = self.inner.lock();
         let u = g.per.get(&who).copied().unwrap_or_default();
-        if !self.share(who, u.engines + u.sharers, 1).admits(g.engines, self.max_engines) {
+        if !self.admits_engine(who, &u, g.engines) {
             let have = g.engines as u64;
             drop(g);
             return Err(self.refuse_engines(have, self.max_engines as u64));
@@ -305,6 +305,12 @@ impl Limits {
         g.engines += 1;
         g.per.entry(who).or_default().sharers += 1;
         Ok(Held { limits: Arc::clone(self), who, what: Holding::Sharer })
+    }
+
+    /// Whether `who`, using `u`, may attach one more engine or sharing registration while
+    /// `engines` are attached: its share of `engines.max_engines` counts both.
+    fn admits_engine(&self, who: Principal, u: &Use, engines: usize) -> bool {
+        self.share(who, u.engines + u.sharers, 1).admits(engines, self.max_engines)
     }
 
     fn refuse_engines(&self, have: u64, max: u64) -> ServerError {
