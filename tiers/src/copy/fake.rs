@@ -6,7 +6,7 @@
 //!
 //! For tests and fault injection only (the daemon uses it only under `inject_faults`).
 
-use std::collections::HashMap;
+use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{SyncSender, sync_channel};
 use std::sync::{Arc, Condvar, Mutex};
@@ -44,8 +44,8 @@ pub struct FakeStats {
 #[derive(Debug, Default)]
 struct Fences {
     next: u64,
-    /// Complete fences and their outcome, until waited for.
-    done: HashMap<u64, Result<(), String>>,
+    /// Complete fences, until waited for (a fake copy cannot fail: `FaultyCopies` fails them).
+    done: HashSet<u64>,
     in_flight: usize,
     stats: FakeStats,
 }
@@ -62,10 +62,9 @@ struct Job {
 pub struct FakeDevice {
     base: usize,
     len: usize,
-    /// Memory this device allocated (freed on drop); None when over the caller's.
-    owned: bool,
-    /// Kept alive as long as the device (the mapping it copies in, for `over`).
-    _keep: Option<Box<dyn std::any::Any + Send + Sync>>,
+    /// The memory it copies in, kept alive as long as the device (dropped after its lanes
+    /// stopped: fields drop after `Drop::drop`).
+    _keep: Box<dyn std::any::Any + Send + Sync>,
     lanes: Vec<SyncSender<Job>>,
     workers: Vec<JoinHandle<()>>,
     fences: Arc<(Mutex<Fences>, Condvar)>,
@@ -75,9 +74,10 @@ pub struct FakeDevice {
 impl FakeDevice {
     /// A zeroed device memory of `len` bytes with `lanes` lanes.
     pub fn new(len: usize, lanes: usize) -> Result<Self> {
-        let mem: Box<[u8]> = vec![0u8; len].into_boxed_slice();
-        let base = Box::into_raw(mem) as *mut u8 as usize;
-        Self::start(base, len, true, None, lanes, Arc::default())
+        // A Vec's buffer stays where it is when the Vec moves into the box.
+        let mut mem = vec![0u8; len];
+        let base = mem.as_mut_ptr() as usize;
+        Self::start(base, len, Box::new(mem), lanes, Arc::default())
     }
 
     /// A device whose memory is `[base, base+len)` of the caller's (an engine's mapped shared
@@ -94,14 +94,13 @@ impl FakeDevice {
         lanes: usize,
         faults: Arc<FakeFaults>,
     ) -> Result<Self> {
-        Self::start(base as usize, len, false, Some(keep), lanes, faults)
+        Self::start(base as usize, len, keep, lanes, faults)
     }
 
     fn start(
         base: usize,
         len: usize,
-        owned: bool,
-        keep: Option<Box<dyn std::any::Any + Send + Sync>>,
+        keep: Box<dyn std::any::Any + Send + Sync>,
         lanes: usize,
         faults: Arc<FakeFaults>,
     ) -> Result<Self> {
@@ -120,7 +119,7 @@ impl FakeDevice {
                         run_job(base, &job);
                         let (m, cv) = &*f;
                         let mut st = m.lock().unwrap_or_else(|p| p.into_inner());
-                        st.done.insert(job.fence, Ok(()));
+                        st.done.insert(job.fence);
                         st.in_flight -= 1;
                         cv.notify_all();
                     }
@@ -130,23 +129,19 @@ impl FakeDevice {
                 Ok(w) => w,
                 Err(e) => {
                     // The device is not made: the lanes started so far stop (their senders
-                    // drop), and memory it allocated is freed.
+                    // drop) before the memory (`keep`) goes.
                     drop(senders);
                     for w in workers {
                         let _ = w.join();
                     }
-                    if owned {
-                        // SAFETY: allocated in `new` as a boxed slice of `len` bytes; no lane
-                        // runs now.
-                        drop(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(base as *mut u8, len)) });
-                    }
+                    drop(keep);
                     return Err(e);
                 }
             };
             senders.push(tx);
             workers.push(worker);
         }
-        Ok(Self { base, len, owned, _keep: keep, lanes: senders, workers, fences, faults })
+        Ok(Self { base, len, _keep: keep, lanes: senders, workers, fences, faults })
     }
 
     /// The device's fault switches.
@@ -229,15 +224,15 @@ impl CopyEngine for FakeDevice {
         let (m, cv) = &*self.fences;
         let mut st = m.lock().unwrap_or_else(|p| p.into_inner());
         loop {
-            if let Some(r) = st.done.remove(&fence.0) {
-                return r.map_err(|e| TierError::Device(format!("{}: {e}", self.describe())));
+            if st.done.remove(&fence.0) {
+                return Ok(());
             }
             st = cv.wait(st).unwrap_or_else(|p| p.into_inner());
         }
     }
 
     fn is_done(&self, fence: &Fence) -> bool {
-        self.fences.0.lock().unwrap_or_else(|p| p.into_inner()).done.contains_key(&fence.0)
+        self.fences.0.lock().unwrap_or_else(|p| p.into_inner()).done.contains(&fence.0)
     }
 
     fn describe(&self) -> String {
@@ -258,9 +253,5 @@ impl Drop for FakeDevice {
             max_in_flight = st.max_in_flight,
             "fake device closed"
         );
-        if self.owned {
-            // SAFETY: allocated in `new` as a boxed slice of `len` bytes; no lane runs now.
-            drop(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(self.base as *mut u8, self.len)) });
-        }
     }
 }
