@@ -26,7 +26,11 @@ and vLLM's), with its disk and object-store tiers, its peers and the cluster rou
   both engines.
 - `kvcached.socket`, `kvcached.model_id` (default SGLang's model name), `kvcached.tenant_salt`
   (default `$KVCACHED_TENANT_SALT`), `kvcached.namespace_extra`, `kvcached.staging_pages`
-  (default 256), `kvcached.reconnect_for` (seconds, default 5).
+  (default SGLang's batch, at most 256 MiB), `kvcached.reconnect_for` (seconds, default 0.5),
+  `kvcached.retry_after` (seconds, default 5).
+
+SGLang's hybrid host pools (Mamba, sliding-window and indexer sidecars beside the KV pool) are
+refused when SGLang registers them. With SGLang's storage metrics on, `get_stats` returns them.
 
 Pages are keyed by SGLang's own page hashes (`docs/block-keys.md` section 7, scheme "sglang"),
 in the namespace of `kvcached.shared_pages`, which names the bytes: engines share blocks only
@@ -272,8 +276,26 @@ class KvcachedStorage(HiCacheStorage):
         self._locks = (threading.Lock(), threading.Lock())
         self.in_place = False
         self.counts = {"exists": 0, "hit_pages": 0, "get_pages": 0, "got_pages": 0, "set_pages": 0, "stored": 0}
+        # SGLang's storage metrics (`--enable-metrics`): pages and GB/s of each get and set
+        # since the last `get_stats`, as SGLang's own backends keep them.
+        self.metrics = bool(getattr(storage_config, "enable_storage_metrics", False))
+        self._stats_lock = threading.Lock()
+        self._prefetch: list[tuple[int, float]] = []
+        self._backup: list[tuple[int, float]] = []
 
     # -- registration ------------------------------------------------------------------------
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """SGLang's hybrid models register every host pool of theirs here (the KV anchor and
+        its sidecars: Mamba state, sliding-window KV, indexers). The anchor KV pool is the one
+        `register_mem_pool_host` registered; any other pool is refused, which fails SGLang's
+        attach at start, rather than serving a hybrid model's KV without its sidecars' state."""
+        if host_pool is getattr(self, "mem_pool_host", None):
+            return
+        raise NotImplementedError(
+            f"kvcached's HiCache backend does not support SGLang's hybrid host pools (pool {str(host_pool_name)!r} "
+            "beside the KV pool: the batch_exists_v2 / batch_get_v2 / batch_set_v2 interface is not built)"
+        )
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         super().register_mem_pool_host(mem_pool_host)
@@ -400,7 +422,7 @@ class KvcachedStorage(HiCacheStorage):
         if hashes is None:
             return 0
         self.counts["get_pages"] += len(keys)
-        got = 0
+        got, t0 = 0, time.perf_counter()
         try:
             if self.in_place and host_indices is not None:
                 got = self._load(hashes, self._page_ids(keys, host_indices).tolist())
@@ -423,6 +445,7 @@ class KvcachedStorage(HiCacheStorage):
         except Exception as e:  # noqa: BLE001 - a miss, never an exception into SGLang
             self._failed("load", len(keys), e)
         self.counts["got_pages"] += got
+        self._timed(self._prefetch, got, time.perf_counter() - t0)
         return got
 
     def _load(self, hashes: list[bytes], slots: list[int]) -> int:
@@ -447,6 +470,13 @@ class KvcachedStorage(HiCacheStorage):
         if hashes is None:
             return False
         self.counts["set_pages"] += len(keys)
+        t0 = time.perf_counter()
+        ok = self._set_pages(keys, hashes, values, host_indices)
+        self._timed(self._backup, len(keys) if ok else 0, time.perf_counter() - t0)
+        return ok
+
+    def _set_pages(self, keys: list[str], hashes: list[bytes], values: Any, host_indices: torch.Tensor | None) -> bool:
+        assert self.pages is not None
         try:
             if self.in_place and host_indices is not None:
                 return self._save(hashes, self._page_ids(keys, host_indices).tolist())
@@ -517,8 +547,31 @@ class KvcachedStorage(HiCacheStorage):
         # The node's cache is shared with every other engine: SGLang's "clear" does not empty it.
         log.info("kvcached: clear() leaves the node's shared cache as it is")
 
-    def get_stats(self) -> dict[str, int]:
-        return dict(self.counts)
+    def _timed(self, into: list[tuple[int, float]], pages: int, seconds: float) -> None:
+        """One get's or set's pages and seconds, for SGLang's storage metrics."""
+        if self.metrics and pages and self.pages is not None:
+            with self._stats_lock:
+                into.append((pages, seconds))
+
+    def get_stats(self) -> Any:
+        """SGLang's storage metrics since the last call (pages and GB/s of each prefetch and
+        backup), as `StorageMetrics`, which SGLang's scheduler logs with `--enable-metrics`;
+        None without them. The backend's own counters are `counts`."""
+        if not self.metrics:
+            return None
+        from sglang.srt.observability.metrics_collector import StorageMetrics
+
+        out = StorageMetrics()
+        block = self.pages.layers * self.pages.page_bytes if self.pages is not None else 0
+        with self._stats_lock:
+            taken = ((self._prefetch, out.prefetch_pgs, out.prefetch_bandwidth),
+                     (self._backup, out.backup_pgs, out.backup_bandwidth))  # fmt: skip
+            for have, pgs, bandwidth in taken:
+                for pages, seconds in have:
+                    pgs.append(pages)
+                    bandwidth.append(pages * block / max(seconds, 1e-9) / 1e9)
+                have.clear()
+        return out
 
     def close(self) -> None:
         try:

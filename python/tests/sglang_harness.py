@@ -105,11 +105,17 @@ def mla_pool(layout: str, allocator: str = "default", dtype: Any = torch.bfloat1
 
 
 def storage_config(
-    socket: str, *, mla: bool = False, tp: tuple[int, int] = (0, 1), model: str = "test/sglang-model", **extra: Any
+    socket: str,
+    *,
+    mla: bool = False,
+    tp: tuple[int, int] = (0, 1),
+    model: str = "test/sglang-model",
+    metrics: bool = False,
+    **extra: Any,
 ) -> Any:
     return HiCacheStorageConfig(
         tp_rank=tp[0], tp_size=tp[1], pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=mla,
-        enable_storage_metrics=False, is_page_first_layout=False, model_name=model,
+        enable_storage_metrics=metrics, is_page_first_layout=False, model_name=model,
         extra_config={
             "backend_name": "kvcached", "module_path": "kvcached.sglang", "class_name": "KvcachedStorage",
             "interface_v1": 1, "kvcached.socket": socket, **extra,

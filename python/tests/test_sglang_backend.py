@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
 from sglang_harness import (  # isort: skip
     PAGE, backend, fill_pages, mha_pool, mla_pool, page_bytes, page_hashes, storage_config,
@@ -60,7 +61,7 @@ def test_pages_round_trip_between_two_engines(own_daemon, make, layout, allocato
     # What was never saved is a miss from its first page.
     other = page_hashes(list(range(500, 500 + 2 * PAGE)))
     assert b.batch_get_v1(keys[:1] + other, b_pool.alloc(3 * PAGE)) == [True, False, False]
-    assert a.get_stats()["stored"] == 5
+    assert a.counts["stored"] == 5
     a.close()
     b.close()
 
@@ -78,7 +79,6 @@ def test_page_orders_and_ranks_never_share(own_daemon):
         backend(mha_pool("layer_first"), own_daemon.socket, **{"kvcached.page_order": "vllm"}).batch_exists(keys) == 0
     )
     assert backend(mha_pool("layer_first", "shm"), own_daemon.socket, tp=(1, 2)).batch_exists(keys) == 0
-    import torch
 
     assert backend(mha_pool("layer_first", "shm", dtype=torch.float16), own_daemon.socket).batch_exists(keys) == 0
     assert (
@@ -146,7 +146,6 @@ def test_refusals_are_clear(own_daemon):
     cfg.pp_size = 2
     with pytest.raises(NotImplementedError, match="pipeline parallelism"):
         StorageBackendFactory.create_backend("dynamic", cfg, pool)
-    import torch
 
     with pytest.raises(NotImplementedError, match="fp8"):
         backend(mha_pool("layer_first", dtype=torch.uint8), own_daemon.socket)
@@ -157,3 +156,52 @@ def test_refusals_are_clear(own_daemon):
     t0 = time.monotonic()
     assert b.batch_exists(keys) == 0 and b.batch_get_v1(keys, idx[:PAGE]) == [False]
     assert time.monotonic() - t0 < 0.2
+
+
+def test_storage_metrics_and_batches_larger_than_the_staging_area(own_daemon):
+    """With SGLang's storage metrics on, `get_stats` is what SGLang's scheduler logs
+    (unified_radix_cache.py 3702-3707: `get_stats()`, `prefetch_stats` set on it, then
+    `StorageMetricsCollector.log_storage_metrics`, which asserts a `StorageMetrics`): each get's
+    and set's pages and GB/s since the last call. A batch larger than the staging area moves
+    through it in turns, byte for byte."""
+    from sglang.srt.observability.metrics_collector import StorageMetrics, StorageMetricsCollector
+
+    a_pool, b_pool = mha_pool("page_first"), mha_pool("page_first")
+    a = backend(a_pool, own_daemon.socket, metrics=True, **{"kvcached.staging_pages": 2})
+    b = backend(b_pool, own_daemon.socket, metrics=True, **{"kvcached.staging_pages": 2})
+    assert not a.in_place and a.staging_pages == 2
+    keys = page_hashes(list(range(300, 300 + 5 * PAGE)))
+    a_idx = fill_pages(a_pool, 5, seed=31)
+    assert a.batch_set_v1(keys, a_idx) == [True] * 5
+    b_idx = b_pool.alloc(5 * PAGE)
+    assert b.batch_get_v1(keys, b_idx) == [True] * 5
+    assert page_bytes(b_pool, b_idx, 5) == page_bytes(a_pool, a_idx, 5)
+    # The generic interface's batches go through the same turns.
+    g = backend(mha_pool("page_first"), own_daemon.socket, interface_v1=0, **{"kvcached.staging_pages": 2})
+    flat = g.batch_get(keys, [g.mem_pool_host.get_dummy_flat_data_page() for _ in range(5)])
+    assert all(t is not None for t in flat)
+    assert [t.contiguous().view(torch.uint8).numpy().tobytes() for t in flat] == page_bytes(a_pool, a_idx, 5)
+
+    stats = a.get_stats()
+    assert isinstance(stats, StorageMetrics)
+    assert stats.backup_pgs == [5] and stats.prefetch_pgs == [] and stats.backup_bandwidth[0] > 0
+    got = b.get_stats()
+    assert got.prefetch_pgs == [5] and got.backup_pgs == [] and got.prefetch_bandwidth[0] > 0
+    assert a.get_stats().backup_pgs == []  # since the last call
+    got.prefetch_stats = {}  # what SGLang's scheduler sets before logging
+    StorageMetricsCollector({"backend": "kvcached"}).log_storage_metrics(got)
+    # Metrics off (SGLang's default): None, which SGLang replaces with an empty StorageMetrics.
+    assert backend(mha_pool("layer_first"), own_daemon.socket).get_stats() is None
+
+
+def test_hybrid_host_pools_are_refused_at_attach(own_daemon):
+    """SGLang's hybrid controller registers every host pool (hybrid_cache_controller.py
+    355-357: `register_mem_host_pool_v2(entry.host_pool, entry.name)` for each entry, the KV
+    anchor among them, then `on_host_pools_registered()`). The anchor is the KV pool already
+    registered; a sidecar pool (Mamba state, window KV) is refused, which fails the attach."""
+    pool = mha_pool("layer_first", "shm")
+    b = backend(pool, own_daemon.socket)
+    b.register_mem_host_pool_v2(pool, "kv")
+    b.on_host_pools_registered()
+    with pytest.raises(NotImplementedError, match="hybrid host pools.*'mamba'"):
+        b.register_mem_host_pool_v2(mha_pool("layer_first"), "mamba")
