@@ -178,3 +178,49 @@ def test_stored_chunks_are_vllm_storage_events(own_daemon):
 def test_unknown_tier_settings_are_refused(own_daemon):
     with pytest.raises(TypeError, match="sokcet"):
         manager(own_daemon.socket, sokcet="/nowhere")
+
+
+def test_another_revision_of_the_model_never_finds_the_chunks(own_daemon, monkeypatch):
+    """vLLM's offloading config names the model without its revision; the tier adds the
+    engine's revision, as the connector does: two revisions' KV are other bytes."""
+    from types import SimpleNamespace
+
+    import vllm.config
+
+    a, a_tier, a_view = manager(own_daemon.socket)
+    key = make_offload_key(b"\x0b" * 32, 0)
+    with a.lock:
+        store(a, a_view, [key], 0x51, "v0")
+        step(a)
+    a_tier.drain_jobs()
+    revision = SimpleNamespace(model_config=SimpleNamespace(model="test/offload-model", revision="r2"))
+    monkeypatch.setattr(vllm.config, "get_current_vllm_config_or_none", lambda: revision)
+    b, b_tier, _ = manager(own_daemon.socket)
+    assert b_tier.namespace.model_id == "test/offload-model@r2"
+    _, seen = lookup_until_hit(b, b_tier, key, "v1")
+    assert seen[-1] is LookupResult.MISS, seen
+    for m in (a, b):
+        m.shutdown()
+
+
+def test_a_daemon_away_is_not_waited_on_again(own_daemon):
+    """A daemon found away: lookups answer MISS and transfers fail at once for `retry_after`
+    seconds, rather than each waiting out the client's reconnect time (2 s)."""
+    import time
+
+    mgr, tier, view = manager(own_daemon.socket, retry_after=60)
+    key = make_offload_key(b"\x0c" * 32, 0)
+    own_daemon.kill()
+    _, seen = lookup_until_hit(mgr, tier, key, "d0", steps=2000)  # finds the daemon away
+    assert seen[-1] is LookupResult.MISS, seen
+    t0 = time.monotonic()
+    _, seen = lookup_until_hit(mgr, tier, make_offload_key(b"\x0d" * 32, 0), "d1")
+    assert seen[-1] is LookupResult.MISS, seen
+    with mgr.lock:
+        store(mgr, view, [make_offload_key(b"\x0e" * 32, 0)], 0x61, "d2")
+        step(mgr)
+    tier.drain_jobs()
+    results = list(tier.get_finished_jobs())
+    assert results and not any(r.success for r in results)
+    assert time.monotonic() - t0 < 1.0
+    mgr.shutdown()

@@ -16,9 +16,11 @@ the model and of everything that shapes a chunk's bytes, so engines of the same 
 configuration share them (vLLM's default sha256 block hashes are the same in every process;
 other hash functions need the same `PYTHONHASHSEED` everywhere).
 
-Tier settings (keys of the tier's entry): `socket`, `model_id` (default vLLM's model name),
-`namespace_extra`, `tenant_salt` (default `$KVCACHED_TENANT_SALT`), `threads` (default 4),
-`enable_kv_events` (stored chunks in vLLM's KV events as STORAGE), `locality`.
+Tier settings (keys of the tier's entry): `socket`, `model_id` (default vLLM's model name,
+`@revision` when one is set), `namespace_extra`, `tenant_salt` (default `$KVCACHED_TENANT_SALT`),
+`threads` (default 4), `retry_after` (seconds the tier answers "not found" and fails transfers
+without asking, after a call found the daemon away; default 5), `enable_kv_events` (stored chunks
+in vLLM's KV events as STORAGE), `locality`.
 """
 
 from __future__ import annotations
@@ -115,9 +117,43 @@ def namespace_of(
         raise ValueError(f"a chunk of {chunk_bytes} bytes is not a multiple of 2 x {tokens} tokens")
     # A chunk is one contiguous run of bytes: one "layer" of int8 pairs.
     layout = kvcached.KvLayout(1, 1, chunk_bytes // (2 * tokens), "int8", tokens, kind="contiguous")
-    model = model_id or str(cfg.model.name)
+    model = model_id or model_name(spec)
     body = "vllm-offload-v1;" + json.dumps(shape, sort_keys=True)
     return kvcached.Namespace(model, layout, tenant_salt=salt, extra=body.encode())
+
+
+def model_name(spec: Any) -> str:
+    """The model's identity in the namespace, as the connector names it: vLLM's model name,
+    with `@revision` when the engine runs a revision (two revisions' KV are other bytes; vLLM's
+    offloading config names the model alone)."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    name = str(spec.config.model.name)
+    vc = get_current_vllm_config_or_none()
+    mc = getattr(vc, "model_config", None)
+    revision = getattr(mc, "revision", None) if mc is not None and str(mc.model) == name else None
+    return f"{name}@{revision}" if revision else name
+
+
+class _Breaker:
+    """A daemon found away is not asked again for `retry_after` seconds: vLLM's lookup thread
+    answers "not found" and transfers fail at once, instead of each waiting out the client's
+    reconnect time while vLLM keeps requests in RETRY and chunks pinned."""
+
+    def __init__(self, retry_after: float) -> None:
+        self.retry_after = retry_after
+        self._down_until = 0.0
+
+    def up(self) -> bool:
+        return time.monotonic() >= self._down_until
+
+    def failed(self, what: str, n: int, e: Exception) -> None:
+        if isinstance(e, kvcached.UnreachableError):
+            self._down_until = time.monotonic() + self.retry_after
+            log.warning("kvcached is not answering (%s); %s of %d chunks: none, for %.0f s", e, what, n,
+                        self.retry_after)  # fmt: skip
+        else:
+            log.warning("kvcached tier: %s of %d chunks failed: %s", what, n, e)
 
 
 def _drain(q: queue.SimpleQueue) -> list:
@@ -133,12 +169,15 @@ def _drain(q: queue.SimpleQueue) -> list:
 class _Lookups(AsyncLookupManager):
     """vLLM's non-blocking lookups, answered by the daemon in batches (one lookup per run)."""
 
-    def __init__(self, tier_type: str, client: kvcached.Client) -> None:
+    def __init__(self, tier_type: str, client: kvcached.Client, breaker: _Breaker) -> None:
         self.client = client
+        self.breaker = breaker
         super().__init__(tier_type)
 
     def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
         found = [False] * len(keys)
+        if not self.breaker.up():
+            return found
         at, probes = 0, 0
         try:
             while at < len(keys) and probes < MAX_PROBES:
@@ -148,7 +187,7 @@ class _Lookups(AsyncLookupManager):
                     found[i] = True
                 at += n + 1  # keys[at + n] is missing
         except kvcached.KvcachedError as e:
-            log.warning("kvcached: lookup failed (%s): not found", e)
+            self.breaker.failed("lookup", len(keys), e)
         return found
 
 
@@ -167,6 +206,7 @@ class KvcachedTier(SecondaryTierManager):
         namespace_extra: str = "",
         tenant_salt: str | None = None,
         threads: int = 4,
+        retry_after: float = 5.0,
         enable_kv_events: bool = False,
         locality: str | None = None,
         backpressure_detector: Any = None,
@@ -198,7 +238,8 @@ class KvcachedTier(SecondaryTierManager):
         self._events: queue.SimpleQueue[OffloadingEvent] = queue.SimpleQueue()
         self._inflight: set[Future] = set()
         self._inflight_lock = threading.Lock()
-        self._lookups = _Lookups(tier_type, self.client)
+        self.breaker = _Breaker(float(retry_after))
+        self._lookups = _Lookups(tier_type, self.client, self.breaker)
 
     # -- lookups -------------------------------------------------------------------------------
 
@@ -236,15 +277,16 @@ class KvcachedTier(SecondaryTierManager):
         self._submit(job_metadata, self._load)
 
     def _store(self, job: TransferJob) -> None:
-        keys, t0 = list(job.keys), time.monotonic()
+        keys, t0, ok = list(job.keys), time.monotonic(), False
         try:
-            r = self.client.save((), 0, [int(c) for c in job.chunk_ids], hashes=kvcached.EngineHashes("vllm", keys))
-            ok = r.failed == 0
-            if not ok:
-                log.warning("kvcached tier: %d of %d chunks not stored: %s", r.failed, len(keys), r.error)
+            if self.breaker.up():
+                chunks = [int(c) for c in job.chunk_ids]
+                r = self.client.save((), 0, chunks, hashes=kvcached.EngineHashes("vllm", keys))
+                ok = r.failed == 0
+                if not ok:
+                    log.warning("kvcached tier: %d of %d chunks not stored: %s", r.failed, len(keys), r.error)
         except Exception as e:  # noqa: BLE001 - a job always ends with a result (vLLM pins its chunks)
-            log.warning("kvcached tier: store of %d chunks failed: %s", len(keys), e)
-            ok = False
+            self.breaker.failed("store", len(keys), e)
         if ok and self.enable_kv_events:
             self._events.put(OffloadingEvent(keys=keys, medium=Medium.STORAGE, removed=False, locality=self.locality))
         self._finished.put(
@@ -252,15 +294,13 @@ class KvcachedTier(SecondaryTierManager):
         )
 
     def _load(self, job: TransferJob) -> None:
-        keys, t0 = list(job.keys), time.monotonic()
+        keys, t0, n = list(job.keys), time.monotonic(), 0
         try:
-            st = self.client.load_now(
-                (), 0, [int(c) for c in job.chunk_ids], hashes=kvcached.EngineHashes("vllm", keys)
-            )
-            n = int(st.loaded_blocks)
+            if self.breaker.up():
+                chunks = [int(c) for c in job.chunk_ids]
+                n = int(self.client.load_now((), 0, chunks, hashes=kvcached.EngineHashes("vllm", keys)).loaded_blocks)
         except Exception as e:  # noqa: BLE001 - a job always ends with a result (vLLM pins its chunks)
-            log.warning("kvcached tier: load of %d chunks failed: %s", len(keys), e)
-            n = 0
+            self.breaker.failed("load", len(keys), e)
         ok = n == len(keys)
         result = JobResult(job.job_id, ok, None if ok else keys[:n], time.monotonic() - t0, n * self.block_size_bytes)
         self._finished.put((result, keys[n:]))
