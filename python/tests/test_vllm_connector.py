@@ -322,6 +322,55 @@ def test_a_hybrid_model_saves_and_loads_full_and_sliding_window_groups(daemon, m
     finish(e, "H3")
 
 
+def test_groups_of_different_block_sizes_are_each_keyed_at_their_own(daemon, make_engine):
+    """KV-cache groups whose blocks differ in size (vLLM makes a group's blocks longer where its
+    layers' pages per token are smaller, so that every page is the same size): full attention in
+    16-token blocks beside a one-head window group in 32-token blocks. vLLM's scheduler aligns
+    to 32 (their least common multiple); each group's blocks are keyed in its own namespace at
+    its own size, and a hit is whole blocks of both."""
+    import torch
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+    from vllm_harness import LAYERS, SPEC
+
+    swa = SlidingWindowSpec(
+        block_size=2 * BLOCK, num_kv_heads=1, head_size=32, dtype=torch.bfloat16, sliding_window=2 * BLOCK
+    )
+    assert swa.page_size_bytes == SPEC.page_size_bytes
+    e = make_engine(
+        daemon.socket, prefix_caching=False, batched_tokens=256, groups=[([LAYERS[0]], SPEC), ([LAYERS[1]], swa)]
+    )
+    sched = e.connector.scheduler
+    assert sched.block_size == 2 * BLOCK and [g.block_tokens for g in sched.groups] == [BLOCK, 2 * BLOCK]
+    prompt = [t + 7100 for t in range(7 * BLOCK + 3)]
+    e.add(request("M1", prompt))
+    out, _ = e.step()
+    # Saved up to token 96 (whole 32-token blocks): the full group's 16-token blocks 0-5, the
+    # window group's 32-token blocks its window of the prompt's end reads, and one more.
+    assert sorted((t.group, t.first_block, len(t.slots)) for t in out.kv_connector_metadata.saves) == [
+        (0, 0, 6),
+        (1, 1, 2),
+    ]
+    finish(e, "M1")
+
+    e.add(request("M2", prompt))
+    loads, out = loaded_then_scheduled(e, "M2")
+    # The window (32 tokens) of token 96 lies in the window group's block 2.
+    assert loads == [(0, 0, 6), (1, 2, 1)], loads
+    assert out.num_scheduled_tokens["M2"] == len(prompt) - 6 * BLOCK
+    assert_group_kv(e, "M2", prompt, 0, range(6))
+    assert_group_kv(e, "M2", prompt, 1, (2,))
+    finish(e, "M2")
+
+    # A prompt sharing 5 full blocks (80 tokens): the hit ends at 64, a block of both groups.
+    e.add(request("M3", prompt[: 5 * BLOCK] + [3] * 40))
+    loads, out = loaded_then_scheduled(e, "M3")
+    assert loads == [(0, 0, 4), (1, 1, 1)], loads
+    assert_group_kv(e, "M3", prompt, 0, range(4))
+    assert_group_kv(e, "M3", prompt, 1, (1,))
+    assert e.worker.worker.counts["load_failed"] == 0
+    finish(e, "M3")
+
+
 def test_a_hybrid_prefill_hands_off_to_a_hybrid_decode_engine(daemon, make_engine):
     from vllm_harness import LAYERS, SPEC
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import tempfile
 import time
@@ -270,29 +271,29 @@ class Engine:
             all_blocks = s.kv_cache_manager.get_blocks(rid).get_block_ids()
             self._forward_states(all_blocks, toks, start, min(start + n, len(toks)), tag)
             for pos in range(start, min(start + n, len(toks))):
-                slot = pos % BLOCK
                 for li, name in enumerate(LAYERS):
                     g, spec = self.layer_groups.get(name, (0, self.spec))
                     if is_state(spec):
                         continue
-                    b = all_blocks[g][pos // BLOCK]
+                    b = all_blocks[g][pos // spec.block_size]
                     assert b != 0, f"{name}: no block for computed token {pos}"
+                    slot = pos % spec.block_size
                     self.kv[name][b, :, slot, :].view(torch.uint8).copy_(token_kv(toks, pos, li, tag, spec))
 
     def _forward_states(self, all_blocks: Any, toks: list[int], start: int, end: int, tag: str) -> None:
         """A state layer's step, as vLLM's Mamba kernels run it in align mode: it starts from
-        the state in block `(start - 1) // BLOCK` (which must be the prefix's: loaded or
-        computed) and leaves the state after `end` tokens in block `cdiv(end, BLOCK) - 1`."""
+        the state in block `(start - 1) // block_size` (which must be the prefix's: loaded or
+        computed) and leaves the state after `end` tokens in block `cdiv(end, block_size) - 1`."""
         for li, name in enumerate(LAYERS):
             g, spec = self.layer_groups.get(name, (0, self.spec))
             if not is_state(spec) or end <= start:
                 continue
             if start > 0:
-                prev = all_blocks[g][(start - 1) // BLOCK]
+                prev = all_blocks[g][(start - 1) // spec.block_size]
                 assert prev != 0, f"{name}: no state block to start from at {start}"
                 have = self.kv[name][prev].reshape(-1).view(torch.uint8)[: spec.real_page_size_bytes]
                 assert torch.equal(have, state_bytes(toks, start, li, spec, tag)), f"{name}: wrong state at {start}"
-            cur = all_blocks[g][-(-end // BLOCK) - 1]
+            cur = all_blocks[g][-(-end // spec.block_size) - 1]
             assert cur != 0, f"{name}: no state block for {end}"
             self.kv[name][cur].reshape(-1).view(torch.uint8)[: spec.real_page_size_bytes].copy_(
                 state_bytes(toks, end, li, spec, tag)
@@ -387,12 +388,13 @@ class Engine:
         for li, name in enumerate(LAYERS):
             spec = self.layer_groups.get(name, (0, self.spec))[1]
             if is_state(spec):
-                page = state_bytes(tokens, (index + 1) * BLOCK, li, spec, tag).numpy().tobytes()
+                page = state_bytes(tokens, (index + 1) * spec.block_size, li, spec, tag).numpy().tobytes()
                 out.append(page)
                 continue
             scratch = torch.empty_like(self.kv[name][:1])
-            for slot in range(BLOCK):
-                scratch[0, :, slot, :].view(torch.uint8).copy_(token_kv(tokens, index * BLOCK + slot, li, tag, spec))
+            bs = spec.block_size
+            for slot in range(bs):
+                scratch[0, :, slot, :].view(torch.uint8).copy_(token_kv(tokens, index * bs + slot, li, tag, spec))
             out.append(scratch[0].contiguous().view(torch.uint8).numpy().tobytes())
         return out
 
@@ -406,9 +408,15 @@ def engine(
     mamba = any(is_state(sp) for _, sp in groups or [])
     cfg = vllm_config(*args, layout=layout, hybrid=groups is not None, mamba=mamba, **kwargs)
     kcfg = kv_cache_config(cfg, num_blocks, spec, groups)
+    # Groups of different block sizes: vLLM's engine core gives the scheduler their least
+    # common multiple to align to and hashes requests in blocks of their greatest common
+    # divisor (`resolve_kv_cache_block_sizes`); requests are then made with `block=` that.
+    sizes = [sp.block_size for _, sp in groups or [(LAYERS, spec)]]
+    block, hash_block = math.lcm(*sizes), math.gcd(*sizes)
+    kcfg.hash_block_size = hash_block
     sched = Scheduler(
         vllm_config=cfg, kv_cache_config=kcfg, log_stats=True,
-        structured_output_manager=StructuredOutputManager(cfg), block_size=BLOCK,
+        structured_output_manager=StructuredOutputManager(cfg), block_size=block, hash_block_size=hash_block,
     )  # fmt: skip
     assert type(sched.connector) is KvcachedConnector, type(sched.connector)
     # An encoder budget, as a multimodal model's scheduler has, so that requests with images

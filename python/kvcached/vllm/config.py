@@ -225,8 +225,8 @@ def kv_groups(vllm_config: Any, kv_cache_config: Any) -> list[KvGroup]:
         if not getattr(spec, "has_layer_views", True):
             raise _unsupported(f"{type(spec).__name__} layers without per-layer KV views")
         out.append(KvGroup(i, len(groups), spec, tuple(g.layer_names), window, state, chunked, block_tokens))
-    if len({g.spec.block_size for g in out}) != 1:
-        raise _unsupported(f"KV-cache groups of different block sizes ({[g.spec.block_size for g in out]})")
+    # Groups may have blocks of different sizes (vLLM's scheduler then aligns to their least
+    # common multiple): each group's blocks are keyed in its own namespace, at its own size.
     return out
 
 

@@ -12,21 +12,18 @@ here fails that block's load, and vLLM recomputes it (`kv_load_failure_policy`).
 from __future__ import annotations
 
 import logging
+import math
 import time
 from array import array
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any
 
 import kvcached
-from kvcached.vllm.config import ConnectorConfig, _unsupported, kv_groups, namespace
+from kvcached.vllm.config import ConnectorConfig, KvGroup, _unsupported, kv_groups, namespace
 from kvcached.vllm.keys import AdapterHashes, ContextArgs, key_kwargs, request_context
 from kvcached.vllm.meta import KvcachedConnectorMetadata, Transfer
 
 log = logging.getLogger("kvcached.vllm")
-
-# A lookup's answer when not every group can serve the prefix.
-_NO_HIT = SimpleNamespace(matched_blocks=0, matched_tokens=0, g2_blocks=0, g3_blocks=0, g4_blocks=0)
 
 # Block boundaries, from where the attention hit ends back, at which a lookup asks whether the
 # state groups hold a state: a saved state lies where an earlier prompt's last whole block
@@ -41,9 +38,9 @@ class _Req:
     # Why kvcached does not serve this request (None: it does).
     unsupported: str | None
     # What its keys bind besides its tokens (adapter, salt, images, prompt embeddings; None:
-    # nothing), as data for the workers and as the client's KeyContext.
-    context: ContextArgs | None = None
-    key_context: Any = None
+    # nothing), as data for the workers and as the client's KeyContext, per block size of the
+    # KV-cache groups (a prompt embedding's rows are hashed per block).
+    contexts: dict[int, tuple[ContextArgs | None, Any]] = field(default_factory=dict)
     # Tokens vLLM had locally when it asked us (block-aligned), and whether its load is async.
     local_tokens: int = 0
     load_async: bool = False
@@ -85,9 +82,11 @@ class SchedulerSide:
         empty = [g.index for g in self.groups if not g.layers]
         if empty:
             raise _unsupported(f"KV-cache groups {empty} without layers on pipeline stage 0 (lookups ask stage 0's)")
-        # Blocks as vLLM's scheduler counts them (with decode context parallelism, the spec's
-        # block size times the ranks).
-        self.block_size: int = self.groups[0].block_tokens
+        # What vLLM's scheduler aligns hits and computed tokens to: the least common multiple of
+        # the groups' blocks (each group's blocks as vLLM counts them: with decode context
+        # parallelism, the spec's block size times the ranks). A hit is whole blocks of every
+        # group.
+        self.block_size: int = math.lcm(*(g.block_tokens for g in self.groups))
         self.cfg = cfg
         tp_size = vllm_config.parallel_config.tensor_parallel_size
         # State groups (Mamba) restore a prefix from one block, which vLLM reads only when the
@@ -172,19 +171,34 @@ class SchedulerSide:
     def _track(self, request: Any) -> _Req:
         st = self._reqs.get(request.request_id)
         if st is None or st.request is not request:
-            context, why = request_context(request, self._adapters, self.block_size)
-            key_context = None
-            if context is not None:
-                try:
-                    key_context = context.make()
-                except ValueError as e:
-                    context, why = None, f"a key context kvcached refuses ({e})"
-            st = _Req(request, why, context, key_context)
+            contexts: dict[int, tuple[ContextArgs | None, Any]] = {}
+            why = None
+            for bs in sorted({g.block_tokens for g in self.groups}):
+                context, why = request_context(request, self._adapters, bs)
+                key_context = None
+                if context is not None:
+                    try:
+                        key_context = context.make()
+                    except ValueError as e:
+                        context, why = None, f"a key context kvcached refuses ({e})"
+                if why:
+                    break
+                contexts[bs] = (context, key_context)
+            st = _Req(request, why, contexts)
             self._reqs[request.request_id] = st
             if st.unsupported and st.unsupported not in self._told:
                 self._told.add(st.unsupported)
                 log.info("kvcached connector: requests with %s are neither looked up nor saved", st.unsupported)
         return st
+
+    def _keys(self, st: _Req, g: KvGroup) -> dict[str, Any]:
+        """What keys a lookup of `st` in group `g`'s namespace."""
+        return key_kwargs(st.contexts[g.block_tokens][1], self.cfg.key_scheme)
+
+    @staticmethod
+    def _context(st: _Req, g: KvGroup) -> ContextArgs | None:
+        """The key context of `st`'s transfers in group `g` (its blocks' size)."""
+        return st.contexts[g.block_tokens][0]
 
     def _tokens(self, st: _Req, end: int) -> array:
         """The request's first `end` token ids, as a new array (a transfer keeps its own)."""
@@ -210,23 +224,23 @@ class SchedulerSide:
         bs = self.block_size
         # vLLM computes at least the last token itself: a hit may cover every block before it.
         limit = (request.num_tokens - 1) // bs * bs
-        if limit <= num_computed_tokens:
+        # A load starts where vLLM's own hit ends, at a block of every group.
+        if limit <= num_computed_tokens or num_computed_tokens % bs:
             return 0, False
         clients = self._connect()
         if clients is None:
             return 0, False
         start = time.perf_counter()
         try:
-            hit = self._hit(clients, st, self._tokens(st, limit))
+            found, disk = self._hit(clients, st, self._tokens(st, limit))
         except kvcached.KvcachedError as e:
             self._down(e)
             return 0, False
         self.stats.lookups += 1
         self.stats.lookup_seconds += time.perf_counter() - start
-        found = min(hit.matched_tokens, limit)
-        n = max(0, found - num_computed_tokens)
+        n = max(0, min(found, limit) - num_computed_tokens)
         self.stats.hit_tokens += n
-        st.disk_tokens = (hit.g3_blocks + hit.g4_blocks) * bs
+        st.disk_tokens = disk
         # With several KV-cache groups vLLM takes a failed load only as a whole request that
         # waited for it (`failed_recving`), so such a model's loads are asynchronous.
         st.load_async = (self.cfg.load_async or len(self.groups) > 1) and n > 0
@@ -237,66 +251,61 @@ class SchedulerSide:
         group to say where a hit ends)."""
         return self.cfg.window_saves == "window" and any(g.window_blocks is None and not g.state for g in self.groups)
 
-    def _hit(self, clients: list[kvcached.Client], st: _Req, tokens: Any) -> Any:
-        """The cached prefix every group can serve: the shortest of the full-attention groups'
-        cached prefixes, where every window group also holds the blocks its window reads before
-        it (saved windows end where earlier prompts ended). With `window_saves = "all"` (or no
+    def _hit(self, clients: list[kvcached.Client], st: _Req, tokens: Any) -> tuple[int, int]:
+        """The cached prefix every group can serve, in tokens (whole blocks of every group), and
+        how many of them are on disk (G3/G4): the shortest of the full-attention groups' cached
+        prefixes, where every window group also holds the blocks its window reads before it
+        (saved windows end where earlier prompts ended). With `window_saves = "all"` (or no
         full-attention group) every group's prefix is looked up from the first block. With state
-        groups (Mamba) the hit ends at the longest block boundary, at most `STATE_PROBES` back
-        from there, where every state group holds the state too."""
+        groups (Mamba) the hit ends at the longest boundary, at most `STATE_PROBES` back from
+        there, where every state group holds the state too."""
         windowed = self._windowed()
-        hit = None
+        bs = self.block_size
+        end, disk = None, 0
         for g, c in zip(self.groups, clients, strict=True):
             if g.state or (windowed and g.window_blocks is not None):
                 continue
-            keys = key_kwargs(st.key_context, self.cfg.key_scheme)
-            h = c.lookup(tokens if hit is None else tokens[: hit.matched_tokens], **keys)
-            if hit is None or h.matched_tokens < hit.matched_tokens:
-                hit = h
-            if hit.matched_tokens == 0:
-                return hit
-        if hit is None:
+            h = c.lookup(tokens if end is None else tokens[:end], **self._keys(st, g))
+            t = h.matched_tokens // bs * bs
+            if end is None or t < end:
+                end, disk = t, (h.g3_blocks + h.g4_blocks) * g.block_tokens
+            if end == 0:
+                return 0, 0
+        if end is None:
             if not self.states:
-                return _NO_HIT
-            # State groups alone (a Mamba model without attention): the state decides.
-            end = len(tokens) // self.block_size
-            hit = SimpleNamespace(matched_blocks=end, matched_tokens=end * self.block_size, g2_blocks=end,
-                                  g3_blocks=0, g4_blocks=0)  # fmt: skip
-        end = hit.matched_tokens // self.block_size
+                return 0, 0
+            end = len(tokens) // bs * bs  # state groups alone (no attention): the state decides
         if windowed and not self._windows_hold(clients, st, tokens, end):
-            return _NO_HIT
+            return 0, 0
         if not self.states:
-            return hit
-        # The hit ends where every state group holds the state: at most STATE_PROBES block
-        # boundaries back from where attention's ends (and the windows hold there too).
-        for b in range(end, max(0, end - STATE_PROBES), -1):
+            return end, min(disk, end)
+        # The hit ends where every state group holds the state: at most STATE_PROBES boundaries
+        # back from where attention's ends (and the windows hold there too).
+        for b in range(end, max(0, end - STATE_PROBES * bs), -bs):
             if not self._states_hold(clients, st, tokens, b):
                 continue
             if b < end and windowed and not self._windows_hold(clients, st, tokens, b):
                 continue
-            disk = min(hit.g3_blocks + hit.g4_blocks, b)
-            return SimpleNamespace(matched_blocks=b, matched_tokens=b * self.block_size, g2_blocks=b - disk,
-                                   g3_blocks=disk, g4_blocks=0)  # fmt: skip
-        return _NO_HIT
+            return b, min(disk, b)
+        return 0, 0
 
     def _windows_hold(self, clients: list[kvcached.Client], st: _Req, tokens: Any, end: int) -> bool:
-        """Whether every window group holds the blocks its window reads before block `end`."""
+        """Whether every window group holds the blocks its window reads before token `end`."""
         for g, c in zip(self.groups, clients, strict=True):
             if g.window_blocks is None or g.state:
                 continue
-            first = max(0, end - g.window_blocks)
-            keys = key_kwargs(st.key_context, self.cfg.key_scheme)
-            run = c.lookup(tokens[: end * self.block_size], first_block=first, **keys)
-            if first + run.matched_blocks < end:
+            last = end // g.block_tokens
+            first = max(0, last - g.window_blocks)
+            run = c.lookup(tokens[:end], first_block=first, **self._keys(st, g))
+            if first + run.matched_blocks < last:
                 return False  # the window before the hit point is not all there
         return True
 
     def _states_hold(self, clients: list[kvcached.Client], st: _Req, tokens: Any, end: int) -> bool:
-        """Whether every state group holds the state after the first `end` blocks (its block
-        `end - 1`)."""
+        """Whether every state group holds the state after the first `end` tokens (its block
+        ending there)."""
         for g in self.states:
-            keys = key_kwargs(st.key_context, self.cfg.key_scheme)
-            run = clients[g.index].lookup(tokens[: end * self.block_size], first_block=end - 1, **keys)
+            run = clients[g.index].lookup(tokens[:end], first_block=end // g.block_tokens - 1, **self._keys(st, g))
             if run.matched_blocks < 1:
                 return False
         return True
@@ -306,25 +315,28 @@ class SchedulerSide:
         if num_external_tokens <= 0:
             return  # build_connector_meta takes the block ids of the request it schedules
         st.block_ids = [list(ids) for ids in blocks.get_block_ids()]
-        bs = self.block_size
-        first = st.local_tokens // bs
-        count = -(-num_external_tokens // bs)
-        tokens = self._tokens(st, (first + count) * bs)
+        # Tokens: where vLLM's own hit ends, and where the load ends (whole blocks of every
+        # group: both are multiples of the scheduler's block).
+        start = st.local_tokens
+        stop = start + -(-num_external_tokens // self.block_size) * self.block_size
+        tokens = self._tokens(st, stop)
         planned = []
         for g in self.groups:
+            bs = g.block_tokens
+            first, count = start // bs, (stop - start) // bs
             if g.state:
                 # The state after the hit, into the block vLLM reads it from (its others are
                 # its null block).
-                at = first + count - 1
+                at = stop // bs - 1
                 ids = st.block_ids[g.index]
                 if len(ids) <= at or ids[at] == 0:
-                    self._unplannable(st, first, count, "no block for its state")
+                    self._unplannable(st, start, stop, "no block for its state")
                     return
-                planned.append(Transfer(request.request_id, tokens, at, [ids[at]], st.context, g.index))
+                planned.append(Transfer(request.request_id, tokens, at, [ids[at]], self._context(st, g), g.index))
                 continue
             slots = st.block_ids[g.index][first : first + count]
             if len(slots) != count:
-                self._unplannable(st, first, count, f"{len(slots)} blocks where a load needs {count}")
+                self._unplannable(st, start, stop, f"{len(slots)} blocks where a load needs {count}")
                 return
             # A window group holds blocks (vLLM's others are its null block, 0) only where its
             # window reads, a chunked group only in the current chunk: those are loaded, the
@@ -334,25 +346,29 @@ class SchedulerSide:
                 while skip < len(slots) and slots[skip] == 0:
                     skip += 1
             if 0 in slots[skip:]:
-                self._unplannable(st, first, count, "no block for part of a load")
+                self._unplannable(st, start, stop, "no block for part of a load")
                 return
             if skip < len(slots):
-                planned.append(Transfer(request.request_id, tokens, first + skip, slots[skip:], st.context, g.index))
+                planned.append(
+                    Transfer(request.request_id, tokens, first + skip, slots[skip:], self._context(st, g), g.index)
+                )
         (self._async_loads if st.load_async else self._loads).extend(planned)
         # Loaded blocks are in kvcached already: saves start after them.
-        st.saved_upto = max(st.saved_upto, (first + count) * bs)
+        st.saved_upto = max(st.saved_upto, stop)
         self.stats.loads_planned += 1
-        self.stats.blocks_to_load += count
+        self.stats.blocks_to_load += sum(len(t.slots) for t in planned)
 
-    def _unplannable(self, st: _Req, first: int, count: int, why: str) -> None:
-        """A load vLLM counts on that cannot be planned: reported failed (the request's, when
-        it waits for its loads; else its blocks'), so that vLLM computes them."""
+    def _unplannable(self, st: _Req, start: int, stop: int, why: str) -> None:
+        """A load of tokens `start..stop` vLLM counts on that cannot be planned: reported failed
+        (the request's, when it waits for its loads; else its blocks'), so that vLLM computes
+        them."""
         log.error("kvcached connector: %s: %s; vLLM computes it", st.request.request_id, why)
         if st.load_async:
             self._unplanned.append(st.request.request_id)
         else:
+            bs = self.groups[0].block_tokens
             ids = st.block_ids[0] if st.block_ids else []
-            self._unplanned_blocks.extend(b for b in ids[first : first + count] if b)
+            self._unplanned_blocks.extend(b for b in ids[start // bs : stop // bs] if b)
 
     def hit_sources(self, request: Any, num_external_tokens: int) -> dict[Any, int]:
         """The external hit split into host memory (G2) and disk (G3/G4) tokens. The lookup
@@ -420,7 +436,6 @@ class SchedulerSide:
         (`wait_for_save`), before vLLM may reuse them."""
         block_state = getattr(scheduler_output, "kv_connector_block_state", None)
         offers = block_state.boundary_state_offloads if block_state is not None else {}
-        bs = self.block_size
         for rid, entries in offers.items():
             st = self._reqs.get(rid)
             if st is None or st.unsupported:
@@ -430,13 +445,14 @@ class SchedulerSide:
             for group, block_id, boundary in entries:
                 if not (0 <= group < len(self.groups) and self.groups[group].state):
                     continue
-                if block_id == 0 or boundary <= 0 or boundary % bs or boundary > limit:
+                g = self.groups[group]
+                if block_id == 0 or boundary <= 0 or boundary % g.block_tokens or boundary > limit:
                     continue
                 if (group, boundary) in st.states_saved or boundary > len(req.all_token_ids):
                     continue
                 st.states_saved.add((group, boundary))
-                meta.saves.append(Transfer(rid, self._tokens(st, boundary), boundary // bs - 1, [block_id],
-                                           st.context, group))  # fmt: skip
+                meta.saves.append(Transfer(rid, self._tokens(st, boundary), boundary // g.block_tokens - 1,
+                                           [block_id], self._context(st, g), group))  # fmt: skip
                 self.stats.blocks_to_save += 1
 
     def _plan_save(self, meta: KvcachedConnectorMetadata, st: _Req, done_tokens: int) -> None:
@@ -447,7 +463,6 @@ class SchedulerSide:
         end = min(done_tokens, limit, len(req.all_token_ids)) // bs * bs
         if end <= st.saved_upto:
             return
-        first, last = st.saved_upto // bs, end // bs
         if len(st.block_ids) != len(self.groups):
             return
         tokens = self._tokens(st, end)
@@ -456,6 +471,8 @@ class SchedulerSide:
         for g in self.groups:
             if g.state:
                 continue  # saved as vLLM offers their blocks (`_plan_state_saves`)
+            gbs = g.block_tokens
+            first, last = st.saved_upto // gbs, end // gbs
             slots = st.block_ids[g.index][first:last]
             if len(slots) != last - first:
                 return
@@ -465,9 +482,11 @@ class SchedulerSide:
             # request whose hit must stop a token short of it).
             skip = max((i + 1 for i, s in enumerate(slots) if s == 0), default=0)
             if windowed and g.window_blocks is not None:
-                skip = max(skip, limit // bs - g.window_blocks - 1 - first)
+                skip = max(skip, limit // gbs - g.window_blocks - 1 - first)
             if skip < len(slots):
-                saves.append(Transfer(req.request_id, tokens, first + skip, slots[skip:], st.context, g.index))
+                saves.append(
+                    Transfer(req.request_id, tokens, first + skip, slots[skip:], self._context(st, g), g.index)
+                )
         meta.saves.extend(saves)
         st.saved_upto = end
         self.stats.saves_planned += 1
