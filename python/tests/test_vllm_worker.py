@@ -43,7 +43,7 @@ def fill(e, block: int, seed: int) -> list[bytes]:
 TOKENS = array("I", range(500, 500 + 4 * BLOCK))
 
 
-@pytest.mark.parametrize("layout", ["LBHNC", "LBNHC", "BLHNC", "BLNHC"])
+@pytest.mark.parametrize("layout", ["LBHNC", "LBNHC", "BLHNC", "BLNHC", "LHBNC", "BHLNC"])
 def test_blocks_round_trip_in_each_layout(daemon, make_engine, layout):
     extra = {"kvcached.namespace_extra": f"worker-{layout}"}
     a = make_engine(daemon.socket, extra=extra, layout=layout)
@@ -148,9 +148,25 @@ def test_layouts_do_not_share_blocks(daemon, make_engine):
     assert invalid == {4}
 
 
-def test_head_split_layouts_are_refused(daemon, make_engine):
-    with pytest.raises(NotImplementedError, match="splits it by head"):
-        make_engine(daemon.socket, layout="LHBNC")
+@pytest.mark.parametrize("layout", ["LHBNC", "BHLNC"])
+def test_head_split_layouts_register_a_run_per_head(daemon, make_engine, layout):
+    """In LHBNC (ROCm's attention) and BHLNC a layer's page of a block is one run per head, the
+    runs apart by the blocks (or the layers) between them: each head's run is two segments, and
+    the namespace counts the runs as its layers (its layout name keeps it apart)."""
+    e = make_engine(daemon.socket, layout=layout)
+    w = e.worker.worker
+    heads = e.spec.num_kv_heads
+    slots = w.regs[0].memory.slots
+    assert len(slots.segments) == 2 * len(LAYERS) * heads
+    assert w.namespace.layout.num_layers == len(LAYERS) * heads
+    # Each head's run of block 5 (of layer 1) is where vLLM's view puts it.
+    view = e.kv[LAYERS[1]]
+    base = e.kv[LAYERS[0]][0, 0].data_ptr() - slots.segments[0][0]  # the region's start
+    ranges = slots.ranges(5)[2 * heads :]
+    run = view[5, 0].numel() * view.element_size()
+    for h in range(heads):
+        assert ranges[2 * h] == (view[5, h].data_ptr() - base, run // 2)
+        assert ranges[2 * h + 1] == (view[5, h].data_ptr() - base + run // 2, run // 2)
 
 
 def test_async_loads_are_reported_when_done(daemon, make_engine):

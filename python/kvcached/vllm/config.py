@@ -306,6 +306,23 @@ def tp_shard(spec: Any, tp_rank: int, tp_size: int) -> tuple[int, int]:
     return tp_rank % shards, shards
 
 
+# vLLM's layouts whose head axis lies outside a block's tokens (LHBNC: outside the blocks of the
+# layer; BHLNC: outside the layers of the block): a layer's page of a block is one run of bytes
+# per head slot.
+HEAD_SPLIT_LAYOUTS = ("LHBNC", "BHLNC")
+
+
+def page_runs(vllm_config: Any, kv_cache_config: Any, spec: Any) -> int:
+    """How many runs of bytes a layer's page of one block is in vLLM's physical layout: one per
+    head slot (the spec's `num_head_slots`, else its KV heads) in a head-split layout, else
+    one. A state page (Mamba) is not laid out by head."""
+    if getattr(spec, "mamba_cache_mode", None) is not None:
+        return 1
+    if layout_name(vllm_config, kv_cache_config).rsplit(".", 1)[-1] not in HEAD_SPLIT_LAYOUTS:
+        return 1
+    return int(getattr(spec, "num_head_slots", None) or spec.num_kv_heads)
+
+
 def layout_name(vllm_config: Any, kv_cache_config: Any) -> str:
     """vLLM's physical KV layout (`LBHNC`, `LBNHC`, ...), resolved by the engine core."""
     name = getattr(kv_cache_config, "kv_cache_layout", None) or vllm_config.cache_config.kv_cache_layout
@@ -337,7 +354,8 @@ def namespace(
     if group.state:
         return _state_namespace(vllm_config, kv_cache_config, cfg, tp_rank, tp_size, group)
     dcp = dcp_size(vllm_config) if _dcp_sharded(spec) else 1
-    if _plain(spec) and dcp == 1:
+    runs = page_runs(vllm_config, kv_cache_config, spec)
+    if _plain(spec) and dcp == 1 and runs == 1:
         layout = kvcached.KvLayout(
             num_layers=len(layers),
             kv_heads=spec.num_kv_heads,
@@ -348,12 +366,15 @@ def namespace(
         )
         spec_desc = f"spec={type(spec).__name__}"
     else:
-        # Any other page: its bytes as int8, in two halves per layer, with the spec's fields in
-        # `extra` (so an fp8 page and a bf16 page, or MLA and full attention, never share keys).
+        # Any other page: its bytes as int8, in two halves per layer (per head slot's run, in a
+        # head-split layout), with the spec's fields in `extra` (so an fp8 page and a bf16 page,
+        # or MLA and full attention, never share keys).
         page, bs = page_bytes(spec), group.block_tokens or spec.block_size
-        if page % (2 * bs):
-            raise _unsupported(f"a KV page of {page} bytes (not a multiple of 2 x {bs} tokens per block)")
-        layout = _bytes_layout(len(layers), page, bs)
+        if page % runs or (page // runs) % (2 * bs):
+            raise _unsupported(
+                f"a KV page of {page} bytes in {runs} runs (not a multiple of 2 x {bs} tokens per block each)"
+            )
+        layout = _bytes_layout(len(layers) * runs, page // runs, bs)
         spec_desc = f"spec={spec!r}"
     tp_rank, tp_size = tp_shard(spec, tp_rank, tp_size)
     extra = ";".join(

@@ -13,8 +13,8 @@ Blocks. vLLM 0.33 views each layer as `[blocks, heads, tokens, K|V]` in one of s
 orders; in the ones with a layer's page of a block in one run (LBHNC on CPU, LBNHC on CUDA, and
 the block-major BL** orders) the connector registers each layer's page as two segments (its two
 halves) at the layer's offset, strided by the block stride. The bytes round-trip exactly; the
-order inside a page goes into the namespace (config.py). Layouts whose pages are split by head
-(LHBNC, BHLNC) are refused.
+order inside a page goes into the namespace (config.py). In the layouts whose pages are split by
+head (LHBNC, BHLNC) each head slot's run is two segments.
 
 Layer by layer. The daemon copies a block's layers together (one gather per save, one scatter
 per load), so a load cannot be waited for per layer nor a save started per layer. By default
@@ -38,6 +38,7 @@ from torch.overrides import TorchFunctionMode
 import kvcached
 from kvcached.torch_utils import SharedRegion, cuda_ipc_region, shared_empty
 from kvcached.vllm.config import (
+    HEAD_SPLIT_LAYOUTS,
     ConnectorConfig,
     KvGroup,
     dcp_size,
@@ -45,6 +46,7 @@ from kvcached.vllm.config import (
     layout_name,
     namespace,
     page_bytes,
+    page_runs,
     pp_size,
 )
 from kvcached.vllm.keys import ContextArgs, key_kwargs
@@ -237,20 +239,26 @@ class WorkerSide:
         """Each layer's page of a block as two segments (its halves). A view is vLLM's
         `[blocks, heads, tokens, content]` of one layer; the attention kernel's blocks may
         subdivide a manager block (`ratio` kernel blocks per block), which vLLM allows only when
-        a block's pages are dense, so a block is still one run of bytes."""
+        a block's pages are dense, so a block is still one run of bytes. In a head-split layout
+        (LHBNC, BHLNC) a page is one run per head slot: two segments each."""
         spec = group.spec
         page = page_bytes(spec)
         blocks = self.kv_cache_config.num_blocks
-        segments = []
+        runs = page_runs(self.vllm_config, self.kv_cache_config, spec)
+        segments: list[tuple[int, int]] = []
         for name, v in zip(group.layers, views, strict=True):
             es = v.element_size()
             if v.dim() != 4 or v.shape[0] % blocks:
                 raise RuntimeError(f"{name}: a {tuple(v.shape)} view, expected [blocks x k, heads, tokens, content]")
             ratio = v.shape[0] // blocks
+            if runs > 1:
+                segments += self._head_runs(name, v, runs, page, blocks, base, region_bytes)
+                continue
             if not page_is_one_run(v):
                 raise NotImplementedError(
-                    f"kvcached's connector needs each block's page of a layer in one run of bytes; vLLM's KV "
-                    f"layout {self.layout} splits it by head (supported: LBHNC, LBNHC, BLHNC, BLNHC)"
+                    f"kvcached's connector needs each block's page of a layer in one run of bytes, or one per "
+                    f"head slot in a head-split layout ({', '.join(HEAD_SPLIT_LAYOUTS)}); vLLM's KV layout "
+                    f"{self.layout} lays {name}'s page out otherwise"
                 )
             kernel_page = v[0].numel() * es
             if ratio > 1 and v.stride(0) * es != kernel_page:
@@ -266,7 +274,32 @@ class WorkerSide:
             if offset < 0 or offset + (blocks - 1) * block_stride + page > region_bytes:
                 raise RuntimeError(f"{name}'s KV is not inside the registered region")
             segments += [(offset, block_stride), (offset + page // 2, block_stride)]
-        return kvcached.SlotLayout(segments, page // 2, blocks)
+        return kvcached.SlotLayout(segments, page // runs // 2, blocks)
+
+    @staticmethod
+    def _head_runs(
+        name: str, v: torch.Tensor, runs: int, page: int, blocks: int, base: int, region_bytes: int
+    ) -> list[tuple[int, int]]:
+        """A head-split layer view's segments: each head slot's run of `[tokens, content]` of a
+        block (dense), in head order, as two halves."""
+        es = v.element_size()
+        run = v.shape[2] * v.shape[3] * es
+        if v.shape[0] != blocks or v.shape[1] != runs or run * runs != page:
+            raise NotImplementedError(
+                f"{name}: a {tuple(v.shape)} head-split view, expected [{blocks}, {runs}, tokens, content] of "
+                f"{page} bytes per block (kernel blocks that split a block are not supported here)"
+            )
+        if v.stride(3) != 1 or v.stride(2) != v.shape[3]:
+            raise NotImplementedError(f"{name}: a head slot's tokens are not one run of bytes")
+        block_stride, head_stride = v.stride(0) * es, v.stride(1) * es
+        offset = v.data_ptr() - base
+        if offset < 0 or offset + (blocks - 1) * block_stride + (runs - 1) * head_stride + run > region_bytes:
+            raise RuntimeError(f"{name}'s KV is not inside the registered region")
+        out = []
+        for h in range(runs):
+            at = offset + h * head_stride
+            out += [(at, block_stride), (at + run // 2, block_stride)]
+        return out
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         missing = [n for g in self.groups for n in g.layers if n not in kv_caches]
