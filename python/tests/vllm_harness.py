@@ -544,3 +544,60 @@ def dcp_engine(*args: Any, dcp: int = 2, interleave: int = 1, num_blocks: int = 
     stages, ranks = workers(sched, ranked, KVCacheLayout["LBHNC"])
     return DcpEngine(sched, stages[0][0], ranks[0], KVCacheLayout["LBHNC"], stages=stages, dcp=dcp,
                      interleave=interleave, ranks=ranks)  # fmt: skip
+
+
+@dataclass
+class PcpEngine(Engine):
+    """An engine of `pcp` prefill-context-parallel ranks: vLLM's scheduler (blocks of BLOCK
+    tokens) and a worker per rank on its own KV tensors. What of a block's KV each rank holds
+    is vLLM's model runner's business (replicated, or each rank's computed share): the fake
+    forward pass writes a rank-specific KV into every rank's pages, so that a test can tell
+    whose bytes a rank got back."""
+
+    ranks: list[dict[str, torch.Tensor]] = field(default_factory=list)
+
+    def forward(self, out: Any) -> None:
+        s = self.scheduler
+        starts = self.starts(out)
+        for rid, n in out.num_scheduled_tokens.items():
+            toks = list(s.requests[rid].all_token_ids)
+            ids = s.kv_cache_manager.get_blocks(rid).get_block_ids()[0]
+            for pos in range(starts[rid], min(starts[rid] + n, len(toks))):
+                for rank, kv in enumerate(self.ranks):
+                    for li, name in enumerate(LAYERS):
+                        page = kv[name][ids[pos // BLOCK], :, pos % BLOCK, :]
+                        page.view(torch.uint8).copy_(token_kv(toks, pos, li, f"pcp{rank}"))
+
+    def rank_block_kv(self, rank: int, block: int) -> list[bytes]:
+        """Rank `rank`'s page of block `block`, per layer."""
+        return [self.ranks[rank][name][block].contiguous().view(torch.uint8).numpy().tobytes() for name in LAYERS]
+
+    def expected_rank_block_kv(self, rank: int, tokens: list[int], index: int) -> list[bytes]:
+        """What the forward pass writes into rank `rank`'s page of block `index` of `tokens`."""
+        out = []
+        for li, name in enumerate(LAYERS):
+            scratch = torch.empty_like(self.ranks[rank][name][:1])
+            for slot in range(BLOCK):
+                scratch[0, :, slot, :].view(torch.uint8).copy_(token_kv(tokens, index * BLOCK + slot, li, f"pcp{rank}"))
+            out.append(scratch[0].contiguous().view(torch.uint8).numpy().tobytes())
+        return out
+
+
+def pcp_engine(*args: Any, pcp: int = 2, num_blocks: int = 64, **kwargs: Any) -> PcpEngine:
+    """An engine of `pcp` prefill-context-parallel ranks (`PcpEngine`), each rank's worker built
+    as vLLM's would be on that rank (its PCP rank is what vLLM's parallel state says there)."""
+    from unittest import mock
+
+    import kvcached.vllm.worker as worker_mod
+
+    cfg = vllm_config(*args, **kwargs)
+    cfg.parallel_config.prefill_context_parallel_size = pcp
+    kcfg = kv_cache_config(cfg, num_blocks)
+    sched = Scheduler(
+        vllm_config=cfg, kv_cache_config=kcfg, log_stats=True, structured_output_manager=StructuredOutputManager(cfg),
+        block_size=BLOCK,
+    )  # fmt: skip
+    assert type(sched.connector) is KvcachedConnector, type(sched.connector)
+    ranked = [(cfg, kcfg, mock.patch.object(worker_mod, "_pcp_rank", lambda *_a, r=r: r)) for r in range(pcp)]
+    stages, ranks = workers(sched, ranked, KVCacheLayout["LBHNC"])
+    return PcpEngine(sched, stages[0][0], ranks[0], KVCacheLayout["LBHNC"], stages=stages, ranks=ranks)

@@ -146,7 +146,7 @@ def _unsupported(what: str) -> NotImplementedError:
         f"kvcached's vLLM connector does not support {what}: it handles KV-cache groups of "
         "attention whose blocks hold their tokens' KV (full attention, sliding window, MLA, "
         "quantized or padded pages) and Mamba / linear-attention state kept at block boundaries "
-        "(mamba_cache_mode 'align'), with tensor, pipeline and decode context parallelism"
+        "(mamba_cache_mode 'align'), with tensor, pipeline and decode or prefill context parallelism"
     )
 
 
@@ -193,10 +193,9 @@ def kv_groups(vllm_config: Any, kv_cache_config: Any) -> list[KvGroup]:
     except ImportError:  # a vLLM without chunked or state groups
         ChunkedLocalAttentionSpec = MambaSpec = None  # noqa: N806
 
-    pc = vllm_config.parallel_config
-    if getattr(pc, "prefill_context_parallel_size", 1) > 1:
-        raise _unsupported("prefill context parallelism (not built)")
     dcp = dcp_size(vllm_config)
+    if pcp_size(vllm_config) > 1 and dcp > 1:
+        raise _unsupported("prefill context parallelism together with decode context parallelism (not built)")
     groups = kv_cache_config.kv_cache_groups
     out = []
     for i, g in enumerate(groups):
@@ -239,6 +238,11 @@ def _dcp_sharded(spec: Any) -> bool:
 def dcp_size(vllm_config: Any) -> int:
     """The decode-context-parallel size (1: none)."""
     return int(getattr(vllm_config.parallel_config, "decode_context_parallel_size", 1) or 1)
+
+
+def pcp_size(vllm_config: Any) -> int:
+    """The prefill-context-parallel size (1: none)."""
+    return int(getattr(vllm_config.parallel_config, "prefill_context_parallel_size", 1) or 1)
 
 
 def pp_size(vllm_config: Any) -> int:
@@ -339,12 +343,15 @@ def namespace(
     tp_size: int,
     group: KvGroup | None = None,
     dcp_rank: int = 0,
+    pcp_rank: int = 0,
 ) -> kvcached.Namespace:
     """The namespace of tensor-parallel rank `tp_rank`'s KV of KV-cache `group` (default: the
     first). With several groups each has its own: its layers, its spec and its index. With
     pipeline parallelism each stage's share of a group has its own too (`stage_digest`); with
     decode context parallelism each rank's share of a block's tokens (`dcp_rank`), a page of
-    the spec's block size keyed by blocks of the scheduler's (`block_tokens`)."""
+    the spec's block size keyed by blocks of the scheduler's (`block_tokens`); with prefill
+    context parallelism each rank's pages of the scheduler's blocks (`pcp_rank`), whatever of a
+    block's KV the rank holds."""
     group = group or kv_groups(vllm_config, kv_cache_config)[0]
     spec, layers = group.spec, group.layers
     if not layers:
@@ -352,7 +359,7 @@ def namespace(
     if cfg.key_scheme == "sglang":
         return _shared_namespace(vllm_config, kv_cache_config, cfg, tp_rank, tp_size, group)
     if group.state:
-        return _state_namespace(vllm_config, kv_cache_config, cfg, tp_rank, tp_size, group)
+        return _state_namespace(vllm_config, kv_cache_config, cfg, tp_rank, tp_size, group, pcp_rank)
     dcp = dcp_size(vllm_config) if _dcp_sharded(spec) else 1
     runs = page_runs(vllm_config, kv_cache_config, spec)
     if _plain(spec) and dcp == 1 and runs == 1:
@@ -391,6 +398,7 @@ def namespace(
         + ([f"group={group.index}/{group.count}"] if group.count > 1 else [])
         + _stage_tags(vllm_config, layers)
         + ([f"dcp={dcp_rank}/{dcp}", f"interleave={_interleave(vllm_config)}"] if dcp > 1 else [])
+        + _pcp_tags(vllm_config, pcp_rank)
     )
     return kvcached.Namespace(_model_id(vllm_config, cfg), layout, tenant_salt=cfg.tenant_salt, extra=extra.encode())
 
@@ -418,13 +426,27 @@ def _stage_tags(vllm_config: Any, layers: tuple[str, ...]) -> list[str]:
     return [f"pp={pp}", f"stage={stage_digest(layers)}"] if pp > 1 else []
 
 
+def _pcp_tags(vllm_config: Any, pcp_rank: int) -> list[str]:
+    """The extra key bytes naming a prefill-context-parallel rank's pages (none without prefill
+    context parallelism): each rank's pages of a block are its own, however vLLM spreads a
+    block's KV over the ranks."""
+    pcp = pcp_size(vllm_config)
+    return [f"pcp={pcp_rank}/{pcp}"] if pcp > 1 else []
+
+
 def _interleave(vllm_config: Any) -> int:
     """Tokens in a row on one decode-context-parallel rank (vLLM's `cp_kv_cache_interleave_size`)."""
     return int(getattr(vllm_config.parallel_config, "cp_kv_cache_interleave_size", 1) or 1)
 
 
 def _state_namespace(
-    vllm_config: Any, kv_cache_config: Any, cfg: ConnectorConfig, tp_rank: int, tp_size: int, group: KvGroup
+    vllm_config: Any,
+    kv_cache_config: Any,
+    cfg: ConnectorConfig,
+    tp_rank: int,
+    tp_size: int,
+    group: KvGroup,
+    pcp_rank: int = 0,
 ) -> kvcached.Namespace:
     """The namespace of a state group's blocks (Mamba / linear attention): each block is a
     layer's state page (conv and SSM states, unpadded) as int8 bytes in two halves, with
@@ -442,6 +464,7 @@ def _state_namespace(
             f"group={group.index}/{group.count}",
         ]
         + _stage_tags(vllm_config, layers)
+        + _pcp_tags(vllm_config, pcp_rank)
     )
     return kvcached.Namespace(_model_id(vllm_config, cfg), layout, tenant_salt=cfg.tenant_salt, extra=extra.encode())
 
@@ -456,9 +479,10 @@ def _shared_namespace(
     spec, layers = group.spec, group.layers
     if group.count > 1:
         raise _unsupported('kvcached.key_scheme "sglang" with more than one KV-cache group')
-    if pp_size(vllm_config) > 1:
-        # SGLang's page keys name no pipeline stage: each stage's pages would share them.
-        raise _unsupported('kvcached.key_scheme "sglang" with pipeline parallelism')
+    if pp_size(vllm_config) > 1 or pcp_size(vllm_config) > 1:
+        # SGLang's page keys name no pipeline stage nor context-parallel rank: each one's pages
+        # would share them.
+        raise _unsupported('kvcached.key_scheme "sglang" with pipeline or prefill context parallelism')
     mla = type(spec).__name__.startswith("MLA")
     layout = layout_name(vllm_config, kv_cache_config).rsplit(".", 1)[-1]
     cache_dtype = str(vllm_config.cache_config.cache_dtype)

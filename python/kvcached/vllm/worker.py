@@ -47,6 +47,7 @@ from kvcached.vllm.config import (
     namespace,
     page_bytes,
     page_runs,
+    pcp_size,
     pp_size,
 )
 from kvcached.vllm.keys import ContextArgs, key_kwargs
@@ -65,7 +66,7 @@ def _key_context(args: ContextArgs | None) -> kvcached.KeyContext | None:
 
 
 def _vllm_group(name: str) -> tuple[int, int] | None:
-    """This process's (rank, size) in vLLM's `name` parallel group ("tp", "pp", "dcp"), or None
+    """This process's (rank, size) in vLLM's `name` parallel group ("tp", "pp", "dcp", "pcp"), or None
     outside a vLLM process whose parallel state is set up (tests, the GPU check's stand-in)."""
     try:
         from vllm.distributed import parallel_state
@@ -110,6 +111,15 @@ def _dcp_rank(vllm_config: Any, tp_rank: int) -> int:
         return 0
     group = _vllm_group("dcp")
     return group[0] if group is not None else tp_rank % dcp
+
+
+def _pcp_rank(vllm_config: Any) -> int:
+    """This worker's prefill-context-parallel rank: vLLM's PCP group rank (0 without prefill
+    context parallelism, or outside a vLLM process)."""
+    if pcp_size(vllm_config) == 1:
+        return 0
+    group = _vllm_group("pcp")
+    return group[0] if group is not None else 0
 
 
 class _SharedKvAllocation(TorchFunctionMode):
@@ -193,12 +203,16 @@ class WorkerSide:
         tp = _tp() or (0, vllm_config.parallel_config.tensor_parallel_size)
         stage = f"-pp{_pp_stage(vllm_config, every)}" if pp_size(vllm_config) > 1 else ""
         self.dcp_rank = _dcp_rank(vllm_config, tp[0])
+        self.pcp_rank = _pcp_rank(vllm_config)
         cp = f"-dcp{self.dcp_rank}" if dcp_size(vllm_config) > 1 else ""
+        cp += f"-pcp{self.pcp_rank}" if pcp_size(vllm_config) > 1 else ""
         name = f"vllm-{transfer_config.engine_id}{stage}-tp{tp[0]}{cp}"
         self.regs = [
             _GroupReg(
                 g,
-                namespace(vllm_config, kv_cache_config, cfg, *tp, g, dcp_rank=self.dcp_rank) if g.layers else None,
+                namespace(vllm_config, kv_cache_config, cfg, *tp, g, dcp_rank=self.dcp_rank, pcp_rank=self.pcp_rank)
+                if g.layers
+                else None,
                 (name + (f"-g{g.index}" if g.count > 1 else ""))[:128],
             )
             for g in self.groups

@@ -1,0 +1,69 @@
+"""Prefill context parallelism through vLLM 0.33's real Scheduler on the CPU, against a real
+daemon. vLLM's model runner spreads a prompt's prefill over the ranks; the scheduler counts
+blocks of block_size tokens as without it, and every rank has a page of each block. Whatever
+of the block's KV a rank's page holds, each rank saves and loads its pages in a namespace of its
+own, keyed by the scheduler's blocks, so no rank is ever given another's bytes."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm_harness import BLOCK, finish, pcp_engine, request  # noqa: E402
+
+
+@pytest.fixture
+def make_pcp_engine(model_dir):
+    from conftest import _engines
+
+    yield from _engines(pcp_engine, model_dir)
+
+
+def counts(e) -> list[dict]:
+    return [w.worker.counts for w, _ in e.stages]
+
+
+def test_each_prefill_context_parallel_rank_saves_and_loads_its_own_pages(daemon, make_pcp_engine):
+    a = make_pcp_engine(daemon.socket, prefix_caching=False, batched_tokens=256)
+    sched = a.connector.scheduler
+    assert sched.block_size == BLOCK
+    ns = [w.worker.namespace.id for w, _ in a.stages]
+    assert len(set(ns)) == 2 and sched.namespace.id == ns[0]
+    prompt = [t + 71_000 for t in range(3 * BLOCK + 5)]
+    a.add(request("P1", prompt))
+    out, _ = a.step()
+    assert [(t.first_block, len(t.slots)) for t in out.kv_connector_metadata.saves] == [(0, 3)]
+    assert [c["saved"] for c in counts(a)] == [3, 3]
+    finish(a, "P1")
+
+    b = make_pcp_engine(daemon.socket, prefix_caching=False, batched_tokens=256)
+    b.add(request("P2", prompt))
+    out, _ = b.step()
+    assert [(t.first_block, len(t.slots)) for t in out.kv_connector_metadata.loads] == [(0, 3)]
+    assert out.num_scheduled_tokens["P2"] == len(prompt) - 3 * BLOCK
+    assert [(c["loaded"], c["load_failed"]) for c in counts(b)] == [(3, 0), (3, 0)]
+    ids = b.scheduler.kv_cache_manager.get_blocks("P2").get_block_ids()[0]
+    for rank in range(2):
+        for i in range(3):
+            assert b.rank_block_kv(rank, ids[i]) == b.expected_rank_block_kv(rank, prompt, i), f"rank {rank} block {i}"
+    finish(b, "P2")
+
+
+def test_ranks_and_an_unsplit_engine_never_share_blocks(daemon, make_pcp_engine, make_engine):
+    split = make_pcp_engine(daemon.socket, prefix_caching=False)
+    whole = make_engine(daemon.socket, prefix_caching=False)
+    ids = {w.worker.namespace.id for w, _ in split.stages}
+    assert len(ids) == 2 and whole.worker.worker.namespace.id not in ids
+
+
+def test_prefill_with_decode_context_parallelism_is_refused(daemon, model_dir):
+    from vllm_harness import kv_cache_config, vllm_config
+
+    from kvcached.vllm.config import kv_groups
+
+    cfg = vllm_config(daemon.socket, model_dir=model_dir)
+    cfg.parallel_config.prefill_context_parallel_size = 2
+    cfg.parallel_config.decode_context_parallel_size = 2
+    with pytest.raises(NotImplementedError, match="prefill context parallelism together with decode"):
+        kv_groups(cfg, kv_cache_config(cfg, 8))
