@@ -196,3 +196,61 @@ async fn registrations_are_validated_and_salted_namespaces_kept_apart() {
     assert_eq!(srv.post("/register", register_body(&ep, "i1", 0)).await.0, 404);
     srv.stop().await;
 }
+
+/// A publisher registered for a LoRA adapter (or a salt) is indexed under the hashes Dynamo
+/// 1.6.1 gives that adapter's requests (`docs/block-keys.md` section 9): its events' blocks
+/// are seeded by the registration's adapter where they name none, and by the adapter they name
+/// otherwise; `/query` seeds the prompt's hashes the same way, and `/query_by_hash` finds
+/// Dynamo's seeded hashes, not the base model's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lora_and_salted_registrations_use_dynamos_seeded_hashes() {
+    use kvproto::dynamo::{request_seed, request_sequence_hashes, sequence_hashes};
+
+    let srv = Server::start(config()).await;
+    let mut lora = VllmExporter::bind("tcp://127.0.0.1:0", "", Encoding::Tuple).await.unwrap();
+    let mut plain = VllmExporter::bind("tcp://127.0.0.1:0", "", Encoding::Tuple).await.unwrap();
+    let mut b = register_body(lora.endpoint(), "with-lora", 0);
+    b["lora_name"] = json!("sql");
+    assert_eq!(srv.post("/register", b).await.0, 200);
+    assert_eq!(srv.post("/register", register_body(plain.endpoint(), "base", 0)).await.0, 200);
+
+    // The adapter's engine names no adapter in its events; the base engine sends a block of an
+    // adapter's request (named in the event) beside its own.
+    let tokens: Vec<u32> = (900..912).collect();
+    publish_until(&srv, &mut lora, &[stored_for_export(None, &tokens, 4, TierKind::G1Gpu)], 3).await;
+    let mut named = stored_for_export(None, &tokens[..4], 4, TierKind::G1Gpu);
+    if let VllmEvent::BlockStored { lora_name, .. } = &mut named {
+        *lora_name = Some("sql".into());
+    }
+    let base_tokens: Vec<u32> = (2000..2008).collect();
+    publish_until(&srv, &mut plain, &[stored_for_export(None, &base_tokens, 4, TierKind::G1Gpu), named], 6).await;
+
+    let seeded: Vec<Value> =
+        request_sequence_hashes(&tokens, 4, request_seed(Some(b"sql"), None)).into_iter().map(|h| json!(h)).collect();
+    let q = |body: Value| async { srv.post("/query", body).await.1 };
+    let v = q(json!({"model": "test/vllm", "block_size": 4, "token_ids": tokens, "lora_name": "sql"})).await;
+    assert_eq!(v["default"]["with-lora"]["longest_matched"], 12, "{v}");
+    let (_, v) = srv
+        .post(
+            "/query_by_hash",
+            json!({"model": "test/vllm", "block_size": 4, "seq_hashes": seeded, "lora_name": "sql"}),
+        )
+        .await;
+    assert_eq!(v["default"]["with-lora"]["longest_matched"], 12, "{v}");
+    // The base model's hashes of the same tokens are not the adapter's blocks.
+    let unseeded: Vec<Value> = sequence_hashes(&tokens, 4, 1337).into_iter().map(|h| json!(h)).collect();
+    let (_, v) = srv
+        .post(
+            "/query_by_hash",
+            json!({"model": "test/vllm", "block_size": 4, "seq_hashes": unseeded, "lora_name": "sql"}),
+        )
+        .await;
+    assert_eq!(v["default"]["with-lora"]["longest_matched"], 0, "{v}");
+    // The base engine: its own blocks under the base hashes; the adapter's block it sent is
+    // indexed under the adapter's hashes, so a base query of those tokens finds nothing there.
+    let v = q(json!({"model": "test/vllm", "block_size": 4, "token_ids": base_tokens})).await;
+    assert_eq!(v["default"]["base"]["longest_matched"], 8, "{v}");
+    let v = q(json!({"model": "test/vllm", "block_size": 4, "token_ids": tokens})).await;
+    assert_eq!(v["default"]["base"]["longest_matched"], 0, "{v}");
+    srv.stop().await;
+}

@@ -120,7 +120,8 @@ impl VllmIngest {
                         self.invalid += 1;
                     }
                     // The request's local seed: its chain's where it continues one, else from its
-                    // adapter and its salt (in block 0's extra keys).
+                    // adapter and its salt (in block 0's extra keys), else the namespace's (a
+                    // publisher registered for one adapter or salt).
                     let lora = lora_name.as_deref().map(str::as_bytes);
                     let local = match parent_block_hash {
                         Some(p) => self.seeds.get(&p.digest()).copied(),
@@ -128,10 +129,7 @@ impl VllmIngest {
                     }
                     .unwrap_or_else(|| {
                         let salt = extra_keys.first().filter(|_| parent_block_hash.is_none());
-                        kvproto::dynamo::request_seed(
-                            lora,
-                            salt.and_then(|e| e.cache_salt.as_deref()).map(str::as_bytes),
-                        )
+                        self.ns.dynamo_seed(lora, salt.and_then(|e| e.cache_salt.as_deref()).map(str::as_bytes))
                     });
                     let mut keys = Vec::with_capacity(block_hashes.len());
                     for (i, (h, block)) in block_hashes.iter().zip(token_ids.chunks_exact(bs)).enumerate() {

@@ -311,12 +311,23 @@ pub struct ResolvedNamespace {
 const DYNAMO_SPACE_CONTEXT: &str = "kvrouter 2026-11-30 dynamo key space v1";
 
 impl ResolvedNamespace {
+    /// The seed of the Dynamo local hashes of this namespace's requests, as Dynamo 1.6.1 seeds a
+    /// request's (`kvproto::dynamo::request_seed`): from the namespace's adapter (a LoRA name)
+    /// and its salt (a cache salt, Dynamo's `cache_namespace`), or from `adapter` and `salt`
+    /// where a request names its own. 1337 for neither.
+    pub fn dynamo_seed(&self, adapter: Option<&[u8]>, salt: Option<&[u8]>) -> u64 {
+        kvproto::dynamo::request_seed(
+            adapter.or(self.namespace.adapter_id.as_deref().map(str::as_bytes)),
+            salt.or(self.namespace.tenant_salt.as_deref()),
+        )
+    }
+
     /// The keys of every full block of `tokens`.
     pub fn keys(&self, tokens: &[u32]) -> Vec<BlockKey> {
         let bs = self.namespace.layout.tokens_per_block as usize;
         match self.scheme {
             KeyScheme::Kvcached => self.namespace.block_keys(tokens),
-            KeyScheme::DynamoXxh3 => kvproto::dynamo::sequence_hashes(tokens, bs, kvproto::dynamo::DYNAMO_SEED)
+            KeyScheme::DynamoXxh3 => kvproto::dynamo::request_sequence_hashes(tokens, bs, self.dynamo_seed(None, None))
                 .into_iter()
                 .map(key_from_u64)
                 .collect(),
@@ -333,7 +344,8 @@ impl ResolvedNamespace {
 
     /// The keys of every full block of `tokens` for a request with the key context `ctx`
     /// (`docs/block-keys.md` section 6). In the Dynamo scheme the adapter and the cache salt
-    /// seed the local hashes as Dynamo 1.6.1 does (`kvproto::dynamo::request_seed`); blocks
+    /// (the request's, else the namespace's) seed the local hashes as Dynamo 1.6.1 does
+    /// ([`Self::dynamo_seed`]); blocks
     /// from the first one that binds a multimodal input or a per-block extra have no Dynamo
     /// hash (a daemon's export leaves them out), so the keys stop before it.
     pub fn keys_in(&self, tokens: &[u32], ctx: Option<&kvproto::KeyContext>) -> Vec<BlockKey> {
@@ -346,7 +358,9 @@ impl ResolvedNamespace {
             KeyScheme::DynamoXxh3 => {
                 let blocks = tokens.len() / bs.max(1);
                 let upto = ctx.first_per_block_extra(bs, blocks).unwrap_or(blocks);
-                kvproto::dynamo::request_sequence_hashes(&tokens[..upto * bs], bs, ctx.dynamo_seed())
+                let adapter = ctx.adapter.as_ref().map(|a| a.name.as_bytes());
+                let seed = self.dynamo_seed(adapter, ctx.cache_salt.as_deref());
+                kvproto::dynamo::request_sequence_hashes(&tokens[..upto * bs], bs, seed)
                     .into_iter()
                     .map(key_from_u64)
                     .collect()
