@@ -57,13 +57,25 @@ def test_ranks_and_an_unsplit_engine_never_share_blocks(daemon, make_pcp_engine,
     assert len(ids) == 2 and whole.worker.worker.namespace.id not in ids
 
 
-def test_prefill_with_decode_context_parallelism_is_refused(daemon, model_dir):
+def test_every_prefill_and_decode_context_parallel_rank_has_a_namespace_of_its_own(daemon, model_dir):
+    """With both (vLLM's DCP spanning the PCP axis), each worker's pages of the scheduler's
+    blocks (block_size x DCP tokens) are a namespace of its own: its TP, DCP and PCP ranks."""
     from vllm_harness import kv_cache_config, vllm_config
 
-    from kvcached.vllm.config import kv_groups
+    from kvcached.vllm.config import ConnectorConfig, kv_groups, namespace
 
-    cfg = vllm_config(daemon.socket, model_dir=model_dir)
-    cfg.parallel_config.prefill_context_parallel_size = 2
-    cfg.parallel_config.decode_context_parallel_size = 2
-    with pytest.raises(NotImplementedError, match="prefill context parallelism together with decode"):
-        kv_groups(cfg, kv_cache_config(cfg, 8))
+    ids = {}
+    for pcp, dcp in ((1, 1), (2, 1), (1, 2), (2, 2)):
+        cfg = vllm_config(daemon.socket, model_dir=model_dir)
+        cfg.parallel_config.tensor_parallel_size = 2
+        cfg.parallel_config.prefill_context_parallel_size = pcp
+        cfg.parallel_config.decode_context_parallel_size = dcp
+        kcfg = kv_cache_config(cfg, 8)
+        (g,) = kv_groups(cfg, kcfg)
+        assert g.block_tokens == BLOCK * dcp
+        cc = ConnectorConfig.from_extra({})
+        for tp in range(2):
+            for d in range(dcp):
+                for p in range(pcp):
+                    ids[(pcp, dcp, tp, d, p)] = namespace(cfg, kcfg, cc, tp, 2, g, dcp_rank=d, pcp_rank=p).id
+    assert len(set(ids.values())) == len(ids) == 2 + 4 + 4 + 8

@@ -194,8 +194,6 @@ def kv_groups(vllm_config: Any, kv_cache_config: Any) -> list[KvGroup]:
         ChunkedLocalAttentionSpec = MambaSpec = None  # noqa: N806
 
     dcp = dcp_size(vllm_config)
-    if pcp_size(vllm_config) > 1 and dcp > 1:
-        raise _unsupported("prefill context parallelism together with decode context parallelism (not built)")
     groups = kv_cache_config.kv_cache_groups
     out = []
     for i, g in enumerate(groups):
