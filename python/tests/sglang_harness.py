@@ -83,15 +83,21 @@ def mha_pool(
     )  # fmt: skip
 
 
-def mla_pool(layout: str, allocator: str = "default", dtype: Any = torch.bfloat16) -> Any:
+def mla_pool(
+    layout: str,
+    allocator: str = "default",
+    dtype: Any = torch.bfloat16,
+    page: int = PAGE,
+    device_tokens: int = DEVICE_TOKENS,
+) -> Any:
     """SGLang's MLA host pool (a 16-wide latent: 12 + 4 rope) over CPU buffers."""
-    bufs = tuple(torch.zeros(DEVICE_TOKENS, 1, MLA_DIM, dtype=dtype) for _ in range(LAYERS))
+    bufs = tuple(torch.zeros(device_tokens, 1, MLA_DIM, dtype=dtype) for _ in range(LAYERS))
     info = MLABufferInfo(
         buffers=bufs,
         data_ptrs=torch.tensor([b.data_ptr() for b in bufs], dtype=torch.uint64),
         layer_indices=tuple(range(LAYERS)),
         device_layer_num=LAYERS,
-        page_size=PAGE,
+        page_size=page,
         kv_lora_rank=12,
         qk_rope_head_dim=4,
         kv_cache_dim=MLA_DIM,
@@ -99,7 +105,7 @@ def mla_pool(layout: str, allocator: str = "default", dtype: Any = torch.bfloat1
         device=torch.device("cpu"),
     )
     return MLATokenToKVPoolHost(
-        info, 2.0, 0, PAGE, layout, pin_memory=False, device="cpu", device_capacity_tokens=DEVICE_TOKENS,
+        info, 2.0, 0, page, layout, pin_memory=False, device="cpu", device_capacity_tokens=device_tokens,
         start_layer=0, end_layer=LAYERS - 1, target_layer_num=LAYERS, allocator_type=allocator,
     )  # fmt: skip
 

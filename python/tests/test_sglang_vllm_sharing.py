@@ -10,7 +10,9 @@ import pytest
 pytest.importorskip("vllm")
 
 import torch  # noqa: E402
-from sglang_harness import backend, fill_pages, mha_pool, page_hashes, vllm_order  # noqa: E402
+from sglang_harness import (  # noqa: E402
+    MLA_DIM, backend, fill_pages, mha_pool, mla_pool, page_bytes, page_hashes, vllm_order,
+)  # fmt: skip
 from vllm_harness import BLOCK, EOS, SPEC, request  # noqa: E402
 
 MODEL = "shared-tiny-llama"
@@ -81,3 +83,36 @@ def test_other_page_bytes_are_never_shared(own_daemon, make_engine):
     finish(e, "V3")
     with pytest.raises(NotImplementedError, match="LBHNC"):
         make_engine(own_daemon.socket, layout="LBHNC", extra=SHARED)
+
+
+def test_mla_latents_are_shared_both_ways(own_daemon, make_engine):
+    """An MLA latent is the same bytes in both engines (each layer's page `[tokens, latent]`):
+    a vLLM engine's saved latents load into SGLang's MLA pool, and SGLang's into vLLM's."""
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    spec = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=MLA_DIM, dtype=torch.bfloat16)
+    e = make_engine(own_daemon.socket, prefix_caching=False, layout="LBNHC", spec=spec, extra=SHARED)
+    pool = mla_pool("layer_first", "shm", page=BLOCK, device_tokens=256)
+    b = backend(pool, own_daemon.socket, mla=True, model=MODEL, **{"kvcached.page_order": "vllm"})
+    assert b.in_place  # MLA pages have one order: the pool's own pages are the stored bytes
+
+    prompt = list(range(1300, 1300 + 2 * BLOCK + 3))
+    e.add(request("M1", prompt))
+    e.step()
+    blocks = e.scheduler.kv_cache_manager.get_blocks("M1").get_block_ids()[0]
+    want = [b"".join(layer) for layer in vllm_pages(e, blocks, 2)]
+    finish(e, "M1")
+    keys = page_hashes(prompt, BLOCK)
+    idx = pool.alloc(2 * BLOCK)
+    assert b.batch_exists(keys) == 2 and b.batch_get_v1(keys, idx) == [True, True]
+    assert page_bytes(pool, idx, 2) == want
+
+    other = list(range(1700, 1700 + 2 * BLOCK + 5))
+    src = fill_pages(pool, 2, seed=13)
+    assert b.batch_set_v1(page_hashes(other, BLOCK), src) == [True, True]
+    e.add(request("M2", other))
+    out, _ = e.step()
+    assert [(t.first_block, len(t.slots)) for t in out.kv_connector_metadata.loads] == [(0, 2)]
+    blocks = e.scheduler.kv_cache_manager.get_blocks("M2").get_block_ids()[0]
+    assert [b"".join(layer) for layer in vllm_pages(e, blocks, 2)] == page_bytes(pool, src, 2)
+    finish(e, "M2")
