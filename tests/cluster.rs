@@ -346,3 +346,41 @@ async fn a_router_reading_vllm_events_sees_the_daemons_g2_through_its_export() {
     signal_and_wait(daemon, libc::SIGTERM);
     router.stop().await;
 }
+
+/// Blocks an SGLang engine saves through kvcached's HiCache backend are keyed by SGLang's page
+/// hashes (the engine computes them; the daemon never sees the tokens). They reach the router
+/// in the daemon's reports like any other, and a namespace of the `sglang-pages-v1` scheme
+/// routes a request by its tokens to them: the router derives the same page hashes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blocks_saved_by_sglang_page_hashes_are_routed_by_tokens() {
+    use kvproto::{EngineHashes, HashScheme, KeySource};
+
+    let http = reqwest::Client::new();
+    let mut cfg = router_config();
+    cfg.namespaces[0].key_scheme = kvproto::events::KEY_SCHEME_SGLANG_PAGES.into();
+    let router = start_router_with("127.0.0.1:0", cfg).await;
+    let dir = tempfile::tempdir().unwrap();
+    let daemon = spawn_daemon(dir.path(), "node-s", &router.base);
+    let (c, _mem) = engine(dir.path(), "http://s:8000").await;
+
+    let p = prompt(5, 12);
+    let bs = layout().tokens_per_block as usize;
+    let hashes = kvproto::engine_hash::sglang_page_hashes_le(bs, &kvproto::tokens_to_le(&p));
+    let keys = KeySource::Hashes(EngineHashes {
+        scheme: HashScheme::Sglang,
+        hashes: hashes.iter().map(|h| h.to_vec()).collect(),
+    });
+    assert_eq!(c.save_keyed(&[], &keys, 0, &(0..12).collect::<Vec<_>>()).await.unwrap().stored, 12);
+    wait_route(&http, &router.base, &p, "node-s's SGLang-keyed G2 blocks", |v| {
+        v["worker"] == "node-s/gpu0" && cached(v) == [0, 12, 0, 0]
+    })
+    .await;
+    // Another prompt sharing the first 4 pages: those, and nothing after.
+    let mut q = p[..4 * bs].to_vec();
+    q.extend(prompt(6, 4));
+    wait_route(&http, &router.base, &q, "the shared pages", |v| cached(v) == [0, 4, 0, 0]).await;
+
+    drop(c);
+    signal_and_wait(daemon, libc::SIGTERM);
+    router.stop().await;
+}

@@ -14,6 +14,7 @@ the order of a page's bytes. A block is its layers' pages one after another; a l
 
 from __future__ import annotations
 
+import json
 from typing import Literal
 
 import kvcached
@@ -80,3 +81,30 @@ def shared_namespace(
         f"tp={tp_rank}/{tp_size};user={user}"
     )
     return kvcached.Namespace(model_id, layout, tenant_salt=tenant_salt, extra=extra.encode())
+
+
+def router_namespace(name: str, ns: kvcached.Namespace, tenant_salt: bytes | None = None) -> str:
+    """The kvrouter `[[namespaces]]` entry (TOML) that routes requests by their tokens to the
+    blocks saved in `ns` by SGLang's page hashes (`key_scheme = "sglang-pages-v1"`: the router
+    derives the same hashes; docs/router.md). `tenant_salt` must be the salt `ns` was made
+    with (a namespace does not give its salt back)."""
+    if ns.has_tenant_salt != (tenant_salt is not None):
+        raise ValueError("tenant_salt must be given exactly when the namespace has one")
+    lay = ns.layout
+    lines = [
+        "[[namespaces]]",
+        f"name = {json.dumps(name)}",
+        f"model_id = {json.dumps(ns.model_id)}",
+        f"num_layers = {lay.num_layers}",
+        f"kv_heads = {lay.kv_heads}",
+        f"head_dim = {lay.head_dim}",
+        f'dtype = "{lay.dtype}"',
+        f"tokens_per_block = {lay.tokens_per_block}",
+        f'layout_kind = "{lay.kind}"',
+        'key_scheme = "sglang-pages-v1"',
+    ]
+    if ns.extra:
+        lines.append(f'extra_hex = "{ns.extra.hex()}"')
+    if tenant_salt is not None:
+        lines.append(f'tenant_salt_hex = "{tenant_salt.hex()}"')
+    return "\n".join(lines) + "\n"

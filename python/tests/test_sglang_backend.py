@@ -205,3 +205,24 @@ def test_hybrid_host_pools_are_refused_at_attach(own_daemon):
     b.on_host_pools_registered()
     with pytest.raises(NotImplementedError, match="hybrid host pools.*'mamba'"):
         b.register_mem_host_pool_v2(mha_pool("layer_first"), "mamba")
+
+
+def test_the_router_namespace_of_a_backends_pages_is_the_daemons(own_daemon):
+    """`router_namespace` writes the kvrouter entry that routes requests to the pages a backend
+    saves (scheme sglang-pages-v1): its fields make the backend's own namespace, salt included."""
+    import tomllib
+
+    from kvcached.shared_pages import router_namespace
+
+    for salt in (None, b"tenant-a"):
+        extra = {"kvcached.tenant_salt": salt.decode()} if salt else {}
+        b = backend(mha_pool("layer_first", "shm"), own_daemon.socket, tp=(1, 2), **extra)
+        (spec,) = tomllib.loads(router_namespace("sglang", b.namespace, salt))["namespaces"]
+        assert spec["key_scheme"] == "sglang-pages-v1"
+        layout = kvcached.KvLayout(spec["num_layers"], spec["kv_heads"], spec["head_dim"], spec["dtype"],
+                                   spec["tokens_per_block"], spec["layout_kind"])  # fmt: skip
+        salt_back = bytes.fromhex(spec["tenant_salt_hex"]) if "tenant_salt_hex" in spec else None
+        ns = kvcached.Namespace(spec["model_id"], layout, tenant_salt=salt_back, extra=bytes.fromhex(spec["extra_hex"]))
+        assert ns.id == b.namespace.id
+        with pytest.raises(ValueError, match="tenant_salt"):
+            router_namespace("x", b.namespace, None if salt else b"s")
