@@ -29,8 +29,10 @@ and vLLM's), with its disk and object-store tiers, its peers and the cluster rou
   (default SGLang's batch, at most 256 MiB), `kvcached.reconnect_for` (seconds, default 0.5),
   `kvcached.retry_after` (seconds, default 5).
 
-SGLang's hybrid host pools (Mamba, sliding-window and indexer sidecars beside the KV pool) are
-refused when SGLang registers them. With SGLang's storage metrics on, `get_stats` returns them.
+SGLang's hybrid models (`batch_exists_v2`, `batch_get_v2`, `batch_set_v2`): each sidecar pool
+beside the KV pool (Mamba state, sliding-window KV, indexers) is a namespace of its own, keyed by
+the same page hashes, its pages staged as the pool's flat data pages. With SGLang's storage
+metrics on, `get_stats` returns them.
 
 Pages are keyed by SGLang's own page hashes (`docs/block-keys.md` section 7, scheme "sglang"),
 in the namespace of `kvcached.shared_pages`, which names the bytes: engines share blocks only
@@ -67,6 +69,15 @@ KEYS = (
 )  # fmt: skip
 # SGLang's batch of pages per backend call (cache_controller.py, STORAGE_BATCH_SIZE).
 SGLANG_BATCH = 128
+# Lookups one sidecar existence query may make (each finds a run of present pages; the pages
+# after the last are taken as missing).
+MAX_PROBES = 64
+# The attributes of a sidecar host pool that shape its flat data pages (whichever it has).
+_POOL_SHAPE = (
+    "layout", "page_size", "size_per_token", "dtype", "layer_num", "head_num", "head_dim", "v_head_dim",
+    "kv_lora_rank", "qk_rope_head_dim", "kv_cache_dim", "num_mamba_layers", "conv_state_shapes",
+    "temporal_state_shape", "conv_dtype", "temporal_dtype",
+)  # fmt: skip
 # A staging area of at most this many bytes per direction, unless `kvcached.staging_pages` says.
 STAGING_BYTES = 256 << 20
 
@@ -211,6 +222,30 @@ class Pages:
             view.select(axis, page).permute(perm).copy_(src[i])
 
 
+def _pool_name(name: Any) -> str:
+    """A pool's name as SGLang's PoolName or a string gives it."""
+    return str(getattr(name, "value", name))
+
+
+@dataclass
+class _Sidecar:
+    """One of a hybrid model's host pools beside the KV pool (Mamba state, sliding-window KV,
+    an indexer), by its name: a namespace and a registration of its own, its pages staged as the
+    pool's flat data pages (`get_data_page(flat=True)` / `set_from_flat_data_page`, as SGLang's
+    own backends move them), keyed by the same page hashes as the KV pages they belong to."""
+
+    name: str
+    pool: Any
+    page_size: int
+    page_bytes: int
+    dtype: Any
+    namespace: kvcached.Namespace
+    client: kvcached.Client
+    memory: kvcached.KvMemory
+    staging: torch.Tensor  # [slots, bytes per slot], uint8
+    lock: threading.Lock
+
+
 def _pool_offset(pool: Any) -> int | None:
     """Where the pool's buffer starts in its memfd (None when it is not in one)."""
     fd, mm = getattr(pool, "fd", None), getattr(getattr(pool, "allocator", None), "mm", None)
@@ -262,8 +297,9 @@ class KvcachedStorage(HiCacheStorage):
         self.staging_pages = max(1, int(staging)) if staging is not None else None
         # SGLang's prefetch and backup threads wait on each call: a daemon away costs them at
         # most `reconnect_for` once, then `retry_after` seconds of misses without asking.
+        self.client_reconnect_for = float(get("reconnect_for", 0.5))
         self.client = kvcached.Client(get("socket", os.environ.get("KVCACHED_SOCKET")),
-                                      reconnect_for=float(get("reconnect_for", 0.5)))  # fmt: skip
+                                      reconnect_for=self.client_reconnect_for)  # fmt: skip
         self.retry_after = float(get("retry_after", 5.0))
         self._down_until = 0.0
         self._told: set[str] = set()
@@ -282,20 +318,47 @@ class KvcachedStorage(HiCacheStorage):
         self._stats_lock = threading.Lock()
         self._prefetch: list[tuple[int, float]] = []
         self._backup: list[tuple[int, float]] = []
+        # A hybrid model's pools beside the KV pool, by name.
+        self._sidecars: dict[str, _Sidecar] = {}
 
     # -- registration ------------------------------------------------------------------------
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
-        """SGLang's hybrid models register every host pool of theirs here (the KV anchor and
-        its sidecars: Mamba state, sliding-window KV, indexers). The anchor KV pool is the one
-        `register_mem_pool_host` registered; any other pool is refused, which fails SGLang's
-        attach at start, rather than serving a hybrid model's KV without its sidecars' state."""
-        if host_pool is getattr(self, "mem_pool_host", None):
+        """SGLang's hybrid models register every host pool here (hybrid_cache_controller.py
+        355-357: the KV anchor, which `register_mem_pool_host` registered, and its sidecars).
+        Each sidecar gets a namespace and a registration of its own; a registration the daemon
+        refuses fails SGLang's attach."""
+        name = _pool_name(host_pool_name)
+        if host_pool is getattr(self, "mem_pool_host", None) or name == "kv":
             return
-        raise NotImplementedError(
-            f"kvcached's HiCache backend does not support SGLang's hybrid host pools (pool {str(host_pool_name)!r} "
-            "beside the KV pool: the batch_exists_v2 / batch_get_v2 / batch_set_v2 interface is not built)"
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        old = self._sidecars.pop(name, None)
+        if old is not None:
+            self._unregister(old.client)
+        self._sidecars[name] = self._sidecar(name, host_pool)
+
+    def _sidecar(self, name: str, pool: Any) -> _Sidecar:
+        flat = pool.get_dummy_flat_data_page()
+        page_bytes = flat.numel() * flat.element_size()
+        block = page_bytes + page_bytes % 2  # two halves of whole bytes
+        shape = ";".join(f"{a}={getattr(pool, a)!r}" for a in _POOL_SHAPE if hasattr(pool, a))
+        extra = (
+            f"sglang-pool-v1;pool={name};class={type(pool).__name__};{shape};bytes={page_bytes};"
+            f"tp={self.config.tp_rank}/{self.config.tp_size};user={self.namespace_extra}"
         )
+        layout = kvcached.KvLayout(1, 1, block // 2, "int8", tokens_per_block=1)
+        namespace = kvcached.Namespace(self.model_id, layout, tenant_salt=self.tenant_salt, extra=extra.encode())
+        slots = max(1, min(SGLANG_BATCH, STAGING_BYTES // block))
+        memory = kvcached.KvMemory.with_slots(kvcached.SlotLayout([(0, block), (block // 2, block)], block // 2, slots))
+        staging = memory.torch(torch.uint8).view(slots, block)
+        staging.zero_()  # faulted in now
+        client = kvcached.Client(self.client.socket, reconnect_for=self.client_reconnect_for)
+        reg = client.register(f"sglang-{os.getpid()}-tp{self.config.tp_rank}-{name}"[:128], namespace, memory)
+        log.info("kvcached: SGLang %s pool registered (%d-byte pages, staged), namespace %s", name, page_bytes,
+                 reg.namespace_id)  # fmt: skip
+        page_size = int(getattr(pool, "page_size", 1) or 1)
+        return _Sidecar(name, pool, page_size, page_bytes, flat.dtype, namespace, client, memory, staging,
+                        threading.Lock())  # fmt: skip
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         super().register_mem_pool_host(mem_pool_host)
@@ -506,6 +569,120 @@ class KvcachedStorage(HiCacheStorage):
             log.warning("kvcached: %d of %d pages not stored: %s", r.failed, len(slots), r.error)
         return r.failed == 0
 
+    # -- interface v2: a hybrid model's pools ----------------------------------------------------
+    #
+    # As SGLang's hybrid controller calls them: `batch_exists_v2` for the hit query with the
+    # sidecars' transfers (hybrid_cache_controller.py 1438), `batch_get_v2` of the sidecars'
+    # pages after the KV pages (1651; KV-derived pools per KV batch, cache_controller.py 1239),
+    # `batch_set_v2` before the KV pages' write-back (1711). The KV pages move through v1.
+
+    def batch_exists_v2(self, keys: list[str], pool_transfers: Any = None, extra_info: Any = None) -> Any:
+        """The longest prefix of `keys` whose KV pages are stored and at whose end every
+        sidecar pool holds what its hit policy asks: every page before it (ALL_PAGES), or the
+        last `len(transfer.keys)` pages (TRAILING_PAGES: Mamba state, window KV)."""
+        from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransferResult
+
+        kv_pages = self.batch_exists(keys, extra_info)
+        hits: dict[Any, int] = {PoolName.KV: kv_pages} if kv_pages else {}
+        restorable = list(range(1, kv_pages + 1))
+        for t in pool_transfers or []:
+            if not restorable:
+                break
+            present = self._present(self._sidecars.get(_pool_name(t.name)), keys[:kv_pages])
+            if t.hit_policy == PoolHitPolicy.ALL_PAGES:
+                boundary = next((i for i, p in enumerate(present) if not p), kv_pages)
+                fits = set(range(1, boundary + 1))
+            elif t.hit_policy == PoolHitPolicy.TRAILING_PAGES:
+                trailing = max(1, len(t.keys) if t.keys else 1)
+                fits = {n for n in range(1, kv_pages + 1) if all(present[max(0, n - trailing) : n])}
+                boundary = max(fits, default=0)
+            else:
+                self._tell(f"policy {t.hit_policy}", f"kvcached: hit policy {t.hit_policy} of pool "
+                           f"{_pool_name(t.name)} is not supported: no hit where it applies")  # fmt: skip
+                fits, boundary = set(), 0
+            if boundary:
+                hits[t.name] = boundary
+            restorable = [n for n in restorable if n in fits]
+        return PoolTransferResult(restorable[-1] if restorable else 0, hits, restorable)
+
+    def _present(self, sc: _Sidecar | None, keys: list[str]) -> list[bool]:
+        """Which of `keys` pool `sc` holds (runs found by up to MAX_PROBES lookups)."""
+        out = [False] * len(keys)
+        hashes = self._hashes(keys) if sc is not None and keys and self._up() else None
+        if sc is None or hashes is None:
+            return out
+        at = 0
+        try:
+            for _ in range(MAX_PROBES):
+                if at >= len(hashes):
+                    break
+                run = int(sc.client.lookup((), hashes=kvcached.EngineHashes("sglang", hashes[at:])).matched_blocks)
+                out[at : at + run] = [True] * run
+                at += run + 1  # hashes[at + run] is missing
+        except Exception as e:  # noqa: BLE001 - a miss, never an exception into SGLang
+            self._failed(f"{sc.name} lookup", len(keys), e)
+        return out
+
+    def batch_get_v2(self, transfers: Any, extra_info: Any = None) -> dict[Any, list[bool]]:
+        """Each sidecar transfer's pages into its host pool's `host_indices`; per transfer,
+        True for the leading pages loaded."""
+        return {t.name: self._sidecar_io(t, self._sidecar_get) for t in transfers}
+
+    def batch_set_v2(self, transfers: Any, extra_info: Any = None) -> dict[Any, list[bool]]:
+        """Each sidecar transfer's pages from its host pool stored; per transfer, all True when
+        every page is stored."""
+        return {t.name: self._sidecar_io(t, self._sidecar_set) for t in transfers}
+
+    def _sidecar_io(self, t: Any, io: Any) -> list[bool]:
+        keys = list(t.keys or [])
+        sc = self._sidecars.get(_pool_name(t.name))
+        hashes = self._hashes(keys) if keys and sc is not None and self._up() else None
+        if sc is None or hashes is None or t.host_indices is None or t.host_indices.numel() != len(keys) * sc.page_size:
+            if sc is None and keys:
+                self._tell(f"pool {t.name}", f"kvcached: no host pool {_pool_name(t.name)} was registered")
+            return [False] * len(keys)
+        pages = t.host_indices.view(-1)[:: sc.page_size].tolist()
+        try:
+            with sc.lock:
+                return io(sc, hashes, pages)
+        except Exception as e:  # noqa: BLE001 - pages not moved, never an exception into SGLang
+            self._failed(f"{sc.name} transfer", len(keys), e)
+            return [False] * len(keys)
+
+    @staticmethod
+    def _sidecar_get(sc: _Sidecar, hashes: list[bytes], pages: list[int]) -> list[bool]:
+        got, slots = 0, sc.staging.shape[0]
+        for at in range(0, len(hashes), slots):
+            chunk = hashes[at : at + slots]
+            n = int(sc.client.load_now((), 0, list(range(len(chunk))),
+                                       hashes=kvcached.EngineHashes("sglang", chunk)).loaded_blocks)  # fmt: skip
+            for i in range(n):
+                sc.pool.set_from_flat_data_page(pages[at + i], sc.staging[i, : sc.page_bytes].view(sc.dtype))
+            got += n
+            if n < len(chunk):
+                break
+        return [True] * got + [False] * (len(hashes) - got)
+
+    @staticmethod
+    def _sidecar_set(sc: _Sidecar, hashes: list[bytes], pages: list[int]) -> list[bool]:
+        slots = sc.staging.shape[0]
+        for at in range(0, len(hashes), slots):
+            chunk = hashes[at : at + slots]
+            for i in range(len(chunk)):
+                page = sc.pool.get_data_page(pages[at + i], flat=True)
+                sc.staging[i, : sc.page_bytes].copy_(page.contiguous().view(torch.uint8).reshape(-1))
+            r = sc.client.save((), 0, list(range(len(chunk))), hashes=kvcached.EngineHashes("sglang", chunk))
+            if r.failed:
+                log.warning("kvcached: %d of %d %s pages not stored: %s", r.failed, len(chunk), sc.name, r.error)
+                return [False] * len(hashes)
+        return [True] * len(hashes)
+
+    def _tell(self, what: str, message: str) -> None:
+        """Logs `message` once per `what`."""
+        if what not in self._told:
+            self._told.add(what)
+            log.error("%s", message)
+
     # -- the generic interface (flat pages; SGLang's controller without interface_v1) ----------
 
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
@@ -574,7 +751,12 @@ class KvcachedStorage(HiCacheStorage):
         return out
 
     def close(self) -> None:
+        for c in [self.client, *(sc.client for sc in self._sidecars.values())]:
+            self._unregister(c)
+
+    @staticmethod
+    def _unregister(client: kvcached.Client) -> None:
         try:
-            self.client.unregister()
+            client.unregister()
         except kvcached.KvcachedError as e:
             log.debug("kvcached: unregister failed: %s", e)

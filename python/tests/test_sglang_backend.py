@@ -4,6 +4,7 @@ real daemon (see sglang_harness for how SGLang's controller drives a backend).""
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -194,17 +195,110 @@ def test_storage_metrics_and_batches_larger_than_the_staging_area(own_daemon):
     assert backend(mha_pool("layer_first"), own_daemon.socket).get_stats() is None
 
 
-def test_hybrid_host_pools_are_refused_at_attach(own_daemon):
-    """SGLang's hybrid controller registers every host pool (hybrid_cache_controller.py
-    355-357: `register_mem_host_pool_v2(entry.host_pool, entry.name)` for each entry, the KV
-    anchor among them, then `on_host_pools_registered()`). The anchor is the KV pool already
-    registered; a sidecar pool (Mamba state, window KV) is refused, which fails the attach."""
-    pool = mha_pool("layer_first", "shm")
-    b = backend(pool, own_daemon.socket)
-    b.register_mem_host_pool_v2(pool, "kv")
+def mamba_pool(seed_layers: int = 2) -> Any:
+    """SGLang's Mamba state host pool on the CPU (a conv state and a temporal state per layer,
+    one state per page)."""
+    from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
+    from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
+
+    info = MambaStateBufferInfo(
+        temporal=torch.zeros(seed_layers, 9, 4, 8, dtype=torch.float32),
+        conv=(torch.zeros(seed_layers, 9, 6, 3, dtype=torch.bfloat16),),
+    )
+    return MambaPoolHost(info, 2.0, 0, device_capacity=8, pin_memory=False, device="cpu", layout="page_first")
+
+
+def hybrid(socket: str) -> tuple[Any, dict[str, Any]]:
+    """A hybrid model's backend as SGLang's hybrid controller attaches it (hybrid_cache_controller.py
+    355-357): the KV pool through `register_mem_pool_host`, then every pool (the KV anchor among
+    them) through `register_mem_host_pool_v2`, then `on_host_pools_registered`."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+
+    pools = {"kv": mha_pool("layer_first", "shm"), "mamba": mamba_pool(), "swa": mha_pool("page_first")}
+    b = backend(pools["kv"], socket)
+    for name, pool in pools.items():
+        b.register_mem_host_pool_v2(pool, PoolName(name))
     b.on_host_pools_registered()
-    with pytest.raises(NotImplementedError, match="hybrid host pools.*'mamba'"):
-        b.register_mem_host_pool_v2(mha_pool("layer_first"), "mamba")
+    return b, pools
+
+
+def fill_flat(pool: Any, n: int, seed: int) -> torch.Tensor:
+    """`n` pages of `pool` allocated and filled with random bytes through its flat pages; their
+    host indices (`page_size` per page)."""
+    idx = pool.alloc(n * pool.page_size)
+    g = torch.Generator().manual_seed(seed)
+    for i in range(n):
+        flat = pool.get_dummy_flat_data_page()
+        raw = torch.randint(0, 256, (flat.numel() * flat.element_size(),), generator=g, dtype=torch.uint8)
+        pool.set_from_flat_data_page(int(idx[i * pool.page_size]), raw.view(flat.dtype))
+    return idx
+
+
+def flat_bytes(pool: Any, idx: torch.Tensor, n: int) -> list[bytes]:
+    return [
+        pool.get_data_page(int(idx[i * pool.page_size]), flat=True).contiguous().view(torch.uint8).numpy().tobytes()
+        for i in range(n)
+    ]
+
+
+def test_a_hybrid_models_sidecar_pools_round_trip_with_its_kv(own_daemon):
+    """A hybrid model's Mamba state and sliding-window pages (SGLang's v2 interface) are saved
+    beside its KV pages, each pool in a namespace of its own, and found and loaded by another
+    engine only where the hit policy holds: the KV prefix, with the state at its last page
+    (TRAILING_PAGES 1) and the window's last 2 pages (TRAILING_PAGES 2)."""
+    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+
+    trailing = PoolHitPolicy.TRAILING_PAGES
+    a, ap = hybrid(own_daemon.socket)
+    b, bp = hybrid(own_daemon.socket)
+    assert len({a.namespace.id, *(sc.namespace.id for sc in a._sidecars.values())}) == 3
+    keys = page_hashes(list(range(4000, 4000 + 4 * PAGE)))
+    # The write-back: sidecars first (batch_set_v2), then the KV pages (batch_set_v1).
+    state, window = fill_flat(ap["mamba"], 1, seed=41), fill_flat(ap["swa"], 2, seed=42)
+    saved = a.batch_set_v2([
+        PoolTransfer(name=PoolName.MAMBA, host_indices=state, keys=keys[3:], hit_policy=trailing),
+        PoolTransfer(name=PoolName.SWA, host_indices=window, keys=keys[2:], hit_policy=trailing),
+    ])  # fmt: skip
+    assert saved == {PoolName.MAMBA: [True], PoolName.SWA: [True, True]}
+    assert a.batch_set_v1(keys, fill_pages(ap["kv"], 4, seed=43)) == [True] * 4
+
+    def query(ks: list[str]) -> Any:
+        return b.batch_exists_v2(ks, [
+            PoolTransfer(name=PoolName.MAMBA, keys=ks[-1:], hit_policy=trailing),
+            PoolTransfer(name=PoolName.SWA, keys=ks[-2:], hit_policy=trailing),
+        ])  # fmt: skip
+
+    hit = query(keys + page_hashes(list(range(4000, 4000 + 5 * PAGE)))[4:])
+    assert (hit.kv_hit_pages, hit.restorable_prefix_pages) == (4, [4])
+    assert hit.extra_pool_hit_pages == {PoolName.KV: 4, PoolName.MAMBA: 4, PoolName.SWA: 4}
+    # A prompt sharing only 3 pages: no state was kept at its third page, so no hit.
+    short = query(keys[:3] + page_hashes(list(range(4000, 4000 + 3 * PAGE)) + [9] * PAGE)[3:])
+    assert (short.kv_hit_pages, short.restorable_prefix_pages) == (0, [])
+
+    # The read: the KV pages (v1), then the sidecars' (batch_get_v2) into other slots.
+    got_state, got_window = bp["mamba"].alloc(1), bp["swa"].alloc(2 * PAGE)
+    assert b.batch_get_v1(keys, bp["kv"].alloc(4 * PAGE)) == [True] * 4
+    loaded = b.batch_get_v2([
+        PoolTransfer(name=PoolName.MAMBA, host_indices=got_state, keys=keys[3:], hit_policy=trailing),
+        PoolTransfer(name=PoolName.SWA, host_indices=got_window, keys=keys[2:], hit_policy=trailing),
+    ])  # fmt: skip
+    assert loaded == {PoolName.MAMBA: [True], PoolName.SWA: [True, True]}
+    assert flat_bytes(bp["mamba"], got_state, 1) == flat_bytes(ap["mamba"], state, 1)
+    assert flat_bytes(bp["swa"], got_window, 2) == flat_bytes(ap["swa"], window, 2)
+    # The state under another page's key is not there; a pool never registered moves nothing.
+    assert b.batch_get_v2([PoolTransfer(name=PoolName.MAMBA, host_indices=got_state, keys=keys[2:3])]) == {
+        PoolName.MAMBA: [False]
+    }
+    assert b.batch_get_v2([PoolTransfer(name=PoolName.INDEXER, host_indices=got_state, keys=keys[:1])]) == {
+        PoolName.INDEXER: [False]
+    }
+    # An engine without the sidecars (the KV pool alone) finds the KV pages only.
+    plain = backend(mha_pool("layer_first", "shm"), own_daemon.socket)
+    assert plain.batch_exists(keys) == 4
+    hit = plain.batch_exists_v2(keys, [PoolTransfer(name=PoolName.MAMBA, keys=keys[-1:], hit_policy=trailing)])
+    assert hit.kv_hit_pages == 0
+    for x in (a, b, plain):
+        x.close()
 
 
 def test_the_router_namespace_of_a_backends_pages_is_the_daemons(own_daemon):
