@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from vllm_harness import BLOCK, finish, pcp_engine, request  # noqa: E402
+from vllm_harness import BLOCK, pcp_engine, ranks_round_trip  # noqa: E402
 
 
 @pytest.fixture
@@ -20,34 +20,9 @@ def make_pcp_engine(model_dir):
     yield from _engines(pcp_engine, model_dir)
 
 
-def counts(e) -> list[dict]:
-    return [w.worker.counts for w, _ in e.stages]
-
-
 def test_each_prefill_context_parallel_rank_saves_and_loads_its_own_pages(daemon, make_pcp_engine):
-    a = make_pcp_engine(daemon.socket, prefix_caching=False, batched_tokens=256)
-    sched = a.connector.scheduler
-    assert sched.block_size == BLOCK
-    ns = [w.worker.namespace.id for w, _ in a.stages]
-    assert len(set(ns)) == 2 and sched.namespace.id == ns[0]
     prompt = [t + 71_000 for t in range(3 * BLOCK + 5)]
-    a.add(request("P1", prompt))
-    out, _ = a.step()
-    assert [(t.first_block, len(t.slots)) for t in out.kv_connector_metadata.saves] == [(0, 3)]
-    assert [c["saved"] for c in counts(a)] == [3, 3]
-    finish(a, "P1")
-
-    b = make_pcp_engine(daemon.socket, prefix_caching=False, batched_tokens=256)
-    b.add(request("P2", prompt))
-    out, _ = b.step()
-    assert [(t.first_block, len(t.slots)) for t in out.kv_connector_metadata.loads] == [(0, 3)]
-    assert out.num_scheduled_tokens["P2"] == len(prompt) - 3 * BLOCK
-    assert [(c["loaded"], c["load_failed"]) for c in counts(b)] == [(3, 0), (3, 0)]
-    ids = b.scheduler.kv_cache_manager.get_blocks("P2").get_block_ids()[0]
-    for rank in range(2):
-        for i in range(3):
-            assert b.rank_block_kv(rank, ids[i]) == b.expected_rank_block_kv(rank, prompt, i), f"rank {rank} block {i}"
-    finish(b, "P2")
+    ranks_round_trip(make_pcp_engine, prompt, daemon.socket, prefix_caching=False, batched_tokens=256)
 
 
 def test_ranks_and_an_unsplit_engine_never_share_blocks(daemon, make_pcp_engine, make_engine):

@@ -478,21 +478,24 @@ def workers(
 
 
 @dataclass
-class DcpEngine(Engine):
-    """An engine of `dcp` decode-context-parallel ranks: vLLM's scheduler with blocks of
-    BLOCK x dcp tokens, and a worker per rank on its own KV tensors, each holding its share of
-    a block's tokens (vLLM's slot mapping: token `p` of a block lies on rank
-    `(p // interleave) % dcp`, in slot `(p // (dcp x interleave)) x interleave + p % interleave`)."""
+class RankedEngine(Engine):
+    """An engine of context-parallel ranks: vLLM's scheduler and a worker per rank on its own
+    KV tensors (`ranks`), each rank's page of a block holding what the fake forward pass writes
+    there (`expected_rank_block_kv`)."""
 
-    dcp: int = 2
-    interleave: int = 1
     ranks: list[dict[str, torch.Tensor]] = field(default_factory=list)
 
-    def where(self, pos: int) -> tuple[int, int]:
-        """(rank, slot in its block) of token `pos`."""
-        n, i = self.dcp, self.interleave
-        off = pos % (BLOCK * n)
-        return (off // i) % n, (off // (n * i)) * i + off % i
+    def rank_block_kv(self, rank: int, block: int) -> list[bytes]:
+        """Rank `rank`'s page of block `block`, per layer."""
+        return [self.ranks[rank][name][block].contiguous().view(torch.uint8).numpy().tobytes() for name in LAYERS]
+
+    def where(self, pos: int) -> list[tuple[int, int, str]]:
+        """(rank, slot in its block, tag of the KV written) of each copy of token `pos`."""
+        raise NotImplementedError
+
+    def span(self) -> int:
+        """Tokens of one of the scheduler's blocks."""
+        return BLOCK
 
     def forward(self, out: Any) -> None:
         s = self.scheduler
@@ -501,103 +504,130 @@ class DcpEngine(Engine):
             toks = list(s.requests[rid].all_token_ids)
             ids = s.kv_cache_manager.get_blocks(rid).get_block_ids()[0]
             for pos in range(starts[rid], min(starts[rid] + n, len(toks))):
-                rank, slot = self.where(pos)
-                b = ids[pos // (BLOCK * self.dcp)]
-                for li, name in enumerate(LAYERS):
-                    self.ranks[rank][name][b, :, slot, :].view(torch.uint8).copy_(token_kv(toks, pos, li))
-
-    def rank_block_kv(self, rank: int, block: int) -> list[bytes]:
-        """Rank `rank`'s page of block `block`, per layer."""
-        return [self.ranks[rank][name][block].contiguous().view(torch.uint8).numpy().tobytes() for name in LAYERS]
+                b = ids[pos // self.span()]
+                for rank, slot, tag in self.where(pos):
+                    for li, name in enumerate(LAYERS):
+                        self.ranks[rank][name][b, :, slot, :].view(torch.uint8).copy_(token_kv(toks, pos, li, tag))
 
     def expected_rank_block_kv(self, rank: int, tokens: list[int], index: int) -> list[bytes]:
         """What the forward pass writes into rank `rank`'s page of block `index` of `tokens`."""
         out = []
         for li, name in enumerate(LAYERS):
             scratch = torch.empty_like(self.ranks[rank][name][:1])
-            for pos in range(index * BLOCK * self.dcp, (index + 1) * BLOCK * self.dcp):
-                r, slot = self.where(pos)
-                if r == rank:
-                    scratch[0, :, slot, :].view(torch.uint8).copy_(token_kv(tokens, pos, li))
+            for pos in range(index * self.span(), (index + 1) * self.span()):
+                for r, slot, tag in self.where(pos):
+                    if r == rank:
+                        scratch[0, :, slot, :].view(torch.uint8).copy_(token_kv(tokens, pos, li, tag))
             out.append(scratch[0].contiguous().view(torch.uint8).numpy().tobytes())
         return out
-
-
-def dcp_engine(*args: Any, dcp: int = 2, interleave: int = 1, num_blocks: int = 64, **kwargs: Any) -> DcpEngine:
-    """An engine of `dcp` decode-context-parallel ranks (`DcpEngine`), each rank's worker built
-    as vLLM's would be on that rank (its DCP rank is what vLLM's parallel state says there)."""
-    from unittest import mock
-
-    import kvcached.vllm.worker as worker_mod
-
-    cfg = vllm_config(*args, **kwargs)
-    cfg.parallel_config.decode_context_parallel_size = dcp
-    cfg.parallel_config.cp_kv_cache_interleave_size = interleave
-    kcfg = kv_cache_config(cfg, num_blocks)
-    kcfg.hash_block_size = BLOCK * dcp
-    sched = Scheduler(
-        vllm_config=cfg, kv_cache_config=kcfg, log_stats=True, structured_output_manager=StructuredOutputManager(cfg),
-        block_size=BLOCK * dcp, hash_block_size=BLOCK * dcp,
-    )  # fmt: skip
-    assert type(sched.connector) is KvcachedConnector, type(sched.connector)
-    ranked = [(cfg, kcfg, mock.patch.object(worker_mod, "_dcp_rank", lambda *_a, r=r: r)) for r in range(dcp)]
-    stages, ranks = workers(sched, ranked, KVCacheLayout["LBHNC"])
-    return DcpEngine(sched, stages[0][0], ranks[0], KVCacheLayout["LBHNC"], stages=stages, dcp=dcp,
-                     interleave=interleave, ranks=ranks)  # fmt: skip
 
 
 @dataclass
-class PcpEngine(Engine):
-    """An engine of `pcp` prefill-context-parallel ranks: vLLM's scheduler (blocks of BLOCK
-    tokens) and a worker per rank on its own KV tensors. What of a block's KV each rank holds
-    is vLLM's model runner's business (replicated, or each rank's computed share): the fake
-    forward pass writes a rank-specific KV into every rank's pages, so that a test can tell
-    whose bytes a rank got back."""
+class DcpEngine(RankedEngine):
+    """An engine of `dcp` decode-context-parallel ranks: vLLM's scheduler with blocks of
+    BLOCK x dcp tokens, each rank holding its share of a block's tokens (vLLM's slot mapping:
+    token `p` of a block lies on rank `(p // interleave) % dcp`, in slot
+    `(p // (dcp x interleave)) x interleave + p % interleave`)."""
 
-    ranks: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    dcp: int = 2
+    interleave: int = 1
 
-    def forward(self, out: Any) -> None:
-        s = self.scheduler
-        starts = self.starts(out)
-        for rid, n in out.num_scheduled_tokens.items():
-            toks = list(s.requests[rid].all_token_ids)
-            ids = s.kv_cache_manager.get_blocks(rid).get_block_ids()[0]
-            for pos in range(starts[rid], min(starts[rid] + n, len(toks))):
-                for rank, kv in enumerate(self.ranks):
-                    for li, name in enumerate(LAYERS):
-                        page = kv[name][ids[pos // BLOCK], :, pos % BLOCK, :]
-                        page.view(torch.uint8).copy_(token_kv(toks, pos, li, f"pcp{rank}"))
+    def span(self) -> int:
+        return BLOCK * self.dcp
 
-    def rank_block_kv(self, rank: int, block: int) -> list[bytes]:
-        """Rank `rank`'s page of block `block`, per layer."""
-        return [self.ranks[rank][name][block].contiguous().view(torch.uint8).numpy().tobytes() for name in LAYERS]
-
-    def expected_rank_block_kv(self, rank: int, tokens: list[int], index: int) -> list[bytes]:
-        """What the forward pass writes into rank `rank`'s page of block `index` of `tokens`."""
-        out = []
-        for li, name in enumerate(LAYERS):
-            scratch = torch.empty_like(self.ranks[rank][name][:1])
-            for slot in range(BLOCK):
-                scratch[0, :, slot, :].view(torch.uint8).copy_(token_kv(tokens, index * BLOCK + slot, li, f"pcp{rank}"))
-            out.append(scratch[0].contiguous().view(torch.uint8).numpy().tobytes())
-        return out
+    def where(self, pos: int) -> list[tuple[int, int, str]]:
+        n, i = self.dcp, self.interleave
+        off = pos % (BLOCK * n)
+        return [((off // i) % n, (off // (n * i)) * i + off % i, "")]
 
 
-def pcp_engine(*args: Any, pcp: int = 2, num_blocks: int = 64, **kwargs: Any) -> PcpEngine:
-    """An engine of `pcp` prefill-context-parallel ranks (`PcpEngine`), each rank's worker built
-    as vLLM's would be on that rank (its PCP rank is what vLLM's parallel state says there)."""
+@dataclass
+class PcpEngine(RankedEngine):
+    """An engine of prefill-context-parallel ranks: vLLM's scheduler (blocks of BLOCK tokens)
+    and every rank a page of each block. What of a block's KV each rank holds is vLLM's model
+    runner's business (replicated, or each rank's computed share): the fake forward pass writes
+    a rank-specific KV into every rank's pages, so that a test can tell whose bytes a rank got
+    back."""
+
+    def where(self, pos: int) -> list[tuple[int, int, str]]:
+        return [(rank, pos % BLOCK, f"pcp{rank}") for rank in range(len(self.ranks))]
+
+
+def ranks_round_trip(make: Any, prompt: list[int], *args: Any, **kwargs: Any) -> None:
+    """An engine of ranks (`make(*args, **kwargs)`) saves the prompt's whole blocks, every rank
+    its own pages, and another loads them, every rank's pages byte for byte."""
+    a = make(*args, **kwargs)
+    sched = a.connector.scheduler
+    ns = [w.worker.namespace.id for w, _ in a.stages]
+    assert len(set(ns)) == len(ns) and sched.namespace.id == ns[0]
+    span, ranks = a.span(), len(a.stages)
+    blocks = len(prompt) // span
+    a.add(request("R1", prompt, block=span))
+    out, _ = a.step()
+    assert [(t.first_block, len(t.slots)) for t in out.kv_connector_metadata.saves] == [(0, blocks)]
+    assert [w.worker.counts["saved"] for w, _ in a.stages] == [blocks] * ranks
+    finish(a, "R1")
+
+    b = make(*args, **kwargs)
+    b.add(request("R2", prompt, block=span))
+    out, _ = b.step()
+    assert [(t.first_block, len(t.slots)) for t in out.kv_connector_metadata.loads] == [(0, blocks)]
+    assert out.num_scheduled_tokens["R2"] == len(prompt) - blocks * span
+    assert [(w.worker.counts["loaded"], w.worker.counts["load_failed"]) for w, _ in b.stages] == [(blocks, 0)] * ranks
+    ids = b.scheduler.kv_cache_manager.get_blocks("R2").get_block_ids()[0]
+    for rank in range(ranks):
+        for i in range(blocks):
+            assert b.rank_block_kv(rank, ids[i]) == b.expected_rank_block_kv(rank, prompt, i), f"rank {rank} block {i}"
+    finish(b, "R2")
+
+
+def _ranked(
+    cls: type,
+    size: int,
+    rank_fn: str,
+    args: tuple,
+    kwargs: dict,
+    num_blocks: int,
+    block: int,
+    config: Any,
+    **fields: Any,
+) -> Any:
+    """An engine `cls` of `size` ranks, each rank's worker built as vLLM's would be on that rank
+    (`rank_fn`, the worker module's rank probe, answering the rank vLLM's parallel state gives
+    there), over a config `config` adjusted."""
     from unittest import mock
 
     import kvcached.vllm.worker as worker_mod
 
     cfg = vllm_config(*args, **kwargs)
-    cfg.parallel_config.prefill_context_parallel_size = pcp
+    config(cfg.parallel_config)
     kcfg = kv_cache_config(cfg, num_blocks)
+    kcfg.hash_block_size = block
     sched = Scheduler(
         vllm_config=cfg, kv_cache_config=kcfg, log_stats=True, structured_output_manager=StructuredOutputManager(cfg),
-        block_size=BLOCK,
+        block_size=block, hash_block_size=block,
     )  # fmt: skip
     assert type(sched.connector) is KvcachedConnector, type(sched.connector)
-    ranked = [(cfg, kcfg, mock.patch.object(worker_mod, "_pcp_rank", lambda *_a, r=r: r)) for r in range(pcp)]
+    ranked = [(cfg, kcfg, mock.patch.object(worker_mod, rank_fn, lambda *_a, r=r: r)) for r in range(size)]
     stages, ranks = workers(sched, ranked, KVCacheLayout["LBHNC"])
-    return PcpEngine(sched, stages[0][0], ranks[0], KVCacheLayout["LBHNC"], stages=stages, ranks=ranks)
+    return cls(sched, stages[0][0], ranks[0], KVCacheLayout["LBHNC"], stages=stages, ranks=ranks, **fields)
+
+
+def dcp_engine(*args: Any, dcp: int = 2, interleave: int = 1, num_blocks: int = 64, **kwargs: Any) -> DcpEngine:
+    """An engine of `dcp` decode-context-parallel ranks (`DcpEngine`)."""
+
+    def config(pc: Any) -> None:
+        pc.decode_context_parallel_size = dcp
+        pc.cp_kv_cache_interleave_size = interleave
+
+    return _ranked(DcpEngine, dcp, "_dcp_rank", args, kwargs, num_blocks, BLOCK * dcp, config, dcp=dcp,
+                   interleave=interleave)  # fmt: skip
+
+
+def pcp_engine(*args: Any, pcp: int = 2, num_blocks: int = 64, **kwargs: Any) -> PcpEngine:
+    """An engine of `pcp` prefill-context-parallel ranks (`PcpEngine`)."""
+
+    def config(pc: Any) -> None:
+        pc.prefill_context_parallel_size = pcp
+
+    return _ranked(PcpEngine, pcp, "_pcp_rank", args, kwargs, num_blocks, BLOCK, config)
