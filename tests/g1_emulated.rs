@@ -114,6 +114,32 @@ async fn a_key_named_twice_in_one_save_is_stored_once() {
     n.stop();
 }
 
+/// Blocks only G3 holds (the daemon restarted: its G2 is empty) come up into G2 and are copied
+/// into the engine's memory queued on the device, from the G2 blocks they landed in, like G2
+/// hits: every byte right, many copies in flight (not one synchronous copy per block).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blocks_only_g3_holds_are_queued_on_the_device_too() {
+    let d = tempfile::tempdir().unwrap();
+    let toml = kvtests::node::g3_toml(&d.path().join("g3"), 64 << 20, false);
+    let mut n = kvtests::node::Node::start(Path::new(env!("CARGO_BIN_EXE_daemon")), d.path(), &toml, &[]);
+    n.set_faults(EMULATED);
+    let mut e = Engine::attach(&n.socket(), "gpu-emulated", &ns("g1/g3"), 128).await.unwrap();
+    e.save_within(3, 40, BOUNDED).await;
+    n.restart();
+    let (loaded, st, _) = e.load_timed(3, 40).await;
+    assert_eq!((loaded, st.from_g3), (40, 40), "{st:?}");
+    assert_eq!(n.d().metric(LOAD_FAILED), 0.0);
+    drop(e);
+    n.stop();
+    // The restarted daemon's device served this load alone: its copies were queued, many in
+    // flight (a block copied past the queue is one synchronous copy, one at a time).
+    let log = std::fs::read_to_string(d.path().join("daemon.log")).unwrap_or_default();
+    let line = log.lines().rfind(|l| l.contains("fake device closed")).unwrap_or_else(|| panic!("{log}"));
+    let (submitted, most): (u64, usize) =
+        (field(line, "submissions").parse().unwrap(), field(line, "max_in_flight").parse().unwrap());
+    assert!(submitted >= 40 && most > 1, "G3 blocks were copied one at a time: {line}");
+}
+
 /// `key=value` of a log line.
 fn field<'a>(line: &'a str, key: &str) -> &'a str {
     let at = line.find(&format!("{key}=")).unwrap_or_else(|| panic!("no {key} in {line}")) + key.len() + 1;

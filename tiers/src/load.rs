@@ -59,6 +59,14 @@ pub trait LoadSink {
     /// Copies block `i`'s verified bytes (pieces in block order) into place.
     fn fill(&mut self, i: usize, pieces: &[&[u8]]) -> Result<(), Self::Error>;
 
+    /// Whether a block coming up from a lower tier is handed over as soon as it is read, while
+    /// its pages are still G2's reservation (true), or once G2 holds it (false: it is then
+    /// handed over from G2, whose committed pages a sink may keep while its copy runs, as a
+    /// GPU engine's queued copies do).
+    fn streams(&self) -> bool {
+        true
+    }
+
     /// Block `i` is in the sink; `from` is the tier it was in before the load.
     fn done(&mut self, _i: usize, _from: TierKind) {}
 
@@ -211,11 +219,13 @@ impl BlockStore {
             // lower tier failing (a disk error, a store down or hung) is a miss from the first
             // block it failed on: counted and logged by the store, never a failed load.
             let rest: Vec<BlockKey> = chunk.iter().zip(&early).filter(|(_, e)| e.is_none()).map(|(k, _)| *k).collect();
+            let streams = sink.streams();
             let Promoted { promoted, failed, unplaced, .. } =
                 self.promote_batch_lossy_each(&rest, &mut |key, meta, tier, pieces| {
                     let Some(i) = chunk.iter().position(|k| k == key) else { return };
-                    // A block the sink does not take is left to the loop below, which ends there.
-                    if early[i].is_none() && sink.accepts(start + i, meta) {
+                    // A block the sink does not take (or takes only from G2) is left to the
+                    // loop below, which ends there (or reads it from G2).
+                    if early[i].is_none() && streams && sink.accepts(start + i, meta) {
                         early[i] = Some((tier, sink.fill(start + i, pieces)));
                     }
                 });

@@ -103,7 +103,8 @@ impl LoadSink for SlotSink<'_> {
         if let Some(q) = self.queued.as_mut() {
             q.check(self.engine)?;
             // Queued where the pieces are the G2 block's own pages, held until the copy is
-            // done; pieces of a buffer (a block G2 had no room for) are copied synchronously.
+            // done; pieces of a buffer (a block G2 had no room for, a peer's) are copied
+            // synchronously.
             if let Some(held) = q.store.hold(&q.keys[i]).filter(|h| same_memory(&h.ranges(), pieces)) {
                 let copies = Copy::zip(Direction::ToDevice, &self.engine.segment_ranges(self.slots[i]), &held.ranges())
                     .map_err(|e| ServerError::Invalid(e.to_string()))?;
@@ -114,6 +115,13 @@ impl LoadSink for SlotSink<'_> {
             }
         }
         self.engine.write_slot_from(self.slots[i], pieces)
+    }
+
+    fn streams(&self) -> bool {
+        // A GPU engine's copies are queued from blocks G2 holds: a block coming up from a lower
+        // tier is taken once G2 has it, not from its reservation (which could only be copied
+        // block by block, synchronously).
+        self.queued.is_none()
     }
 
     fn done(&mut self, _i: usize, from: TierKind) {
