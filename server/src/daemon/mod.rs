@@ -267,7 +267,6 @@ impl Daemon {
         let src = kvproto::convert::key_source(req.context.as_ref(), req.engine_hashes.as_ref())?;
         let keys = self.keys_in(&engine, &req.tokens, &src)?;
         Self::span(&engine, keys.len(), req.first_block, &req.block_ids)?;
-        let mut resp = pb::SaveResponse::default();
         let end = req.first_block as usize + req.block_ids.len();
         // The vLLM export's records of these blocks, made on the reporting thread (of a token
         // chain: engine hashes carry no tokens to hash the vLLM way).
@@ -284,10 +283,10 @@ impl Daemon {
         // vLLM offloading job may hold chunks of several requests).
         let chained = src.is_token_chain();
         let blocks = SaveBlocks { engine: &engine, keys: &keys, req, owner, chained };
-        match engine.device() {
-            Some(dev) => self.save_queued(&blocks, dev, &mut resp),
-            None => self.save_copied(&blocks, &mut resp),
-        }
+        let resp = match engine.device() {
+            Some(dev) => self.save_queued(&blocks, dev),
+            None => self.save_copied(&blocks),
+        };
         if let Some(c) = export
             && resp.failed > 0
         {
@@ -299,7 +298,8 @@ impl Daemon {
 
     /// A CPU engine's save: each block gathered from the engine's mapped segments straight
     /// into its G2 pages, one copy, block after block.
-    fn save_copied(&self, b: &SaveBlocks<'_>, resp: &mut pb::SaveResponse) {
+    fn save_copied(&self, b: &SaveBlocks<'_>) -> pb::SaveResponse {
+        let mut resp = pb::SaveResponse::default();
         let mut over_quota = false;
         for (i, &slot) in b.req.block_ids.iter().enumerate() {
             // Past a block the quota refused, the rest of the chain could only be stored by
@@ -313,8 +313,9 @@ impl Daemon {
                 b.engine.read_slot_into(slot, dst).map_err(|e| kvtiers::TierError::Fill(e.to_string()))
             });
             crate::sched::between_copies(meta.len);
-            tally(resp, put, &mut over_quota);
+            tally(&mut resp, put, &mut over_quota);
         }
+        resp
     }
 
     /// A GPU engine's save: each block's G2 pages reserved and its copies queued on the
@@ -322,8 +323,8 @@ impl Daemon {
     /// the DMA engines move the last. A block becomes visible only once its copies completed;
     /// one whose copy failed is dropped, never served, and counted
     /// (`kvcached_g1_copy_failures_total`).
-    fn save_queued(&self, b: &SaveBlocks<'_>, dev: &dyn CopyEngine, out: &mut pb::SaveResponse) {
-        let resp = std::cell::RefCell::new(std::mem::take(out));
+    fn save_queued(&self, b: &SaveBlocks<'_>, dev: &dyn CopyEngine) -> pb::SaveResponse {
+        let resp = std::cell::RefCell::new(pb::SaveResponse::default());
         let mut over_quota = false;
         let mut queue = CopyQueue::new(dev, SAVE_DEPTH, |fill: kvtiers::Filling, copied: kvtiers::Result<()>| {
             let put = match copied {
@@ -370,7 +371,7 @@ impl Daemon {
             }
         }
         drop(queue);
-        *out = resp.into_inner();
+        resp.into_inner()
     }
 
     pub fn lookup(&self, req: &pb::LookupRequest, who: Principal) -> Result<pb::LookupResponse, ServerError> {
