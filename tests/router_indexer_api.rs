@@ -197,13 +197,14 @@ async fn registrations_are_validated_and_salted_namespaces_kept_apart() {
     srv.stop().await;
 }
 
-/// A publisher registered for a LoRA adapter (or a salt) is indexed under the hashes Dynamo
-/// 1.6.1 gives that adapter's requests (`docs/block-keys.md` section 9): its events' blocks
-/// are seeded by the registration's adapter where they name none, and by the adapter they name
-/// otherwise; `/query` seeds the prompt's hashes the same way, and `/query_by_hash` finds
-/// Dynamo's seeded hashes, not the base model's.
+/// A publisher registered for a LoRA adapter is indexed under the hashes Dynamo 1.6.1 gives
+/// that adapter's requests (`docs/block-keys.md` section 9): its events' blocks are seeded by
+/// the registration's adapter where they name none, and by the adapter they name otherwise;
+/// `/query` seeds the prompt's hashes the same way, and `/query_by_hash` finds Dynamo's seeded
+/// hashes, not the base model's. (A registration's salt selects its namespace only: the salted
+/// test above finds the base hashes there.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn lora_and_salted_registrations_use_dynamos_seeded_hashes() {
+async fn lora_registrations_use_dynamos_seeded_hashes() {
     use kvproto::dynamo::{request_seed, request_sequence_hashes, sequence_hashes};
 
     let srv = Server::start(config()).await;

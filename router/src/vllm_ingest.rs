@@ -120,8 +120,8 @@ impl VllmIngest {
                         self.invalid += 1;
                     }
                     // The request's local seed: its chain's where it continues one, else from its
-                    // adapter and its salt (in block 0's extra keys), else the namespace's (a
-                    // publisher registered for one adapter or salt).
+                    // adapter (else the namespace's: a publisher registered for one adapter) and
+                    // its salt (in block 0's extra keys).
                     let lora = lora_name.as_deref().map(str::as_bytes);
                     let local = match parent_block_hash {
                         Some(p) => self.seeds.get(&p.digest()).copied(),

@@ -312,14 +312,12 @@ const DYNAMO_SPACE_CONTEXT: &str = "kvrouter 2026-11-30 dynamo key space v1";
 
 impl ResolvedNamespace {
     /// The seed of the Dynamo local hashes of this namespace's requests, as Dynamo 1.6.1 seeds a
-    /// request's (`kvproto::dynamo::request_seed`): from the namespace's adapter (a LoRA name)
-    /// and its salt (a cache salt, Dynamo's `cache_namespace`), or from `adapter` and `salt`
-    /// where a request names its own. 1337 for neither.
+    /// request's (`kvproto::dynamo::request_seed`): from the request's adapter (a LoRA name),
+    /// else the namespace's `adapter_id`, and from the request's cache salt (Dynamo's
+    /// `cache_namespace`). The namespace's tenant salt is kvcached's isolation secret, not a
+    /// Dynamo cache namespace: it never seeds the public hashes. 1337 for neither.
     pub fn dynamo_seed(&self, adapter: Option<&[u8]>, salt: Option<&[u8]>) -> u64 {
-        kvproto::dynamo::request_seed(
-            adapter.or(self.namespace.adapter_id.as_deref().map(str::as_bytes)),
-            salt.or(self.namespace.tenant_salt.as_deref()),
-        )
+        kvproto::dynamo::request_seed(adapter.or(self.namespace.adapter_id.as_deref().map(str::as_bytes)), salt)
     }
 
     /// The keys of every full block of `tokens`.
@@ -343,8 +341,8 @@ impl ResolvedNamespace {
     }
 
     /// The keys of every full block of `tokens` for a request with the key context `ctx`
-    /// (`docs/block-keys.md` section 6). In the Dynamo scheme the adapter and the cache salt
-    /// (the request's, else the namespace's) seed the local hashes as Dynamo 1.6.1 does
+    /// (`docs/block-keys.md` section 6). In the Dynamo scheme the adapter (the request's, else
+    /// the namespace's) and the request's cache salt seed the local hashes as Dynamo 1.6.1 does
     /// ([`Self::dynamo_seed`]); blocks
     /// from the first one that binds a multimodal input or a per-block extra have no Dynamo
     /// hash (a daemon's export leaves them out), so the keys stop before it.
