@@ -180,22 +180,16 @@ def test_unknown_tier_settings_are_refused(own_daemon):
         manager(own_daemon.socket, sokcet="/nowhere")
 
 
-def test_another_revision_of_the_model_never_finds_the_chunks(own_daemon, monkeypatch):
-    """vLLM's offloading config names the model without its revision; the tier adds the
-    engine's revision, as the connector does: two revisions' KV are other bytes."""
-    from types import SimpleNamespace
-
-    import vllm.config
-
-    a, a_tier, a_view = manager(own_daemon.socket)
+def test_revisions_named_in_model_id_never_share_chunks(own_daemon):
+    """vLLM's offloading config names the model without its revision: an engine of another
+    revision says so in `model_id`, and then finds none of the first one's chunks."""
+    a, a_tier, a_view = manager(own_daemon.socket, model_id="test/offload-model@r1")
     key = make_offload_key(b"\x0b" * 32, 0)
     with a.lock:
         store(a, a_view, [key], 0x51, "v0")
         step(a)
     a_tier.drain_jobs()
-    revision = SimpleNamespace(model_config=SimpleNamespace(model="test/offload-model", revision="r2"))
-    monkeypatch.setattr(vllm.config, "get_current_vllm_config_or_none", lambda: revision)
-    b, b_tier, _ = manager(own_daemon.socket)
+    b, b_tier, _ = manager(own_daemon.socket, model_id="test/offload-model@r2")
     assert b_tier.namespace.model_id == "test/offload-model@r2"
     _, seen = lookup_until_hit(b, b_tier, key, "v1")
     assert seen[-1] is LookupResult.MISS, seen

@@ -16,8 +16,10 @@ the model and of everything that shapes a chunk's bytes, so engines of the same 
 configuration share them (vLLM's default sha256 block hashes are the same in every process;
 other hash functions need the same `PYTHONHASHSEED` everywhere).
 
-Tier settings (keys of the tier's entry): `socket`, `model_id` (default vLLM's model name,
-`@revision` when one is set), `namespace_extra`, `tenant_salt` (default `$KVCACHED_TENANT_SALT`),
+Tier settings (keys of the tier's entry): `socket`, `model_id` (default vLLM's model name; vLLM's
+offloading config does not carry the model's revision, so engines serving several revisions of
+one model name each revision here, e.g. `name@revision`), `namespace_extra`, `tenant_salt`
+(default `$KVCACHED_TENANT_SALT`),
 `threads` (default 4), `retry_after` (seconds the tier answers "not found" and fails transfers
 without asking, after a call found the daemon away; default 5), `enable_kv_events` (stored chunks
 in vLLM's KV events as STORAGE), `locality`.
@@ -117,22 +119,9 @@ def namespace_of(
         raise ValueError(f"a chunk of {chunk_bytes} bytes is not a multiple of 2 x {tokens} tokens")
     # A chunk is one contiguous run of bytes: one "layer" of int8 pairs.
     layout = kvcached.KvLayout(1, 1, chunk_bytes // (2 * tokens), "int8", tokens, kind="contiguous")
-    model = model_id or model_name(spec)
+    model = model_id or str(cfg.model.name)
     body = "vllm-offload-v1;" + json.dumps(shape, sort_keys=True)
     return kvcached.Namespace(model, layout, tenant_salt=salt, extra=body.encode())
-
-
-def model_name(spec: Any) -> str:
-    """The model's identity in the namespace, as the connector names it: vLLM's model name,
-    with `@revision` when the engine runs a revision (two revisions' KV are other bytes; vLLM's
-    offloading config names the model alone)."""
-    from vllm.config import get_current_vllm_config_or_none
-
-    name = str(spec.config.model.name)
-    vc = get_current_vllm_config_or_none()
-    mc = getattr(vc, "model_config", None)
-    revision = getattr(mc, "revision", None) if mc is not None and str(mc.model) == name else None
-    return f"{name}@{revision}" if revision else name
 
 
 class _Breaker:
