@@ -69,9 +69,11 @@ KEYS = (
 )  # fmt: skip
 # SGLang's batch of pages per backend call (cache_controller.py, STORAGE_BATCH_SIZE).
 SGLANG_BATCH = 128
-# Lookups one sidecar existence query may make (each finds a run of present pages; the pages
-# after the last are taken as missing).
+# Prefix lengths a hybrid hit query tries, from the longest back, for one where every
+# trailing pool (a Mamba state, a window) holds its pages; and how many restorable ones it
+# reports (SGLang intersects them across ranks).
 MAX_PROBES = 64
+RESTORABLE = 4
 # The attributes of a sidecar host pool that shape its flat data pages (whichever it has).
 _POOL_SHAPE = (
     "layout", "page_size", "size_per_token", "dtype", "layer_num", "head_num", "head_dim", "v_head_dim",
@@ -318,16 +320,21 @@ class KvcachedStorage(HiCacheStorage):
         self._stats_lock = threading.Lock()
         self._prefetch: list[tuple[int, float]] = []
         self._backup: list[tuple[int, float]] = []
-        # A hybrid model's pools beside the KV pool, by name.
+        # A hybrid model's pools beside the KV pool, by name; those registered but not yet made
+        # (until SGLang's `on_host_pools_registered`), and the memory they share.
         self._sidecars: dict[str, _Sidecar] = {}
+        self._pending: dict[str, Any] = {}
+        self._burst_over = False
+        self._sidecar_region: kvcached.KvMemory | None = None
 
     # -- registration ------------------------------------------------------------------------
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         """SGLang's hybrid models register every host pool here (hybrid_cache_controller.py
-        355-357: the KV anchor, which `register_mem_pool_host` registered, and its sidecars).
-        Each sidecar gets a namespace and a registration of its own; a registration the daemon
-        refuses fails SGLang's attach."""
+        355-357: the KV anchor, which `register_mem_pool_host` registered, and its sidecars),
+        then call `on_host_pools_registered`. Each sidecar gets a namespace and a registration
+        of its own; the burst's sidecars share one memory (the daemon counts them as one engine
+        of the uid). A registration the daemon refuses fails SGLang's attach."""
         name = _pool_name(host_pool_name)
         if host_pool is getattr(self, "mem_pool_host", None) or name == "kv":
             return
@@ -335,29 +342,56 @@ class KvcachedStorage(HiCacheStorage):
         old = self._sidecars.pop(name, None)
         if old is not None:
             self._unregister(old.client)
-        self._sidecars[name] = self._sidecar(name, host_pool)
+        self._pending[name] = host_pool
+        if self._burst_over:  # a pool SGLang adds later arrives alone
+            self.on_host_pools_registered()
 
-    def _sidecar(self, name: str, pool: Any) -> _Sidecar:
-        flat = pool.get_dummy_flat_data_page()
-        page_bytes = flat.numel() * flat.element_size()
-        block = page_bytes + page_bytes % 2  # two halves of whole bytes
+    def on_host_pools_registered(self) -> None:
+        """The pools registered so far get their namespaces and registrations, over one memory."""
+        self._burst_over = True
+        pending, self._pending = list(self._pending.items()), {}
+        if not pending:
+            return
+        plans = []
+        at = 0
+        for name, pool in pending:
+            flat = pool.get_dummy_flat_data_page()
+            page_bytes = flat.numel() * flat.element_size()
+            block = page_bytes + page_bytes % 2  # two halves of whole bytes
+            slots = max(1, min(SGLANG_BATCH, STAGING_BYTES // block))
+            plans.append((name, pool, flat.dtype, page_bytes, block, slots, at))
+            at += -(-slots * block // 4096) * 4096  # each pool's staging on its own pages
+        whole = kvcached.KvMemory.with_slots(kvcached.SlotLayout([(0, at), (at // 2, at)], at // 2, 1))
+        region = whole.torch(torch.uint8)
+        region.zero_()  # faulted in now
+        # The pool reaching furthest first: the daemon maps the memory that far for the first
+        # registration and shares the mapping with the others.
+        for name, pool, dtype, page_bytes, block, slots, off in reversed(plans):
+            slot_layout = kvcached.SlotLayout([(off, block), (off + block // 2, block)], block // 2, slots)
+            memory = kvcached.KvMemory.from_fd(whole.fd, slot_layout)
+            staging = region[off : off + slots * block].view(slots, block)
+            self._sidecars[name] = self._sidecar(name, pool, dtype, page_bytes, memory, staging)
+        self._sidecar_region = whole
+
+    def _sidecar(
+        self, name: str, pool: Any, dtype: Any, page_bytes: int, memory: kvcached.KvMemory, staging: torch.Tensor
+    ) -> _Sidecar:
+        """Pool `name`'s namespace (the pool, its class, every field that shapes its pages, the
+        rank) and registration over `memory`."""
         shape = ";".join(f"{a}={getattr(pool, a)!r}" for a in _POOL_SHAPE if hasattr(pool, a))
         extra = (
             f"sglang-pool-v1;pool={name};class={type(pool).__name__};{shape};bytes={page_bytes};"
             f"tp={self.config.tp_rank}/{self.config.tp_size};user={self.namespace_extra}"
         )
+        block = staging.shape[1]
         layout = kvcached.KvLayout(1, 1, block // 2, "int8", tokens_per_block=1)
         namespace = kvcached.Namespace(self.model_id, layout, tenant_salt=self.tenant_salt, extra=extra.encode())
-        slots = max(1, min(SGLANG_BATCH, STAGING_BYTES // block))
-        memory = kvcached.KvMemory.with_slots(kvcached.SlotLayout([(0, block), (block // 2, block)], block // 2, slots))
-        staging = memory.torch(torch.uint8).view(slots, block)
-        staging.zero_()  # faulted in now
         client = kvcached.Client(self.client.socket, reconnect_for=self.client_reconnect_for)
         reg = client.register(f"sglang-{os.getpid()}-tp{self.config.tp_rank}-{name}"[:128], namespace, memory)
         log.info("kvcached: SGLang %s pool registered (%d-byte pages, staged), namespace %s", name, page_bytes,
                  reg.namespace_id)  # fmt: skip
         page_size = int(getattr(pool, "page_size", 1) or 1)
-        return _Sidecar(name, pool, page_size, page_bytes, flat.dtype, namespace, client, memory, staging,
+        return _Sidecar(name, pool, page_size, page_bytes, dtype, namespace, client, memory, staging,
                         threading.Lock())  # fmt: skip
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
@@ -578,50 +612,56 @@ class KvcachedStorage(HiCacheStorage):
 
     def batch_exists_v2(self, keys: list[str], pool_transfers: Any = None, extra_info: Any = None) -> Any:
         """The longest prefix of `keys` whose KV pages are stored and at whose end every
-        sidecar pool holds what its hit policy asks: every page before it (ALL_PAGES), or the
-        last `len(transfer.keys)` pages (TRAILING_PAGES: Mamba state, window KV)."""
+        sidecar pool holds what its hit policy asks: every page before it (ALL_PAGES), or its
+        last `len(transfer.keys)` pages (TRAILING_PAGES: a Mamba state, a window), and the
+        prefix lengths that are restorable (the longest few, from up to MAX_PROBES lengths
+        back). A BLOCK_GROUPS pool gives its own verdict, which kvcached does not: it neither
+        gates the hit nor is reported."""
         from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransferResult
 
         kv_pages = self.batch_exists(keys, extra_info)
         hits: dict[Any, int] = {PoolName.KV: kv_pages} if kv_pages else {}
-        restorable = list(range(1, kv_pages + 1))
-        for t in pool_transfers or []:
-            if not restorable:
-                break
-            present = self._present(self._sidecars.get(_pool_name(t.name)), keys[:kv_pages])
-            if t.hit_policy == PoolHitPolicy.ALL_PAGES:
-                boundary = next((i for i, p in enumerate(present) if not p), kv_pages)
-                fits = set(range(1, boundary + 1))
-            elif t.hit_policy == PoolHitPolicy.TRAILING_PAGES:
-                trailing = max(1, len(t.keys) if t.keys else 1)
-                fits = {n for n in range(1, kv_pages + 1) if all(present[max(0, n - trailing) : n])}
-                boundary = max(fits, default=0)
+        hashes = self._hashes(keys[:kv_pages]) if kv_pages else None
+        if hashes is None:
+            return PoolTransferResult(0, {}, [])
+        limit, trailing = kv_pages, []
+        try:
+            for t in pool_transfers or []:
+                sc = self._sidecars.get(_pool_name(t.name))
+                if t.hit_policy == PoolHitPolicy.ALL_PAGES:
+                    run = self._run(sc, hashes[:limit]) if sc is not None else 0
+                    limit = min(limit, run)
+                    if run:
+                        hits[t.name] = run
+                elif t.hit_policy == PoolHitPolicy.TRAILING_PAGES:
+                    trailing.append((t.name, sc, max(1, len(t.keys) if t.keys else 1)))
+                else:
+                    self._tell(f"policy {t.hit_policy}", f"kvcached: pool {_pool_name(t.name)}'s hit policy "
+                               f"{t.hit_policy} gets no verdict from kvcached")  # fmt: skip
+            if not trailing:
+                restorable = list(range(1, limit + 1))
             else:
-                self._tell(f"policy {t.hit_policy}", f"kvcached: hit policy {t.hit_policy} of pool "
-                           f"{_pool_name(t.name)} is not supported: no hit where it applies")  # fmt: skip
-                fits, boundary = set(), 0
-            if boundary:
-                hits[t.name] = boundary
-            restorable = [n for n in restorable if n in fits]
+                restorable = []
+                for n in range(limit, max(0, limit - MAX_PROBES), -1):
+                    if all(sc is not None and self._run(sc, hashes[max(0, n - w) : n]) == min(n, w)
+                           for _, sc, w in trailing):  # fmt: skip
+                        restorable.append(n)
+                        if len(restorable) == RESTORABLE:
+                            break
+                restorable.reverse()
+                for name, _, _ in trailing:
+                    if restorable:
+                        hits[name] = restorable[-1]
+        except Exception as e:  # noqa: BLE001 - a miss, never an exception into SGLang
+            self._failed("sidecar lookup", len(keys), e)
+            return PoolTransferResult(0, {}, [])
         return PoolTransferResult(restorable[-1] if restorable else 0, hits, restorable)
 
-    def _present(self, sc: _Sidecar | None, keys: list[str]) -> list[bool]:
-        """Which of `keys` pool `sc` holds (runs found by up to MAX_PROBES lookups)."""
-        out = [False] * len(keys)
-        hashes = self._hashes(keys) if sc is not None and keys and self._up() else None
-        if sc is None or hashes is None:
-            return out
-        at = 0
-        try:
-            for _ in range(MAX_PROBES):
-                if at >= len(hashes):
-                    break
-                run = int(sc.client.lookup((), hashes=kvcached.EngineHashes("sglang", hashes[at:])).matched_blocks)
-                out[at : at + run] = [True] * run
-                at += run + 1  # hashes[at + run] is missing
-        except Exception as e:  # noqa: BLE001 - a miss, never an exception into SGLang
-            self._failed(f"{sc.name} lookup", len(keys), e)
-        return out
+    def _run(self, sc: _Sidecar, hashes: list[bytes]) -> int:
+        """How many of `hashes`, from the first, pool `sc` holds."""
+        if not hashes or not self._up():
+            return 0
+        return int(sc.client.lookup((), hashes=kvcached.EngineHashes("sglang", hashes)).matched_blocks)
 
     def batch_get_v2(self, transfers: Any, extra_info: Any = None) -> dict[Any, list[bool]]:
         """Each sidecar transfer's pages into its host pool's `host_indices`; per transfer,
@@ -753,6 +793,7 @@ class KvcachedStorage(HiCacheStorage):
     def close(self) -> None:
         for c in [self.client, *(sc.client for sc in self._sidecars.values())]:
             self._unregister(c)
+        self._sidecars.clear()
 
     @staticmethod
     def _unregister(client: kvcached.Client) -> None:

@@ -301,6 +301,46 @@ def test_a_hybrid_models_sidecar_pools_round_trip_with_its_kv(own_daemon):
         x.close()
 
 
+def test_a_state_at_the_end_of_a_long_prefix_is_found(own_daemon):
+    """SGLang keeps a trailing pool's pages only at a node's end: a state after page 100 of a
+    100-page prefix makes the whole prefix restorable, however many pages before it have none."""
+    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+
+    a, ap = hybrid(own_daemon.socket)
+    keys = page_hashes(list(range(9000, 9000 + 101 * PAGE)))
+    idx = fill_pages(ap["kv"], 20, seed=51)
+    for at in range(0, 100, 20):  # the KV pages' bytes do not matter here, their presence does
+        assert a.batch_set_v1(keys[at : at + 20], idx) == [True] * 20
+    state = fill_flat(ap["mamba"], 1, seed=52)
+    mamba = PoolTransfer(
+        name=PoolName.MAMBA, host_indices=state, keys=keys[99:100], hit_policy=PoolHitPolicy.TRAILING_PAGES
+    )
+    assert a.batch_set_v2([mamba]) == {PoolName.MAMBA: [True]}
+    query = PoolTransfer(name=PoolName.MAMBA, keys=keys[-1:], hit_policy=PoolHitPolicy.TRAILING_PAGES)
+    hit = a.batch_exists_v2(keys, [query])
+    assert (hit.kv_hit_pages, hit.restorable_prefix_pages) == (100, [100])
+    a.close()
+
+
+def test_a_hybrid_models_pools_take_two_of_the_uids_engines(tmp_path):
+    """The pools beside the KV pool share one memory, which the daemon counts as one engine of
+    the uid: a hybrid model with two sidecars attaches to a daemon allowing 2 engines per uid."""
+    from conftest import Daemon
+
+    config = tmp_path / "kvcached.toml"
+    config.write_text("[limits]\nmax_engines_per_uid = 2\n")
+    root = tmp_path / "daemon"
+    root.mkdir()
+    d = Daemon(root, extra=["--config", str(config)])
+    d.start()
+    try:
+        b, _ = hybrid(d.socket)
+        assert len(b._sidecars) == 2
+        b.close()
+    finally:
+        d.stop()
+
+
 def test_the_router_namespace_of_a_backends_pages_is_the_daemons(own_daemon):
     """`router_namespace` writes the kvrouter entry that routes requests to the pages a backend
     saves (scheme sglang-pages-v1): its fields make the backend's own namespace, salt included."""
