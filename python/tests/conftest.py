@@ -7,6 +7,8 @@ The binary is $KVCACHED_BIN, else the debug (then release) build under $CARGO_TA
 
 from __future__ import annotations
 
+import contextlib
+
 import os
 import shutil
 import signal
@@ -85,6 +87,21 @@ class Daemon:
             self.proc = None
         # A killed daemon leaves its socket file: the next start binds anew.
         Path(self.socket).unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def configured_daemon(tmp_path: Path, toml: str):
+    """A kvcached process with `toml` as its configuration file, stopped after the block."""
+    config = tmp_path / "kvcached.toml"
+    config.write_text(toml)
+    root = tmp_path / "daemon"
+    root.mkdir()
+    d = Daemon(root, extra=["--config", str(config)])
+    d.start()
+    try:
+        yield d
+    finally:
+        d.stop()
 
 
 def _daemon(prefix: str):

@@ -325,20 +325,12 @@ def test_a_state_at_the_end_of_a_long_prefix_is_found(own_daemon):
 def test_a_hybrid_models_pools_take_two_of_the_uids_engines(tmp_path):
     """The pools beside the KV pool share one memory, which the daemon counts as one engine of
     the uid: a hybrid model with two sidecars attaches to a daemon allowing 2 engines per uid."""
-    from conftest import Daemon
+    from conftest import configured_daemon
 
-    config = tmp_path / "kvcached.toml"
-    config.write_text("[limits]\nmax_engines_per_uid = 2\n")
-    root = tmp_path / "daemon"
-    root.mkdir()
-    d = Daemon(root, extra=["--config", str(config)])
-    d.start()
-    try:
+    with configured_daemon(tmp_path, "[limits]\nmax_engines_per_uid = 2\n") as d:
         b, _ = hybrid(d.socket)
         assert len(b._sidecars) == 2
         b.close()
-    finally:
-        d.stop()
 
 
 def test_the_router_namespace_of_a_backends_pages_is_the_daemons(own_daemon):

@@ -430,16 +430,10 @@ def test_a_hybrid_engines_groups_count_as_one_engine(tmp_path, make_engine):
     (the scheduler's groups one anonymous slot); the daemon maps each memory once and counts
     its registrations as one engine. So a hybrid engine of two groups, four registrations, fits
     a uid allowed two engines, and its groups are served."""
-    from conftest import Daemon
+    from conftest import configured_daemon
     from vllm_harness import LAYERS, SPEC
 
-    config = tmp_path / "kvcached.toml"
-    config.write_text("[limits]\nmax_engines_per_uid = 2\n")
-    root = tmp_path / "daemon"
-    root.mkdir()
-    d = Daemon(root, extra=["--config", str(config)])
-    d.start()
-    try:
+    with configured_daemon(tmp_path, "[limits]\nmax_engines_per_uid = 2\n") as d:
         swa = window(2 * BLOCK)
         e = make_engine(
             d.socket, prefix_caching=False, batched_tokens=256, groups=[([LAYERS[0]], SPEC), ([LAYERS[1]], swa)]
@@ -457,8 +451,6 @@ def test_a_hybrid_engines_groups_count_as_one_engine(tmp_path, make_engine):
         assert e.worker.worker.counts["load_failed"] == 0
         finish(e, "C2")
         e.close()
-    finally:
-        d.stop()
 
 
 def saved_hybrid(make_engine, socket: str, rid: str, base: int):
