@@ -90,7 +90,8 @@ def sglang_side(sock: str, pages: int, rounds: int) -> list[tuple[str, float, fl
             gets.append(t3 - t2)
             if hasattr(b, "close"):
                 b.close()
-        rows.append((name, total / median(sets) / 1e9, median(exists) * 1e6, total / median(gets) / 1e9))
+        rows.append((name, total / median(sets) / 1e9, median(sets) * 1e3, median(exists) * 1e6,
+                     total / median(gets) / 1e9, median(gets) * 1e3))  # fmt: skip
 
     # The bound: torch copying the pages into other pages of the pool (one read and one write of
     # each byte, as a store or a load at best does), "written" out and "read" back.
@@ -243,10 +244,10 @@ def vllm_side(sock: str, chunks: int, rounds: int) -> tuple[list[tuple[str, floa
         outs.append(t1 - t0)
         ins.append(time.perf_counter() - t1)
     del region
-    rows.append(("memory copy of the chunks (numpy, bound)", chunks * chunk / median(outs) / 1e9,
-                 chunks * chunk / median(ins) / 1e9))  # fmt: skip
-    rows.append((f"kvcached tier, {chunks} chunks of 2 MiB", chunks * chunk / median(stores) / 1e9,
-                 chunks * chunk / median(loads) / 1e9))  # fmt: skip
+    for name, outs_, ins_ in (("memory copy of the chunks (numpy, bound)", outs, ins),
+                              (f"kvcached tier, {chunks} chunks of 2 MiB", stores, loads)):  # fmt: skip
+        rows.append((name, chunks * chunk / median(outs_) / 1e9, median(outs_) * 1e3,
+                     chunks * chunk / median(ins_) / 1e9, median(ins_) * 1e3))  # fmt: skip
     mgr.shutdown()
 
     # Reuse: 4 prompts of 4 chunks each stored one after another, the CPU tier holding 8 chunks
@@ -305,14 +306,16 @@ def main() -> None:
             f"\nSGLang HiCache backends: {args.pages} pages of {page_bytes / 2**20:.2f} MiB ({shape}), "
             f"median of {args.rounds}"
         )
-        print(f"{'backend':44} {'write GB/s':>10} {'hit query us':>13} {'read GB/s':>10}")
-        for name, w, e, r in rows:
-            print(f"{name:44} {w:10.2f} {e:13.0f} {r:10.2f}")
+        print(
+            f"{'backend':44} {'write GB/s':>10} {'write ms':>9} {'hit query us':>13} {'read GB/s':>10} {'read ms':>8}"
+        )
+        for name, w, w_ms, e, r, r_ms in rows:
+            print(f"{name:44} {w:10.2f} {w_ms:9.1f} {e:13.0f} {r:10.2f} {r_ms:8.1f}")
         tier_rows, served = vllm_side(str(root / "kvcached.sock"), 32, args.rounds)
         print("\nvLLM offloading tier: store (cascade) and promotion jobs")
-        print(f"{'tier':44} {'store GB/s':>10} {'promote GB/s':>13}")
-        for name, store_gbs, load_gbs in tier_rows:
-            print(f"{name:44} {store_gbs:10.2f} {load_gbs:13.2f}")
+        print(f"{'tier':44} {'store GB/s':>10} {'store ms':>9} {'promote GB/s':>13} {'promote ms':>11}")
+        for name, store_gbs, store_ms, load_gbs, load_ms in tier_rows:
+            print(f"{name:44} {store_gbs:10.2f} {store_ms:9.1f} {load_gbs:13.2f} {load_ms:11.1f}")
         print("\nvLLM reuse of 4 prompts of 4 chunks, CPU tier of 8 chunks")
         for name, hits, total in served:
             print(f"{name:44} chunks served {hits}/{total}")
