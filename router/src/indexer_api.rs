@@ -10,7 +10,8 @@
 //! - `POST /unregister`: stops the subscription(s) of `(instance_id, tenant_id[, dp_rank])` and
 //!   drops what they reported.
 //! - `POST /query` (`token_ids`) and `POST /query_by_hash` (`seq_hashes`, Dynamo XXH3-64 chain,
-//!   seed 1337): per tenant and instance, `longest_matched` prefix tokens (any medium, best DP
+//!   seeded as Dynamo 1.6.1 seeds a request of the namespace's LoRA adapter, 1337 without one):
+//!   per tenant and instance, `longest_matched` prefix tokens (any medium, best DP
 //!   rank), the prefix tokens available from each medium alone (`GPU`, `CPU`, `DISK`,
 //!   `EXTERNAL`) and per DP rank (`DP`).
 //! - `GET /workers`: the registrations.
@@ -148,7 +149,8 @@ pub struct QueryRequest {
     /// `/query`: the prompt's tokens (only full blocks count).
     #[serde(default)]
     pub token_ids: Option<Vec<u32>>,
-    /// `/query_by_hash`: rolling sequence hashes (Dynamo XXH3-64, seed 1337).
+    /// `/query_by_hash`: rolling sequence hashes (Dynamo XXH3-64; seeded by `lora_name`'s
+    /// adapter as Dynamo seeds its requests, 1337 without one).
     #[serde(default, alias = "block_hash", alias = "block_hashes")]
     pub seq_hashes: Option<Vec<SeqHash>>,
     #[serde(default)]
