@@ -189,6 +189,23 @@ def make_engine(model_dir):
 
 
 @pytest.fixture
+def make_dcp_engine(model_dir):
+    """`make_dcp_engine(socket, ..., dcp=, interleave=)`: a vllm_harness.DcpEngine, closed after
+    the test."""
+    from vllm_harness import dcp_engine
+
+    yield from _engines(dcp_engine, model_dir)
+
+
+@pytest.fixture
+def make_pcp_engine(model_dir):
+    """`make_pcp_engine(socket, ..., pcp=)`: a vllm_harness.PcpEngine, closed after the test."""
+    from vllm_harness import pcp_engine
+
+    yield from _engines(pcp_engine, model_dir)
+
+
+@pytest.fixture
 def make_pp_engine(model_dir):
     """`make_pp_engine(socket, role, extra, **kw)`: a vllm_harness.Engine of two pipeline
     stages, closed after the test."""

@@ -9,14 +9,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from vllm_harness import BLOCK, dcp_engine, ranks_round_trip  # noqa: E402
-
-
-@pytest.fixture
-def make_dcp_engine(model_dir):
-    from conftest import _engines
-
-    yield from _engines(dcp_engine, model_dir)
+from vllm_harness import BLOCK, ranks_round_trip  # noqa: E402
 
 
 @pytest.mark.parametrize("interleave", [1, BLOCK])

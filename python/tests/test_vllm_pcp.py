@@ -10,14 +10,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from vllm_harness import BLOCK, pcp_engine, ranks_round_trip  # noqa: E402
-
-
-@pytest.fixture
-def make_pcp_engine(model_dir):
-    from conftest import _engines
-
-    yield from _engines(pcp_engine, model_dir)
+from vllm_harness import BLOCK, ranks_round_trip  # noqa: E402
 
 
 def test_each_prefill_context_parallel_rank_saves_and_loads_its_own_pages(daemon, make_pcp_engine):

@@ -399,6 +399,18 @@ class Engine:
         return out
 
 
+def scheduler(cfg: VllmConfig, kcfg: Any, block: int, hash_block: int) -> Scheduler:
+    """vLLM's Scheduler as its engine core makes it, aligning to blocks of `block` tokens and
+    hashing requests in blocks of `hash_block`, with our connector's scheduler half inside."""
+    kcfg.hash_block_size = hash_block
+    sched = Scheduler(
+        vllm_config=cfg, kv_cache_config=kcfg, log_stats=True, structured_output_manager=StructuredOutputManager(cfg),
+        block_size=block, hash_block_size=hash_block,
+    )  # fmt: skip
+    assert type(sched.connector) is KvcachedConnector, type(sched.connector)
+    return sched
+
+
 def engine(
     *args: Any, num_blocks: int = 64, layout: str = "LBHNC", spec: Any = SPEC, groups: list | None = None, **kwargs: Any
 ) -> Engine:
@@ -412,13 +424,7 @@ def engine(
     # common multiple to align to and hashes requests in blocks of their greatest common
     # divisor (`resolve_kv_cache_block_sizes`); requests are then made with `block=` that.
     sizes = [sp.block_size for _, sp in groups or [(LAYERS, spec)]]
-    block, hash_block = math.lcm(*sizes), math.gcd(*sizes)
-    kcfg.hash_block_size = hash_block
-    sched = Scheduler(
-        vllm_config=cfg, kv_cache_config=kcfg, log_stats=True,
-        structured_output_manager=StructuredOutputManager(cfg), block_size=block, hash_block_size=hash_block,
-    )  # fmt: skip
-    assert type(sched.connector) is KvcachedConnector, type(sched.connector)
+    sched = scheduler(cfg, kcfg, math.lcm(*sizes), math.gcd(*sizes))
     # An encoder budget, as a multimodal model's scheduler has, so that requests with images
     # are scheduled past their placeholders (the fake forward pass needs no encoder).
     sched.max_num_encoder_input_tokens = 8192
@@ -437,11 +443,7 @@ def pp_engine(*args: Any, num_blocks: int = 64, layout: str = "LBHNC", **kwargs:
     cfg = vllm_config(*args, layout=layout, **kwargs)
     cfg.parallel_config.pipeline_parallel_size = len(LAYERS)
     kcfgs = [kv_cache_config(cfg, num_blocks, groups=[([name], SPEC)]) for name in LAYERS]
-    sched = Scheduler(
-        vllm_config=cfg, kv_cache_config=kcfgs[0], log_stats=True,
-        structured_output_manager=StructuredOutputManager(cfg), block_size=BLOCK,
-    )  # fmt: skip
-    assert type(sched.connector) is KvcachedConnector, type(sched.connector)
+    sched = scheduler(cfg, kcfgs[0], BLOCK, BLOCK)
     kv_layout = KVCacheLayout[layout]
     stages, kvs = workers(sched, [(cfg, kcfg, None) for kcfg in kcfgs], kv_layout)
     kv = {name: t for stage_kv in kvs for name, t in stage_kv.items()}
@@ -602,12 +604,7 @@ def _ranked(
     cfg = vllm_config(*args, **kwargs)
     config(cfg.parallel_config)
     kcfg = kv_cache_config(cfg, num_blocks)
-    kcfg.hash_block_size = block
-    sched = Scheduler(
-        vllm_config=cfg, kv_cache_config=kcfg, log_stats=True, structured_output_manager=StructuredOutputManager(cfg),
-        block_size=block, hash_block_size=block,
-    )  # fmt: skip
-    assert type(sched.connector) is KvcachedConnector, type(sched.connector)
+    sched = scheduler(cfg, kcfg, block, block)
     ranked = [(cfg, kcfg, mock.patch.object(worker_mod, rank_fn, lambda *_a, r=r: r)) for r in range(size)]
     stages, ranks = workers(sched, ranked, KVCacheLayout["LBHNC"])
     return cls(sched, stages[0][0], ranks[0], KVCacheLayout["LBHNC"], stages=stages, ranks=ranks, **fields)

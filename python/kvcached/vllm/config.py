@@ -164,13 +164,13 @@ class KvGroup:
     spec: Any
     layers: tuple[str, ...]
     window_blocks: int | None
-    state: bool = False
-    # Chunked local attention (Llama 4): vLLM holds only the blocks of the current chunk.
-    chunked: bool = False
     # Tokens of one block as vLLM's scheduler counts them (its hashes, its block ids): the
     # spec's block size, times the decode context parallel size (each rank holds a share of a
     # block's tokens in a page of the spec's block size).
-    block_tokens: int = 0
+    block_tokens: int
+    state: bool = False
+    # Chunked local attention (Llama 4): vLLM holds only the blocks of the current chunk.
+    chunked: bool = False
 
 
 def kv_groups(vllm_config: Any, kv_cache_config: Any) -> list[KvGroup]:
@@ -221,7 +221,7 @@ def kv_groups(vllm_config: Any, kv_cache_config: Any) -> list[KvGroup]:
             raise _unsupported(f"{type(spec).__name__} layers (KV-cache group {i} of {len(groups)})")
         if not getattr(spec, "has_layer_views", True):
             raise _unsupported(f"{type(spec).__name__} layers without per-layer KV views")
-        out.append(KvGroup(i, len(groups), spec, tuple(g.layer_names), window, state, chunked, block_tokens))
+        out.append(KvGroup(i, len(groups), spec, tuple(g.layer_names), window, block_tokens, state, chunked))
     # Groups may have blocks of different sizes (vLLM's scheduler then aligns to their least
     # common multiple): each group's blocks are keyed in its own namespace, at its own size.
     return out
@@ -374,7 +374,7 @@ def namespace(
         # Any other page: its bytes as int8, in two halves per layer (per head slot's run, in a
         # head-split layout), with the spec's fields in `extra` (so an fp8 page and a bf16 page,
         # or MLA and full attention, never share keys).
-        page, bs = page_bytes(spec), group.block_tokens or spec.block_size
+        page, bs = page_bytes(spec), group.block_tokens
         if page % runs or (page // runs) % (2 * bs):
             raise _unsupported(
                 f"a KV page of {page} bytes in {runs} runs (not a multiple of 2 x {bs} tokens per block each)"
