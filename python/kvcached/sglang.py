@@ -46,6 +46,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from functools import partial
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -248,6 +249,61 @@ class _Sidecar:
     lock: threading.Lock
 
 
+def _keys(hashes: list[bytes]) -> kvcached.EngineHashes:
+    return kvcached.EngineHashes("sglang", hashes)
+
+
+def _matched(client: kvcached.Client, hashes: list[bytes]) -> int:
+    """How many of `hashes`, from the first, the namespace of `client` holds."""
+    return int(client.lookup((), hashes=_keys(hashes)).matched_blocks) if hashes else 0
+
+
+def _load(client: kvcached.Client, hashes: list[bytes], slots: list[int]) -> int:
+    """Loads the pages of `hashes` into `slots`; how many from the first were loaded."""
+    return int(client.load_now((), 0, slots, hashes=_keys(hashes)).loaded_blocks)
+
+
+def _save(client: kvcached.Client, hashes: list[bytes], slots: list[int], what: str) -> Any:
+    """Stores the pages in `slots` under `hashes`; the daemon's answer (a failure logged)."""
+    r = client.save((), 0, slots, hashes=_keys(hashes))
+    if r.failed:
+        # Which pages failed is not said: SGLang is told none of the batch was stored.
+        log.warning("kvcached: %d of %d %s not stored: %s", r.failed, len(slots), what, r.error)
+    return r
+
+
+def _load_chunks(load: Any, hashes: list[bytes], per: int, base: int, unstage: Any) -> int:
+    """Loads `hashes` through `per` staging slots from slot `base` on, a chunk at a time
+    (`load(chunk, slots)`), each chunk's loaded pages taken out by `unstage(at, n)`; how many
+    from the first were loaded."""
+    got = 0
+    for at in range(0, len(hashes), per):
+        chunk = hashes[at : at + per]
+        n = load(chunk, list(range(base, base + len(chunk))))
+        if n:
+            unstage(at, n)
+        got += n
+        if n < len(chunk):
+            break
+    return got
+
+
+def _save_chunks(save: Any, hashes: list[bytes], per: int, stage: Any) -> bool:
+    """Stores `hashes` through `per` staging slots from slot 0 on, a chunk at a time, each
+    chunk's pages put in by `stage(at, n)` (`save(chunk, slots)`); True when every page is."""
+    for at in range(0, len(hashes), per):
+        chunk = hashes[at : at + per]
+        stage(at, len(chunk))
+        if not save(chunk, list(range(len(chunk)))):
+            return False
+    return True
+
+
+def _staging_slots(block: int) -> int:
+    """Staging slots of `block` bytes per direction: SGLang's batch, at most STAGING_BYTES."""
+    return max(1, min(SGLANG_BATCH, STAGING_BYTES // block))
+
+
 def _pool_offset(pool: Any) -> int | None:
     """Where the pool's buffer starts in its memfd (None when it is not in one)."""
     fd, mm = getattr(pool, "fd", None), getattr(getattr(pool, "allocator", None), "mm", None)
@@ -358,7 +414,7 @@ class KvcachedStorage(HiCacheStorage):
             flat = pool.get_dummy_flat_data_page()
             page_bytes = flat.numel() * flat.element_size()
             block = page_bytes + page_bytes % 2  # two halves of whole bytes
-            slots = max(1, min(SGLANG_BATCH, STAGING_BYTES // block))
+            slots = _staging_slots(block)
             plans.append((name, pool, flat.dtype, page_bytes, block, slots, at))
             at += -(-slots * block // 4096) * 4096  # each pool's staging on its own pages
         whole = kvcached.KvMemory.with_slots(kvcached.SlotLayout([(0, at), (at // 2, at)], at // 2, 1))
@@ -420,8 +476,7 @@ class KvcachedStorage(HiCacheStorage):
             user=self.namespace_extra,
         )
         if self.staging_pages is None:
-            block = pages.layers * pages.page_bytes
-            self.staging_pages = max(1, min(SGLANG_BATCH, STAGING_BYTES // block))
+            self.staging_pages = _staging_slots(pages.layers * pages.page_bytes)
         slots = pages.in_place() if self.v1 else None
         offset = _pool_offset(pool)
         if slots is not None and offset == 0:
@@ -489,15 +544,17 @@ class KvcachedStorage(HiCacheStorage):
     # exception into SGLang's prefetch and backup threads, which it does not restart.
 
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
-        if not keys or self.pages is None or not self._up():
-            return 0
-        hashes = self._hashes(keys)
-        if hashes is None:
+        hashes = self._hashes(keys) if keys else None
+        return self._exists(hashes) if hashes is not None else 0
+
+    def _exists(self, hashes: list[bytes]) -> int:
+        """How many of the KV pages of `hashes`, from the first, are stored."""
+        if self.pages is None or not self._up():
             return 0
         try:
-            n = int(self.client.lookup((), hashes=kvcached.EngineHashes("sglang", hashes)).matched_blocks)
+            n = _matched(self.client, hashes)
         except Exception as e:  # noqa: BLE001 - see above
-            self._failed("lookup", len(keys), e)
+            self._failed("lookup", len(hashes), e)
             return 0
         self.counts["exists"] += 1
         self.counts["hit_pages"] += n
@@ -526,19 +583,18 @@ class KvcachedStorage(HiCacheStorage):
             else:
                 assert self.staging_pages is not None
                 pages = self._page_ids(keys, host_indices) if host_indices is not None else None
+                base = self.staging_pages  # the gets' half
+
+                def unstage(at: int, n: int) -> None:
+                    assert self.pages is not None
+                    if pages is None:
+                        deliver(at, n, base)
+                    else:
+                        src = self.pages.blocks(self._staged(base), n)
+                        self.pages.scatter(self.mem_pool_host.kv_buffer, pages[at : at + n], src)
+
                 with self._locks[0]:
-                    base = self.staging_pages  # the gets' half
-                    for at in range(0, len(keys), self.staging_pages):
-                        chunk = hashes[at : at + self.staging_pages]
-                        n = self._load(chunk, list(range(base, base + len(chunk))))
-                        if n and pages is not None:
-                            src = self.pages.blocks(self._staged(base), n)
-                            self.pages.scatter(self.mem_pool_host.kv_buffer, pages[at : at + n], src)
-                        elif n:
-                            deliver(at, n, base)
-                        got += n
-                        if n < len(chunk):
-                            break
+                    got = _load_chunks(self._load, hashes, self.staging_pages, base, unstage)
         except Exception as e:  # noqa: BLE001 - a miss, never an exception into SGLang
             self._failed("load", len(keys), e)
         self.counts["got_pages"] += got
@@ -546,8 +602,7 @@ class KvcachedStorage(HiCacheStorage):
         return got
 
     def _load(self, hashes: list[bytes], slots: list[int]) -> int:
-        st = self.client.load_now((), 0, slots, hashes=kvcached.EngineHashes("sglang", hashes))
-        return int(st.loaded_blocks)
+        return _load(self.client, hashes, slots)
 
     def _staged(self, slot: int) -> torch.Tensor:
         assert self.staging is not None and self.pages is not None
@@ -579,28 +634,25 @@ class KvcachedStorage(HiCacheStorage):
                 return self._save(hashes, self._page_ids(keys, host_indices).tolist())
             assert self.staging_pages is not None
             pages = self._page_ids(keys, host_indices) if host_indices is not None else None
+
+            def stage(at: int, n: int) -> None:
+                assert self.pages is not None
+                out = self.pages.blocks(self._staged(0), n)
+                if pages is not None:
+                    self.pages.gather(self.mem_pool_host.kv_buffer, pages[at : at + n], out)
+                else:
+                    for i in range(n):
+                        out[i].copy_(self.pages.flat_page(values[at + i].reshape(-1)))
+
             with self._locks[1]:
-                for at in range(0, len(keys), self.staging_pages):
-                    chunk = hashes[at : at + self.staging_pages]
-                    out = self.pages.blocks(self._staged(0), len(chunk))
-                    if pages is not None:
-                        self.pages.gather(self.mem_pool_host.kv_buffer, pages[at : at + len(chunk)], out)
-                    else:
-                        for i in range(len(chunk)):
-                            out[i].copy_(self.pages.flat_page(values[at + i].reshape(-1)))
-                    if not self._save(chunk, list(range(len(chunk)))):
-                        return False
-            return True
+                return _save_chunks(self._save, hashes, self.staging_pages, stage)
         except Exception as e:  # noqa: BLE001 - pages not stored, never an exception into SGLang
             self._failed("save", len(keys), e)
             return False
 
     def _save(self, hashes: list[bytes], slots: list[int]) -> bool:
-        r = self.client.save((), 0, slots, hashes=kvcached.EngineHashes("sglang", hashes))
+        r = _save(self.client, hashes, slots, "pages")
         self.counts["stored"] += int(r.stored)
-        if r.failed:
-            # Which pages failed is not said: SGLang is told none of the batch was stored.
-            log.warning("kvcached: %d of %d pages not stored: %s", r.failed, len(slots), r.error)
         return r.failed == 0
 
     # -- interface v2: a hybrid model's pools ----------------------------------------------------
@@ -614,16 +666,16 @@ class KvcachedStorage(HiCacheStorage):
         """The longest prefix of `keys` whose KV pages are stored and at whose end every
         sidecar pool holds what its hit policy asks: every page before it (ALL_PAGES), or its
         last `len(transfer.keys)` pages (TRAILING_PAGES: a Mamba state, a window), and the
-        prefix lengths that are restorable (the longest few, from up to MAX_PROBES lengths
-        back). A BLOCK_GROUPS pool gives its own verdict, which kvcached does not: it neither
-        gates the hit nor is reported."""
+        prefix lengths that are restorable (with a trailing pool the longest few, found in up
+        to MAX_PROBES tries back from the hit). A BLOCK_GROUPS pool gives its own verdict,
+        which kvcached does not: it neither gates the hit nor is reported."""
         from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransferResult
 
-        kv_pages = self.batch_exists(keys, extra_info)
-        hits: dict[Any, int] = {PoolName.KV: kv_pages} if kv_pages else {}
-        hashes = self._hashes(keys[:kv_pages]) if kv_pages else None
-        if hashes is None:
+        hashes = self._hashes(keys) if keys else None
+        kv_pages = self._exists(hashes) if hashes is not None else 0
+        if not kv_pages or hashes is None:
             return PoolTransferResult(0, {}, [])
+        hits: dict[Any, int] = {PoolName.KV: kv_pages}
         limit, trailing = kv_pages, []
         try:
             for t in pool_transfers or []:
@@ -641,14 +693,7 @@ class KvcachedStorage(HiCacheStorage):
             if not trailing:
                 restorable = list(range(1, limit + 1))
             else:
-                restorable = []
-                for n in range(limit, max(0, limit - MAX_PROBES), -1):
-                    if all(sc is not None and self._run(sc, hashes[max(0, n - w) : n]) == min(n, w)
-                           for _, sc, w in trailing):  # fmt: skip
-                        restorable.append(n)
-                        if len(restorable) == RESTORABLE:
-                            break
-                restorable.reverse()
+                restorable = self._trailing(hashes, limit, [(sc, w) for _, sc, w in trailing])
                 for name, _, _ in trailing:
                     if restorable:
                         hits[name] = restorable[-1]
@@ -657,11 +702,31 @@ class KvcachedStorage(HiCacheStorage):
             return PoolTransferResult(0, {}, [])
         return PoolTransferResult(restorable[-1] if restorable else 0, hits, restorable)
 
+    def _trailing(self, hashes: list[bytes], limit: int, pools: list[tuple[_Sidecar | None, int]]) -> list[int]:
+        """The longest (up to RESTORABLE) prefix lengths of at most `limit` pages at whose end
+        every pool `sc` holds its last `w` pages, ascending. A page found missing rules out
+        every length whose window holds it: the next length tried is where it starts."""
+        if any(sc is None for sc, _ in pools):
+            return []
+        found: list[int] = []
+        n = limit
+        for _ in range(MAX_PROBES):
+            if n <= 0 or len(found) == RESTORABLE:
+                break
+            for sc, w in pools:
+                lo = max(0, n - w)
+                run = self._run(sc, hashes[lo:n])  # type: ignore[arg-type]  # none is None
+                if run < n - lo:
+                    n = lo + run  # page lo + run is missing: no length above it can end here
+                    break
+            else:
+                found.append(n)
+                n -= 1
+        return found[::-1]
+
     def _run(self, sc: _Sidecar, hashes: list[bytes]) -> int:
         """How many of `hashes`, from the first, pool `sc` holds."""
-        if not hashes or not self._up():
-            return 0
-        return int(sc.client.lookup((), hashes=kvcached.EngineHashes("sglang", hashes)).matched_blocks)
+        return _matched(sc.client, hashes) if self._up() else 0
 
     def batch_get_v2(self, transfers: Any, extra_info: Any = None) -> dict[Any, list[bool]]:
         """Each sidecar transfer's pages into its host pool's `host_indices`; per transfer,
@@ -691,31 +756,25 @@ class KvcachedStorage(HiCacheStorage):
 
     @staticmethod
     def _sidecar_get(sc: _Sidecar, hashes: list[bytes], pages: list[int]) -> list[bool]:
-        got, slots = 0, sc.staging.shape[0]
-        for at in range(0, len(hashes), slots):
-            chunk = hashes[at : at + slots]
-            n = int(sc.client.load_now((), 0, list(range(len(chunk))),
-                                       hashes=kvcached.EngineHashes("sglang", chunk)).loaded_blocks)  # fmt: skip
+        def unstage(at: int, n: int) -> None:
             for i in range(n):
                 sc.pool.set_from_flat_data_page(pages[at + i], sc.staging[i, : sc.page_bytes].view(sc.dtype))
-            got += n
-            if n < len(chunk):
-                break
+
+        got = _load_chunks(partial(_load, sc.client), hashes, sc.staging.shape[0], 0, unstage)
         return [True] * got + [False] * (len(hashes) - got)
 
     @staticmethod
     def _sidecar_set(sc: _Sidecar, hashes: list[bytes], pages: list[int]) -> list[bool]:
-        slots = sc.staging.shape[0]
-        for at in range(0, len(hashes), slots):
-            chunk = hashes[at : at + slots]
-            for i in range(len(chunk)):
+        def stage(at: int, n: int) -> None:
+            for i in range(n):
                 page = sc.pool.get_data_page(pages[at + i], flat=True)
                 sc.staging[i, : sc.page_bytes].copy_(page.contiguous().view(torch.uint8).reshape(-1))
-            r = sc.client.save((), 0, list(range(len(chunk))), hashes=kvcached.EngineHashes("sglang", chunk))
-            if r.failed:
-                log.warning("kvcached: %d of %d %s pages not stored: %s", r.failed, len(chunk), sc.name, r.error)
-                return [False] * len(hashes)
-        return [True] * len(hashes)
+
+        def save(chunk: list[bytes], slots: list[int]) -> bool:
+            return _save(sc.client, chunk, slots, f"{sc.name} pages").failed == 0
+
+        ok = _save_chunks(save, hashes, sc.staging.shape[0], stage)
+        return [ok] * len(hashes)
 
     def _tell(self, what: str, message: str) -> None:
         """Logs `message` once per `what`."""
