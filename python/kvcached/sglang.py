@@ -54,6 +54,7 @@ from typing import Any
 import torch
 
 import kvcached
+from kvcached.breaker import Breaker, unregister
 from kvcached.shared_pages import shared_namespace
 
 try:
@@ -358,8 +359,7 @@ class KvcachedStorage(HiCacheStorage):
         self.client_reconnect_for = float(get("reconnect_for", 0.5))
         self.client = kvcached.Client(get("socket", os.environ.get("KVCACHED_SOCKET")),
                                       reconnect_for=self.client_reconnect_for)  # fmt: skip
-        self.retry_after = float(get("retry_after", 5.0))
-        self._down_until = 0.0
+        self._breaker = Breaker(float(get("retry_after", 5.0)), log, "pages")
         self._told: set[str] = set()
         self.pages: Pages | None = None
         self.namespace: kvcached.Namespace | None = None
@@ -397,7 +397,7 @@ class KvcachedStorage(HiCacheStorage):
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
         old = self._sidecars.pop(name, None)
         if old is not None:
-            self._unregister(old.client)
+            unregister(old.client, log)
         self._pending[name] = host_pool
         if self._burst_over:  # a pool SGLang adds later arrives alone
             self.on_host_pools_registered()
@@ -520,17 +520,10 @@ class KvcachedStorage(HiCacheStorage):
 
     def _up(self) -> bool:
         """Whether to ask the daemon now (not within `retry_after` of finding it away)."""
-        return time.monotonic() >= self._down_until
+        return self._breaker.up()
 
     def _failed(self, what: str, n: int, e: Exception) -> None:
-        """A call that failed: logged; a daemon away is not asked again for `retry_after`."""
-        if isinstance(e, kvcached.UnreachableError):
-            self._down_until = time.monotonic() + self.retry_after
-            log.warning(
-                "kvcached is not answering (%s); %s of %d pages: none, for %.0f s", e, what, n, self.retry_after
-            )
-        else:
-            log.warning("kvcached: %s of %d pages failed (%s)", what, n, e)
+        self._breaker.failed(what, n, e)
 
     def _page_ids(self, keys: list[str], host_indices: torch.Tensor) -> torch.Tensor:
         assert self.pages is not None
@@ -851,12 +844,5 @@ class KvcachedStorage(HiCacheStorage):
 
     def close(self) -> None:
         for c in [self.client, *(sc.client for sc in self._sidecars.values())]:
-            self._unregister(c)
+            unregister(c, log)
         self._sidecars.clear()
-
-    @staticmethod
-    def _unregister(client: kvcached.Client) -> None:
-        try:
-            client.unregister()
-        except kvcached.KvcachedError as e:
-            log.debug("kvcached: unregister failed: %s", e)

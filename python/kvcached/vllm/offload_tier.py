@@ -50,6 +50,7 @@ from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 import kvcached
+from kvcached.breaker import Breaker, unregister
 
 log = logging.getLogger("kvcached.vllm.offload_tier")
 
@@ -124,27 +125,6 @@ def namespace_of(
     return kvcached.Namespace(model, layout, tenant_salt=salt, extra=body.encode())
 
 
-class _Breaker:
-    """A daemon found away is not asked again for `retry_after` seconds: vLLM's lookup thread
-    answers "not found" and transfers fail at once, instead of each waiting out the client's
-    reconnect time while vLLM keeps requests in RETRY and chunks pinned."""
-
-    def __init__(self, retry_after: float) -> None:
-        self.retry_after = retry_after
-        self._down_until = 0.0
-
-    def up(self) -> bool:
-        return time.monotonic() >= self._down_until
-
-    def failed(self, what: str, n: int, e: Exception) -> None:
-        if isinstance(e, kvcached.UnreachableError):
-            self._down_until = time.monotonic() + self.retry_after
-            log.warning("kvcached is not answering (%s); %s of %d chunks: none, for %.0f s", e, what, n,
-                        self.retry_after)  # fmt: skip
-        else:
-            log.warning("kvcached tier: %s of %d chunks failed: %s", what, n, e)
-
-
 def _drain(q: queue.SimpleQueue) -> list:
     """Everything queued in `q` now."""
     out = []
@@ -158,7 +138,7 @@ def _drain(q: queue.SimpleQueue) -> list:
 class _Lookups(AsyncLookupManager):
     """vLLM's non-blocking lookups, answered by the daemon in batches (one lookup per run)."""
 
-    def __init__(self, tier_type: str, client: kvcached.Client, breaker: _Breaker) -> None:
+    def __init__(self, tier_type: str, client: kvcached.Client, breaker: Breaker) -> None:
         self.client = client
         self.breaker = breaker
         super().__init__(tier_type)
@@ -227,7 +207,7 @@ class KvcachedTier(SecondaryTierManager):
         self._events: queue.SimpleQueue[OffloadingEvent] = queue.SimpleQueue()
         self._inflight: set[Future] = set()
         self._inflight_lock = threading.Lock()
-        self.breaker = _Breaker(float(retry_after))
+        self.breaker = Breaker(float(retry_after), log, "chunks")
         self._lookups = _Lookups(tier_type, self.client, self.breaker)
 
     # -- lookups -------------------------------------------------------------------------------
@@ -323,7 +303,4 @@ class KvcachedTier(SecondaryTierManager):
         self.drain_jobs()
         self._pool.shutdown(wait=True)
         self._lookups.shutdown()
-        try:
-            self.client.unregister()
-        except kvcached.KvcachedError as e:
-            log.debug("kvcached tier: unregister failed: %s", e)
+        unregister(self.client, log)

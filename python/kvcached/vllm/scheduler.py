@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import kvcached
+from kvcached.breaker import Breaker, unregister
 from kvcached.vllm.config import ConnectorConfig, KvGroup, _unsupported, kv_groups, namespace
 from kvcached.vllm.keys import AdapterHashes, ContextArgs, key_kwargs, request_context
 from kvcached.vllm.meta import KvcachedConnectorMetadata, Transfer
@@ -101,7 +102,8 @@ class SchedulerSide:
         self.engine_name = f"vllm-scheduler-{transfer_config.engine_id}"[:128]
         self.stats = SchedulerStats()
         self._clients: list[kvcached.Client] | None = None
-        self._down_until = 0.0
+        # Any failed call stops lookups for `retry_after` (the scheduler's step must not stall).
+        self._breaker = Breaker(cfg.retry_after, log, "tokens", trips_on=(kvcached.KvcachedError,))
         self._reqs: dict[str, _Req] = {}
         self._loads: list[Transfer] = []
         self._async_loads: list[Transfer] = []
@@ -121,7 +123,7 @@ class SchedulerSide:
     def _connect(self) -> list[kvcached.Client] | None:
         """A registered client per KV-cache group (the daemon answers lookups in a namespace
         only to an engine registered in it), or None while the daemon is away."""
-        if time.monotonic() < self._down_until:
+        if not self._breaker.up():
             return None
         if self._clients is None:
             clients = []
@@ -148,25 +150,16 @@ class SchedulerSide:
                          [ns.id for ns in self.namespaces], clients[0].socket)  # fmt: skip
             except kvcached.KvcachedError as e:
                 for c in clients:
-                    self._unregister(c)
-                self._down(e)
+                    unregister(c, log)
+                self._down("registration", None, e)
                 return None
         return self._clients
 
-    @staticmethod
-    def _unregister(client: kvcached.Client) -> None:
-        if client.engine_id is not None:
-            try:
-                client.unregister()
-            except kvcached.KvcachedError as e:
-                log.debug("kvcached: unregister failed: %s", e)
-
-    def _down(self, e: Exception) -> None:
+    def _down(self, what: str, n: int | None, e: Exception) -> None:
         """The daemon failed a call: serve without it for `retry_after` seconds rather than
         stall every scheduler step on it."""
         self.stats.daemon_errors += 1
-        self._down_until = time.monotonic() + self.cfg.retry_after
-        log.warning("kvcached is not answering (%s); no lookups for %.0f s", e, self.cfg.retry_after)
+        self._breaker.failed(what, n, e)
 
     def _track(self, request: Any) -> _Req:
         st = self._reqs.get(request.request_id)
@@ -234,7 +227,7 @@ class SchedulerSide:
         try:
             found, disk = self._hit(clients, st, self._tokens(st, limit))
         except kvcached.KvcachedError as e:
-            self._down(e)
+            self._down("lookup", limit, e)
             return 0, False
         self.stats.lookups += 1
         self.stats.lookup_seconds += time.perf_counter() - start
@@ -517,4 +510,4 @@ class SchedulerSide:
 
     def shutdown(self) -> None:
         for c in self._clients or []:
-            self._unregister(c)
+            unregister(c, log)
