@@ -73,7 +73,7 @@ pub(crate) enum MemoryIdentity {
 #[derive(Debug)]
 pub(crate) enum Region {
     File { file: File, identity: MemoryIdentity },
-    Cuda { handle: Vec<u8>, device: u32, len: usize, identity: MemoryIdentity },
+    Cuda { handle: Vec<u8>, device: u32, len: usize },
 }
 
 impl Region {
@@ -110,16 +110,16 @@ impl Region {
             Some(pb::memory_region::Kind::CudaIpcHandle(handle)) => {
                 let len = usize::try_from(size)
                     .map_err(|_| ServerError::Invalid("region size exceeds the address space".into()))?;
-                let identity = MemoryIdentity::Cuda { handle: handle.clone(), device: region.cuda_device };
-                Ok(Self::Cuda { handle: handle.clone(), device: region.cuda_device, len, identity })
+                Ok(Self::Cuda { handle: handle.clone(), device: region.cuda_device, len })
             }
             _ => Err(ServerError::Invalid("region has neither fd_ticket nor cuda_ipc_handle".into())),
         }
     }
 
-    pub(crate) fn identity(&self) -> &MemoryIdentity {
+    pub(crate) fn identity(&self) -> MemoryIdentity {
         match self {
-            Self::File { identity, .. } | Self::Cuda { identity, .. } => identity,
+            Self::File { identity, .. } => identity.clone(),
+            Self::Cuda { handle, device, .. } => MemoryIdentity::Cuda { handle: handle.clone(), device: *device },
         }
     }
 
@@ -186,7 +186,8 @@ impl SharedMemory {
                 };
                 (memory, identity, map_bytes)
             }
-            Region::Cuda { handle, device, len, identity } => {
+            Region::Cuda { handle, device, len } => {
+                let identity = MemoryIdentity::Cuda { handle: handle.clone(), device };
                 let region = kvtiers::cuda::DeviceRegion::open_ipc(&handle, device, len)
                     .map_err(|e| ServerError::Attach(e.to_string()))?;
                 tracing::info!(

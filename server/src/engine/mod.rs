@@ -127,6 +127,8 @@ pub(crate) struct Attaching<'a> {
     pub id: u64,
     pub req: &'a pb::RegisterRequest,
     pub owner: Principal,
+    /// The owner's uid (engines attach over the Unix socket only: `owner` is that uid).
+    pub uid: u32,
     /// The registering process (its descriptors' tickets must be its own).
     pub pid: Option<i32>,
     /// Its KV memory, mapped (or shared with the owner's registration of the same memory).
@@ -199,11 +201,8 @@ impl Engine {
     /// Attaches an engine over its memory (mapped or shared already), for a registration
     /// [`Checked`] already.
     fn attach(a: Attaching<'_>, checked: Checked, tickets: &Tickets) -> Result<Self, ServerError> {
-        let Attaching { id, req, owner, pid, memory, sharer } = a;
+        let Attaching { id, req, owner, uid, pid, memory, sharer } = a;
         let Checked { namespace, slots, .. } = checked;
-        let Principal::Uid(uid) = owner else {
-            return Err(ServerError::Attach("engines attach over the Unix socket only".into()));
-        };
         // A token area that cannot be used costs speed, not the registration: the engine is
         // told why (`token_area_error`) and sends its tokens inline.
         let (token_area, token_area_error) = match req.token_area.as_ref() {
@@ -546,7 +545,7 @@ impl Registry {
         let region = Region::take(req, checked.size, &self.tickets, uid, pid)?;
         // The owner's memory registered already (another KV-cache group over the same
         // allocation) is shared, not mapped and counted again.
-        let (memory, sharer) = match self.shared_memory(owner, region.identity(), region.needs(checked.map_bytes))? {
+        let (memory, sharer) = match self.shared_memory(owner, &region.identity(), region.needs(checked.map_bytes))? {
             Some(m) => (m, Some(self.limits.sharer(owner)?)),
             None => {
                 let held = self.limits.engine(owner, checked.map_bytes)?;
@@ -555,7 +554,7 @@ impl Registry {
             }
         };
         let fresh = sharer.is_none();
-        let mut e = Engine::attach(Attaching { id, req, owner, pid, memory, sharer }, checked, &self.tickets)?;
+        let mut e = Engine::attach(Attaching { id, req, owner, uid, pid, memory, sharer }, checked, &self.tickets)?;
         e.may_write = self.tenants.rights(owner, &e.namespace)?.write;
         self.tenants.bind(owner, &e.namespace)?;
         if self.prefault && fresh {
