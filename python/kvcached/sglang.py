@@ -415,17 +415,17 @@ class KvcachedStorage(HiCacheStorage):
             page_bytes = flat.numel() * flat.element_size()
             block = page_bytes + page_bytes % 2  # two halves of whole bytes
             slots = _staging_slots(block)
-            plans.append((name, pool, flat.dtype, page_bytes, block, slots, at))
+            layout = kvcached.SlotLayout([(at, block), (at + block // 2, block)], block // 2, slots)
+            plans.append((name, pool, flat.dtype, page_bytes, layout, at, slots * block))
             at += -(-slots * block // 4096) * 4096  # each pool's staging on its own pages
-        whole = kvcached.KvMemory.with_slots(kvcached.SlotLayout([(0, at), (at // 2, at)], at // 2, 1))
+        whole = kvcached.KvMemory.with_slots(plans[-1][4], size=at)
         region = whole.torch(torch.uint8)
         region.zero_()  # faulted in now
         # The pool reaching furthest first: the daemon maps the memory that far for the first
         # registration and shares the mapping with the others.
-        for name, pool, dtype, page_bytes, block, slots, off in reversed(plans):
-            slot_layout = kvcached.SlotLayout([(off, block), (off + block // 2, block)], block // 2, slots)
-            memory = kvcached.KvMemory.from_fd(whole.fd, slot_layout)
-            staging = region[off : off + slots * block].view(slots, block)
+        for name, pool, dtype, page_bytes, layout, off, length in reversed(plans):
+            memory = kvcached.KvMemory.from_fd(whole.fd, layout)
+            staging = region[off : off + length].view(layout.num_blocks, layout.block_bytes)
             self._sidecars[name] = self._sidecar(name, pool, dtype, page_bytes, memory, staging)
         self._sidecar_region = whole
 

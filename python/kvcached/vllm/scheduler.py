@@ -130,17 +130,17 @@ class SchedulerSide:
             try:
                 # Every group's slot in one memory: the daemon counts registrations of one
                 # memory as one engine (`limits.max_engines_per_uid`).
-                slots = [kvcached.KvMemory.anonymous(ns.layout, 1) for ns in self.namespaces]
+                slots = [kvcached.SlotLayout.for_layout(ns.layout, 1) for ns in self.namespaces]
                 # The largest first: the daemon maps the memory as far as the first
                 # registration's slot reaches, and shares that with the others.
-                order = sorted(range(len(slots)), key=lambda i: -slots[i].size)
-                shared = slots[order[0]]
+                order = sorted(range(len(slots)), key=lambda i: -slots[i].extent)
+                shared = kvcached.KvMemory.with_slots(slots[order[0]])
                 clients_by_group: dict[int, kvcached.Client] = {}
                 for i in order:
-                    g, ns, own = self.groups[i], self.namespaces[i], slots[i]
+                    g, ns = self.groups[i], self.namespaces[i]
                     client = self.cfg.connect(self.cfg.scheduler_reconnect_for)
                     suffix = f"-g{g.index}" if g.count > 1 else ""
-                    memory = kvcached.KvMemory.from_fd(shared.fd, own.slots)
+                    memory = kvcached.KvMemory.from_fd(shared.fd, slots[i])
                     clients.append(client)
                     client.register((self.engine_name + suffix)[:128], ns, memory)
                     clients_by_group[i] = client
